@@ -1,0 +1,203 @@
+"""Slot function and shard map: which shard owns which queue (DESIGN §4, contract).
+
+Pure and stdlib-only so the operator, the Spark jobs and the relay share it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+SLOT_COUNT = 16384
+
+
+def _crc16_table() -> tuple[int, ...]:
+    table = []
+    for byte in range(256):
+        crc = byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else (crc << 1)
+        table.append(crc & 0xFFFF)
+    return tuple(table)
+
+
+_TABLE = _crc16_table()
+
+
+def crc16(data: bytes) -> int:
+    """CRC16-XMODEM, the checksum Redis Cluster uses for key slots."""
+    crc = 0
+    for byte in data:
+        crc = ((crc << 8) & 0xFFFF) ^ _TABLE[((crc >> 8) ^ byte) & 0xFF]
+    return crc
+
+
+def slot_of(recipient: bytes, channel: bytes = b"") -> int:
+    return crc16(recipient + channel) % SLOT_COUNT
+
+
+class ShardMapError(ValueError):
+    """A shard map that breaks the contract; the message says exactly where."""
+
+
+@dataclass(frozen=True)
+class SlotRange:
+    start: int
+    end: int  # inclusive
+    shard: str
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start + 1
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    fleet: str
+    epoch: int
+    shards: Mapping[str, str]  # shard name -> redis URL
+    ranges: tuple[SlotRange, ...]
+    _starts: tuple[int, ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_starts", tuple(r.start for r in self.ranges))
+
+    def shard_for_slot(self, slot: int) -> str:
+        if not 0 <= slot < SLOT_COUNT:
+            raise ValueError(f"slot {slot} outside 0..{SLOT_COUNT - 1}")
+        return self.ranges[bisect.bisect_right(self._starts, slot) - 1].shard
+
+    def shard_for(self, recipient: bytes, channel: bytes = b"") -> str:
+        return self.shard_for_slot(slot_of(recipient, channel))
+
+    def slots_of(self, shard: str) -> list[int]:
+        return [s for r in self.ranges if r.shard == shard for s in range(r.start, r.end + 1)]
+
+    def slot_counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(self.shards, 0)
+        for r in self.ranges:
+            counts[r.shard] += r.size
+        return counts
+
+    def with_slots(self, slots: Iterable[int], shard: str) -> ShardMap:
+        """A new map (epoch + 1) in which `slots` belong to `shard`."""
+        if shard not in self.shards:
+            raise ShardMapError(f"unknown shard {shard!r}")
+        owner = [self.shard_for_slot(s) for s in range(SLOT_COUNT)]
+        for s in slots:
+            owner[s] = shard
+        return ShardMap(self.fleet, self.epoch + 1, dict(self.shards), _compress(owner))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fleet": self.fleet,
+            "epoch": self.epoch,
+            "shards": {name: {"redis": url} for name, url in self.shards.items()},
+            "slots": [[r.start, r.end, r.shard] for r in self.ranges],
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n"
+
+
+def _compress(owner: list[str]) -> tuple[SlotRange, ...]:
+    ranges: list[SlotRange] = []
+    start = 0
+    for s in range(1, SLOT_COUNT + 1):
+        if s == SLOT_COUNT or owner[s] != owner[start]:
+            ranges.append(SlotRange(start, s - 1, owner[start]))
+            start = s
+    return tuple(ranges)
+
+
+def even_split(fleet: str, shards: Mapping[str, str], epoch: int = 1) -> ShardMap:
+    """Contiguous, near-equal ranges in the order the shards are given."""
+    names = list(shards)
+    if not names:
+        raise ShardMapError("a shard map needs at least one shard")
+    ranges = []
+    for i, name in enumerate(names):
+        start = SLOT_COUNT * i // len(names)
+        end = SLOT_COUNT * (i + 1) // len(names) - 1
+        ranges.append(SlotRange(start, end, name))
+    return ShardMap(fleet, epoch, dict(shards), tuple(ranges))
+
+
+def _int(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ShardMapError(f"{where} must be an integer, got {value!r}")
+    return value
+
+
+def parse_shard_map(doc: object) -> ShardMap:
+    """Validate a decoded shard-map document and build the lookup structure."""
+    if not isinstance(doc, dict):
+        raise ShardMapError("shard map must be a JSON object")
+    fleet = doc.get("fleet")
+    if not isinstance(fleet, str) or not fleet:
+        raise ShardMapError("'fleet' must be a non-empty string")
+    epoch = _int(doc.get("epoch"), "'epoch'")
+    if epoch < 0:
+        raise ShardMapError("'epoch' must be >= 0")
+    raw_shards = doc.get("shards")
+    if not isinstance(raw_shards, dict) or not raw_shards:
+        raise ShardMapError("'shards' must be a non-empty object")
+    shards: dict[str, str] = {}
+    for name, spec in raw_shards.items():
+        if not isinstance(spec, dict) or not isinstance(spec.get("redis"), str) or not spec["redis"]:
+            raise ShardMapError(f"shard {name!r} needs a 'redis' URL string")
+        if not spec["redis"].startswith(("redis://", "rediss://", "unix://")):
+            raise ShardMapError(f"shard {name!r} has an unsupported redis URL scheme")
+        shards[name] = spec["redis"]
+    raw_slots = doc.get("slots")
+    if not isinstance(raw_slots, list) or not raw_slots:
+        raise ShardMapError("'slots' must be a non-empty list of [start, end, shard]")
+    ranges = []
+    for i, item in enumerate(raw_slots):
+        if not isinstance(item, list) or len(item) != 3:
+            raise ShardMapError(f"slots[{i}] must be [start, end, shard]")
+        start, end = _int(item[0], f"slots[{i}][0]"), _int(item[1], f"slots[{i}][1]")
+        shard = item[2]
+        if not isinstance(shard, str) or shard not in shards:
+            raise ShardMapError(f"slots[{i}] names unknown shard {shard!r}")
+        if not 0 <= start <= end < SLOT_COUNT:
+            raise ShardMapError(f"slots[{i}] range {start}-{end} must satisfy 0 <= start <= end <= 16383")
+        ranges.append(SlotRange(start, end, shard))
+    ranges.sort(key=lambda r: r.start)
+    expected = 0
+    for r in ranges:
+        if r.start < expected:
+            raise ShardMapError(f"slot {r.start} is covered more than once")
+        if r.start > expected:
+            raise ShardMapError(f"slots {expected}-{r.start - 1} are not covered")
+        expected = r.end + 1
+    if expected != SLOT_COUNT:
+        raise ShardMapError(f"slots {expected}-{SLOT_COUNT - 1} are not covered")
+    return ShardMap(fleet, epoch, shards, tuple(ranges))
+
+
+def loads_shard_map(text: str | bytes) -> ShardMap:
+    try:
+        doc = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ShardMapError(f"shard map is not valid JSON: {exc}") from None
+    return parse_shard_map(doc)
+
+
+def parse_slot_spec(spec: str) -> list[int]:
+    """'A-B' or 'A' or 'A-B,C' into a sorted list of slots."""
+    slots: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        lo, _, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi or lo)
+        except ValueError:
+            raise ShardMapError(f"bad slot range {part!r}: expected A-B") from None
+        if not 0 <= a <= b < SLOT_COUNT:
+            raise ShardMapError(f"bad slot range {part!r}: must be within 0-16383 and A <= B")
+        slots.update(range(a, b + 1))
+    return sorted(slots)

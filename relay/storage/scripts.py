@@ -1,0 +1,32 @@
+"""The Lua scripts as loaded objects: source (prelude + file) and SHA1, computed once."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from importlib import resources
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    name: str
+    source: str
+    sha: str
+
+
+def _load(name: str, prelude: str) -> Script:
+    body = resources.files("relay.storage").joinpath(f"lua/{name}.lua").read_text("utf-8")
+    source = body if name == "nonce" else prelude + "\n" + body
+    return Script(name, source, hashlib.sha1(source.encode("utf-8")).hexdigest())
+
+
+_PRELUDE = resources.files("relay.storage").joinpath("lua/_prelude.lua").read_text("utf-8")
+
+ENQUEUE = _load("enqueue", _PRELUDE)
+READ = _load("read", _PRELUDE)
+DRAIN = _load("drain", _PRELUDE)
+ACK = _load("ack", _PRELUDE)
+STATUS = _load("status", _PRELUDE)
+NONCE = _load("nonce", _PRELUDE)
+
+ALL: tuple[Script, ...] = (ENQUEUE, READ, DRAIN, ACK, STATUS, NONCE)

@@ -1,0 +1,251 @@
+"""One shard's queues: every data command relayfleet sends to Redis goes through here."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from relay.storage import keys as K
+from relay.storage import scripts
+from relay.storage.pipeline import ScriptBatcher, StoreRejected, StoreUnavailable
+
+__all__ = [
+    "EnqueueOutcome",
+    "Message",
+    "QueueLimits",
+    "ReadResult",
+    "ShardStore",
+    "SlotMigrating",
+    "SlotMoved",
+    "StatusResult",
+    "StoreRejected",
+    "StoreUnavailable",
+]
+
+
+class SlotMoved(Exception):
+    def __init__(self, shard: str, epoch: int) -> None:
+        super().__init__(f"slot moved to {shard} (map epoch {epoch})")
+        self.shard = shard
+        self.epoch = epoch
+
+
+class SlotMigrating(Exception):
+    """The slot is fenced for a migration; retry shortly."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueLimits:
+    rate_count: int = 500
+    rate_window_ms: int = 5000
+    max_messages: int = 10000
+    max_bytes: int = 256 * 1024 * 1024
+    retention_ms: int = 7 * 24 * 3600 * 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    seq: int
+    payload: bytes
+    received_ms: int
+    message_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueOutcome:
+    kind: str  # stored | duplicate | conflict | rate_limited | full
+    seq: int = 0
+    retry_after_ms: int = 0
+    subscribers: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    messages: list[Message]
+    epoch: str
+    last_seq: int
+    more: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StatusResult:
+    count: int
+    bytes: int
+    epoch: str
+    last_seq: int
+    oldest_ms: int | None
+    newest_ms: int | None
+
+
+def new_epoch() -> str:
+    return os.urandom(8).hex()
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _check(reply: Any) -> list[Any]:
+    """Raise for fence replies; return the reply list otherwise."""
+    tag = reply[0]
+    if tag == b"moved":
+        raise SlotMoved(_s(reply[1]), int(reply[2]))
+    if tag == b"migrating":
+        raise SlotMigrating()
+    return list(reply)
+
+
+def _messages(entries: list[Any]) -> list[Message]:
+    out = []
+    for entry_id, fields in entries:
+        f = dict(zip(fields[::2], fields[1::2], strict=True))
+        mid = f.get(b"m", b"")
+        out.append(
+            Message(
+                seq=int(entry_id.split(b"-", 1)[0]),
+                payload=f[b"p"],
+                received_ms=int(f[b"t"]),
+                message_id=mid.decode() if mid else None,
+            )
+        )
+    return out
+
+
+class ShardStore:
+    """Queue operations against one Redis shard, coalesced into pipelines."""
+
+    def __init__(self, name: str, url: str, limits: QueueLimits, max_connections: int = 16) -> None:
+        self.name = name
+        self.url = url
+        self.limits = limits
+        self.client: aioredis.Redis = aioredis.Redis.from_url(
+            url,
+            decode_responses=False,
+            max_connections=max_connections,
+            socket_connect_timeout=2.0,
+            socket_timeout=5.0,
+            health_check_interval=0,
+        )
+        self._batcher = ScriptBatcher(self.client)
+
+    async def start(self) -> None:
+        try:
+            await self._batcher.load_scripts()
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(type(exc).__name__) from None
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await asyncio.wait_for(self.client.ping(), 2.0))
+        except (RedisError, OSError, TimeoutError):
+            return False
+
+    async def enqueue(
+        self,
+        q: K.QueueKeys,
+        payload: bytes,
+        now_ms: int,
+        idem_key: str = "",
+        digest: str = "",
+        message_id: str = "",
+    ) -> EnqueueOutcome:
+        lim = self.limits
+        reply = _check(
+            await self._batcher.call(
+                scripts.ENQUEUE,
+                (q.state, q.meta, q.msgs, q.idem, q.idemx, q.rate, q.index, q.stats),
+                (
+                    payload,
+                    now_ms,
+                    idem_key,
+                    digest,
+                    message_id,
+                    lim.rate_count,
+                    lim.rate_window_ms,
+                    lim.max_messages,
+                    lim.max_bytes,
+                    lim.retention_ms,
+                    q.qid,
+                    q.wake,
+                    new_epoch(),
+                ),
+            )
+        )
+        tag = reply[0]
+        if tag == b"ok":
+            return EnqueueOutcome("stored", seq=int(reply[1]), subscribers=int(reply[2]))
+        if tag == b"dup":
+            return EnqueueOutcome("duplicate", seq=int(reply[1]))
+        if tag == b"conflict":
+            return EnqueueOutcome("conflict", seq=int(reply[1]))
+        if tag == b"rate":
+            return EnqueueOutcome("rate_limited", retry_after_ms=int(reply[1]))
+        return EnqueueOutcome("full", reason=_s(reply[1]))
+
+    async def read(self, q: K.QueueKeys, from_seq: int | None, limit: int) -> ReadResult:
+        reply = _check(
+            await self._batcher.call(
+                scripts.READ,
+                (q.state, q.meta, q.msgs, q.index),
+                ("" if from_seq is None else from_seq, limit, q.qid, new_epoch(), _now_ms()),
+            )
+        )
+        return ReadResult(_messages(reply[3]), _s(reply[1]), int(reply[2]))
+
+    async def drain(self, q: K.QueueKeys, limit: int) -> ReadResult:
+        reply = _check(
+            await self._batcher.call(
+                scripts.DRAIN,
+                (q.state, q.meta, q.msgs, q.stats, q.index),
+                (limit, q.qid, new_epoch(), _now_ms()),
+            )
+        )
+        return ReadResult(_messages(reply[3]), _s(reply[1]), int(reply[2]), more=bool(reply[4]))
+
+    async def ack_upto(self, q: K.QueueKeys, up_to_seq: int) -> int:
+        reply = _check(
+            await self._batcher.call(scripts.ACK, (q.state, q.meta, q.msgs, q.stats), ("upto", up_to_seq))
+        )
+        return int(reply[1])
+
+    async def ack_seqs(self, q: K.QueueKeys, seqs: list[int]) -> int:
+        if not seqs:
+            return 0
+        reply = _check(
+            await self._batcher.call(scripts.ACK, (q.state, q.meta, q.msgs, q.stats), ("seqs", *seqs))
+        )
+        return int(reply[1])
+
+    async def status(self, q: K.QueueKeys) -> StatusResult:
+        r = _check(
+            await self._batcher.call(
+                scripts.STATUS, (q.state, q.meta, q.msgs, q.index), (q.qid, new_epoch(), _now_ms())
+            )
+        )
+        return StatusResult(
+            count=int(r[1]),
+            bytes=int(r[2]),
+            epoch=_s(r[3]),
+            last_seq=int(r[4]),
+            oldest_ms=int(r[5]) if r[5] else None,
+            newest_ms=int(r[6]) if r[6] else None,
+        )
+
+    async def use_nonce(self, slot: int, member: str, now_ms: int, lifetime_ms: int) -> bool:
+        """True when the nonce was unused (and is now recorded)."""
+        r = await self._batcher.call(scripts.NONCE, (K.slot_nonces(slot),), (member, now_ms, lifetime_ms))
+        return bool(r)
