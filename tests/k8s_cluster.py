@@ -1,0 +1,625 @@
+"""Pytest plugin: real Kubernetes control planes for tests, built from source.
+
+Register it from ``tests/conftest.py`` with ``pytest_plugins = ["tests.k8s_cluster"]``.
+
+Session-scoped fixtures (both yield a :class:`KubeCluster`):
+
+``kube_apiserver``
+    A bare etcd + kube-apiserver on free loopback ports, with self-generated
+    certificates, ServiceAccount keys and a client-certificate admin
+    kubeconfig. No controllers, no scheduler, no nodes: enough for CRDs,
+    CEL validation, server-side apply and dry-run.
+
+``kwok_cluster``
+    ``kwokctl create cluster --runtime binary`` with the locally built
+    kube-apiserver, kube-controller-manager, kube-scheduler, etcd and kwok
+    (offline), plus fake kwok nodes, so Deployments get Running Pods.
+
+If ``--kubeconfig PATH`` or ``RELAYFLEET_KUBECONFIG`` is set, both fixtures
+yield that existing cluster instead and start nothing. Otherwise the binaries
+come from ``hack/control-plane.sh`` (a no-op once built; see
+docs/control-plane.md), which runs at collection time when any selected test
+needs them, so a cold build does not eat into a test's timeout.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import IO
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from kubernetes.client import ApiClient
+from kubernetes.config import kube_config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUILD_SCRIPT = REPO_ROOT / "hack" / "control-plane.sh"
+KUBECONFIG_ENV = "RELAYFLEET_KUBECONFIG"
+K8S_FIXTURES = frozenset({"kube_apiserver", "kwok_cluster"})
+
+#: Fake nodes the kwok cluster gets.
+KWOK_NODES = 2
+SERVICE_CIDR = "10.96.0.0/16"
+SERVICE_IP = "10.96.0.1"
+STARTUP_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 15.0
+
+
+# --------------------------------------------------------------------------- API
+
+
+@dataclass(frozen=True)
+class KubeCluster:
+    """A reachable Kubernetes API server and how to talk to it."""
+
+    kubeconfig: Path
+    server: str
+    #: Dir with kubectl, helm, kwokctl, ... from hack/control-plane.sh; None if
+    #: the cluster is external and the binaries were never built.
+    bin_dir: Path | None = None
+    #: True when the cluster came from --kubeconfig / RELAYFLEET_KUBECONFIG.
+    external: bool = False
+    #: kwokctl cluster name, for kwok clusters started here.
+    kwok_name: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def tool(self, name: str) -> str:
+        """Path of a tool (kubectl, helm, ...): the pinned build first, then PATH."""
+        if self.bin_dir is not None and (self.bin_dir / name).exists():
+            return str(self.bin_dir / name)
+        found = shutil.which(name)
+        if found is None:
+            raise FileNotFoundError(f"{name} is neither in {self.bin_dir} nor on PATH")
+        return found
+
+    def api_client(self) -> ApiClient:
+        """A kubernetes.client.ApiClient for this cluster (use it as a context manager)."""
+        api: ApiClient = kube_config.new_client_from_config(  # type: ignore[no-untyped-call]
+            config_file=str(self.kubeconfig), persist_config=False
+        )
+        return api
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run kubectl against this cluster; stdout/stderr are captured as text."""
+        return subprocess.run(
+            [self.tool("kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=timeout,
+            env={**os.environ, **self.env},
+        )
+
+
+class ControlPlaneError(RuntimeError):
+    """A control-plane component failed to build or start."""
+
+
+# ----------------------------------------------------------------------- options
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--kubeconfig",
+        action="store",
+        default=None,
+        help=f"use this existing cluster for k8s tests instead of starting one (or set {KUBECONFIG_ENV})",
+    )
+
+
+def external_kubeconfig(config: pytest.Config) -> Path | None:
+    value = config.getoption("--kubeconfig") or os.environ.get(KUBECONFIG_ENV)
+    if not value:
+        return None
+    path = Path(str(value)).expanduser().resolve()
+    if not path.is_file():
+        raise pytest.UsageError(f"kubeconfig {path} does not exist")
+    return path
+
+
+def pinned_kube_version() -> str:
+    """The Kubernetes version hack/control-plane.sh pins (its single source of truth)."""
+    match = re.search(r'^KUBE_VERSION="(v[0-9.]+)"$', BUILD_SCRIPT.read_text(), re.MULTILINE)
+    if match is None:
+        raise ControlPlaneError(f"no KUBE_VERSION pin in {BUILD_SCRIPT}")
+    return match.group(1)
+
+
+@cache
+def control_plane_bin_dir() -> Path:
+    """Build (or find) the pinned binaries; returns their directory."""
+    proc = subprocess.run(
+        ["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, check=False, cwd=REPO_ROOT
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise ControlPlaneError(f"{BUILD_SCRIPT} failed (exit {proc.returncode}):\n{_tail(proc.stderr, 60)}")
+    bin_dir = Path(lines[-1])
+    if not (bin_dir / "kube-apiserver").exists():
+        raise ControlPlaneError(f"{BUILD_SCRIPT} printed {bin_dir}, which has no kube-apiserver")
+    return bin_dir
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build the binaries before any test runs if a selected test needs them."""
+    if session.config.option.collectonly or external_kubeconfig(session.config) is not None:
+        return
+    if any(K8S_FIXTURES.intersection(getattr(item, "fixturenames", ())) for item in session.items):
+        control_plane_bin_dir()
+
+
+# -------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def kube_apiserver(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[KubeCluster]:
+    """A bare etcd + kube-apiserver (or the external cluster)."""
+    external = external_kubeconfig(request.config)
+    if external is not None:
+        yield _external_cluster(external)
+        return
+    bin_dir = control_plane_bin_dir()
+    workdir = tmp_path_factory.mktemp("kube-apiserver")
+    with _bare_apiserver(bin_dir, workdir) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def kwok_cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[KubeCluster]:
+    """A kwokctl binary-runtime cluster with fake nodes (or the external cluster)."""
+    external = external_kubeconfig(request.config)
+    if external is not None:
+        yield _external_cluster(external)
+        return
+    bin_dir = control_plane_bin_dir()
+    workdir = tmp_path_factory.mktemp("kwok")
+    with _kwok(bin_dir, workdir) as cluster:
+        yield cluster
+
+
+# ------------------------------------------------------------------- external
+
+
+def _external_cluster(kubeconfig: Path) -> KubeCluster:
+    bin_dir: Path | None = None
+    with contextlib.suppress(ControlPlaneError, OSError):
+        # Only if already built: an external cluster must not trigger a build.
+        probe = subprocess.run(
+            ["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, check=False, timeout=5
+        )
+        if probe.returncode == 0 and probe.stdout.strip():
+            bin_dir = Path(probe.stdout.strip().splitlines()[-1])
+    cluster = KubeCluster(kubeconfig=kubeconfig, server="", bin_dir=bin_dir, external=True)
+    view = cluster.kubectl("config", "view", "--minify", "-o", "jsonpath={.clusters[0].cluster.server}")
+    return KubeCluster(kubeconfig=kubeconfig, server=view.stdout.strip(), bin_dir=bin_dir, external=True)
+
+
+# ------------------------------------------------------------- bare apiserver
+
+
+@contextlib.contextmanager
+def _bare_apiserver(bin_dir: Path, workdir: Path) -> Iterator[KubeCluster]:
+    pki = _make_pki(workdir / "pki")
+    etcd_client, etcd_peer, secure_port = _free_ports(3)
+    server = f"https://127.0.0.1:{secure_port}"
+    kubeconfig = workdir / "kubeconfig"
+    kubeconfig.write_text(_kubeconfig(server, pki))
+    kubeconfig.chmod(0o600)
+
+    with contextlib.ExitStack() as stack:
+        etcd = stack.enter_context(
+            _process(
+                "etcd",
+                [
+                    str(bin_dir / "etcd"),
+                    "--name=default",
+                    f"--data-dir={workdir / 'etcd'}",
+                    f"--listen-client-urls=http://127.0.0.1:{etcd_client}",
+                    f"--advertise-client-urls=http://127.0.0.1:{etcd_client}",
+                    f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
+                    f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
+                    f"--initial-cluster=default=http://127.0.0.1:{etcd_peer}",
+                    "--unsafe-no-fsync",
+                    "--log-level=warn",
+                ],
+                workdir / "etcd.log",
+            )
+        )
+        _wait_for(etcd, lambda: _http_ok(f"http://127.0.0.1:{etcd_client}/health", None))
+        apiserver = stack.enter_context(
+            _process(
+                "kube-apiserver",
+                [
+                    str(bin_dir / "kube-apiserver"),
+                    f"--etcd-servers=http://127.0.0.1:{etcd_client}",
+                    "--bind-address=127.0.0.1",
+                    "--advertise-address=127.0.0.1",
+                    f"--secure-port={secure_port}",
+                    f"--tls-cert-file={pki.apiserver_cert}",
+                    f"--tls-private-key-file={pki.apiserver_key}",
+                    f"--client-ca-file={pki.ca_cert}",
+                    f"--service-account-key-file={pki.sa_pub}",
+                    f"--service-account-signing-key-file={pki.sa_key}",
+                    "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                    f"--service-cluster-ip-range={SERVICE_CIDR}",
+                    "--authorization-mode=Node,RBAC",
+                    "--allow-privileged=true",
+                    "--profiling=false",
+                    f"--cert-dir={workdir / 'certs'}",
+                    "--v=0",
+                ],
+                workdir / "kube-apiserver.log",
+            )
+        )
+        context = pki.client_ssl_context()
+        _wait_for(apiserver, lambda: _http_ok(f"{server}/readyz", context))
+        yield KubeCluster(kubeconfig=kubeconfig, server=server, bin_dir=bin_dir)
+
+
+@dataclass(frozen=True)
+class _Pki:
+    ca_cert: Path
+    apiserver_cert: Path
+    apiserver_key: Path
+    admin_cert: Path
+    admin_key: Path
+    sa_key: Path
+    sa_pub: Path
+
+    def client_ssl_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca_cert))
+        context.load_cert_chain(str(self.admin_cert), str(self.admin_key))
+        return context
+
+
+def _make_pki(directory: Path) -> _Pki:
+    directory.mkdir(parents=True)
+    now = datetime.datetime.now(datetime.UTC)
+    not_before = now - datetime.timedelta(minutes=5)
+    not_after = now + datetime.timedelta(days=2)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "relayfleet-test-ca")])
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    def leaf(
+        name: x509.Name, usage: x509.ObjectIdentifier, sans: Sequence[x509.GeneralName]
+    ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(not_before)
+            .not_valid_after(not_after)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+            )
+        )
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
+        return builder.sign(ca_key, hashes.SHA256()), key
+
+    server_sans: list[x509.GeneralName] = [
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        x509.IPAddress(ipaddress.ip_address(SERVICE_IP)),
+        x509.DNSName("localhost"),
+        *(
+            x509.DNSName(n)
+            for n in (
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+            )
+        ),
+    ]
+    server_cert, server_key = leaf(
+        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]),
+        ExtendedKeyUsageOID.SERVER_AUTH,
+        server_sans,
+    )
+    admin_cert, admin_key = leaf(
+        x509.Name(
+            [
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:masters"),
+                x509.NameAttribute(NameOID.COMMON_NAME, "relayfleet-test-admin"),
+            ]
+        ),
+        ExtendedKeyUsageOID.CLIENT_AUTH,
+        (),
+    )
+    sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+    def write(name: str, data: bytes) -> Path:
+        path = directory / name
+        path.write_bytes(data)
+        path.chmod(0o600)
+        return path
+
+    def key_pem(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
+        return key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+
+    pem = serialization.Encoding.PEM
+    return _Pki(
+        ca_cert=write("ca.crt", ca_cert.public_bytes(pem)),
+        apiserver_cert=write("apiserver.crt", server_cert.public_bytes(pem)),
+        apiserver_key=write("apiserver.key", key_pem(server_key)),
+        admin_cert=write("admin.crt", admin_cert.public_bytes(pem)),
+        admin_key=write("admin.key", key_pem(admin_key)),
+        sa_key=write("sa.key", key_pem(sa_key)),
+        sa_pub=write(
+            "sa.pub",
+            sa_key.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo),
+        ),
+    )
+
+
+def _kubeconfig(server: str, pki: _Pki) -> str:
+    """A kubeconfig with the certificates inline; JSON is valid YAML."""
+
+    def b64(path: Path) -> str:
+        return base64.b64encode(path.read_bytes()).decode("ascii")
+
+    name = "relayfleet-test"
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": name, "cluster": {"server": server, "certificate-authority-data": b64(pki.ca_cert)}}
+        ],
+        "users": [
+            {
+                "name": "admin",
+                "user": {
+                    "client-certificate-data": b64(pki.admin_cert),
+                    "client-key-data": b64(pki.admin_key),
+                },
+            }
+        ],
+        "contexts": [{"name": name, "context": {"cluster": name, "user": "admin"}}],
+        "current-context": name,
+        "preferences": {},
+    }
+    return json.dumps(config, indent=2) + "\n"
+
+
+# ----------------------------------------------------------------------- kwok
+
+
+@contextlib.contextmanager
+def _kwok(bin_dir: Path, workdir: Path) -> Iterator[KubeCluster]:
+    name = f"rf-{uuid.uuid4().hex[:8]}"
+    kubeconfig = workdir / "kubeconfig"
+    # Keeps kwokctl's state, logs and pid files out of ~/.kwok.
+    env = {"KWOK_WORKDIR": str(workdir / "kwok-home")}
+    kwokctl = str(bin_dir / "kwokctl")
+
+    def run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [kwokctl, "--name", name, *args],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=timeout,
+            env={**os.environ, **env},
+        )
+
+    create = run(
+        "create",
+        "cluster",
+        "--runtime=binary",
+        f"--kubeconfig={kubeconfig}",
+        f"--kube-apiserver-binary={bin_dir / 'kube-apiserver'}",
+        f"--kube-controller-manager-binary={bin_dir / 'kube-controller-manager'}",
+        f"--kube-scheduler-binary={bin_dir / 'kube-scheduler'}",
+        f"--kwok-controller-binary={bin_dir / 'kwok'}",
+        f"--etcd-binary={bin_dir / 'etcd'}",
+        f"--kube-version={_kube_version(bin_dir)}",
+        "--wait=2m",
+        timeout=STARTUP_TIMEOUT_S + 60,
+    )
+    try:
+        if create.returncode != 0:
+            raise ControlPlaneError(
+                f"kwokctl create cluster failed (exit {create.returncode}):\n"
+                f"{_tail(create.stdout + create.stderr, 60)}\n{_kwok_logs(workdir)}"
+            )
+        scale = run("scale", "node", f"--replicas={KWOK_NODES}", timeout=120)
+        if scale.returncode != 0:
+            raise ControlPlaneError(f"kwokctl scale node failed:\n{_tail(scale.stdout + scale.stderr, 40)}")
+        cluster = KubeCluster(kubeconfig=kubeconfig, server="", bin_dir=bin_dir, kwok_name=name, env=env)
+        server = cluster.kubectl(
+            "config", "view", "--minify", "-o", "jsonpath={.clusters[0].cluster.server}"
+        ).stdout.strip()
+        cluster = KubeCluster(kubeconfig=kubeconfig, server=server, bin_dir=bin_dir, kwok_name=name, env=env)
+        cluster.kubectl(
+            "wait",
+            "--for=condition=Ready",
+            "node",
+            "--all",
+            f"--timeout={int(STARTUP_TIMEOUT_S)}s",
+            timeout=STARTUP_TIMEOUT_S + 10,
+        )
+        yield cluster
+    finally:
+        deleted = run("delete", "cluster", timeout=120)
+        if deleted.returncode != 0:  # pragma: no cover - diagnostics only
+            _kill_kwok_leftovers(workdir)
+
+
+def _kube_version(bin_dir: Path) -> str:
+    out = subprocess.run(
+        [str(bin_dir / "kube-apiserver"), "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    return out.split()[-1]  # "Kubernetes v1.36.4"
+
+
+def _kwok_logs(workdir: Path) -> str:
+    parts = []
+    for log in sorted((workdir / "kwok-home").glob("clusters/*/logs/*.log")):
+        parts.append(f"--- {log.name}\n{_tail(log.read_text(errors='replace'), 20)}")
+    return "\n".join(parts)
+
+
+def _kill_kwok_leftovers(workdir: Path) -> None:
+    for pid_file in (workdir / "kwok-home").glob("clusters/*/pids/*.pid"):
+        with contextlib.suppress(ValueError, OSError):
+            os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
+
+
+# --------------------------------------------------------------------- helpers
+
+
+def _free_ports(count: int) -> list[int]:
+    """Distinct free loopback ports (held open together so they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@dataclass(frozen=True)
+class _Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return f"; log {self.log_path}:\n{_tail(self.log_path.read_text(errors='replace'), lines)}"
+        except OSError:
+            return ""
+
+
+@contextlib.contextmanager
+def _process(name: str, argv: list[str], log_path: Path) -> Iterator[_Proc]:
+    """Start a process logging to log_path; stop it by pid on exit."""
+    log: IO[bytes] = log_path.open("wb")
+    try:
+        popen = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    except BaseException:
+        log.close()
+        raise
+    try:
+        yield _Proc(name, popen, log_path)
+    finally:
+        try:
+            if popen.poll() is None:
+                os.kill(popen.pid, signal.SIGTERM)
+                try:
+                    popen.wait(timeout=STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    os.kill(popen.pid, signal.SIGKILL)
+                    popen.wait(timeout=STOP_TIMEOUT_S)
+        finally:
+            log.close()
+
+
+def _wait_for(proc: _Proc, ready: Callable[[], bool], timeout: float = STARTUP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.popen.poll() is not None:
+            raise ControlPlaneError(f"{proc.name} exited with {proc.popen.returncode}{proc.log_tail()}")
+        if ready():
+            return
+        if time.monotonic() > deadline:
+            raise ControlPlaneError(f"{proc.name} not ready after {timeout:.0f}s{proc.log_tail()}")
+        time.sleep(0.2)
+
+
+def _http_ok(url: str, context: ssl.SSLContext | None) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2, context=context) as response:
+            status: int = response.status
+            return status == 200
+    except (urllib.error.URLError, OSError, ssl.SSLError):
+        return False
+
+
+def _tail(text: str, lines: int) -> str:
+    return "\n".join(text.splitlines()[-lines:])
