@@ -28,5 +28,6 @@ DRAIN = _load("drain", _PRELUDE)
 ACK = _load("ack", _PRELUDE)
 STATUS = _load("status", _PRELUDE)
 NONCE = _load("nonce", _PRELUDE)
+TRIM = _load("trim", _PRELUDE)
 
-ALL: tuple[Script, ...] = (ENQUEUE, READ, DRAIN, ACK, STATUS, NONCE)
+ALL: tuple[Script, ...] = (ENQUEUE, READ, DRAIN, ACK, STATUS, NONCE, TRIM)

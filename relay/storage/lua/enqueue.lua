@@ -69,5 +69,5 @@ if minute ~= wstart then
 end
 redis.call('HINCRBY', KEYS[8], 'wcur', 1)
 redis.call('HINCRBY', KEYS[8], 'enq', 1)
-local subs = redis.call('PUBLISH', ARGV[12], seq)
+local subs = redis.call('PUBLISH', ARGV[12], seq .. ':' .. now)
 return {'ok', seq, subs}

@@ -1,0 +1,141 @@
+"""Parsing and validating what clients send: identifiers, query parameters, bodies."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from relay.api.errors import ApiError, bad_request
+from relay.settings import Settings
+
+_B64URL = re.compile(r"^[A-Za-z0-9_-]*$")
+_PRINTABLE = re.compile(r"^[\x20-\x7e]{1,128}$")
+RECIPIENT_BYTES = 32
+MAX_CHANNEL_BYTES = 64
+
+
+def b64decode(text: str) -> bytes:
+    """Unpadded base64url; ValueError for anything else."""
+    if not _B64URL.match(text) or len(text) % 4 == 1:
+        raise ValueError("not base64url without padding")
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError):
+        raise ValueError("not base64url without padding") from None
+
+
+def b64encode(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def recipient_key(text: str) -> bytes:
+    try:
+        raw = b64decode(text)
+    except ValueError:
+        raise bad_request("recipientKey must be base64url (no padding) of exactly 32 bytes", "bad_recipient") from None
+    if len(raw) != RECIPIENT_BYTES:
+        raise bad_request(f"recipientKey must be exactly 32 bytes, got {len(raw)}", "bad_recipient")
+    return raw
+
+
+def channel_of(request: web.Request) -> bytes:
+    return channel_value(request.query.get("channel", ""))
+
+
+def channel_value(text: str) -> bytes:
+    try:
+        raw = b64decode(text)
+    except ValueError:
+        raise bad_request("channel must be base64url (no padding) of at most 64 bytes", "bad_channel") from None
+    if len(raw) > MAX_CHANNEL_BYTES:
+        raise bad_request(f"channel must be at most 64 bytes, got {len(raw)}", "bad_channel")
+    return raw
+
+
+def _int_param(request: web.Request, name: str, minimum: int) -> int | None:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return None
+    if not raw.isascii() or not raw.lstrip("-").isdigit() or len(raw) > 19:
+        raise bad_request(f"{name} must be an integer >= {minimum}")
+    value = int(raw)
+    if value < minimum:
+        raise bad_request(f"{name} must be an integer >= {minimum}")
+    return value
+
+
+def from_seq(request: web.Request) -> int | None:
+    return _int_param(request, "fromSeq", 0)
+
+
+def limit(request: web.Request, settings: Settings) -> int:
+    value = _int_param(request, "limit", 1)
+    return settings.default_limit if value is None else min(value, settings.max_limit)
+
+
+def wait(request: web.Request, settings: Settings) -> float:
+    raw = request.query.get("wait")
+    if raw is None or raw == "":
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise bad_request("wait must be a number of seconds >= 0") from None
+    if value != value or value < 0:  # NaN or negative
+        raise bad_request("wait must be a number of seconds >= 0")
+    return min(value, settings.max_wait_s)
+
+
+def idempotency_key(request: web.Request) -> str:
+    raw = request.headers.get("Idempotency-Key")
+    if raw is None:
+        return ""
+    if not _PRINTABLE.match(raw):
+        raise bad_request("Idempotency-Key must be 1-128 printable ASCII characters", "bad_idempotency_key")
+    return raw
+
+
+async def payload(request: web.Request, cap: int) -> bytes:
+    """The raw message body, refused with 413 before it is read past `cap`."""
+    try:
+        body = await raw_body(request, cap)
+    except ApiError as exc:
+        raise ApiError(413, "payload_too_large", f"payload exceeds max size ({cap} bytes)") from exc
+    if not body:
+        raise bad_request("payload must not be empty", "empty_payload")
+    return body
+
+
+async def raw_body(request: web.Request, cap: int) -> bytes:
+    """The whole body, refused with 413 once it is known to exceed `cap`."""
+    too_large = ApiError(413, "payload_too_large", f"request body exceeds max size ({cap} bytes)")
+    declared = request.content_length
+    if declared is not None and declared > cap:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > cap:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def json_body(request: web.Request, cap: int) -> tuple[Any, bytes]:
+    """Decoded JSON body and its raw bytes (the signature covers the raw bytes)."""
+    raw = await raw_body(request, cap)
+    try:
+        return orjson.loads(raw), raw
+    except orjson.JSONDecodeError:
+        raise bad_request("request body must be valid JSON", "bad_json") from None
+
+
+def rfc3339_ms(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"

@@ -1,0 +1,148 @@
+"""Queue views: enqueue, read (long-poll), ack, drain, status. Parse → call → respond."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from aiohttp import web
+
+from relay.api import params
+from relay.api.context import ctx
+from relay.api.errors import ApiError, bad_request, json_response
+from relay.storage.store import EnqueueOutcome, Message, ReadResult
+
+routes = web.RouteTableDef()
+
+
+def enqueue_error(outcome: EnqueueOutcome) -> ApiError | None:
+    """The contract's answer for a refused enqueue, or None when it was stored."""
+    if outcome.kind == "conflict":
+        return ApiError(409, "idempotency_conflict", "Idempotency-Key was already used with a different payload")
+    if outcome.kind == "rate_limited":
+        ms = outcome.retry_after_ms
+        return ApiError(
+            429,
+            "rate_limited",
+            "too many messages for this queue; retry later",
+            {"Retry-After": str(max(1, math.ceil(ms / 1000)))},
+            {"retryAfterMs": ms},
+        )
+    if outcome.kind == "full":
+        return ApiError(507, "queue_full", f"queue is full ({outcome.reason} cap reached)")
+    return None
+
+
+def message_json(m: Message) -> dict[str, Any]:
+    return {
+        "seq": m.seq,
+        "payload": params.b64encode(m.payload),
+        "receivedAt": params.rfc3339_ms(m.received_ms),
+        "messageId": m.message_id,
+    }
+
+
+def read_json(result: ReadResult, from_seq: int | None, drained: bool = False) -> dict[str, Any]:
+    if result.messages:
+        next_seq = result.messages[-1].seq + 1
+    else:
+        next_seq = from_seq if from_seq is not None else result.last_seq + 1
+    body: dict[str, Any] = {
+        "messages": [message_json(m) for m in result.messages],
+        "nextSeq": next_seq,
+        "epoch": result.epoch,
+    }
+    if drained:
+        body["more"] = result.more
+    return body
+
+
+@routes.post("/v1/queues/{recipient}/messages")
+async def enqueue(request: web.Request) -> web.Response:
+    c = ctx(request)
+    recipient = params.recipient_key(request.match_info["recipient"])
+    channel = params.channel_of(request)
+    key = params.idempotency_key(request)
+    c.auth.verify_enqueue(request)
+    payload = await params.payload(request, c.settings.max_payload)
+    outcome = await c.service.enqueue(recipient, channel, payload, key)
+    if (err := enqueue_error(outcome)) is not None:
+        raise err
+    duplicate = outcome.kind == "duplicate"
+    return json_response({"seq": outcome.seq, "duplicate": duplicate}, 200 if duplicate else 201)
+
+
+@routes.get("/v1/queues/{recipient}/messages")
+async def read(request: web.Request) -> web.Response:
+    c = ctx(request)
+    recipient = params.recipient_key(request.match_info["recipient"])
+    channel = params.channel_of(request)
+    start, lim, wait = params.from_seq(request), params.limit(request, c.settings), params.wait(request, c.settings)
+    await c.auth.verify(request, recipient)
+    result = await c.service.read(recipient, channel, start, lim, wait)
+    return json_response(read_json(result, start))
+
+
+@routes.post("/v1/queues/{recipient}/drain")
+async def drain(request: web.Request) -> web.Response:
+    c = ctx(request)
+    recipient = params.recipient_key(request.match_info["recipient"])
+    channel = params.channel_of(request)
+    lim, wait = params.limit(request, c.settings), params.wait(request, c.settings)
+    body = await params.raw_body(request, 1 << 16)
+    await c.auth.verify(request, recipient, body)
+    result = await c.service.drain(recipient, channel, lim, wait)
+    return json_response(read_json(result, None, drained=True))
+
+
+def parse_ack(doc: Any) -> tuple[int | None, list[int] | None]:
+    if not isinstance(doc, dict) or (("upToSeq" in doc) == ("seqs" in doc)):
+        raise bad_request('ack body must be {"upToSeq": N} or {"seqs": [N, ...]}')
+    if "upToSeq" in doc:
+        n = doc["upToSeq"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n >= 2**63:
+            raise bad_request("upToSeq must be an integer >= 0")
+        return n, None
+    seqs = doc["seqs"]
+    if (
+        not isinstance(seqs, list)
+        or len(seqs) > 10000
+        or not all(isinstance(s, int) and not isinstance(s, bool) and 1 <= s < 2**63 for s in seqs)
+    ):
+        raise bad_request("seqs must be a list of at most 10000 integers >= 1")
+    return None, sorted(set(seqs))
+
+
+@routes.post("/v1/queues/{recipient}/ack")
+async def ack(request: web.Request) -> web.Response:
+    c = ctx(request)
+    recipient = params.recipient_key(request.match_info["recipient"])
+    channel = params.channel_of(request)
+    doc, raw = await params.json_body(request, 1 << 20)
+    await c.auth.verify(request, recipient, raw)
+    up_to, seqs = parse_ack(doc)
+    removed = await c.service.ack(recipient, channel, up_to, seqs)
+    return json_response({"removed": removed})
+
+
+@routes.get("/v1/queues/{recipient}/status")
+async def status(request: web.Request) -> web.Response:
+    c = ctx(request)
+    recipient = params.recipient_key(request.match_info["recipient"])
+    channel = params.channel_of(request)
+    await c.auth.verify(request, recipient)
+    st = await c.service.status(recipient, channel)
+    now = time.time()
+    return json_response(
+        {
+            "message_count": st.count,
+            "total_bytes": st.bytes,
+            "oldest_received_time": params.rfc3339_ms(st.oldest_ms) if st.oldest_ms is not None else None,
+            "newest_received_time": params.rfc3339_ms(st.newest_ms) if st.newest_ms is not None else None,
+            "longest_waited_seconds": max(0, int(now - st.oldest_ms / 1000)) if st.oldest_ms is not None else None,
+            "live_delivery": (recipient, channel) in c.live.by_queue,
+            "nextSeq": st.last_seq + 1,
+            "epoch": st.epoch,
+        }
+    )

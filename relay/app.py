@@ -1,0 +1,143 @@
+"""The aiohttp application: routes, error/metrics middleware, startup and graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from relay import metrics
+from relay.api import health, queues
+from relay.api.auth import Authenticator
+from relay.api.context import CTX, Context
+from relay.api.errors import ApiError, error_response
+from relay.fleet.routing import Fleet, MapSource
+from relay.fleet.sharding import ShardMap
+from relay.service import QueueService, TooManyWaiters, Unavailable
+from relay.settings import Settings
+from relay.storage.store import StoreRejected
+
+log = logging.getLogger("relay.app")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 400: "bad_request"}
+
+
+def _error_for(exc: BaseException) -> web.Response:
+    if isinstance(exc, ApiError):
+        return exc.response()
+    if isinstance(exc, Unavailable):
+        return error_response(
+            503,
+            "unavailable",
+            f"temporarily unavailable: {exc.reason}",
+            {"Retry-After": str(exc.retry_after_s)},
+            {"retryAfterMs": exc.retry_after_s * 1000},
+        )
+    if isinstance(exc, TooManyWaiters):
+        return error_response(503, "too_many_waiters", "too many waiting requests", {"Retry-After": "1"})
+    if isinstance(exc, StoreRejected):
+        return error_response(507, "storage_full", "the shard is out of memory; nothing was stored")
+    if isinstance(exc, web.HTTPException):
+        code = _HTTP_CODES.get(exc.status, "http_error")
+        return error_response(exc.status, code, exc.reason.lower(), {k: v for k, v in exc.headers.items() if k == "Allow"})
+    log.error("unhandled %s in request handler", type(exc).__name__, exc_info=exc)
+    return error_response(500, "internal_error", "internal error")
+
+
+@web.middleware
+async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    start = time.perf_counter()
+    try:
+        response = await handler(request)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # every failure becomes a JSON error, never a traceback
+        response = _error_for(exc)
+    status = response.status
+    if status >= 400 and isinstance(response, web.Response) and response.body is not None:
+        metrics.REJECTED.labels(_code_of(response)).inc()
+    metrics.REQUESTS.labels(route, request.method, str(status)).inc()
+    metrics.REQUEST_SECONDS.labels(route, request.method).observe(time.perf_counter() - start)
+    return response
+
+
+def _code_of(response: web.Response) -> str:
+    body = response.body
+    if isinstance(body, bytes):
+        marker = body.find(b'"code":"')
+        if marker >= 0:
+            end = body.find(b'"', marker + 8)
+            return body[marker + 8 : end].decode("ascii", "replace")[:40]
+    return str(response.status)
+
+
+EXTRA_ROUTE_MODULES: list[str] = []  # protocol modules register here (live, pickup, inbox, fan-out, openapi)
+
+
+def build_app(settings: Settings, fleet: Fleet) -> web.Application:
+    app = web.Application(middlewares=[observe], client_max_size=settings.max_payload * 2)
+    service = QueueService(fleet, settings)
+    context = Context(settings=settings, service=service, auth=Authenticator(settings, service))
+    app[CTX] = context
+    app.add_routes(queues.routes)
+    app.add_routes(health.routes)
+    import importlib
+
+    for name in EXTRA_ROUTE_MODULES:
+        module = importlib.import_module(name)
+        app.add_routes(module.routes)
+        setup = getattr(module, "setup", None)
+        if setup is not None:
+            setup(app)
+    return app
+
+
+async def start_fleet(shard_map: ShardMap, settings: Settings, source: MapSource | None) -> Fleet:
+    fleet = Fleet(shard_map, settings.limits)
+    await fleet.start(source)
+    return fleet
+
+
+def begin_shutdown(app: web.Application) -> None:
+    """Readiness false, waiters answered; in-flight requests still finish."""
+    c = app[CTX]
+    c.ready = False
+    c.service.closing = True
+    for hub in c.service.fleet.hubs.values():
+        hub.wake_all()
+
+
+async def serve(settings: Settings, shard_map: ShardMap, source: MapSource | None, drain_delay_s: float = 0.0) -> None:
+    """Run until SIGTERM/SIGINT, then shut down gracefully."""
+    fleet = await start_fleet(shard_map, settings, source)
+    app = build_app(settings, fleet)
+    if settings.auth == "none":
+        log.warning("authentication is disabled (--auth none): for local development only")
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=settings.shutdown_grace_s)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True, backlog=4096)
+    await site.start()
+    app[CTX].ready = True
+    log.info("relay listening on http://%s:%d (shard map epoch %d)", settings.host, settings.port, shard_map.epoch)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: readiness off, answering waiters")
+    begin_shutdown(app)
+    if drain_delay_s > 0:
+        await asyncio.sleep(drain_delay_s)  # let load balancers see readiness go false
+    await runner.cleanup()
+    await fleet.close()
+    metrics.WAITERS.set(0)

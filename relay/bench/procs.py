@@ -1,0 +1,202 @@
+"""Child processes of a benchmark run: started with a death signal, stopped by pid, always.
+
+Every server and load generator the bench starts goes through :class:`Procs`, so one
+``finally`` stops all of them, even on errors or Ctrl-C. Children also get
+``PR_SET_PDEATHSIG`` so a SIGKILLed bench does not leave servers behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import resource
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+_PR_SET_PDEATHSIG = 1
+
+
+class BenchError(Exception):
+    """A benchmark step failed for a reason worth one clear line (no traceback)."""
+
+
+def _set_pdeathsig() -> None:
+    # Runs in the child between fork and exec: the kernel sends SIGTERM when the
+    # bench dies, so no server outlives a killed bench.
+    libc_name = ctypes.util.find_library("c")
+    if libc_name:
+        ctypes.CDLL(libc_name, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def raise_nofile_limit() -> int:
+    """Raise the soft open-files limit to the hard one (children inherit it); return it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of one process in KiB (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return 0
+    return 0
+
+
+def child_pids(pid: int) -> list[int]:
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as f:
+                out.extend(int(p) for p in f.read().split())
+    return out
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Procs:
+    """Owns every child process of a run; :meth:`stop_all` ends each one by its pid."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self._children: list[Child] = []
+        self._seq = 0
+
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        capture: bool = False,
+    ) -> Child:
+        """Start a child; its stdout+stderr go to a log file (or a pipe with capture=True)."""
+        self._seq += 1
+        log_path = self.workdir / f"{self._seq:03d}-{name}.log"
+        full_env = dict(os.environ)
+        if env:
+            full_env.update(env)
+        with open(log_path, "wb") as log:
+            try:
+                popen = subprocess.Popen(
+                    list(argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE if capture else log,
+                    stderr=log,
+                    env=full_env,
+                    cwd=str(cwd) if cwd else None,
+                    preexec_fn=_set_pdeathsig,
+                    # own session: a terminal's Ctrl-C reaches only the bench, which then
+                    # stops children in order (servers after their load generators)
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise BenchError(f"cannot start {name} ({argv[0]}): {exc.strerror}") from None
+        child = Child(name, popen, log_path)
+        self._children.append(child)
+        return child
+
+    def stop(self, child: Child, timeout: float = 5.0) -> None:
+        """SIGTERM by pid, SIGKILL after ``timeout``; always reaps."""
+        if child.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGTERM)
+            try:
+                child.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signal.SIGKILL)
+                child.popen.wait()
+        if child.popen.stdout is not None:
+            child.popen.stdout.close()
+        if child in self._children:
+            self._children.remove(child)
+
+    def stop_all(self) -> None:
+        # newest first: load generators before the servers they talk to
+        for child in reversed(list(self._children)):
+            self.stop(child)
+
+    def running(self) -> list[Child]:
+        return [c for c in self._children if c.alive()]
+
+    def __enter__(self) -> Procs:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop_all()
+
+
+async def wait_exit(child: Child, timeout: float) -> int:
+    """Wait for a child to exit on its own (a load generator run); kill it past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while child.popen.poll() is None:
+        if time.monotonic() > deadline:
+            raise BenchError(f"{child.name} did not finish within {timeout:.0f} s")
+        await asyncio.sleep(0.02)
+    return child.popen.returncode
+
+
+async def wait_port(port: int, child: Child, timeout: float = 20.0) -> None:
+    """Wait until something accepts TCP connections on 127.0.0.1:port; fail fast if the child died."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if not child.alive():
+            raise BenchError(
+                f"{child.name} exited with status {child.popen.returncode} before listening:\n{child.log_tail()}"
+            )
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise BenchError(f"{child.name} did not listen on port {port} within {timeout:.0f} s") from None
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return

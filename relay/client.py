@@ -1,0 +1,184 @@
+"""Asyncio client library for the relayfleet HTTP API (used by apps, the demo and the tests).
+
+Requests that need the recipient's key are signed automatically when the client
+holds it; enqueue stays anonymous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import aiohttp
+import orjson
+
+from relay.api.auth import sign_headers
+from relay.api.params import b64decode, b64encode
+
+
+class RelayError(Exception):
+    def __init__(self, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:
+        super().__init__(f"{status} {body.get('code')}: {body.get('error')}")
+        self.status = status
+        self.body = body
+        self.code = str(body.get("code", ""))
+        self.headers = headers
+
+
+@dataclass(frozen=True)
+class Received:
+    seq: int
+    payload: bytes
+    received_at: str
+    message_id: str | None
+
+
+@dataclass(frozen=True)
+class Batch:
+    messages: list[Received]
+    next_seq: int
+    epoch: str
+    more: bool = False
+
+
+def _batch(doc: dict[str, Any]) -> Batch:
+    msgs = [Received(m["seq"], b64decode(m["payload"]), m["receivedAt"], m["messageId"]) for m in doc["messages"]]
+    return Batch(msgs, doc["nextSeq"], doc["epoch"], bool(doc.get("more", False)))
+
+
+class RelayClient:
+    def __init__(
+        self,
+        base_url: str,
+        private_key: bytes | None = None,
+        public_key: bytes | None = None,
+        session: aiohttp.ClientSession | None = None,
+        bearer_token: str | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.private_key = private_key
+        self.public_key = public_key
+        self.bearer_token = bearer_token
+        self._session = session
+        self._own_session = session is None
+
+    async def __aenter__(self) -> RelayClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        return self._session
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @staticmethod
+    def _path(recipient: bytes, tail: str, query: dict[str, Any]) -> str:
+        q = {k: v for k, v in query.items() if v is not None}
+        path = f"/v1/queues/{quote(b64encode(recipient))}/{tail}"
+        return f"{path}?{urlencode(q)}" if q else path
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        sign: bool = False,
+        ok: tuple[int, ...] = (200, 201),
+    ) -> tuple[int, dict[str, Any]]:
+        h = dict(headers or {})
+        if sign and self.private_key is not None:
+            h.update(sign_headers(self.private_key, method, path, body))
+        async with self.session.request(method, self.base_url + path, data=body or None, headers=h) as resp:
+            raw = await resp.read()
+            doc = orjson.loads(raw) if raw else {}
+            if resp.status not in ok:
+                raise RelayError(resp.status, doc, dict(resp.headers))
+            return resp.status, doc
+
+    async def enqueue(
+        self, recipient: bytes, payload: bytes, channel: bytes = b"", idempotency_key: str | None = None
+    ) -> tuple[int, bool]:
+        """Store a message; returns (seq, duplicate)."""
+        headers = {"Content-Type": "application/octet-stream"}
+        if idempotency_key is not None:
+            headers["Idempotency-Key"] = idempotency_key
+        if self.bearer_token:
+            headers["Authorization"] = f"Bearer {self.bearer_token}"
+        path = self._path(recipient, "messages", {"channel": b64encode(channel) if channel else None})
+        _, doc = await self.request("POST", path, payload, headers)
+        return int(doc["seq"]), bool(doc["duplicate"])
+
+    async def read(
+        self,
+        recipient: bytes | None = None,
+        channel: bytes = b"",
+        from_seq: int | None = None,
+        limit: int | None = None,
+        wait: float | None = None,
+    ) -> Batch:
+        r = recipient or self._me()
+        q = {"channel": b64encode(channel) if channel else None, "fromSeq": from_seq, "limit": limit, "wait": wait}
+        _, doc = await self.request("GET", self._path(r, "messages", q), sign=True)
+        return _batch(doc)
+
+    async def drain(
+        self, recipient: bytes | None = None, channel: bytes = b"", limit: int | None = None, wait: float | None = None
+    ) -> Batch:
+        r = recipient or self._me()
+        q = {"channel": b64encode(channel) if channel else None, "limit": limit, "wait": wait}
+        _, doc = await self.request("POST", self._path(r, "drain", q), sign=True)
+        return _batch(doc)
+
+    async def ack(
+        self,
+        recipient: bytes | None = None,
+        channel: bytes = b"",
+        up_to_seq: int | None = None,
+        seqs: list[int] | None = None,
+    ) -> int:
+        r = recipient or self._me()
+        body = orjson.dumps({"upToSeq": up_to_seq} if up_to_seq is not None else {"seqs": seqs or []})
+        path = self._path(r, "ack", {"channel": b64encode(channel) if channel else None})
+        _, doc = await self.request("POST", path, body, {"Content-Type": "application/json"}, sign=True)
+        return int(doc["removed"])
+
+    async def status(self, recipient: bytes | None = None, channel: bytes = b"") -> dict[str, Any]:
+        r = recipient or self._me()
+        path = self._path(r, "status", {"channel": b64encode(channel) if channel else None})
+        _, doc = await self.request("GET", path, sign=True)
+        return doc
+
+    def _me(self) -> bytes:
+        if self.public_key is None:
+            raise ValueError("this client has no key of its own; pass recipient=")
+        return self.public_key
+
+
+async def wait_ready(base_url: str, timeout: float = 20.0) -> None:
+    """Poll /readyz until the relay answers 200."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    async with aiohttp.ClientSession() as s:
+        while True:
+            try:
+                async with s.get(base_url.rstrip("/") + "/readyz") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"relay at {base_url} not ready after {timeout}s")
+            await asyncio.sleep(0.05)

@@ -1,0 +1,160 @@
+"""Routing: the shard map in use, one store + wakeup hub per shard, and reloads.
+
+A reload swaps the map and opens stores for new shards; stores of shards that
+left are closed only after a grace period, so requests and waiters already on
+them finish undisturbed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from relay import metrics
+from relay.fleet.sharding import SLOT_COUNT, ShardMap, ShardMapError, SlotRange, loads_shard_map, slot_of
+from relay.storage import keys as K
+from relay.storage.store import QueueLimits, ShardStore
+from relay.storage.wakeups import WakeupHub
+
+log = logging.getLogger("relay.routing")
+
+_RETIRE_AFTER_S = 90.0
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    keys: K.QueueKeys
+    store: ShardStore
+    hub: WakeupHub
+
+
+def single_shard_map(redis_url: str, fleet: str = "default") -> ShardMap:
+    return ShardMap(fleet, 1, {"default": redis_url}, (SlotRange(0, SLOT_COUNT - 1, "default"),))
+
+
+MapSource = Callable[[], Awaitable[ShardMap | None]]
+
+
+class Fleet:
+    def __init__(self, shard_map: ShardMap, limits: QueueLimits) -> None:
+        self.map = shard_map
+        self.limits = limits
+        self.stores: dict[str, ShardStore] = {}
+        self.hubs: dict[str, WakeupHub] = {}
+        self._source: MapSource | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._reload_lock = asyncio.Lock()
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    async def start(self, source: MapSource | None = None, poll_s: float = 1.0) -> None:
+        await self._open_shards(self.map)
+        metrics.SHARD_MAP_EPOCH.set(self.map.epoch)
+        self._source = source
+        if source is not None:
+            self._watch_task = asyncio.get_running_loop().create_task(self._watch(poll_s))
+
+    async def close(self) -> None:
+        if self._watch_task:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+        for t in list(self._retiring):
+            t.cancel()
+        for hub in self.hubs.values():
+            await hub.stop()
+        for store in self.stores.values():
+            await store.close()
+
+    async def _open_shards(self, shard_map: ShardMap) -> None:
+        for name, url in shard_map.shards.items():
+            store = self.stores.get(name)
+            if store is not None and store.url == url:
+                continue
+            new_store = ShardStore(name, url, self.limits)
+            with contextlib.suppress(Exception):
+                await new_store.start()  # an unreachable shard must not stop the others
+            hub = WakeupHub(url, name)
+            await hub.start(wait_connected=1.0)
+            old_store, old_hub = self.stores.get(name), self.hubs.get(name)
+            self.stores[name], self.hubs[name] = new_store, hub
+            if old_store is not None and old_hub is not None:
+                self._retire(old_store, old_hub)
+
+    def _retire(self, store: ShardStore, hub: WakeupHub) -> None:
+        async def later() -> None:
+            hub.wake_all()  # its waiters re-read through the new route
+            await asyncio.sleep(_RETIRE_AFTER_S)
+            await hub.stop()
+            await store.close()
+
+        task = asyncio.get_running_loop().create_task(later())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    def route(self, recipient: bytes, channel: bytes) -> Route:
+        slot = slot_of(recipient, channel)
+        shard = self.map.shard_for_slot(slot)
+        return Route(K.queue_keys_for_id(slot, K.queue_id(recipient, channel)), self.stores[shard], self.hubs[shard])
+
+    async def install(self, new_map: ShardMap) -> bool:
+        """Use `new_map` if it is newer than the one in use. True when swapped."""
+        async with self._reload_lock:
+            if new_map.epoch <= self.map.epoch and new_map.shards == self.map.shards:
+                return False
+            await self._open_shards(new_map)
+            old = self.map
+            self.map = new_map
+            for name in set(old.shards) - set(new_map.shards):
+                store, hub = self.stores.pop(name), self.hubs.pop(name)
+                self._retire(store, hub)
+            metrics.SHARD_MAP_EPOCH.set(new_map.epoch)
+            metrics.SHARD_MAP_RELOADS.inc()
+            log.info("shard map epoch %d in use (%d shards)", new_map.epoch, len(new_map.shards))
+            # waiters re-wait wherever their queue lives now
+            for hub in self.hubs.values():
+                hub.wake_all()
+            return True
+
+    async def refresh(self) -> bool:
+        """Reload from the source now (after a MOVED answer). True when the map changed."""
+        if self._source is None:
+            return False
+        try:
+            new_map = await self._source()
+        except (OSError, ShardMapError) as exc:
+            log.warning("shard map reload failed: %s", exc)
+            return False
+        return new_map is not None and await self.install(new_map)
+
+    async def _watch(self, poll_s: float) -> None:
+        while True:
+            await asyncio.sleep(poll_s)
+            await self.refresh()
+
+    def healthy_subscribers(self) -> bool:
+        return all(h.healthy for h in self.hubs.values())
+
+
+def file_source(path: str) -> MapSource:
+    """Reads the map file when its mtime changes (cheap enough to poll each second)."""
+    last: list[float] = [-1.0]
+
+    async def read() -> ShardMap | None:
+        mtime = os.stat(path).st_mtime
+        if mtime == last[0]:
+            return None
+        with open(path, "rb") as f:
+            shard_map = loads_shard_map(f.read())
+        last[0] = mtime
+        return shard_map
+
+    return read
+
+
+def load_file(path: str) -> ShardMap:
+    with open(path, "rb") as f:
+        return loads_shard_map(f.read())

@@ -1,0 +1,55 @@
+"""Prometheus metrics of the relay. No per-queue labels: queues are unbounded."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_WAKE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+REQUESTS = Counter(
+    "relayfleet_http_requests_total", "HTTP requests by route and status", ["route", "method", "status"], registry=REGISTRY
+)
+REQUEST_SECONDS = Histogram(
+    "relayfleet_http_request_duration_seconds",
+    "HTTP request latency (long-polls include their wait)",
+    ["route", "method"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+MESSAGES = Counter(
+    "relayfleet_messages_total", "Queue operations on messages", ["op"], registry=REGISTRY
+)  # op: enqueued, duplicate, delivered, drained, acked, expired
+BYTES = Counter("relayfleet_message_bytes_total", "Payload bytes by queue operation", ["op"], registry=REGISTRY)
+REJECTED = Counter(
+    "relayfleet_rejected_total", "Requests rejected, by error code", ["code"], registry=REGISTRY
+)
+RATE_LIMITED = Counter("relayfleet_rate_limited_total", "Enqueues refused by the per-queue rate limit", registry=REGISTRY)
+WAITERS = Gauge("relayfleet_waiters", "Long-polls currently waiting in this process", registry=REGISTRY)
+LIVE_CONNECTIONS = Gauge("relayfleet_live_connections", "Open live WebSocket connections", registry=REGISTRY)
+WAKEUP_SECONDS = Histogram(
+    "relayfleet_wakeup_latency_seconds",
+    "From the waking enqueue being stored to the waiter being answered",
+    buckets=_WAKE_BUCKETS,
+    registry=REGISTRY,
+)
+REDIS_ERRORS = Counter(
+    "relayfleet_redis_errors_total", "Redis calls that failed, by shard and kind", ["shard", "kind"], registry=REGISTRY
+)
+SHARD_UP = Gauge("relayfleet_shard_up", "1 when the shard's Redis answers", ["shard"], registry=REGISTRY)
+SUBSCRIBER_UP = Gauge(
+    "relayfleet_wakeup_subscriber_up", "1 when the shard's wakeup subscription is alive", ["shard"], registry=REGISTRY
+)
+SUBSCRIBER_RECONNECTS = Counter(
+    "relayfleet_wakeup_reconnects_total", "Wakeup subscriber reconnects", ["shard"], registry=REGISTRY
+)
+SHARD_MAP_EPOCH = Gauge("relayfleet_shard_map_epoch", "Epoch of the shard map in use", registry=REGISTRY)
+SHARD_MAP_RELOADS = Counter("relayfleet_shard_map_reloads_total", "Shard map reloads", registry=REGISTRY)
+RETRIES = Counter(
+    "relayfleet_internal_retries_total", "Requests retried inside the relay", ["reason"], registry=REGISTRY
+)  # reason: moved, migrating
+PUSH_NOTIFICATIONS = Counter(
+    "relayfleet_push_notifications_total", "Push webhook calls by outcome", ["outcome"], registry=REGISTRY
+)

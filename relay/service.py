@@ -1,0 +1,185 @@
+"""Queue operations as the API sees them: routing, internal retries, long-poll waits, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from relay import metrics
+from relay.fleet.routing import Fleet, Route
+from relay.settings import Settings
+from relay.storage.store import (
+    EnqueueOutcome,
+    ReadResult,
+    SlotMigrating,
+    SlotMoved,
+    StatusResult,
+    StoreUnavailable,
+)
+
+T = TypeVar("T")
+
+OnStored = Callable[[bytes, bytes, int, int], None]  # recipient, channel, seq, subscribers
+
+
+class Unavailable(Exception):
+    """Answer 503 with Retry-After: the shard is down or the slot stayed fenced too long."""
+
+    def __init__(self, reason: str, retry_after_s: int = 1) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class TooManyWaiters(Exception):
+    pass
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class QueueService:
+    def __init__(self, fleet: Fleet, settings: Settings) -> None:
+        self.fleet = fleet
+        self.settings = settings
+        self.on_stored: OnStored | None = None
+        self.closing = False
+        self._waiters = 0
+
+    # -- plumbing ------------------------------------------------------------
+    async def call(self, recipient: bytes, channel: bytes, op: Callable[[Route], Awaitable[T]]) -> T:
+        """Run `op` on the queue's shard, retrying MOVED and fenced slots within the deadline."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.request_deadline_s
+        delay = 0.005
+        while True:
+            route = self.fleet.route(recipient, channel)
+            try:
+                return await op(route)
+            except SlotMoved:
+                metrics.RETRIES.labels("moved").inc()
+                if await self.fleet.refresh():
+                    continue
+                reason = "slot moved; shard map not yet updated"
+            except SlotMigrating:
+                metrics.RETRIES.labels("migrating").inc()
+                reason = "slot is being migrated"
+            except StoreUnavailable as exc:
+                metrics.REDIS_ERRORS.labels(route.store.name, "unavailable").inc()
+                raise Unavailable("shard unavailable") from exc
+            if loop.time() + delay > deadline:
+                raise Unavailable(reason)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    async def _wait_for(
+        self,
+        recipient: bytes,
+        channel: bytes,
+        wait_s: float,
+        fetch: Callable[[], Awaitable[ReadResult]],
+    ) -> ReadResult:
+        """Long-poll: register, read, and only then wait (no lost-wakeup window)."""
+        if self._waiters >= self.settings.max_waiters:
+            raise TooManyWaiters()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        self._waiters += 1
+        metrics.WAITERS.inc()
+        try:
+            while True:
+                route = self.fleet.route(recipient, channel)
+                with route.hub.waiting(route.keys.wake) as waiter:
+                    await waiter.ready(min(1.0, max(0.0, deadline - loop.time())))
+                    while True:
+                        result = await fetch()
+                        remaining = deadline - loop.time()
+                        if result.messages or remaining <= 0 or self.closing:
+                            if result.messages and waiter.woken_at_ms is not None:
+                                metrics.WAKEUP_SECONDS.observe(max(0, now_ms() - waiter.woken_at_ms) / 1000)
+                            return result
+                        await waiter.wait(remaining)
+                        if self.fleet.route(recipient, channel).hub is not route.hub:
+                            break  # the queue moved: re-register on its new shard
+        finally:
+            self._waiters -= 1
+            metrics.WAITERS.dec()
+
+    # -- operations ------------------------------------------------------------
+    async def enqueue(
+        self,
+        recipient: bytes,
+        channel: bytes,
+        payload: bytes,
+        idempotency_key: str = "",
+        message_id: str = "",
+        any_payload_is_duplicate: bool = False,
+    ) -> EnqueueOutcome:
+        digest = "*" if any_payload_is_duplicate else (hashlib.sha256(payload).hexdigest() if idempotency_key else "")
+        ts = now_ms()
+        outcome = await self.call(
+            recipient,
+            channel,
+            lambda r: r.store.enqueue(r.keys, payload, ts, idempotency_key, digest, message_id),
+        )
+        if outcome.kind == "stored":
+            metrics.MESSAGES.labels("enqueued").inc()
+            metrics.BYTES.labels("enqueued").inc(len(payload))
+            if self.on_stored is not None:
+                self.on_stored(recipient, channel, outcome.seq, outcome.subscribers)
+        elif outcome.kind == "duplicate":
+            metrics.MESSAGES.labels("duplicate").inc()
+        elif outcome.kind == "rate_limited":
+            metrics.RATE_LIMITED.inc()
+        return outcome
+
+    async def read(
+        self, recipient: bytes, channel: bytes, from_seq: int | None, limit: int, wait_s: float
+    ) -> ReadResult:
+        async def fetch() -> ReadResult:
+            return await self.call(recipient, channel, lambda r: r.store.read(r.keys, from_seq, limit))
+
+        result = await (self._wait_for(recipient, channel, wait_s, fetch) if wait_s > 0 else fetch())
+        _count("delivered", result)
+        return result
+
+    async def drain(self, recipient: bytes, channel: bytes, limit: int, wait_s: float) -> ReadResult:
+        async def fetch() -> ReadResult:
+            return await self.call(recipient, channel, lambda r: r.store.drain(r.keys, limit))
+
+        result = await (self._wait_for(recipient, channel, wait_s, fetch) if wait_s > 0 else fetch())
+        _count("drained", result)
+        return result
+
+    async def ack(self, recipient: bytes, channel: bytes, up_to_seq: int | None, seqs: list[int] | None) -> int:
+        if up_to_seq is not None:
+            n = up_to_seq
+            removed = await self.call(recipient, channel, lambda r: r.store.ack_upto(r.keys, n))
+        else:
+            chosen = seqs or []
+            removed = await self.call(recipient, channel, lambda r: r.store.ack_seqs(r.keys, chosen))
+        metrics.MESSAGES.labels("acked").inc(removed)
+        return removed
+
+    async def status(self, recipient: bytes, channel: bytes) -> StatusResult:
+        return await self.call(recipient, channel, lambda r: r.store.status(r.keys))
+
+    async def use_nonce(self, recipient: bytes, member: str, lifetime_ms: int) -> bool:
+        """Record a signature nonce on the recipient's shard; False when replayed."""
+        ts = now_ms()
+        return await self.call(
+            recipient, b"", lambda r: r.store.use_nonce(r.keys.slot, member, ts, lifetime_ms)
+        )
+
+    def waiting_count(self) -> int:
+        return self._waiters
+
+
+def _count(op: str, result: ReadResult) -> None:
+    if result.messages:
+        metrics.MESSAGES.labels(op).inc(len(result.messages))
+        metrics.BYTES.labels(op).inc(sum(len(m.payload) for m in result.messages))

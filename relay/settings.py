@@ -1,0 +1,55 @@
+"""Relay configuration: one dataclass, filled from flags with environment fallbacks."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from relay.storage.store import QueueLimits
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"relayfleet: {name} must be an integer, got {raw!r}") from None
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    redis_url: str | None = None
+    shard_map_file: str | None = None
+    shard_map_configmap: str | None = None  # "namespace/name"
+    auth: str = "ed25519"  # or "none" (local development only)
+    enqueue_tokens: tuple[str, ...] = ()
+    max_payload: int = 5_242_880
+    limits: QueueLimits = field(default_factory=QueueLimits)
+    max_limit: int = 1000
+    default_limit: int = 100
+    max_wait_s: float = 60.0
+    max_waiters: int = 20_000
+    request_deadline_s: float = 5.0  # internal retries (migrating slot, moved) stop here
+    auth_skew_s: int = 300
+    push_webhook: str | None = None
+    shutdown_grace_s: float = 10.0
+    live_queue_max: int = 256  # unacked frames in flight per WebSocket before we stop reading ahead
+
+    @property
+    def fleet_name(self) -> str:
+        return os.environ.get("RELAY_FLEET", "default")
+
+
+def limits_from_env() -> QueueLimits:
+    d = QueueLimits()
+    return QueueLimits(
+        rate_count=env_int("RELAY_RATE_LIMIT", d.rate_count),
+        rate_window_ms=env_int("RELAY_RATE_WINDOW_MS", d.rate_window_ms),
+        max_messages=env_int("RELAY_QUEUE_MAX_MESSAGES", d.max_messages),
+        max_bytes=env_int("RELAY_QUEUE_MAX_BYTES", d.max_bytes),
+        retention_ms=env_int("RELAY_RETENTION_SECONDS", d.retention_ms // 1000) * 1000,
+    )

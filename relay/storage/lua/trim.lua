@@ -1,0 +1,128 @@
+-- trim: retention for one queue, atomically: fence, drop the oldest messages that are
+-- older than the cutoff or beyond the message cap, expire idempotency keys, fix the
+-- queue's byte counter and the slot statistics, and delete the queue when it is empty
+-- and idle. Idempotent: a second call with the same arguments changes nothing.
+-- KEYS[1] slot state (string)        KEYS[2] queue meta (hash)
+-- KEYS[3] queue messages (stream)    KEYS[4] idempotency keys (hash)
+-- KEYS[5] idempotency expiry (zset)  KEYS[6] rate-limit window (zset)
+-- KEYS[7] slot queue index (set)     KEYS[8] slot statistics (hash)
+-- ARGV[1] now, ms since epoch
+-- ARGV[2] age cutoff, ms: messages received before it are removed (0 = no age limit)
+-- ARGV[3] max messages kept (-1 = no cap)
+-- ARGV[4] idle period, ms: an empty queue with no enqueue for this long is deleted (-1 = never)
+-- ARGV[5] queue id (slot index member)
+-- ARGV[6] budget: at most this many messages / idempotency keys removed per call
+-- Returns {'ok', removed, removed_bytes, deleted (0|1), more (0|1)} | fence reply
+local f = fence(KEYS[1])
+if f then return f end
+local now = tonumber(ARGV[1])
+local cutoff = tonumber(ARGV[2])
+local cap = tonumber(ARGV[3])
+local idle = tonumber(ARGV[4])
+local budget = tonumber(ARGV[6])
+
+-- An index entry whose queue has no keys left is stale: drop it.
+if redis.call('EXISTS', KEYS[2], KEYS[3], KEYS[4], KEYS[5]) == 0 then
+  redis.call('SREM', KEYS[7], ARGV[5])
+  return {'ok', 0, 0, 1, 0}
+end
+
+local meta = redis.call('HMGET', KEYS[2], 'seq', 'bytes', 'created', 'tseen')
+local seq = tonumber(meta[1]) or 0
+local held = tonumber(meta[2]) or 0
+local len = redis.call('XLEN', KEYS[3])
+
+-- When the newest message still held is the last one enqueued, its time is the
+-- queue's last enqueue: read it before trimming can remove it.
+local last_enq = nil
+if len > 0 then
+  local newest = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)[1]
+  local id = newest[1]
+  if tonumber(string.sub(id, 1, string.find(id, '-', 1, true) - 1)) == seq then
+    local fl = newest[2]
+    for i = 1, #fl, 2 do
+      if fl[i] == 't' then last_enq = tonumber(fl[i + 1]) end
+    end
+  end
+end
+
+-- Messages leave oldest first, so the stream stays a contiguous run of seqs.
+local over = 0
+if cap >= 0 and len > cap then over = len - cap end
+local removed, bytes, last_removed, more = 0, 0, nil, 0
+local from = '-'
+while removed < budget do
+  local chunk = redis.call('XRANGE', KEYS[3], from, '+', 'COUNT', math.min(64, budget - removed))
+  if #chunk == 0 then break end
+  local stop = false
+  for _, e in ipairs(chunk) do
+    local t, n = 0, 0
+    local fl = e[2]
+    for i = 1, #fl, 2 do
+      if fl[i] == 't' then t = tonumber(fl[i + 1]) elseif fl[i] == 'n' then n = tonumber(fl[i + 1]) end
+    end
+    if removed < over or t < cutoff then
+      removed = removed + 1
+      bytes = bytes + n
+      last_removed = e[1]
+      if removed >= budget then break end
+    else
+      stop = true
+      break
+    end
+  end
+  if stop then break end
+  from = '(' .. chunk[#chunk][1]
+end
+if last_removed then
+  local lseq = tonumber(string.sub(last_removed, 1, string.find(last_removed, '-', 1, true) - 1))
+  redis.call('XTRIM', KEYS[3], 'MINID', (lseq + 1) .. '-0')
+  len = len - removed
+  -- budget spent: the next entry may be due too; the caller calls again
+  if removed >= budget and len > 0 then more = 1 end
+end
+
+-- Expired idempotency keys (enqueue only expires a few per write).
+local left = budget - removed
+if left > 0 then
+  local old = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now, 'LIMIT', 0, left)
+  if #old > 0 then
+    redis.call('HDEL', KEYS[4], unpack(old))
+    redis.call('ZREM', KEYS[5], unpack(old))
+    if #old == left then more = 1 end
+  end
+else
+  more = 1
+end
+
+-- An empty stream holds no bytes: repair any drift in the counters here.
+local fixed = held - bytes
+if len == 0 and fixed ~= 0 then bytes = held; fixed = 0 end
+if bytes ~= 0 or removed > 0 then
+  redis.call('HSET', KEYS[2], 'bytes', math.max(0, fixed))
+  slot_stats(KEYS[8], -removed, -bytes)
+end
+
+-- Idle check. The last enqueue time is known exactly when the newest message is
+-- still held; otherwise 'tseen' ("<seq>:<ms>", the first time a trim saw the queue
+-- empty at this seq) bounds it from above, so a queue is deleted only when provably
+-- idle. A queue that never held a message counts from its creation.
+local deleted = 0
+if len == 0 and idle >= 0 then
+  local since = last_enq
+  if not since and seq == 0 then since = tonumber(meta[3]) or 0 end
+  if not since and meta[4] then
+    local sep = string.find(meta[4], ':', 1, true)
+    if sep and tonumber(string.sub(meta[4], 1, sep - 1)) == seq then
+      since = tonumber(string.sub(meta[4], sep + 1))
+    end
+  end
+  if not since then
+    redis.call('HSET', KEYS[2], 'tseen', seq .. ':' .. now)
+  elseif now - since >= idle and more == 0 and redis.call('ZCARD', KEYS[5]) == 0 then
+    redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+    redis.call('SREM', KEYS[7], ARGV[5])
+    deleted = 1
+  end
+end
+return {'ok', removed, bytes, deleted, more}

@@ -1,0 +1,250 @@
+"""Slot-level maintenance commands against one shard (synchronous redis-py).
+
+The batch side of storage: the Spark jobs and `relayfleet plan` read per-slot
+statistics, list a slot's queues and run the trim script through here. It is
+synchronous on purpose: a Spark task is a plain Python function, and batch
+throughput comes from pipelining many slots or queues per round trip, not from
+an event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+from redis.exceptions import NoScriptError, RedisError
+
+from relay.storage import keys as K
+from relay.storage import scripts
+
+__all__ = [
+    "MaintenanceError",
+    "ShardMaintenance",
+    "SlotStats",
+    "TrimOutcome",
+    "TrimPolicy",
+    "enqueue_rate",
+]
+
+_STAT_FIELDS = ("msgs", "bytes", "enq", "wstart", "wcur", "wprev")
+_MINUTE_MS = 60_000
+
+
+class MaintenanceError(Exception):
+    """A shard could not be read or written; the message names the shard, never a password."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStats:
+    slot: int
+    state: str | None  # None = owned; 'migrating', 'importing' or 'moved <shard> <epoch>'
+    msgs: int
+    bytes: int
+    enqueued: int  # total enqueues since the slot's statistics began
+    rate: float  # enqueues per minute, from the last complete minute window
+    queues: int
+
+    @property
+    def owned(self) -> bool:
+        return self.state is None
+
+
+@dataclass(frozen=True, slots=True)
+class TrimPolicy:
+    now_ms: int
+    cutoff_ms: int = 0  # messages received before this are removed (0 = no age limit)
+    max_messages: int = -1  # per-queue cap (-1 = none)
+    idle_ms: int = -1  # empty queues idle this long are deleted (-1 = never)
+    budget: int = 1000  # messages removed per script call, so one call never blocks Redis long
+
+
+@dataclass(frozen=True, slots=True)
+class TrimOutcome:
+    qid: str
+    removed: int = 0
+    bytes: int = 0
+    deleted: bool = False
+    fenced: bool = False  # the slot stopped being owned here (migration started): skipped
+
+
+def enqueue_rate(wstart: int, wcur: int, wprev: int, now_ms: int) -> float:
+    """Enqueues per minute from the enqueue script's two minute windows.
+
+    The current window is partial, so the last complete minute is the measure;
+    a burst that started this minute still counts through max().
+    """
+    minute = now_ms - now_ms % _MINUTE_MS
+    if wstart == minute:
+        return float(max(wprev, wcur))
+    if wstart == minute - _MINUTE_MS:
+        return float(wcur)
+    return 0.0
+
+
+def redacted(url: str) -> str:
+    """host:port/db of a Redis URL, for messages (a URL may carry a password)."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return parts.path
+    return f"{parts.hostname}:{parts.port or 6379}{parts.path or ''}"
+
+
+def _int(value: Any) -> int:
+    return int(value) if value is not None else 0
+
+
+def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+class ShardMaintenance:
+    """Maintenance session with one shard's Redis; one connection, pipelined."""
+
+    def __init__(self, url: str, *, timeout: float = 30.0, batch: int = 512) -> None:
+        self.url = url
+        self._batch = batch
+        self.client: redis.Redis = redis.Redis.from_url(
+            url,
+            decode_responses=False,
+            socket_connect_timeout=5.0,
+            socket_timeout=timeout,
+            single_connection_client=True,
+        )
+        self._trim_loaded = False
+
+    def __enter__(self) -> ShardMaintenance:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _fail(self, what: str, exc: Exception) -> MaintenanceError:
+        return MaintenanceError(f"{what} on {redacted(self.url)} failed: {type(exc).__name__}: {exc}")
+
+    def slot_states(self, slots: Sequence[int]) -> dict[int, str | None]:
+        out: dict[int, str | None] = {}
+        try:
+            for chunk in _chunks(slots, 4096):
+                pipe = self.client.pipeline(transaction=False)
+                for s in chunk:
+                    pipe.get(K.slot_state(s))
+                values = pipe.execute()
+                for s, v in zip(chunk, values, strict=True):
+                    out[s] = v.decode() if v is not None else None
+        except (RedisError, OSError) as exc:
+            raise self._fail("reading slot states", exc) from None
+        return out
+
+    def slot_stats(self, slots: Sequence[int], now_ms: int) -> list[SlotStats]:
+        """Statistics of every slot given, in order; O(1) per slot, no payload read."""
+        out: list[SlotStats] = []
+        try:
+            for chunk in _chunks(slots, self._batch):
+                pipe = self.client.pipeline(transaction=False)
+                for s in chunk:
+                    pipe.get(K.slot_state(s))
+                    pipe.hmget(K.slot_stats(s), list(_STAT_FIELDS))
+                    pipe.scard(K.slot_index(s))
+                replies = pipe.execute()
+                for i, s in enumerate(chunk):
+                    state, fields, queues = replies[3 * i : 3 * i + 3]
+                    msgs, nbytes, enq, wstart, wcur, wprev = (_int(v) for v in fields)
+                    out.append(
+                        SlotStats(
+                            slot=s,
+                            state=state.decode() if state is not None else None,
+                            msgs=max(0, msgs),
+                            bytes=max(0, nbytes),
+                            enqueued=enq,
+                            rate=enqueue_rate(wstart, wcur, wprev, now_ms),
+                            queues=int(queues),
+                        )
+                    )
+        except (RedisError, OSError) as exc:
+            raise self._fail("reading slot statistics", exc) from None
+        return out
+
+    def slot_queues(self, slot: int) -> list[str]:
+        """Queue ids in the slot's index (SSCAN: never blocks Redis on a big slot)."""
+        try:
+            found = {m.decode() for m in self.client.sscan_iter(K.slot_index(slot), count=1000)}
+        except (RedisError, OSError) as exc:
+            raise self._fail(f"listing queues of slot {slot}", exc) from None
+        return sorted(found)
+
+    def trim(self, slot: int, qids: Iterable[str], policy: TrimPolicy) -> list[TrimOutcome]:
+        """Run the trim script over queues of one slot until each is done.
+
+        Calls are pipelined; a queue whose call ran out of budget is called
+        again (the script is idempotent, so a retried call is always safe).
+        """
+        totals: dict[str, TrimOutcome] = {q: TrimOutcome(q) for q in qids}
+        pending = list(totals)
+        try:
+            if not self._trim_loaded:
+                self.client.script_load(scripts.TRIM.source)
+                self._trim_loaded = True
+            while pending:
+                again: list[str] = []
+                for chunk in _chunks(pending, self._batch):
+                    for qid, reply in zip(chunk, self._trim_batch(slot, chunk, policy), strict=True):
+                        prev = totals[qid]
+                        if reply[0] != b"ok":
+                            totals[qid] = TrimOutcome(qid, prev.removed, prev.bytes, fenced=True)
+                            continue
+                        totals[qid] = TrimOutcome(
+                            qid, prev.removed + int(reply[1]), prev.bytes + int(reply[2]), bool(reply[3])
+                        )
+                        if int(reply[4]):
+                            again.append(qid)
+                pending = again
+        except (RedisError, OSError) as exc:
+            raise self._fail(f"trimming slot {slot}", exc) from None
+        return list(totals.values())
+
+    def _trim_batch(self, slot: int, qids: Sequence[str], policy: TrimPolicy) -> list[Any]:
+        replies = self._trim_send(slot, qids, policy)
+        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+        if missing:
+            # Redis restarted or flushed its script cache: load it and redo only those calls
+            self.client.script_load(scripts.TRIM.source)
+            for i, r in zip(missing, self._trim_send(slot, [qids[i] for i in missing], policy), strict=True):
+                replies[i] = r
+        for r in replies:
+            if isinstance(r, Exception):
+                raise r
+        return replies
+
+    def _trim_send(self, slot: int, qids: Sequence[str], policy: TrimPolicy) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for qid in qids:
+            q = K.queue_keys_for_id(slot, qid)
+            pipe.evalsha(
+                scripts.TRIM.sha,
+                8,
+                q.state,
+                q.meta,
+                q.msgs,
+                q.idem,
+                q.idemx,
+                q.rate,
+                q.index,
+                q.stats,
+                policy.now_ms,
+                policy.cutoff_ms,
+                policy.max_messages,
+                policy.idle_ms,
+                qid,
+                policy.budget,
+            )
+        return list(pipe.execute(raise_on_error=False))

@@ -1,0 +1,275 @@
+"""Wakeups: one supervised pub/sub connection per shard, shared by every waiter.
+
+A waiter registers (and its channel is confirmed subscribed) *before* the queue
+is read, so a message stored between the read and the wait still wakes it.
+A wakeup is only a hint: the waiter always re-reads. When the connection is
+down, waiters fall back to polling, and after a reconnect every waiter is woken
+to re-read, because wakeups may have been missed meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from urllib.parse import unquote, urlparse
+
+import hiredis
+
+log = logging.getLogger("relay.wakeups")
+
+_IDLE_UNSUBSCRIBE_S = 10.0  # keep hot channels subscribed between long-polls
+_PING_EVERY_S = 5.0
+_DEAD_AFTER_S = 15.0
+_POLL_FALLBACK_S = 0.25
+
+
+def _pack(*parts: str | bytes) -> bytes:
+    out = [b"*%d\r\n" % len(parts)]
+    for p in parts:
+        b = p.encode() if isinstance(p, str) else p
+        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(out)
+
+
+class Waiter:
+    __slots__ = ("_chan", "_event", "_hub", "woken_at_ms")
+
+    def __init__(self, hub: WakeupHub, chan: _Channel) -> None:
+        self._hub = hub
+        self._chan = chan
+        self._event = asyncio.Event()
+        self.woken_at_ms: int | None = None  # enqueue time of the message that woke us
+
+    def wake(self, enqueued_ms: int | None) -> None:
+        if enqueued_ms is not None and self.woken_at_ms is None:
+            self.woken_at_ms = enqueued_ms
+        self._event.set()
+
+    async def ready(self, timeout: float) -> bool:
+        """Wait until the channel is subscribed (False: hub down, caller polls)."""
+        fut = self._chan.confirm
+        if self._chan.subscribed or fut is None:
+            return self._chan.subscribed
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+        return self._chan.subscribed
+
+    async def wait(self, timeout: float) -> bool:
+        """Sleep until woken or `timeout`; True when woken. Clears the wake flag."""
+        if timeout <= 0:
+            return False
+        if not self._hub.healthy:
+            timeout = min(timeout, _POLL_FALLBACK_S)
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout)
+        except TimeoutError:
+            return not self._hub.healthy  # polling mode: treat the tick as a hint
+        self._event.clear()
+        return True
+
+    def close(self) -> None:
+        self._hub._unregister(self)
+
+
+@dataclass
+class _Channel:
+    name: str
+    waiters: set[Waiter] = field(default_factory=set)
+    subscribed: bool = False
+    confirm: asyncio.Future[None] | None = None
+    idle_since: float = 0.0
+
+
+class WakeupHub:
+    def __init__(self, url: str, shard: str = "default") -> None:
+        self.url = url
+        self.shard = shard
+        self._channels: dict[str, _Channel] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()
+        self.healthy = False
+        self.reconnects = 0
+
+    # -- lifecycle ---------------------------------------------------------
+    async def start(self, wait_connected: float = 2.0) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._supervise())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._connected.wait(), wait_connected)
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._close_writer()
+        for chan in self._channels.values():
+            for w in chan.waiters:
+                w.wake(None)
+
+    def waiter_count(self) -> int:
+        return sum(len(c.waiters) for c in self._channels.values())
+
+    def wake_all(self) -> None:
+        for chan in self._channels.values():
+            for w in list(chan.waiters):
+                w.wake(None)
+
+    # -- waiters -----------------------------------------------------------
+    @contextlib.contextmanager
+    def waiting(self, channel: str) -> Iterator[Waiter]:
+        w = self.register(channel)
+        try:
+            yield w
+        finally:
+            w.close()
+
+    def register(self, channel: str) -> Waiter:
+        chan = self._channels.get(channel)
+        if chan is None:
+            chan = self._channels[channel] = _Channel(channel)
+        w = Waiter(self, chan)
+        chan.waiters.add(w)
+        if not chan.subscribed and chan.confirm is None:
+            chan.confirm = asyncio.get_running_loop().create_future()
+            self._send(_pack("SUBSCRIBE", channel))
+        return w
+
+    def _unregister(self, w: Waiter) -> None:
+        chan = w._chan
+        chan.waiters.discard(w)
+        if not chan.waiters:
+            chan.idle_since = time.monotonic()
+
+    # -- connection --------------------------------------------------------
+    def _send(self, data: bytes) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(data)
+
+    def _close_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        u = urlparse(self.url)
+        if u.scheme == "unix":
+            reader, writer = await asyncio.open_unix_connection(u.path)
+        else:
+            ctx = ssl.create_default_context() if u.scheme == "rediss" else None
+            reader, writer = await asyncio.open_connection(u.hostname or "127.0.0.1", u.port or 6379, ssl=ctx)
+        if u.password:
+            auth = (unquote(u.username), unquote(u.password)) if u.username else (unquote(u.password),)
+            writer.write(_pack("AUTH", *auth))
+            await writer.drain()
+            rd = hiredis.Reader()
+            while (reply := rd.gets()) is False:
+                data = await reader.read(4096)
+                if not data:
+                    raise ConnectionError("closed during AUTH")
+                rd.feed(data)
+            if isinstance(reply, hiredis.ReplyError):
+                raise ConnectionError("AUTH failed")
+        return reader, writer
+
+    async def _supervise(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                reader, writer = await asyncio.wait_for(self._open(), 3.0)
+            except (OSError, TimeoutError, ConnectionError) as exc:
+                log.warning("wakeup subscriber for shard %s cannot connect: %s", self.shard, type(exc).__name__)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            backoff = 0.05
+            self._writer = writer
+            try:
+                await self._session(reader)
+            except (OSError, ConnectionError, TimeoutError) as exc:
+                log.warning("wakeup subscriber for shard %s lost: %s", self.shard, type(exc).__name__)
+            finally:
+                self.healthy = False
+                self._connected.clear()
+                self._close_writer()
+                for chan in self._channels.values():
+                    chan.subscribed = False
+                self.reconnects += 1
+                self.wake_all()  # waiters poll until we are back
+
+    async def _session(self, reader: asyncio.StreamReader) -> None:
+        # resubscribe everything still wanted, then let every waiter re-read
+        for chan in list(self._channels.values()):
+            if chan.waiters or chan.confirm is not None:
+                if chan.confirm is None or chan.confirm.done():
+                    chan.confirm = asyncio.get_running_loop().create_future()
+                self._send(_pack("SUBSCRIBE", chan.name))
+            else:
+                del self._channels[chan.name]
+        self._send(_pack("PING"))
+        rd = hiredis.Reader()
+        last_data = time.monotonic()
+        last_ping = last_data
+        first = True
+        while True:
+            try:
+                data = await asyncio.wait_for(reader.read(65536), _PING_EVERY_S)
+            except TimeoutError:
+                data = None
+            now = time.monotonic()
+            if data == b"":
+                raise ConnectionError("closed by server")
+            if data:
+                last_data = now
+                rd.feed(data)
+                while (msg := rd.gets()) is not False:
+                    self._dispatch(msg)
+                    if first:
+                        first = False
+                        self.healthy = True
+                        self._connected.set()
+                        self.wake_all()
+            elif now - last_data > _DEAD_AFTER_S:
+                raise TimeoutError("no reply to PING")
+            if now - last_ping >= _PING_EVERY_S:
+                last_ping = now
+                self._send(_pack("PING"))
+                self._sweep(now)
+
+    def _dispatch(self, msg: object) -> None:
+        if not isinstance(msg, list) or not msg:
+            return
+        kind = msg[0]
+        if kind == b"message" and len(msg) == 3:
+            chan = self._channels.get(msg[1].decode())
+            if chan is None:
+                return
+            enq_ms: int | None = None
+            with contextlib.suppress(ValueError, IndexError):
+                enq_ms = int(msg[2].split(b":", 1)[1])
+            for w in chan.waiters:
+                w.wake(enq_ms)
+        elif kind == b"subscribe":
+            chan = self._channels.get(msg[1].decode())
+            if chan is not None:
+                chan.subscribed = True
+                if chan.confirm is not None and not chan.confirm.done():
+                    chan.confirm.set_result(None)
+                chan.confirm = None
+
+    def _sweep(self, now: float) -> None:
+        stale = [
+            c
+            for c in self._channels.values()
+            if not c.waiters and c.subscribed and now - c.idle_since > _IDLE_UNSUBSCRIBE_S
+        ]
+        for chan in stale:
+            # Removed at once: a later SUBSCRIBE of the same name is answered after
+            # this UNSUBSCRIBE, so its confirmation cannot be confused with it.
+            del self._channels[chan.name]
+            self._send(_pack("UNSUBSCRIBE", chan.name))
