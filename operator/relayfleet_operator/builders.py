@@ -1,0 +1,613 @@
+"""Pure builders: every Kubernetes object the operator owns, as plain dicts.
+
+No I/O here: given a ShardSpec (and, where needed, a password or a shard map), each
+function returns the full desired object, ready for server-side apply. Handlers stay
+thin and tests can check every field without an API server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from relay.fleet.sharding import SLOT_COUNT, ShardMap, ShardMapError, SlotRange, parse_shard_map
+from relayfleet_operator.spec import (
+    API_VERSION,
+    SHARD_KIND,
+    ExternalRedis,
+    ManagedRedis,
+    Resources,
+    ShardSpec,
+)
+
+Obj = dict[str, Any]
+
+MANAGER = "relayfleet-operator"
+LABEL_FLEET = "relayfleet.dev/fleet"
+LABEL_SHARD = "relayfleet.dev/shard"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+CONFIG_HASH = "relayfleet.dev/config-hash"
+SHARDMAP_KEY = "shardmap.json"
+RELAY_PORT = 8080
+REDIS_PORT = 6379
+RELAY_UID = 10001
+REDIS_UID = 999  # the uid of the `redis` user in the official images
+CREDENTIALS_DIR = "/etc/relayfleet/credentials"
+
+
+# --- names -----------------------------------------------------------------------------------
+
+
+def relay_name(shard: str) -> str:
+    return f"relayfleet-{shard}-relay"
+
+
+def redis_name(shard: str) -> str:
+    return f"relayfleet-{shard}-redis"
+
+
+def redis_config_name(shard: str) -> str:
+    return f"relayfleet-{shard}-redis-config"
+
+
+def shardmap_name(fleet: str) -> str:
+    return f"relayfleet-{fleet}-shardmap"
+
+
+def fleet_service_name(fleet: str) -> str:
+    return f"relayfleet-{fleet}"
+
+
+def credentials_name(fleet: str) -> str:
+    return f"relayfleet-{fleet}-credentials"
+
+
+def relay_account_name(fleet: str) -> str:
+    return f"relayfleet-{fleet}-relay"
+
+
+# --- metadata --------------------------------------------------------------------------------
+
+
+def labels(fleet: str, shard: str | None, component: str) -> dict[str, str]:
+    out = {
+        "app.kubernetes.io/name": "relayfleet",
+        "app.kubernetes.io/managed-by": MANAGER,
+        LABEL_COMPONENT: component,
+        LABEL_FLEET: fleet,
+    }
+    if shard is not None:
+        out["app.kubernetes.io/instance"] = shard
+        out[LABEL_SHARD] = shard
+    return out
+
+
+def relay_selector(shard: str) -> dict[str, str]:
+    # Deployment selectors are immutable: keep them to labels that never change.
+    return {LABEL_SHARD: shard, LABEL_COMPONENT: "relay"}
+
+
+def selector_string(shard: str) -> str:
+    """The scale subresource's status.selector (label selector in string form)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(relay_selector(shard).items()))
+
+
+def owner_reference(shard: ShardSpec, controller: bool = True) -> Obj:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": SHARD_KIND,
+        "name": shard.name,
+        "uid": shard.uid,
+        "controller": controller,
+        "blockOwnerDeletion": True,
+    }
+
+
+def fleet_owner_references(owners: Iterable[ShardSpec]) -> list[Obj]:
+    """Fleet-wide objects belong to every shard of the fleet, none as controller, so the
+    garbage collector removes them only when the last shard is gone."""
+    return [owner_reference(s, controller=False) for s in sorted(owners, key=lambda s: s.name)]
+
+
+def _meta(name: str, shard: ShardSpec, component: str, **extra: Any) -> Obj:
+    meta: Obj = {
+        "name": name,
+        "namespace": shard.namespace,
+        "labels": labels(shard.fleet, shard.name, component),
+        "ownerReferences": [owner_reference(shard)],
+    }
+    meta.update(extra)
+    return meta
+
+
+def _resources(res: Resources) -> Obj:
+    return {kind: dict(values) for kind, values in res.items() if values}
+
+
+def _pod_security(uid: int) -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "fsGroup": uid,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security() -> Obj:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+# --- redis URLs ------------------------------------------------------------------------------
+
+
+def strip_credentials(url: str) -> str:
+    """The URL without user:password, safe to put in a ConfigMap or a status."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
+def endpoint_of(url: str) -> str:
+    """host:port (or the socket path) of a Redis URL, without credentials."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return parts.path
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{parts.port or REDIS_PORT}"
+
+
+def managed_redis_host(shard: ShardSpec) -> str:
+    return f"{redis_name(shard.name)}.{shard.namespace}.svc"
+
+
+def managed_redis_url(shard: ShardSpec, password: str | None = None) -> str:
+    """URL of a managed shard's Redis; with the password only for the credentials Secret."""
+    auth = f":{quote(password, safe='')}@" if password else ""
+    return f"redis://{auth}{managed_redis_host(shard)}:{REDIS_PORT}/0"
+
+
+# --- relay ----------------------------------------------------------------------------------
+
+
+def relay_env(shard: ShardSpec) -> list[Obj]:
+    limits, retention = shard.limits, shard.retention
+    # Names as relay/settings.py and relay/cli.py read them.
+    pairs = [
+        ("RELAY_FLEET", shard.fleet),
+        ("RELAY_MAX_PAYLOAD", limits.max_payload_bytes),
+        ("RELAY_RATE_LIMIT", limits.rate_limit_messages),
+        ("RELAY_RATE_WINDOW_MS", limits.rate_limit_window_seconds * 1000),
+        ("RELAY_QUEUE_MAX_MESSAGES", limits.max_queue_messages),
+        ("RELAY_QUEUE_MAX_BYTES", limits.max_queue_bytes),
+        ("RELAY_RETENTION_SECONDS", retention.max_age_seconds),
+        ("RELAY_REDIS_CREDENTIALS_DIR", CREDENTIALS_DIR),
+    ]
+    return [{"name": k, "value": str(v)} for k, v in pairs]
+
+
+def relay_deployment(shard: ShardSpec) -> Obj:
+    selector = relay_selector(shard.name)
+    pod_labels = {**labels(shard.fleet, shard.name, "relay"), **selector}
+    container: Obj = {
+        "name": "relay",
+        "image": shard.image,
+        "imagePullPolicy": shard.image_pull_policy,
+        "command": ["relayfleet"],
+        "args": [
+            "relay",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(RELAY_PORT),
+            "--shard-map-configmap",
+            f"{shard.namespace}/{shardmap_name(shard.fleet)}",
+        ],
+        "env": relay_env(shard),
+        "ports": [{"name": "http", "containerPort": RELAY_PORT, "protocol": "TCP"}],
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
+        "resources": _resources(shard.resources),
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(relay_name(shard.name), shard, "relay"),
+        "spec": {
+            "replicas": shard.replicas,
+            "selector": {"matchLabels": selector},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {
+                    "labels": pod_labels,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(RELAY_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": {
+                    "serviceAccountName": relay_account_name(shard.fleet),
+                    "automountServiceAccountToken": True,  # the relay watches the shard map ConfigMap
+                    "securityContext": _pod_security(RELAY_UID),
+                    "terminationGracePeriodSeconds": 70,  # longer than the longest long-poll (60 s)
+                    "containers": [container],
+                    "volumes": [
+                        {
+                            "name": "credentials",
+                            "secret": {"secretName": credentials_name(shard.fleet), "optional": True},
+                        },
+                        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+                    ],
+                },
+            },
+        },
+    }
+
+
+def relay_service(shard: ShardSpec) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(relay_name(shard.name), shard, "relay"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": relay_selector(shard.name),
+            "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def relay_pdb(shard: ShardSpec) -> Obj:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(relay_name(shard.name), shard, "relay"),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": relay_selector(shard.name)}},
+    }
+
+
+# --- managed redis ---------------------------------------------------------------------------
+
+
+def redis_conf(
+    appendfsync: str = "everysec",
+    maxmemory_bytes: int = 0,
+    data_dir: str = "/data",
+    auth_include: str | None = "/etc/redis-secret/auth.conf",
+) -> str:
+    """redis.conf for a managed shard: AOF on, never evict (a relay must refuse, not forget)."""
+    if appendfsync not in ("everysec", "always"):
+        raise ValueError(f"appendfsync must be everysec or always, not {appendfsync!r}")
+    lines = [
+        "# Written by relayfleet-operator; edits are reverted on the next reconcile.",
+        "bind * -::*",
+        f"port {REDIS_PORT}",
+        f'dir "{data_dir}"',
+        "appendonly yes",
+        f"appendfsync {appendfsync}",
+        'appenddirname "appendonlydir"',
+        "aof-use-rdb-preamble yes",
+        # AOF is the persistence; periodic RDB snapshots would only add fork pauses.
+        'save ""',
+        f"maxmemory {maxmemory_bytes}",
+        "maxmemory-policy noeviction",
+        "tcp-keepalive 60",
+        "timeout 0",
+    ]
+    if auth_include:
+        lines.append(f"include {auth_include}")
+    return "\n".join(lines) + "\n"
+
+
+def redis_auth_conf(password: str) -> str:
+    return f"requirepass {password}\n"
+
+
+def redis_password_secret(shard: ShardSpec, password: str) -> Obj:
+    """Created once (the handler generates the password); never rewritten afterwards."""
+    if not password:
+        raise ValueError("the Redis password must not be empty")
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(redis_name(shard.name), shard, "redis"),
+        "type": "Opaque",
+        "stringData": {"password": password, "auth.conf": redis_auth_conf(password)},
+    }
+
+
+def redis_config_map(shard: ShardSpec) -> Obj:
+    managed = _managed(shard)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(redis_config_name(shard.name), shard, "redis"),
+        "data": {"redis.conf": redis_conf(managed.appendfsync, managed.maxmemory_bytes)},
+    }
+
+
+def redis_headless_service(shard: ShardSpec) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(redis_name(shard.name), shard, "redis"),
+        "spec": {
+            "clusterIP": "None",
+            # Clients address the one pod by the Service name; it must resolve before Ready
+            # is known so the operator can wait on it.
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_SHARD: shard.name, LABEL_COMPONENT: "redis"},
+            "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}],
+        },
+    }
+
+
+def _managed(shard: ShardSpec) -> ManagedRedis:
+    if not isinstance(shard.redis, ManagedRedis):
+        raise ValueError(f"RelayShard {shard.name} uses external Redis: no Redis objects to build")
+    return shard.redis
+
+
+def config_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def redis_statefulset(shard: ShardSpec) -> Obj:
+    managed = _managed(shard)
+    name = redis_name(shard.name)
+    selector = {LABEL_SHARD: shard.name, LABEL_COMPONENT: "redis"}
+    conf = redis_conf(managed.appendfsync, managed.maxmemory_bytes)
+    password_env = {"name": "REDISCLI_AUTH", "valueFrom": {"secretKeyRef": {"name": name, "key": "password"}}}
+    claim_spec: Obj = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": managed.storage_size}},
+    }
+    if managed.storage_class:
+        claim_spec["storageClassName"] = managed.storage_class
+    ping = ["sh", "-c", "redis-cli -p 6379 ping | grep -q PONG"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(name, shard, "redis"),
+        "spec": {
+            "serviceName": name,
+            "replicas": 1,
+            "selector": {"matchLabels": selector},
+            "podManagementPolicy": "OrderedReady",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Retain"},
+            "template": {
+                "metadata": {
+                    "labels": {**labels(shard.fleet, shard.name, "redis"), **selector},
+                    # redis-server reads its config once: a changed config must restart the pod.
+                    "annotations": {CONFIG_HASH: config_hash(conf)},
+                },
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "securityContext": _pod_security(REDIS_UID),
+                    "terminationGracePeriodSeconds": 30,
+                    "containers": [
+                        {
+                            "name": "redis",
+                            "image": managed.image,
+                            "command": ["redis-server", "/etc/redis/redis.conf"],
+                            "env": [password_env],
+                            "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
+                            "readinessProbe": {"exec": {"command": ping}, "periodSeconds": 5},
+                            "livenessProbe": {
+                                "tcpSocket": {"port": "redis"},
+                                "periodSeconds": 10,
+                                "failureThreshold": 6,
+                            },
+                            "resources": _resources(managed.resources),
+                            "securityContext": _container_security(),
+                            "volumeMounts": [
+                                {"name": "data", "mountPath": "/data"},
+                                {"name": "config", "mountPath": "/etc/redis", "readOnly": True},
+                                # Not under /etc/redis: a read-only ConfigMap volume holds no mount point.
+                                {"name": "secret", "mountPath": "/etc/redis-secret", "readOnly": True},
+                            ],
+                        }
+                    ],
+                    "volumes": [
+                        {"name": "config", "configMap": {"name": redis_config_name(shard.name)}},
+                        {
+                            "name": "secret",
+                            "secret": {
+                                "secretName": name,
+                                "items": [{"key": "auth.conf", "path": "auth.conf"}],
+                            },
+                        },
+                    ],
+                },
+            },
+            "volumeClaimTemplates": [
+                {
+                    "apiVersion": "v1",
+                    "kind": "PersistentVolumeClaim",
+                    "metadata": {"name": "data", "labels": labels(shard.fleet, shard.name, "redis")},
+                    "spec": claim_spec,
+                }
+            ],
+        },
+    }
+
+
+# --- all of one shard ------------------------------------------------------------------------
+
+
+def shard_children(shard: ShardSpec) -> list[Obj]:
+    """Every object owned by one shard, in apply order (the password Secret excepted: it is
+    created once by the handler, never re-applied)."""
+    objs = [relay_service(shard), relay_pdb(shard), relay_deployment(shard)]
+    if isinstance(shard.redis, ExternalRedis):
+        return objs
+    return [redis_config_map(shard), redis_headless_service(shard), redis_statefulset(shard), *objs]
+
+
+# --- fleet-wide objects ----------------------------------------------------------------------
+
+
+def _fleet_meta(name: str, namespace: str, fleet: str, component: str, owners: Sequence[ShardSpec]) -> Obj:
+    meta: Obj = {"name": name, "namespace": namespace, "labels": labels(fleet, None, component)}
+    if owners:
+        meta["ownerReferences"] = fleet_owner_references(owners)
+    return meta
+
+
+def fleet_service(namespace: str, fleet: str, owners: Sequence[ShardSpec]) -> Obj:
+    """One Service across every relay pod of the fleet: clients need not know the shards."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _fleet_meta(fleet_service_name(fleet), namespace, fleet, "fleet", owners),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {LABEL_FLEET: fleet, LABEL_COMPONENT: "relay"},
+            "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def relay_service_account(namespace: str, fleet: str, owners: Sequence[ShardSpec]) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _fleet_meta(relay_account_name(fleet), namespace, fleet, "relay", owners),
+    }
+
+
+def relay_role(namespace: str, fleet: str, owners: Sequence[ShardSpec]) -> Obj:
+    """Relays may read and watch their own fleet's shard map, nothing else."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _fleet_meta(relay_account_name(fleet), namespace, fleet, "relay", owners),
+        "rules": [
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": [shardmap_name(fleet)],
+                "verbs": ["get", "list", "watch"],
+            }
+        ],
+    }
+
+
+def relay_role_binding(namespace: str, fleet: str, owners: Sequence[ShardSpec]) -> Obj:
+    name = relay_account_name(fleet)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _fleet_meta(name, namespace, fleet, "relay", owners),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+    }
+
+
+def credentials_secret(
+    namespace: str, fleet: str, urls: Mapping[str, str], owners: Sequence[ShardSpec]
+) -> Obj:
+    """Full Redis URLs (with passwords) per shard, mounted into relay pods as files named
+    after the shards; the shard map itself carries only credential-free URLs."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _fleet_meta(credentials_name(fleet), namespace, fleet, "fleet", owners),
+        "type": "Opaque",
+        "stringData": dict(sorted(urls.items())),
+    }
+
+
+def fleet_objects(namespace: str, fleet: str, owners: Sequence[ShardSpec]) -> list[Obj]:
+    return [
+        relay_service_account(namespace, fleet, owners),
+        relay_role(namespace, fleet, owners),
+        relay_role_binding(namespace, fleet, owners),
+        fleet_service(namespace, fleet, owners),
+    ]
+
+
+# --- the shard map ---------------------------------------------------------------------------
+
+
+def initial_shard_map(fleet: str, shard: str, url: str) -> ShardMap:
+    """The first shard of a fleet owns all 16384 slots."""
+    return ShardMap(fleet, 1, {shard: url}, (SlotRange(0, SLOT_COUNT - 1, shard),))
+
+
+def join_shard_map(current: ShardMap | None, fleet: str, shard: str, url: str) -> ShardMap:
+    """The map after `shard` joins (with no slots) or changes its URL; unchanged if neither."""
+    if current is None:
+        return initial_shard_map(fleet, shard, url)
+    if current.fleet != fleet:
+        raise ShardMapError(f"shard map belongs to fleet {current.fleet!r}, not {fleet!r}")
+    if current.shards.get(shard) == url:
+        return current
+    shards = {**current.shards, shard: url}
+    return ShardMap(current.fleet, current.epoch + 1, shards, current.ranges)
+
+
+def leave_shard_map(current: ShardMap, shard: str) -> ShardMap | None:
+    """The map without `shard`, which must own no slots; None when no shard is left."""
+    if shard not in current.shards:
+        return current
+    owned = current.slot_counts().get(shard, 0)
+    if owned:
+        raise ShardMapError(f"shard {shard!r} still owns {owned} slots; migrate them away first")
+    shards = {k: v for k, v in current.shards.items() if k != shard}
+    if not shards:
+        return None
+    return ShardMap(current.fleet, current.epoch + 1, shards, current.ranges)
+
+
+def shard_map_from_configmap(cm: Mapping[str, Any] | None) -> ShardMap | None:
+    if not cm:
+        return None
+    data = cm.get("data") or {}
+    text = data.get(SHARDMAP_KEY)
+    if text is None:
+        raise ShardMapError(f"ConfigMap has no {SHARDMAP_KEY!r} key")
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ShardMapError(f"{SHARDMAP_KEY} is not valid JSON: {exc}") from None
+    return parse_shard_map(doc)
+
+
+def shard_map_configmap(namespace: str, shard_map: ShardMap, owners: Sequence[ShardSpec]) -> Obj:
+    # Round-trip through the validator: a map that breaks the contract never gets written.
+    parse_shard_map(shard_map.to_json())
+    meta = _fleet_meta(shardmap_name(shard_map.fleet), namespace, shard_map.fleet, "shardmap", owners)
+    meta["annotations"] = {"relayfleet.dev/epoch": str(shard_map.epoch)}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta,
+        "data": {SHARDMAP_KEY: shard_map.dumps()},
+    }

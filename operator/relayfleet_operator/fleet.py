@@ -1,0 +1,213 @@
+"""Fleet bookkeeping against the API: the shard map ConfigMap, Redis URLs and credentials,
+the fleet's RelayShards and the per-fleet lock that keeps slot moves one-at-a-time-per-fleet.
+
+The shard map is only ever changed through `update_shard_map`: a read-modify-write with the
+ConfigMap's resourceVersion (optimistic concurrency), so two writers cannot lose an update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from relay.fleet.sharding import ShardMap
+from relayfleet_operator import builders, metrics
+from relayfleet_operator.kube import Conflict, Kube
+from relayfleet_operator.spec import API_VERSION, SHARD_KIND, ExternalRedis, ShardSpec, SpecError, parse_shard
+
+Obj = dict[str, Any]
+MapChange = Callable[[ShardMap | None], ShardMap | None]
+_MAP_WRITE_ATTEMPTS = 8
+
+
+class FleetError(RuntimeError):
+    """Fleet state the operator cannot work with (a missing Secret key, a broken map)."""
+
+
+@dataclass
+class Locks:
+    """One lock per (namespace, fleet): shard-map writes and slot moves never interleave."""
+
+    _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+
+    def fleet(self, namespace: str, fleet: str) -> asyncio.Lock:
+        return self._locks.setdefault((namespace, fleet), asyncio.Lock())
+
+
+@dataclass
+class Context:
+    """Everything handlers share; lives in kopf's memo."""
+
+    kube: Kube
+    locks: Locks = field(default_factory=Locks)
+    # Which fleets are moving slots right now, and for what (shown in shard conditions).
+    moving: dict[tuple[str, str], str] = field(default_factory=dict)
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+async def read_shard_map(kube: Kube, namespace: str, fleet: str) -> tuple[ShardMap | None, Obj | None]:
+    cm = await kube.get("v1", "ConfigMap", namespace, builders.shardmap_name(fleet))
+    return builders.shard_map_from_configmap(cm), cm
+
+
+async def fleet_shards(kube: Kube, namespace: str, fleet: str) -> list[Obj]:
+    """Every RelayShard object of `fleet` in `namespace` (deleting ones included)."""
+    items = await kube.list(API_VERSION, SHARD_KIND, namespace)
+    return [o for o in items if (o.get("spec") or {}).get("fleet") == fleet]
+
+
+def specs_of(objs: Sequence[Mapping[str, Any]]) -> list[ShardSpec]:
+    out = []
+    for obj in objs:
+        try:
+            out.append(parse_shard(obj))
+        except SpecError:
+            continue  # an invalid shard is reported on its own status; it owns nothing here
+    return out
+
+
+def deleting(obj: Mapping[str, Any]) -> bool:
+    return bool((obj.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def weights_of(objs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """Weights of the shards that may hold slots (valid and not being deleted)."""
+    out: dict[str, int] = {}
+    for obj in objs:
+        if deleting(obj):
+            continue
+        try:
+            spec = parse_shard(obj)
+        except SpecError:
+            continue
+        out[spec.name] = spec.weight
+    return out
+
+
+# --- URLs and credentials --------------------------------------------------------------------
+
+
+async def ensure_password(kube: Kube, shard: ShardSpec) -> str:
+    """The managed Redis password: read from its Secret, generated and stored the first time."""
+    name = builders.redis_name(shard.name)
+    existing = await kube.get("v1", "Secret", shard.namespace, name)
+    if existing is None:
+        # Conflict: created concurrently; read the winner's password below.
+        with contextlib.suppress(Conflict):
+            await kube.create(builders.redis_password_secret(shard, secrets.token_urlsafe(32)))
+        existing = await kube.get("v1", "Secret", shard.namespace, name)
+    data = (existing or {}).get("data") or {}
+    if "password" not in data:
+        raise FleetError(f"Secret {name} has no 'password' key; delete it to have a new one generated")
+    return base64.b64decode(data["password"]).decode()
+
+
+async def redis_url(kube: Kube, shard: ShardSpec) -> str:
+    """The full Redis URL of a shard (credentials included): for the operator and relays only."""
+    if isinstance(shard.redis, ExternalRedis):
+        if shard.redis.url is not None:
+            return shard.redis.url
+        name, key = shard.redis.secret_name or "", shard.redis.secret_key
+        secret = await kube.get("v1", "Secret", shard.namespace, name)
+        if secret is None:
+            raise FleetError(f"Secret {name} named in spec.redis.external.secretRef does not exist")
+        value = (secret.get("data") or {}).get(key)
+        if value is None:
+            raise FleetError(f"Secret {name} has no key {key!r} (spec.redis.external.secretRef.key)")
+        url = base64.b64decode(value).decode().strip()
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise FleetError(f"Secret {name} key {key!r} does not hold a redis://, rediss:// or unix:// URL")
+        return url
+    return builders.managed_redis_url(shard, await ensure_password(kube, shard))
+
+
+async def fleet_urls(kube: Kube, objs: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Full URLs of every shard of the fleet that the operator can resolve."""
+    out: dict[str, str] = {}
+    for shard in specs_of(objs):
+        try:
+            out[shard.name] = await redis_url(kube, shard)
+        except FleetError:
+            continue
+    return out
+
+
+async def set_credentials(
+    kube: Kube, namespace: str, fleet: str, shard: str, url: str | None, owners: Sequence[ShardSpec]
+) -> None:
+    """Add, update (url) or remove (None) one shard's key in the fleet credentials Secret."""
+    name = builders.credentials_name(fleet)
+    current = await kube.get("v1", "Secret", namespace, name)
+    encoded = base64.b64encode(url.encode()).decode() if url is not None else None
+    if current is None:
+        if url is None:
+            return
+        try:
+            await kube.create(builders.credentials_secret(namespace, fleet, {shard: url}, owners))
+            return
+        except Conflict:
+            current = await kube.get("v1", "Secret", namespace, name)
+    data = (current or {}).get("data") or {}
+    if data.get(shard) == encoded:
+        return
+    patch: Obj = {"data": {shard: encoded}}
+    if owners:
+        patch["metadata"] = {"ownerReferences": builders.fleet_owner_references(owners)}
+    await kube.merge_patch("v1", "Secret", namespace, name, patch)
+
+
+# --- the shard map ----------------------------------------------------------------------------
+
+
+async def update_shard_map(
+    kube: Kube, namespace: str, fleet: str, change: MapChange, owners: Sequence[ShardSpec]
+) -> tuple[ShardMap | None, bool]:
+    """Apply `change` to the fleet's map; returns (the map now, whether it was written)."""
+    for _ in range(_MAP_WRITE_ATTEMPTS):
+        current, cm = await read_shard_map(kube, namespace, fleet)
+        wanted = change(current)
+        if wanted is current or (wanted is not None and current is not None and wanted == current):
+            return current, False
+        try:
+            if wanted is None:
+                await kube.delete("v1", "ConfigMap", namespace, builders.shardmap_name(fleet))
+            elif cm is None:
+                await kube.create(builders.shard_map_configmap(namespace, wanted, owners))
+            else:
+                obj = builders.shard_map_configmap(namespace, wanted, owners)
+                obj["metadata"]["resourceVersion"] = cm["metadata"]["resourceVersion"]
+                await kube.replace(obj)
+        except Conflict:
+            continue  # someone wrote in between: recompute from their version
+        if wanted is not None:
+            metrics.SHARD_MAP_EPOCH.labels(namespace, fleet).set(wanted.epoch)
+        return wanted, True
+    raise FleetError(f"shard map of fleet {fleet} kept changing under us; will retry")
+
+
+async def publish_move(
+    kube: Kube, namespace: str, fleet: str, slots: Sequence[int], target: str, owners: Sequence[ShardSpec]
+) -> ShardMap:
+    """Record in the shard map that `slots` now belong to `target` (epoch + 1)."""
+
+    def change(current: ShardMap | None) -> ShardMap | None:
+        if current is None:
+            raise FleetError(f"fleet {fleet} has no shard map")
+        if all(current.shard_for_slot(s) == target for s in slots):
+            return current  # already published (a resumed move)
+        return current.with_slots(slots, target)
+
+    result, _ = await update_shard_map(kube, namespace, fleet, change, owners)
+    assert result is not None
+    return result
+
+
+def owned_by(shard_map: ShardMap | None, shard: str) -> int:
+    return 0 if shard_map is None else shard_map.slot_counts().get(shard, 0)

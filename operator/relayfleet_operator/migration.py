@@ -1,0 +1,116 @@
+"""The operator's only contact with Redis.
+
+`migrate_range` is the one adapter between the operator and the shared migration library
+(`relay.fleet.migration`, the fenced MIGRATE protocol of DESIGN §4): every slot move the
+operator makes — draining a deleted shard, executing a RelayRebalance — goes through it.
+The rest answers the few questions the operator asks a shard directly: does it answer, does
+it hold data, how many bytes sit in these slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from relay.fleet.sharding import ShardMap
+from relay.storage import keys
+from relayfleet_operator.planning import Move
+
+
+class MigrationUnavailable(NotImplementedError):
+    """The migration library is not wired in: no slot can move."""
+
+
+@dataclass(frozen=True)
+class MoveResult:
+    keys: int = 0
+    bytes: int = 0
+
+
+# Called once the library has flipped the range (target owns it, source answers MOVED):
+# the operator then publishes the new shard map (epoch + 1) to the ConfigMap.
+OnFlipped = Callable[[Move], Awaitable[None]]
+
+
+async def migrate_range(
+    shard_map: ShardMap, move: Move, urls: Mapping[str, str], on_flipped: OnFlipped
+) -> MoveResult:
+    """Move `move`'s slots from its source to its target with the shared migration library.
+
+    `urls` maps shard names to full Redis URLs (credentials included). Must be idempotent
+    and resumable: the operator calls it again for a move interrupted by a restart.
+    """
+    raise MigrationUnavailable(
+        "slot migration is not available: relay.fleet.migration (the fenced MIGRATE protocol) "
+        "is not wired into relayfleet_operator.migration.migrate_range yet"
+    )
+
+
+def _client(url: str, timeout: float) -> aioredis.Redis:
+    return aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+
+
+async def ping(url: str, limit_s: float = 2.0) -> bool:
+    client = _client(url, limit_s)
+    try:
+        return bool(await asyncio.wait_for(client.ping(), limit_s))
+    except (RedisError, OSError, TimeoutError):
+        return False
+    finally:
+        await client.aclose()
+
+
+async def holds_data(url: str, slots: Iterable[int], limit_s: float = 5.0) -> bool:
+    """True if any of `slots` has a queue on this shard (per-slot index, no SCAN)."""
+    client = _client(url, limit_s)
+    try:
+        pipe = client.pipeline(transaction=False)
+        for slot in slots:
+            pipe.scard(keys.slot_index(slot))
+        return any(int(n) > 0 for n in await pipe.execute())
+    finally:
+        await client.aclose()
+
+
+async def slot_bytes(url: str, slots: Iterable[int], limit_s: float = 5.0) -> dict[int, tuple[int, int]]:
+    """(messages, bytes) per slot from the per-slot statistics the write scripts keep."""
+    client = _client(url, limit_s)
+    wanted = list(slots)
+    try:
+        pipe = client.pipeline(transaction=False)
+        for slot in wanted:
+            pipe.hmget(keys.slot_stats(slot), "msgs", "bytes")
+        out: dict[int, tuple[int, int]] = {}
+        for slot, (msgs, size) in zip(wanted, await pipe.execute(), strict=True):
+            out[slot] = (int(msgs or 0), int(size or 0))
+        return out
+    finally:
+        await client.aclose()
+
+
+async def estimate(moves: list[Move], urls: Mapping[str, str]) -> list[Move]:
+    """Moves with bytes/messages filled from the source shards' statistics (best effort:
+    an unreachable shard leaves its moves at zero)."""
+    by_source: dict[str, list[int]] = {}
+    for m in moves:
+        by_source.setdefault(m.source, []).extend(m.slot_list())
+    stats: dict[str, dict[int, tuple[int, int]]] = {}
+    for source, slots in by_source.items():
+        url = urls.get(source)
+        if url is None:
+            continue
+        try:
+            stats[source] = await slot_bytes(url, slots)
+        except (RedisError, OSError, TimeoutError):
+            continue
+    out = []
+    for m in moves:
+        per = stats.get(m.source, {})
+        msgs = sum(per.get(s, (0, 0))[0] for s in m.slot_list())
+        size = sum(per.get(s, (0, 0))[1] for s in m.slot_list())
+        out.append(Move(m.start, m.end, m.source, m.target, size, msgs))
+    return out

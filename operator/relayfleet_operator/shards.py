@@ -1,0 +1,376 @@
+"""Reconciling one RelayShard against the API: children, fleet membership, status; and
+draining it (moving its slots away) before it may be deleted."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, cast
+
+import kopf
+
+from relay.fleet.sharding import ShardMap, ShardMapError
+from relayfleet_operator import builders, fleet, metrics, migration
+from relayfleet_operator.kube import KubeError
+from relayfleet_operator.planning import Move, PlanError, move_from_json, plan_drain
+from relayfleet_operator.spec import API_VERSION, SHARD_KIND, ManagedRedis, ShardSpec, SpecError, parse_shard
+from relayfleet_operator.status import Observed, condition, shard_status
+
+Obj = dict[str, Any]
+FORCE_DELETE = "relayfleet.dev/force-delete"
+log = logging.getLogger("relayfleet.operator")
+
+
+def notify(body: Mapping[str, Any], reason: str, message: str, warning: bool = False) -> None:
+    """Post a Kubernetes Event on the object (no-op outside a running operator)."""
+    try:
+        target = cast(kopf.Body, body)  # kopf accepts any mapping with apiVersion/kind/metadata
+        if warning:
+            kopf.warn(target, reason=reason, message=message)
+        else:
+            kopf.info(target, reason=reason, message=message)
+    except LookupError:
+        pass
+
+
+async def write_status(ctx: fleet.Context, body: Mapping[str, Any], status: Obj) -> None:
+    meta = body.get("metadata") or {}
+    try:
+        await ctx.kube.merge_patch(
+            API_VERSION, SHARD_KIND, meta.get("namespace"), meta["name"], {"status": status}, "status"
+        )
+    except KubeError as exc:
+        if exc.status != 404:  # gone already: nothing to report on
+            raise
+
+
+async def _observe(ctx: fleet.Context, shard: ShardSpec, url: str | None) -> Observed:
+    kube = ctx.kube
+    dep = await kube.get("apps/v1", "Deployment", shard.namespace, builders.relay_name(shard.name))
+    sts = None
+    reachable = None
+    if isinstance(shard.redis, ManagedRedis):
+        sts = await kube.get("apps/v1", "StatefulSet", shard.namespace, builders.redis_name(shard.name))
+    elif url is not None:
+        reachable = await migration.ping(url)
+    shard_map, _ = await fleet.read_shard_map(kube, shard.namespace, shard.fleet)
+    return Observed(
+        deployment=dep,
+        statefulset=sts,
+        redis_reachable=reachable,
+        redis_endpoint=builders.endpoint_of(url) if url else None,
+        slot_count=fleet.owned_by(shard_map, shard.name),
+        shard_map_epoch=shard_map.epoch if shard_map else None,
+        in_shard_map=shard_map is not None and shard.name in shard_map.shards,
+        migrating=ctx.moving.get((shard.namespace, shard.fleet)),
+    )
+
+
+async def reconcile(ctx: fleet.Context, body: Mapping[str, Any], *, announce: bool) -> Obj:
+    """Make the world match one RelayShard; returns the status written.
+
+    Idempotent: the change handlers and the periodic resync both call it, and the resync is
+    what corrects drift (server-side apply resets every field we own)."""
+    started = time.monotonic()
+    try:
+        shard = parse_shard(body)
+    except SpecError as exc:
+        metrics.ERRORS.labels("RelayShard", "SpecError").inc()
+        notify(body, "InvalidSpec", str(exc), warning=True)
+        raise kopf.PermanentError(str(exc)) from None
+    if fleet.deleting(body):
+        return {}
+    previous = body.get("status") or {}
+    url: str | None = None
+    try:
+        async with ctx.locks.fleet(shard.namespace, shard.fleet):
+            url = await fleet.redis_url(ctx.kube, shard)
+            for obj in builders.shard_children(shard):
+                await ctx.kube.apply(obj)
+            members = await fleet.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
+            owners = fleet.specs_of(members)
+            for obj in builders.fleet_objects(shard.namespace, shard.fleet, owners):
+                await ctx.kube.apply(obj)
+            await fleet.set_credentials(ctx.kube, shard.namespace, shard.fleet, shard.name, url, owners)
+            public = builders.strip_credentials(url)
+            before, _ = await fleet.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
+            after, written = await fleet.update_shard_map(
+                ctx.kube,
+                shard.namespace,
+                shard.fleet,
+                lambda m: builders.join_shard_map(m, shard.fleet, shard.name, public),
+                owners,
+            )
+        if written and after is not None:
+            joined = before is None or shard.name not in before.shards
+            if joined:
+                slots = after.slot_counts().get(shard.name, 0)
+                notify(
+                    body,
+                    "JoinedFleet",
+                    f"joined fleet {shard.fleet} with {slots} slots (epoch {after.epoch})",
+                )
+                if before is not None and shard.auto_rebalance:
+                    await _propose_join_rebalance(ctx, shard, body)
+            else:
+                notify(body, "ShardMapUpdated", f"Redis URL updated in the shard map (epoch {after.epoch})")
+        seen = await _observe(ctx, shard, url)
+    except (KubeError, fleet.FleetError, ShardMapError) as exc:
+        metrics.ERRORS.labels("RelayShard", type(exc).__name__).inc()
+        metrics.RECONCILES.labels("RelayShard", "error").inc()
+        status = shard_status(shard, previous, Observed(error=str(exc), redis_endpoint=None))
+        status["slotCount"] = previous.get("slotCount", 0)
+        await _safe_status(ctx, body, status)
+        if announce or condition(previous, "Degraded") is None or _was_not_degraded(previous):
+            notify(body, "ReconcileError", str(exc), warning=True)
+        raise kopf.TemporaryError(str(exc), delay=15) from None
+    status = shard_status(shard, previous, seen)
+    await write_status(ctx, body, status)
+    if announce:
+        notify(body, "Reconciled", f"children applied; phase {status['phase']}")
+    elif previous.get("phase") != status["phase"]:
+        notify(body, "PhaseChanged", f"phase {previous.get('phase', '-')} -> {status['phase']}")
+    metrics.RECONCILES.labels("RelayShard", "ok").inc()
+    metrics.RECONCILE_SECONDS.labels("RelayShard").observe(time.monotonic() - started)
+    return status
+
+
+def _was_not_degraded(previous: Mapping[str, Any]) -> bool:
+    cond = condition(previous, "Degraded")
+    return cond is None or cond.get("status") != "True"
+
+
+async def _safe_status(ctx: fleet.Context, body: Mapping[str, Any], status: Obj) -> None:
+    try:
+        await write_status(ctx, body, status)
+    except KubeError:
+        log.warning("could not write the status of %s", (body.get("metadata") or {}).get("name"))
+
+
+async def _propose_join_rebalance(ctx: fleet.Context, shard: ShardSpec, body: Mapping[str, Any]) -> None:
+    """spec.autoRebalance: a new shard asks for its share of the fleet's slots at once."""
+    obj = {
+        "apiVersion": API_VERSION,
+        "kind": "RelayRebalance",
+        "metadata": {
+            "name": f"{shard.name}-join",
+            "namespace": shard.namespace,
+            "labels": builders.labels(shard.fleet, shard.name, "rebalance"),
+            "ownerReferences": [builders.owner_reference(shard, controller=False)],
+        },
+        "spec": {"fleet": shard.fleet, "mode": "weight", "autoApprove": True},
+    }
+    try:
+        await ctx.kube.create(obj)
+    except KubeError as exc:
+        if exc.status != 409:
+            raise
+        return
+    notify(body, "RebalanceProposed", f"created RelayRebalance {shard.name}-join (autoRebalance)")
+
+
+# --- deletion ---------------------------------------------------------------------------------
+
+
+async def drain(ctx: fleet.Context, body: Mapping[str, Any]) -> None:
+    """Finalizer: move every slot of this shard to the others by weight, then leave the map.
+
+    Returns when the shard may go; raises kopf.TemporaryError to be called again later.
+    Resumable: the plan is kept in status.drain and moves already published are skipped."""
+    try:
+        shard = parse_shard(body)
+    except SpecError:
+        return  # never reconciled, owns nothing: let it go
+    key = (shard.namespace, shard.fleet)
+    lock = ctx.locks.fleet(*key)
+    if lock.locked() and key in ctx.moving:
+        raise kopf.TemporaryError(f"waiting: {ctx.moving[key]}", delay=10)
+    previous = body.get("status") or {}
+    async with lock:
+        members = await fleet.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
+        owners = fleet.specs_of(members)
+        shard_map, _ = await fleet.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
+        owned = fleet.owned_by(shard_map, shard.name)
+        if shard_map is not None and owned:
+            # Only shards already in the map (reconciled at least once) can take slots.
+            weights = {
+                n: w
+                for n, w in fleet.weights_of(members).items()
+                if n != shard.name and n in shard_map.shards
+            }
+            if not weights:
+                await _last_shard(ctx, body, shard, shard_map, previous)
+            else:
+                await _move_away(ctx, body, shard, shard_map, weights, owners, previous)
+        left, _ = await fleet.update_shard_map(
+            ctx.kube,
+            shard.namespace,
+            shard.fleet,
+            lambda m: None if m is None else builders.leave_shard_map(m, shard.name),
+            [o for o in owners if o.name != shard.name],
+        )
+        await fleet.set_credentials(ctx.kube, shard.namespace, shard.fleet, shard.name, None, [])
+    notify(body, "LeftFleet", f"left fleet {shard.fleet}" + ("" if left else "; it was the last shard"))
+
+
+async def _last_shard(
+    ctx: fleet.Context, body: Mapping[str, Any], shard: ShardSpec, shard_map: ShardMap, previous: Obj
+) -> None:
+    """No other shard can take the slots: allow deletion only if nothing would be lost."""
+    annotations = (body.get("metadata") or {}).get("annotations") or {}
+    if annotations.get(FORCE_DELETE) == "true":
+        notify(body, "ForceDelete", f"{FORCE_DELETE}=true: deleting the last shard without moving data", True)
+        return
+    try:
+        url = await fleet.redis_url(ctx.kube, shard)
+        has_data = await migration.holds_data(url, shard_map.slots_of(shard.name))
+        unknown = ""
+    except Exception as exc:
+        has_data, unknown = True, f" (could not check: {type(exc).__name__})"
+    if not has_data:
+        return
+    why = (
+        f"{shard.name} is the last shard of fleet {shard.fleet} and holds data{unknown}: its slots have "
+        f"nowhere to go. Add another RelayShard to the fleet and the deletion continues, or annotate "
+        f"{FORCE_DELETE}=true to delete the data with it."
+    )
+    status = shard_status(
+        shard, previous, Observed(blocked=why, slot_count=len(shard_map.slots_of(shard.name)))
+    )
+    await _safe_status(ctx, body, status)
+    notify(body, "DeletionBlocked", why, warning=True)
+    metrics.ERRORS.labels("RelayShard", "DeletionBlocked").inc()
+    raise kopf.TemporaryError(why, delay=30)
+
+
+async def _move_away(
+    ctx: fleet.Context,
+    body: Mapping[str, Any],
+    shard: ShardSpec,
+    shard_map: ShardMap,
+    weights: dict[str, int],
+    owners: list[ShardSpec],
+    previous: Obj,
+) -> None:
+    key = (shard.namespace, shard.fleet)
+    urls = await fleet.fleet_urls(ctx.kube, await fleet.fleet_shards(ctx.kube, shard.namespace, shard.fleet))
+    entries = [dict(e) for e in (previous.get("drain") or {}).get("moves") or ()]
+    plan = [move_from_json(e) for e in entries]
+    # A kept plan is reused while its targets still exist; otherwise plan afresh.
+    if not plan or any(m.target not in weights for m in plan if _entry_state(entries, m) != "Done"):
+        try:
+            plan = plan_drain(shard_map, [shard.name], weights)
+        except PlanError as exc:
+            raise kopf.TemporaryError(str(exc), delay=30) from None
+        plan = await migration.estimate(plan, urls)
+        entries = [{**m.to_json(), "state": "Pending"} for m in plan]
+    total = sum(m.size for m in plan)
+    notify(body, "Draining", f"moving {total} slots in {len(plan)} ranges to {', '.join(sorted(weights))}")
+    ctx.moving[key] = f"draining {shard.name}: {total} slots in {len(plan)} ranges"
+    try:
+        for i, move in enumerate(plan):
+            if entries[i].get("state") == "Done":
+                continue
+            current, _ = await fleet.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
+            if current is None:
+                raise kopf.TemporaryError("the shard map disappeared", delay=30)
+            if all(current.shard_for_slot(s) == move.target for s in move.slot_list()):
+                entries[i]["state"] = "Done"
+                continue
+            entries[i]["state"] = "Migrating"
+            await _drain_status(ctx, body, shard, previous, entries, i, current)
+            try:
+                result = await _run_move(
+                    ctx, shard.namespace, shard.fleet, current, move, urls, owners, "drain"
+                )
+            except migration.MigrationUnavailable as exc:
+                entries[i]["state"] = "Failed"
+                entries[i]["message"] = str(exc)
+                await _blocked(ctx, body, shard, previous, entries, str(exc))
+                raise kopf.TemporaryError(str(exc), delay=60) from None
+            except Exception as exc:
+                entries[i]["state"] = "Failed"
+                entries[i]["message"] = f"{type(exc).__name__}: {exc}"[:4000]
+                await _drain_status(ctx, body, shard, previous, entries, i, current)
+                notify(body, "MoveFailed", f"slots {move.slots} -> {move.target}: {exc}", warning=True)
+                raise kopf.TemporaryError(f"moving slots {move.slots} failed: {exc}", delay=30) from None
+            entries[i].update(state="Done", bytesMoved=result.bytes, keysMoved=result.keys)
+            notify(
+                body,
+                "SlotsMoved",
+                f"slots {move.slots} -> {move.target} ({result.keys} keys, {result.bytes} B)",
+            )
+        done_map, _ = await fleet.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
+        await _drain_status(ctx, body, shard, previous, entries, len(entries), done_map)
+    finally:
+        ctx.moving.pop(key, None)
+
+
+def _entry_state(entries: list[Obj], move: Move) -> str:
+    for e in entries:
+        if e.get("slots") == move.slots and e.get("to") == move.target:
+            return str(e.get("state"))
+    return "Pending"
+
+
+async def _run_move(
+    ctx: fleet.Context,
+    namespace: str,
+    fleet_name: str,
+    shard_map: ShardMap,
+    move: Move,
+    urls: Mapping[str, str],
+    owners: list[ShardSpec],
+    cause: str,
+) -> migration.MoveResult:
+    """One range through the migration adapter; the map is published at the flip."""
+
+    async def on_flipped(m: Move) -> None:
+        await fleet.publish_move(ctx.kube, namespace, fleet_name, m.slot_list(), m.target, owners)
+
+    try:
+        result = await migration.migrate_range(shard_map, move, urls, on_flipped)
+    except Exception:
+        metrics.MIGRATIONS.labels(cause, "error").inc()
+        raise
+    # Publishing again is a no-op if the library already did it at the flip.
+    await on_flipped(move)
+    metrics.MIGRATIONS.labels(cause, "ok").inc()
+    metrics.SLOTS_MOVED.labels(fleet_name).inc(move.size)
+    metrics.BYTES_MOVED.labels(fleet_name).inc(result.bytes)
+    return result
+
+
+async def _drain_status(
+    ctx: fleet.Context,
+    body: Mapping[str, Any],
+    shard: ShardSpec,
+    previous: Obj,
+    entries: list[Obj],
+    index: int,
+    shard_map: ShardMap | None,
+) -> None:
+    done = sum(1 for e in entries if e.get("state") == "Done")
+    msg = f"draining: {done}/{len(entries)} ranges moved"
+    if index < len(entries):
+        e = entries[index]
+        msg += f"; now slots {e['slots']} -> {e['to']}"
+    status = shard_status(
+        shard,
+        previous,
+        Observed(draining=True, migrating=msg, slot_count=fleet.owned_by(shard_map, shard.name)),
+    )
+    status["drain"] = {"moves": entries}
+    await _safe_status(ctx, body, status)
+
+
+async def _blocked(
+    ctx: fleet.Context, body: Mapping[str, Any], shard: ShardSpec, previous: Obj, entries: list[Obj], why: str
+) -> None:
+    status = shard_status(
+        shard, previous, Observed(blocked=why, draining=True, slot_count=previous.get("slotCount"))
+    )
+    status["drain"] = {"moves": entries}
+    await _safe_status(ctx, body, status)
+    notify(body, "DeletionBlocked", why, warning=True)

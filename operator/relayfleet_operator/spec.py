@@ -1,0 +1,250 @@
+"""A RelayShard's spec as typed values, with the CRD's defaults applied.
+
+The API server fills defaults already; repeating them here keeps the pure builders total
+(they also receive hand-written bodies in tests and from older stored objects). Bad input
+raises SpecError with a message naming the field, never a KeyError.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+GROUP = "relayfleet.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+SHARD_KIND = "RelayShard"
+SHARD_PLURAL = "relayshards"
+REBALANCE_KIND = "RelayRebalance"
+REBALANCE_PLURAL = "relayrebalances"
+
+DEFAULT_IMAGE = "ghcr.io/relayfleet/relayfleet:0.1.0"
+DEFAULT_REDIS_IMAGE = "redis:7.2"
+
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DURATION = re.compile(r"^([0-9]+)(s|m|h|d)$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([KMGTPE]i|[kMGTPE]|m)?$")
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+
+Quantity = int | str
+Resources = Mapping[str, Mapping[str, Quantity]]
+
+
+def default_relay_resources() -> Resources:
+    return {"requests": {"cpu": "100m", "memory": "128Mi"}}
+
+
+def default_redis_resources() -> Resources:
+    return {"requests": {"cpu": "100m", "memory": "256Mi"}}
+
+
+class SpecError(ValueError):
+    """A RelayShard or RelayRebalance spec the operator cannot act on."""
+
+
+@dataclass(frozen=True)
+class ManagedRedis:
+    image: str = DEFAULT_REDIS_IMAGE
+    storage_size: Quantity = "1Gi"
+    storage_class: str | None = None
+    appendfsync: str = "everysec"
+    maxmemory_bytes: int = 0
+    resources: Resources = field(default_factory=default_redis_resources)
+
+
+@dataclass(frozen=True)
+class ExternalRedis:
+    url: str | None = None
+    secret_name: str | None = None
+    secret_key: str = "url"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_payload_bytes: int = 5242880
+    rate_limit_messages: int = 500
+    rate_limit_window_seconds: int = 5
+    max_queue_messages: int = 10000
+    max_queue_bytes: int = 268435456
+
+
+@dataclass(frozen=True)
+class Retention:
+    max_age_seconds: int = 7 * 86400
+    max_messages: int = 10000
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    name: str
+    namespace: str
+    uid: str
+    fleet: str
+    redis: ManagedRedis | ExternalRedis
+    replicas: int = 2
+    weight: int = 100
+    image: str = DEFAULT_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+    auto_rebalance: bool = False
+    resources: Resources = field(default_factory=default_relay_resources)
+    retention: Retention = Retention()
+    limits: Limits = Limits()
+    generation: int = 0
+
+    @property
+    def managed(self) -> bool:
+        return isinstance(self.redis, ManagedRedis)
+
+
+def parse_duration(text: str) -> int:
+    """'7d' / '12h' / '30m' / '45s' into seconds."""
+    m = _DURATION.match(text)
+    if not m:
+        raise SpecError(f"duration {text!r} must be a number followed by s, m, h or d")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def quantity_bytes(value: Quantity) -> int:
+    """A Kubernetes quantity ('512Mi', '1G', 1073741824) as a whole number of bytes."""
+    if isinstance(value, bool):
+        raise SpecError(f"quantity {value!r} is not a number")
+    if isinstance(value, int):
+        if value < 0:
+            raise SpecError(f"quantity {value} must not be negative")
+        return value
+    m = _QUANTITY.match(value.strip())
+    if not m:
+        raise SpecError(f"quantity {value!r} is not a byte size like 512Mi or 1G")
+    number, suffix = float(m.group(1)), m.group(2)
+    if suffix == "m":
+        raise SpecError(f"quantity {value!r}: milli-bytes make no sense for memory")
+    factor = _BINARY.get(suffix or "", _DECIMAL.get(suffix or "", 1))
+    return int(number * factor)
+
+
+def _obj(parent: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+    value = parent.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{where}.{key} must be an object")
+    return value
+
+
+def _int(parent: Mapping[str, Any], key: str, where: str, default: int, lo: int, hi: int) -> int:
+    value = parent.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{where}.{key} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise SpecError(f"{where}.{key} must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def _str(parent: Mapping[str, Any], key: str, where: str, default: str | None = None) -> str:
+    value = parent.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise SpecError(f"{where}.{key} must be a non-empty string")
+    return value
+
+
+def _resources(value: Mapping[str, Any], where: str) -> dict[str, dict[str, Quantity]]:
+    out: dict[str, dict[str, Quantity]] = {}
+    for kind in ("requests", "limits"):
+        section = _obj(value, kind, where)
+        if section:
+            entries: dict[str, Quantity] = {}
+            for k, v in section.items():
+                if isinstance(v, bool) or not isinstance(v, int | str):
+                    raise SpecError(f"{where}.{kind}.{k} must be a quantity")
+                entries[str(k)] = v
+            out[kind] = entries
+    return out
+
+
+def _redis(spec: Mapping[str, Any]) -> ManagedRedis | ExternalRedis:
+    redis = _obj(spec, "redis", "spec")
+    managed, external = redis.get("managed"), redis.get("external")
+    if (managed is None) == (external is None):
+        raise SpecError("exactly one of redis.managed or redis.external must be set")
+    if managed is not None:
+        m = _obj(redis, "managed", "spec.redis")
+        storage = _obj(m, "storage", "spec.redis.managed")
+        fsync = m.get("appendfsync", "everysec")
+        if fsync not in ("everysec", "always"):
+            raise SpecError("spec.redis.managed.appendfsync must be everysec or always")
+        size = storage.get("size", "1Gi")
+        quantity_bytes(size)  # validates
+        res = _obj(m, "resources", "spec.redis.managed")
+        storage_class = storage.get("storageClassName")
+        return ManagedRedis(
+            image=_str(m, "image", "spec.redis.managed", ManagedRedis.image),
+            storage_size=size,
+            storage_class=storage_class if isinstance(storage_class, str) and storage_class else None,
+            appendfsync=fsync,
+            maxmemory_bytes=quantity_bytes(m.get("maxmemory", 0)),
+            resources=_resources(res, "spec.redis.managed.resources") if res else default_redis_resources(),
+        )
+    e = _obj(redis, "external", "spec.redis")
+    url, ref = e.get("url"), e.get("secretRef")
+    if (url is None) == (ref is None):
+        raise SpecError("exactly one of redis.external.url or redis.external.secretRef must be set")
+    if url is not None:
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            raise SpecError("spec.redis.external.url must start with redis://, rediss:// or unix://")
+        return ExternalRedis(url=url)
+    r = _obj(e, "secretRef", "spec.redis.external")
+    return ExternalRedis(
+        secret_name=_str(r, "name", "spec.redis.external.secretRef"),
+        secret_key=_str(r, "key", "spec.redis.external.secretRef", "url"),
+    )
+
+
+def parse_shard(body: Mapping[str, Any]) -> ShardSpec:
+    """Build a ShardSpec from a RelayShard object (as a dict or kopf Body)."""
+    meta = _obj(body, "metadata", "object")
+    spec = _obj(body, "spec", "object")
+    name = _str(meta, "name", "metadata")
+    if len(name) > 32 or not _DNS1035.match(name):
+        raise SpecError("RelayShard name must be a DNS-1035 label of at most 32 characters")
+    fleet = _str(spec, "fleet", "spec")
+    if len(fleet) > 32 or not _DNS1035.match(fleet):
+        raise SpecError("spec.fleet must be a DNS-1035 label of at most 32 characters")
+    retention = _obj(spec, "retention", "spec")
+    limits = _obj(spec, "limits", "spec")
+    res = _obj(spec, "resources", "spec")
+    auto = spec.get("autoRebalance", False)
+    if not isinstance(auto, bool):
+        raise SpecError("spec.autoRebalance must be a boolean")
+    pull = spec.get("imagePullPolicy", "IfNotPresent")
+    if pull not in ("Always", "IfNotPresent", "Never"):
+        raise SpecError("spec.imagePullPolicy must be Always, IfNotPresent or Never")
+    generation = meta.get("generation", 0)
+    return ShardSpec(
+        name=name,
+        namespace=_str(meta, "namespace", "metadata", "default"),
+        uid=str(meta.get("uid", "")),
+        generation=generation if isinstance(generation, int) else 0,
+        fleet=fleet,
+        redis=_redis(spec),
+        replicas=_int(spec, "replicas", "spec", 2, 0, 1000),
+        weight=_int(spec, "weight", "spec", 100, 1, 10000),
+        image=_str(spec, "image", "spec", DEFAULT_IMAGE),
+        image_pull_policy=pull,
+        auto_rebalance=auto,
+        resources=_resources(res, "spec.resources") if res else default_relay_resources(),
+        retention=Retention(
+            max_age_seconds=parse_duration(_str(retention, "maxAge", "spec.retention", "7d")),
+            max_messages=_int(retention, "maxMessages", "spec.retention", 10000, 1, 100_000_000),
+        ),
+        limits=Limits(
+            max_payload_bytes=_int(limits, "maxPayloadBytes", "spec.limits", 5242880, 1, 2**29),
+            rate_limit_messages=_int(limits, "rateLimitMessages", "spec.limits", 500, 1, 1_000_000),
+            rate_limit_window_seconds=_int(limits, "rateLimitWindowSeconds", "spec.limits", 5, 1, 3600),
+            max_queue_messages=_int(limits, "maxQueueMessages", "spec.limits", 10000, 1, 100_000_000),
+            max_queue_bytes=_int(limits, "maxQueueBytes", "spec.limits", 268435456, 1, 2**40),
+        ),
+    )
