@@ -10,7 +10,7 @@ an event loop.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
@@ -64,6 +64,7 @@ class TrimPolicy:
 
 @dataclass(frozen=True, slots=True)
 class TrimOutcome:
+    slot: int
     qid: str
     removed: int = 0
     bytes: int = 0
@@ -175,59 +176,79 @@ class ShardMaintenance:
         return out
 
     def slot_queues(self, slot: int) -> list[str]:
-        """Queue ids in the slot's index (SSCAN: never blocks Redis on a big slot)."""
+        """Queue ids in the slot's index."""
+        return self.queues_of([slot])[slot]
+
+    def queues_of(self, slots: Sequence[int]) -> dict[int, list[str]]:
+        """Queue ids of every slot given. SSCAN (never blocks Redis on a big slot),
+        with the first page of many slots fetched in one pipeline."""
+        out: dict[int, set[str]] = {s: set() for s in slots}
+        cursors: dict[int, int] = dict.fromkeys(slots, 0)
         try:
-            found = {m.decode() for m in self.client.sscan_iter(K.slot_index(slot), count=1000)}
+            while cursors:
+                todo = list(cursors.items())
+                cursors = {}
+                for chunk in _chunks(todo, self._batch):
+                    pipe = self.client.pipeline(transaction=False)
+                    for s, cursor in chunk:
+                        pipe.sscan(K.slot_index(s), cursor=cursor, count=1000)
+                    for (s, _), (cursor, members) in zip(chunk, pipe.execute(), strict=True):
+                        out[s].update(m.decode() for m in members)
+                        if int(cursor):
+                            cursors[s] = int(cursor)
         except (RedisError, OSError) as exc:
-            raise self._fail(f"listing queues of slot {slot}", exc) from None
-        return sorted(found)
+            raise self._fail("listing queues", exc) from None
+        return {s: sorted(q) for s, q in out.items()}
 
-    def trim(self, slot: int, qids: Iterable[str], policy: TrimPolicy) -> list[TrimOutcome]:
-        """Run the trim script over queues of one slot until each is done.
+    def trim(self, items: Iterable[tuple[int, str]], policy: TrimPolicy) -> list[TrimOutcome]:
+        """Run the trim script on every (slot, queue id) until each is done.
 
-        Calls are pipelined; a queue whose call ran out of budget is called
-        again (the script is idempotent, so a retried call is always safe).
+        Calls are pipelined across slots; a queue whose call ran out of budget
+        is called again (the script is idempotent: a repeated call is safe).
         """
-        totals: dict[str, TrimOutcome] = {q: TrimOutcome(q) for q in qids}
+        totals: dict[tuple[int, str], TrimOutcome] = {(s, q): TrimOutcome(s, q) for s, q in items}
         pending = list(totals)
         try:
             if not self._trim_loaded:
                 self.client.script_load(scripts.TRIM.source)
                 self._trim_loaded = True
             while pending:
-                again: list[str] = []
+                again: list[tuple[int, str]] = []
                 for chunk in _chunks(pending, self._batch):
-                    for qid, reply in zip(chunk, self._trim_batch(slot, chunk, policy), strict=True):
-                        prev = totals[qid]
+                    for item, reply in zip(chunk, self._trim_batch(chunk, policy), strict=True):
+                        prev = totals[item]
                         if reply[0] != b"ok":
-                            totals[qid] = TrimOutcome(qid, prev.removed, prev.bytes, fenced=True)
+                            totals[item] = replace(prev, fenced=True)
                             continue
-                        totals[qid] = TrimOutcome(
-                            qid, prev.removed + int(reply[1]), prev.bytes + int(reply[2]), bool(reply[3])
+                        totals[item] = replace(
+                            prev,
+                            removed=prev.removed + int(reply[1]),
+                            bytes=prev.bytes + int(reply[2]),
+                            deleted=bool(reply[3]),
                         )
                         if int(reply[4]):
-                            again.append(qid)
+                            again.append(item)
                 pending = again
         except (RedisError, OSError) as exc:
-            raise self._fail(f"trimming slot {slot}", exc) from None
+            raise self._fail("trimming queues", exc) from None
         return list(totals.values())
 
-    def _trim_batch(self, slot: int, qids: Sequence[str], policy: TrimPolicy) -> list[Any]:
-        replies = self._trim_send(slot, qids, policy)
+    def _trim_batch(self, items: Sequence[tuple[int, str]], policy: TrimPolicy) -> list[Any]:
+        replies = self._trim_send(items, policy)
         missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
         if missing:
             # Redis restarted or flushed its script cache: load it and redo only those calls
             self.client.script_load(scripts.TRIM.source)
-            for i, r in zip(missing, self._trim_send(slot, [qids[i] for i in missing], policy), strict=True):
+            for i, r in zip(missing, self._trim_send([items[i] for i in missing], policy), strict=True):
                 replies[i] = r
         for r in replies:
             if isinstance(r, Exception):
                 raise r
         return replies
 
-    def _trim_send(self, slot: int, qids: Sequence[str], policy: TrimPolicy) -> list[Any]:
+    def _trim_send(self, items: Sequence[tuple[int, str]], policy: TrimPolicy) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
-        for qid in qids:
+        for slot, qid in items:
             q = K.queue_keys_for_id(slot, qid)
             pipe.evalsha(
                 scripts.TRIM.sha,

@@ -104,8 +104,9 @@ if bytes ~= 0 or removed > 0 then
 end
 
 -- Idle check. The last enqueue time is known exactly when the newest message is
--- still held; otherwise 'tseen' ("<seq>:<ms>", the first time a trim saw the queue
--- empty at this seq) bounds it from above, so a queue is deleted only when provably
+-- still held; otherwise meta 'tseen' = "<seq>:<ms>" says the enqueue of <seq> was at
+-- or before <ms> (written when a trim empties the queue, or, if an ack emptied it,
+-- the first time a trim sees it empty), so a queue is deleted only when provably
 -- idle. A queue that never held a message counts from its creation.
 local deleted = 0
 if len == 0 and idle >= 0 then
@@ -117,12 +118,19 @@ if len == 0 and idle >= 0 then
       since = tonumber(string.sub(meta[4], sep + 1))
     end
   end
+  local mark = nil
   if not since then
-    redis.call('HSET', KEYS[2], 'tseen', seq .. ':' .. now)
-  elseif now - since >= idle and more == 0 and redis.call('ZCARD', KEYS[5]) == 0 then
+    since = now
+    mark = seq .. ':' .. now
+  elseif last_enq and meta[4] ~= seq .. ':' .. last_enq then
+    mark = seq .. ':' .. last_enq  -- emptied here: later sweeps cannot see that time
+  end
+  if now - since >= idle and more == 0 and redis.call('ZCARD', KEYS[5]) == 0 then
     redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
     redis.call('SREM', KEYS[7], ARGV[5])
     deleted = 1
+  elseif mark then
+    redis.call('HSET', KEYS[2], 'tseen', mark)
   end
 end
 return {'ok', removed, bytes, deleted, more}

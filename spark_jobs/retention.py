@@ -1,0 +1,330 @@
+"""Retention sweep: trim old and surplus messages on every shard, in parallel.
+
+    python -m spark_jobs.retention --shard-map FILE [--max-age SECONDS]
+        [--max-messages N] [--idle SECONDS | --keep-empty] [--report PATH]
+
+The driver cuts the shard map into tasks of (shard, slot range); each Spark
+task opens its own Redis connection, skips slots that are not plainly owned
+(migrating, importing, moved), lists each slot's queues from the slot index
+and runs the trim script on them in pipelined batches. The trim script does
+the work atomically per queue (relay/storage/lua/trim.lua), so the sweep is
+idempotent and safe next to live traffic and migrations. The driver turns
+the task rows into a per-shard report (a DataFrame), writes it as JSON lines
+(or Parquet when PATH ends in .parquet) and prints a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from relay.storage.maintenance import MaintenanceError, ShardMaintenance, TrimPolicy
+from spark_jobs.shard_io import (
+    ArgParser,
+    JobError,
+    SlotTask,
+    UsageError,
+    fleet_shard_specs,
+    load_shard_map,
+    now_ms,
+    parse_duration_s,
+    split_ns_name,
+    split_tasks,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+DEFAULT_MAX_AGE_S = 7 * 86400  # RelayShard retention.maxAge default
+DEFAULT_MAX_MESSAGES = 10000  # RelayShard retention.maxMessages default
+
+REPORT_COLUMNS = (
+    "shard",
+    "tasks",
+    "slots_scanned",
+    "slots_skipped",
+    "queues_scanned",
+    "messages_removed",
+    "bytes_removed",
+    "queues_deleted",
+    "duration_s",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPolicy:
+    max_age_s: int | None = DEFAULT_MAX_AGE_S  # None: no age limit
+    max_messages: int | None = DEFAULT_MAX_MESSAGES  # None: no count limit
+    idle_s: int | None = None  # empty queues idle this long are deleted; None: never
+
+    def trim_policy(self, at_ms: int) -> TrimPolicy:
+        return TrimPolicy(
+            now_ms=at_ms,
+            cutoff_ms=at_ms - self.max_age_s * 1000 if self.max_age_s is not None else 0,
+            max_messages=self.max_messages if self.max_messages is not None else -1,
+            idle_ms=self.idle_s * 1000 if self.idle_s is not None else -1,
+        )
+
+
+def sweep_task(task: SlotTask, policy: RetentionPolicy, at_ms: int) -> dict[str, Any]:
+    """One Spark task: retention over one shard's slot range. Plain Python, no Spark."""
+    started = time.monotonic()
+    trim = policy.trim_policy(at_ms)
+    with ShardMaintenance(task.url) as m:
+        states = m.slot_states(list(task.slots))
+        owned = [s for s, st in states.items() if st is None]
+        queues = m.queues_of(owned)
+        items = [(slot, qid) for slot in owned for qid in queues[slot]]
+        outcomes = m.trim(items, trim)
+    fenced = {o.slot for o in outcomes if o.fenced}  # a migration began during the sweep
+    return {
+        "shard": task.shard,
+        "start": task.start,
+        "end": task.end,
+        "slots_scanned": len(owned) - len(fenced),
+        "slots_skipped": len(states) - len(owned) + len(fenced),
+        "queues_scanned": len(items),
+        "messages_removed": sum(o.removed for o in outcomes),
+        "bytes_removed": sum(o.bytes for o in outcomes),
+        "queues_deleted": sum(1 for o in outcomes if o.deleted),
+        "duration_s": time.monotonic() - started,
+    }
+
+
+def sweep_sequential(
+    tasks: Sequence[SlotTask], policies: Mapping[str, RetentionPolicy], at_ms: int
+) -> list[dict[str, Any]]:
+    """The same sweep in one thread, task after task (the benchmark's baseline)."""
+    return [sweep_task(t, policies[t.shard], at_ms) for t in tasks]
+
+
+def run_sweep(
+    spark: SparkSession,
+    tasks: Sequence[SlotTask],
+    policies: Mapping[str, RetentionPolicy],
+    at_ms: int,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Run every task as a Spark task (one partition each); the task rows."""
+    from spark_jobs.session import Progress
+
+    sc = spark.sparkContext
+    done = sc.accumulator(0)
+    removed = sc.accumulator(0)
+    work = [(t, policies[t.shard]) for t in tasks]
+
+    def run(item: tuple[SlotTask, RetentionPolicy]) -> dict[str, Any]:
+        row = sweep_task(item[0], item[1], at_ms)
+        done.add(1)
+        removed.add(row["messages_removed"])
+        return row
+
+    rdd = sc.parallelize(work, max(1, len(work))).map(run)
+    if not progress:
+        return rdd.collect()
+    total = len(work)
+    with Progress("retention", lambda: f"{done.value}/{total} tasks, {removed.value} messages removed"):
+        return rdd.collect()
+
+
+def report_frame(spark: SparkSession, rows: Iterable[Mapping[str, Any]]) -> DataFrame:
+    """Task rows as a DataFrame with a fixed schema."""
+    from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
+
+    schema = StructType(
+        [
+            StructField("shard", StringType(), False),
+            StructField("start", LongType(), False),
+            StructField("end", LongType(), False),
+            *(
+                StructField(c, LongType(), False)
+                for c in (
+                    "slots_scanned",
+                    "slots_skipped",
+                    "queues_scanned",
+                    "messages_removed",
+                    "bytes_removed",
+                    "queues_deleted",
+                )
+            ),
+            StructField("duration_s", DoubleType(), False),
+        ]
+    )
+    names = schema.fieldNames()
+    return spark.createDataFrame([tuple(r[n] for n in names) for r in rows], schema)
+
+
+def per_shard(tasks: DataFrame) -> DataFrame:
+    """Per-shard totals of the task rows (duration: summed task time)."""
+    from pyspark.sql import functions as F
+
+    return (
+        tasks.groupBy("shard")
+        .agg(
+            F.count(F.lit(1)).alias("tasks"),
+            *(
+                F.sum(c).alias(c)
+                for c in (
+                    "slots_scanned",
+                    "slots_skipped",
+                    "queues_scanned",
+                    "messages_removed",
+                    "bytes_removed",
+                    "queues_deleted",
+                )
+            ),
+            F.round(F.sum("duration_s"), 3).alias("duration_s"),
+        )
+        .select(*REPORT_COLUMNS)
+        .orderBy("shard")
+    )
+
+
+def write_report(report: DataFrame, path: str) -> None:
+    """Parquet (a Spark output directory) for *.parquet, otherwise one JSON object per line."""
+    if path.endswith(".parquet"):
+        report.coalesce(1).write.mode("overwrite").parquet(path)
+        return
+    lines = [json.dumps(r.asDict(), sort_keys=False) for r in report.collect()]
+    try:
+        Path(path).write_text("".join(line + "\n" for line in lines), "utf-8")
+    except OSError as exc:
+        raise JobError(f"cannot write report {path}: {exc.strerror or exc}") from None
+
+
+def summary(rows: Sequence[Mapping[str, Any]], wall_s: float) -> str:
+    total = {c: sum(int(r[c]) for r in rows) for c in REPORT_COLUMNS[1:-1]}
+    return (
+        f"retention: {len(rows)} shards, {total['queues_scanned']} queues scanned, "
+        f"{total['messages_removed']} messages and {total['bytes_removed']} bytes removed, "
+        f"{total['queues_deleted']} idle queues deleted, {total['slots_skipped']} slots skipped "
+        f"(not owned), {wall_s:.1f}s"
+    )
+
+
+def policies_for(
+    shards: Iterable[str],
+    cli: RetentionPolicy,
+    overrides: set[str],
+    specs: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, RetentionPolicy]:
+    """Each shard's policy: its RelayShard spec.retention where known, command-line
+    options overriding it; the idle period defaults to the shard's max age."""
+    out: dict[str, RetentionPolicy] = {}
+    for shard in shards:
+        policy = cli
+        retention = (specs or {}).get(shard, {}).get("retention") or {}
+        if "max_age" not in overrides and "maxAge" in retention:
+            policy = replace(policy, max_age_s=parse_duration_s(str(retention["maxAge"])))
+        if "max_messages" not in overrides and "maxMessages" in retention:
+            policy = replace(policy, max_messages=int(retention["maxMessages"]))
+        if "idle" not in overrides:
+            policy = replace(policy, idle_s=policy.max_age_s)
+        out[shard] = policy
+    return out
+
+
+def _parser() -> ArgParser:
+    p = ArgParser(prog="python -m spark_jobs.retention", description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--shard-map", metavar="FILE")
+    src.add_argument("--shard-map-configmap", metavar="NS/NAME")
+    p.add_argument("--max-age", type=int, metavar="SECONDS", help=f"default {DEFAULT_MAX_AGE_S}")
+    p.add_argument("--max-messages", type=int, metavar="N", help=f"per queue, default {DEFAULT_MAX_MESSAGES}")
+    idle = p.add_mutually_exclusive_group()
+    idle.add_argument("--idle", type=int, metavar="SECONDS", help="delete empty queues idle this long")
+    idle.add_argument("--keep-empty", action="store_true", help="never delete empty queues")
+    p.add_argument("--report", metavar="PATH", help="JSON lines, or Parquet when PATH ends in .parquet")
+    p.add_argument("--task-slots", type=int, default=512, metavar="N", help="slots per Spark task")
+    p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = time.monotonic()
+    try:
+        args = _parser().parse_args(argv)
+        for flag, value in (("--max-age", args.max_age), ("--max-messages", args.max_messages)):
+            if value is not None and value < 1:
+                raise UsageError(f"{flag} must be >= 1")
+        if args.idle is not None and args.idle < 0:
+            raise UsageError("--idle must be >= 0")
+        shard_map = load_shard_map(args.shard_map, args.shard_map_configmap)
+        tasks = split_tasks(shard_map, args.task_slots)
+        specs = None
+        if args.shard_map_configmap:
+            namespace, _ = split_ns_name(args.shard_map_configmap, "--shard-map-configmap")
+            specs = fleet_shard_specs(namespace, shard_map.fleet)
+        cli = RetentionPolicy(
+            max_age_s=args.max_age if args.max_age is not None else DEFAULT_MAX_AGE_S,
+            max_messages=args.max_messages if args.max_messages is not None else DEFAULT_MAX_MESSAGES,
+            idle_s=None if args.keep_empty else args.idle,
+        )
+        overrides = {
+            name
+            for name, given in (
+                ("max_age", args.max_age is not None),
+                ("max_messages", args.max_messages is not None),
+                ("idle", args.idle is not None or args.keep_empty),
+            )
+            if given
+        }
+        policies = policies_for(shard_map.shards, cli, overrides, specs)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except UsageError as exc:
+        print(f"retention: {exc}", file=sys.stderr)
+        return 2
+    except JobError as exc:
+        print(f"retention: {exc}", file=sys.stderr)
+        return 1
+
+    from spark_jobs.session import get_session
+
+    try:
+        spark = get_session("relayfleet-retention", args.master)
+    except Exception as exc:  # the JVM could not start: say why in one line
+        print(f"retention: cannot start Spark: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(
+            f"retention: fleet {shard_map.fleet} (map epoch {shard_map.epoch}), "
+            f"{len(shard_map.shards)} shards, {len(tasks)} tasks",
+            file=sys.stderr,
+        )
+        rows = run_sweep(spark, tasks, policies, now_ms(), progress=not args.quiet)
+        report = per_shard(report_frame(spark, rows))
+        shard_rows = [r.asDict() for r in report.collect()]
+        if args.report:
+            write_report(report, args.report)
+        for r in shard_rows:
+            print(json.dumps(r))
+        print(summary(shard_rows, time.monotonic() - started), file=sys.stderr)
+        return 0
+    except (JobError, MaintenanceError) as exc:
+        print(f"retention: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        # a task failure reaches the driver as a Py4J/Spark error holding the task's traceback
+        print(f"retention: failed: {_first_line(exc)}", file=sys.stderr)
+        return 1
+    finally:
+        spark.stop()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    for marker in ("MaintenanceError: ", "JobError: "):
+        if marker in text:
+            return text.split(marker, 1)[1].splitlines()[0]
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
