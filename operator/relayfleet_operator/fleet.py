@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relay.fleet.sharding import ShardMap
-from relayfleet_operator import builders, metrics
+from relayfleet_operator import builders, metrics, migration
 from relayfleet_operator.kube import Conflict, Kube
+from relayfleet_operator.planning import Move
 from relayfleet_operator.spec import API_VERSION, SHARD_KIND, ExternalRedis, ShardSpec, SpecError, parse_shard
 
 Obj = dict[str, Any]
@@ -211,3 +212,46 @@ async def publish_move(
 
 def owned_by(shard_map: ShardMap | None, shard: str) -> int:
     return 0 if shard_map is None else shard_map.slot_counts().get(shard, 0)
+
+
+# --- moving slots -----------------------------------------------------------------------------
+
+
+def move_progress(shard_map: ShardMap, move: Move) -> str:
+    """'done' if the map already gives every slot to the target (a move resumed after its
+    flip was published), 'run' if the source still holds some; raises if a third shard does."""
+    owners = {shard_map.shard_for_slot(s) for s in move.slot_list()}
+    if owners == {move.target}:
+        return "done"
+    strangers = owners - {move.source, move.target}
+    if strangers:
+        raise FleetError(f"slots {move.slots} are now (partly) owned by {', '.join(sorted(strangers))}")
+    return "run"
+
+
+async def execute_move(
+    ctx: Context,
+    namespace: str,
+    fleet_name: str,
+    shard_map: ShardMap,
+    move: Move,
+    urls: Mapping[str, str],
+    owners: Sequence[ShardSpec],
+    cause: str,
+) -> migration.MoveResult:
+    """One range through the migration adapter; the map is published at the flip."""
+
+    async def on_flipped(m: Move) -> None:
+        await publish_move(ctx.kube, namespace, fleet_name, m.slot_list(), m.target, owners)
+
+    try:
+        result = await migration.migrate_range(shard_map, move, urls, on_flipped)
+    except Exception:
+        metrics.MIGRATIONS.labels(cause, "error").inc()
+        raise
+    # Publishing again is a no-op if the library already did it at the flip.
+    await on_flipped(move)
+    metrics.MIGRATIONS.labels(cause, "ok").inc()
+    metrics.SLOTS_MOVED.labels(fleet_name).inc(move.size)
+    metrics.BYTES_MOVED.labels(fleet_name).inc(result.bytes)
+    return result

@@ -275,13 +275,18 @@ async def _move_away(
             current, _ = await fleet.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
             if current is None:
                 raise kopf.TemporaryError("the shard map disappeared", delay=30)
-            if all(current.shard_for_slot(s) == move.target for s in move.slot_list()):
-                entries[i]["state"] = "Done"
-                continue
+            try:
+                if fleet.move_progress(current, move) == "done":
+                    entries[i]["state"] = "Done"
+                    continue
+            except fleet.FleetError as exc:
+                # Someone else moved these slots: forget the kept plan and plan again.
+                await _safe_status(ctx, body, {"drain": None})
+                raise kopf.TemporaryError(f"drain plan is stale ({exc}); planning again", delay=5) from None
             entries[i]["state"] = "Migrating"
             await _drain_status(ctx, body, shard, previous, entries, i, current)
             try:
-                result = await _run_move(
+                result = await fleet.execute_move(
                     ctx, shard.namespace, shard.fleet, current, move, urls, owners, "drain"
                 )
             except migration.MigrationUnavailable as exc:
@@ -312,34 +317,6 @@ def _entry_state(entries: list[Obj], move: Move) -> str:
         if e.get("slots") == move.slots and e.get("to") == move.target:
             return str(e.get("state"))
     return "Pending"
-
-
-async def _run_move(
-    ctx: fleet.Context,
-    namespace: str,
-    fleet_name: str,
-    shard_map: ShardMap,
-    move: Move,
-    urls: Mapping[str, str],
-    owners: list[ShardSpec],
-    cause: str,
-) -> migration.MoveResult:
-    """One range through the migration adapter; the map is published at the flip."""
-
-    async def on_flipped(m: Move) -> None:
-        await fleet.publish_move(ctx.kube, namespace, fleet_name, m.slot_list(), m.target, owners)
-
-    try:
-        result = await migration.migrate_range(shard_map, move, urls, on_flipped)
-    except Exception:
-        metrics.MIGRATIONS.labels(cause, "error").inc()
-        raise
-    # Publishing again is a no-op if the library already did it at the flip.
-    await on_flipped(move)
-    metrics.MIGRATIONS.labels(cause, "ok").inc()
-    metrics.SLOTS_MOVED.labels(fleet_name).inc(move.size)
-    metrics.BYTES_MOVED.labels(fleet_name).inc(result.bytes)
-    return result
 
 
 async def _drain_status(

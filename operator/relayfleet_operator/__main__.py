@@ -1,0 +1,5 @@
+import sys
+
+from relayfleet_operator.main import main
+
+sys.exit(main())

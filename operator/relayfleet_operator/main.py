@@ -1,0 +1,93 @@
+"""Process entry: `relayfleet operator [--namespace NS | --all-namespaces]`.
+
+Uses KUBECONFIG (or ~/.kube/config) when present, else the in-cluster service account.
+Environment:
+  RELAYFLEET_OPERATOR_HEALTH_PORT   kopf liveness endpoint (default 8080, path /healthz)
+  RELAYFLEET_OPERATOR_METRICS_PORT  Prometheus /metrics (default 9090; 0 disables)
+  RELAYFLEET_OPERATOR_RESYNC_SECONDS, RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+IN_CLUSTER_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def _port(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) > 65535:
+        raise ValueError(f"{name} must be a port number, got {raw!r}")
+    return int(raw)
+
+
+def default_namespace() -> str:
+    """The pod's own namespace in a cluster, else the kubeconfig context's, else 'default'."""
+    if IN_CLUSTER_NAMESPACE.exists():
+        return IN_CLUSTER_NAMESPACE.read_text().strip()
+    try:
+        from kubernetes import config
+
+        _, context = config.list_kube_config_contexts()  # type: ignore[no-untyped-call]
+        namespace = (context or {}).get("context", {}).get("namespace")
+        if isinstance(namespace, str) and namespace:
+            return namespace
+    except Exception:
+        pass
+    return "default"
+
+
+def run(namespace: str | None, all_namespaces: bool) -> int:
+    """Run the operator until SIGINT/SIGTERM. 0 on a clean stop, 1 on failure, 2 on bad input."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if namespace and all_namespaces:
+        print("relayfleet: --namespace and --all-namespaces are exclusive", file=sys.stderr)
+        return 2
+    try:
+        health_port = _port("RELAYFLEET_OPERATOR_HEALTH_PORT", 8080)
+        metrics_port = _port("RELAYFLEET_OPERATOR_METRICS_PORT", 9090)
+    except ValueError as exc:
+        print(f"relayfleet: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import kopf
+
+        from relayfleet_operator import handlers, metrics
+    except ImportError as exc:
+        print(f"relayfleet: the operator needs the [operator] extra ({exc.name} missing)", file=sys.stderr)
+        return 1
+    assert handlers  # imported for its registrations
+    scope = "all namespaces" if all_namespaces else f"namespace {namespace or default_namespace()}"
+    logging.getLogger("relayfleet.operator").info("relayfleet operator watching %s", scope)
+    try:
+        if metrics_port:
+            metrics.serve(metrics_port)
+        kopf.run(
+            clusterwide=all_namespaces,
+            namespaces=() if all_namespaces else [namespace or default_namespace()],
+            standalone=True,  # one replica (Recreate): no peering objects needed
+            liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz",
+        )
+    except OSError as exc:
+        print(f"relayfleet: operator failed: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        print(f"relayfleet: operator failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m relayfleet_operator` (same flags as `relayfleet operator`)."""
+    parser = argparse.ArgumentParser(prog="relayfleet-operator")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", default=os.environ.get("RELAY_OPERATOR_NAMESPACE"))
+    scope.add_argument("--all-namespaces", action="store_true")
+    args = parser.parse_args(argv)
+    return run(args.namespace, args.all_namespaces)
