@@ -1,0 +1,285 @@
+"""The operator's pure decision logic: planning, status conditions, the rebalance state
+machine and the bounded-concurrency executor. No API server needed."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from relayfleet_operator.executor import MoveFailed, Outcome, run_moves
+from relayfleet_operator.planning import (
+    Move,
+    PlanError,
+    apply_moves,
+    move_from_json,
+    plan_by_weight,
+    plan_drain,
+    target_counts,
+    validate_moves,
+)
+from relayfleet_operator.rebalance import ANNOTATION, Action, decide, moves_status, progress, remaining
+from relayfleet_operator.spec import parse_shard
+from relayfleet_operator.status import Observed, set_condition, shard_status
+
+from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, even_split
+
+URLS = {"a": "redis://a/0", "b": "redis://b/0", "c": "redis://c/0"}
+
+
+def one_shard() -> ShardMap:
+    return ShardMap(
+        "f", 1, {"a": URLS["a"], "b": URLS["b"], "c": URLS["c"]}, (SlotRange(0, SLOT_COUNT - 1, "a"),)
+    )
+
+
+# --- planning ------------------------------------------------------------------------------------
+
+
+def test_target_counts_follow_weights_and_sum_exactly() -> None:
+    counts = target_counts({"a": 1, "b": 1, "c": 1})
+    assert sum(counts.values()) == SLOT_COUNT
+    assert sorted(counts.values()) == [5461, 5461, 5462]
+    assert target_counts({"a": 300, "b": 100}) == {"a": 12288, "b": 4096}
+    with pytest.raises(PlanError, match="positive weight"):
+        target_counts({"a": 0})
+
+
+def test_plan_by_weight_balances_with_contiguous_moves() -> None:
+    m = one_shard()
+    moves = plan_by_weight(m, {"a": 100, "b": 100, "c": 100})
+    validate_moves(m, moves)
+    after = apply_moves(m, moves)
+    assert after.slot_counts() == target_counts({"a": 100, "b": 100, "c": 100})
+    assert len(moves) == 2  # one contiguous range per receiver
+    assert all(mv.source == "a" for mv in moves)
+    assert after.epoch == m.epoch + len(moves)
+    # Already balanced: nothing to do.
+    assert plan_by_weight(after, {"a": 100, "b": 100, "c": 100}) == []
+
+
+def test_plan_by_weight_drains_shards_without_weight() -> None:
+    m = even_split("f", URLS)
+    moves = plan_by_weight(m, {"a": 1, "b": 1})
+    after = apply_moves(m, moves)
+    assert after.slot_counts()["c"] == 0
+    assert after.slot_counts() == {"a": 8192, "b": 8192, "c": 0}
+
+
+def test_plan_drain_moves_only_the_drained_shard_by_weight() -> None:
+    m = even_split("f", URLS)
+    moves = plan_drain(m, ["c"], {"a": 300, "b": 100})
+    assert {mv.source for mv in moves} == {"c"}
+    after = apply_moves(m, moves)
+    counts = after.slot_counts()
+    assert counts["c"] == 0
+    assert counts["a"] + counts["b"] == SLOT_COUNT
+    # a (weight 3) needs 12288 - 5461 = 6827, b (weight 1) is already above its 4096 share:
+    # every drained slot goes to a.
+    assert counts["a"] == 5461 + 5462
+    assert plan_drain(after, ["c"], {"a": 1, "b": 1}) == []
+    with pytest.raises(PlanError, match="no shard would be left"):
+        plan_drain(m, ["c"], {"c": 5})
+    with pytest.raises(PlanError, match="not in the shard map"):
+        plan_drain(m, ["zz"], {"a": 1})
+
+
+def test_validate_moves_rejects_bad_proposals() -> None:
+    m = even_split("f", {"a": URLS["a"], "b": URLS["b"]})
+    validate_moves(m, [Move(0, 10, "a", "b")])
+    with pytest.raises(PlanError, match="owned by 'a', not 'b'"):
+        validate_moves(m, [Move(0, 10, "b", "a")])
+    with pytest.raises(PlanError, match="not in the shard map"):
+        validate_moves(m, [Move(0, 10, "a", "x")])
+    with pytest.raises(PlanError, match="moved more than once"):
+        validate_moves(m, [Move(0, 10, "a", "b"), Move(10, 12, "a", "b")])
+    with pytest.raises(PlanError, match="same from and to"):
+        move_from_json({"slots": "0-5", "from": "a", "to": "a"})
+    with pytest.raises(PlanError, match="bad slot range"):
+        move_from_json({"slots": "9-2", "from": "a", "to": "b"})
+    assert move_from_json({"slots": "7", "from": "a", "to": "b", "bytes": 5}) == Move(7, 7, "a", "b", 5)
+
+
+# --- status ---------------------------------------------------------------------------------------
+
+
+def shard(**spec: Any) -> Any:
+    body = {
+        "metadata": {"name": "a", "namespace": "ns", "uid": "u", "generation": 4},
+        "spec": {"fleet": "f", "redis": {"external": {"url": "redis://x/0"}}, "replicas": 2, **spec},
+    }
+    return parse_shard(body)
+
+
+def conds(status: dict[str, Any]) -> dict[str, str]:
+    return {c["type"]: c["status"] for c in status["conditions"]}
+
+
+def test_status_provisioning_then_ready() -> None:
+    spec = shard()
+    pending = shard_status(spec, None, Observed(), now="2025-01-01T00:00:00Z")
+    assert pending["phase"] == "Pending"
+    assert conds(pending) == {
+        "Ready": "False",
+        "Progressing": "True",
+        "Degraded": "False",
+        "Migrating": "False",
+    }
+    assert all(c["observedGeneration"] == 4 for c in pending["conditions"])
+    dep = {
+        "metadata": {"generation": 2},
+        "status": {"observedGeneration": 2, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2},
+    }
+    ready = shard_status(
+        spec,
+        pending,
+        Observed(
+            deployment=dep, redis_reachable=True, in_shard_map=True, slot_count=16384, redis_endpoint="x:6379"
+        ),
+        now="2025-01-01T00:01:00Z",
+    )
+    assert ready["phase"] == "Ready"
+    assert ready["readyReplicas"] == 2
+    assert ready["slotCount"] == 16384
+    assert ready["redisEndpoint"] == "x:6379"
+    assert conds(ready) == {
+        "Ready": "True",
+        "Progressing": "False",
+        "Degraded": "False",
+        "Migrating": "False",
+    }
+    by_type = {c["type"]: c for c in ready["conditions"]}
+    assert by_type["Ready"]["lastTransitionTime"] == "2025-01-01T00:01:00Z"
+    assert by_type["Degraded"]["lastTransitionTime"] == "2025-01-01T00:00:00Z"  # unchanged status keeps it
+
+
+def test_status_degraded_and_draining() -> None:
+    spec = shard()
+    down = shard_status(spec, None, Observed(redis_reachable=False, in_shard_map=True))
+    assert down["phase"] == "Degraded"
+    assert conds(down)["Degraded"] == "True"
+    assert {c["type"]: c["reason"] for c in down["conditions"]}["Degraded"] == "RedisUnreachable"
+    draining = shard_status(spec, None, Observed(draining=True, migrating="moving 0-100"))
+    assert draining["phase"] == "Draining"
+    assert conds(draining)["Migrating"] == "True"
+    blocked = shard_status(spec, None, Observed(blocked="last shard holds data"))
+    assert blocked["phase"] == "DeletionBlocked"
+    assert {c["type"]: c["message"] for c in blocked["conditions"]}["Degraded"] == "last shard holds data"
+
+
+def test_set_condition_keeps_transition_time_when_status_unchanged() -> None:
+    c1 = set_condition([], "Ready", False, "X", "m", 1, "t1")
+    c2 = set_condition(c1, "Ready", False, "Y", "m2", 2, "t2")
+    assert c2[0]["lastTransitionTime"] == "t1"
+    assert c2[0]["observedGeneration"] == 2
+    c3 = set_condition(c2, "Ready", True, "Z", "", 2, "t3")
+    assert c3[0]["lastTransitionTime"] == "t3"
+
+
+# --- the rebalance state machine -----------------------------------------------------------------
+
+
+def rr(
+    phase: str | None = None, annotation: str | None = None, generation: int = 1, **spec: Any
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": "r", "namespace": "ns", "generation": generation}
+    if annotation:
+        meta["annotations"] = {ANNOTATION: annotation}
+    body: dict[str, Any] = {"metadata": meta, "spec": {"fleet": "f", **spec}}
+    if phase:
+        body["status"] = {"phase": phase, "observedGeneration": 1}
+    return body
+
+
+@pytest.mark.parametrize(
+    ("body", "action", "consume"),
+    [
+        (rr(), Action.INIT, False),
+        (rr("PendingProposal"), Action.PROPOSE, False),
+        (rr("ProposalReady"), Action.WAIT, False),
+        (rr("ProposalReady", "approve"), Action.START, True),
+        (rr("ProposalReady", autoApprove=True), Action.START, False),
+        (rr("ProposalReady", "stop"), Action.STOP, True),
+        (rr("ProposalReady", "refresh"), Action.REFRESH, True),
+        (rr("ProposalReady", generation=2), Action.REFRESH, False),
+        (rr("Rebalancing"), Action.EXECUTE, False),
+        (rr("Rebalancing", "stop"), Action.STOP, True),
+        (rr("Stopped", "approve"), Action.START, True),
+        (rr("Stopped", "refresh"), Action.REFRESH, True),
+        (rr("Stopped"), Action.WAIT, False),
+        (rr("Ready"), Action.WAIT, False),
+        (rr("Ready", "refresh"), Action.REFRESH, True),
+        (rr("Ready", "approve"), Action.WAIT, True),
+        (rr("NotReady", generation=2), Action.REFRESH, False),
+    ],
+)
+def test_decide(body: dict[str, Any], action: Action, consume: bool) -> None:
+    d = decide(body)
+    assert d.action == action
+    assert d.consume_annotation == consume
+
+
+def test_progress_and_remaining() -> None:
+    entries = moves_status([Move(0, 99, "a", "b", 1000), Move(100, 399, "a", "c", 3000)])
+    assert progress(entries)["percent"] == "0%"
+    entries[1]["state"] = "Done"
+    entries[1]["bytesMoved"] = 2900
+    p = progress(entries)
+    assert p == {
+        "movesTotal": 2,
+        "movesDone": 1,
+        "slotsTotal": 400,
+        "slotsMoved": 300,
+        "bytesTotal": 4000,
+        "bytesMoved": 2900,
+        "percent": "75%",
+    }
+    assert remaining(entries) == [0]
+
+
+# --- the executor --------------------------------------------------------------------------------
+
+
+async def test_executor_bounds_concurrency() -> None:
+    running = 0
+    peak = 0
+    done: list[int] = []
+
+    async def run_one(i: int) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.01)
+        running -= 1
+        done.append(i)
+
+    assert await run_moves(range(10), run_one, concurrency=3) == Outcome.DONE
+    assert sorted(done) == list(range(10))
+    assert peak == 3
+
+
+async def test_executor_stops_between_moves_and_waits_for_running_ones() -> None:
+    started: list[int] = []
+    finished: list[int] = []
+
+    async def run_one(i: int) -> None:
+        started.append(i)
+        await asyncio.sleep(0.01)
+        finished.append(i)
+
+    async def should_stop() -> bool:
+        return len(started) >= 2
+
+    assert await run_moves(range(5), run_one, concurrency=1, should_stop=should_stop) == Outcome.STOPPED
+    assert started == [0, 1]
+    assert finished == [0, 1]
+
+
+async def test_executor_reports_the_failed_move() -> None:
+    async def run_one(i: int) -> None:
+        if i == 1:
+            raise RuntimeError("target refused MIGRATE")
+
+    with pytest.raises(MoveFailed, match="target refused MIGRATE") as info:
+        await run_moves([0, 1, 2], run_one, concurrency=1)
+    assert info.value.index == 1
