@@ -48,6 +48,7 @@ class Fleet:
         self._source: MapSource | None = None
         self._watch_task: asyncio.Task[None] | None = None
         self._reload_lock = asyncio.Lock()
+        self._refreshing: asyncio.Future[bool] | None = None
         self._retiring: set[asyncio.Task[None]] = set()
 
     async def start(self, source: MapSource | None = None, poll_s: float = 1.0) -> None:
@@ -98,15 +99,24 @@ class Fleet:
     def route(self, recipient: bytes, channel: bytes) -> Route:
         slot = slot_of(recipient, channel)
         shard = self.map.shard_for_slot(slot)
-        return Route(K.queue_keys_for_id(slot, K.queue_id(recipient, channel)), self.stores[shard], self.hubs[shard])
+        keys = K.queue_keys_for_id(slot, K.queue_id(recipient, channel))
+        return Route(keys, self.stores[shard], self.hubs[shard])
 
     async def install(self, new_map: ShardMap) -> bool:
-        """Use `new_map` if it is newer than the one in use. True when swapped."""
+        """Use `new_map` if it is newer than the one in use. True when swapped.
+
+        An older epoch is ignored (a slow writer or a stale cache must never move
+        queues back); the same epoch with different content is taken, so a hand
+        edit that forgot the epoch still applies.
+        """
         async with self._reload_lock:
-            if new_map.epoch <= self.map.epoch and new_map.shards == self.map.shards:
+            old = self.map
+            if new_map.epoch < old.epoch and new_map.fleet == old.fleet:
+                log.warning("ignoring shard map epoch %d: epoch %d is in use", new_map.epoch, old.epoch)
+                return False
+            if new_map == old:
                 return False
             await self._open_shards(new_map)
-            old = self.map
             self.map = new_map
             for name in set(old.shards) - set(new_map.shards):
                 store, hub = self.stores.pop(name), self.hubs.pop(name)
@@ -114,15 +124,38 @@ class Fleet:
             metrics.SHARD_MAP_EPOCH.set(new_map.epoch)
             metrics.SHARD_MAP_RELOADS.inc()
             log.info("shard map epoch %d in use (%d shards)", new_map.epoch, len(new_map.shards))
-            # waiters re-wait wherever their queue lives now
+            # Waiters re-wait wherever their queue lives now. A waiter checks its
+            # route after every wakeup, so waking one whose queue stayed put costs
+            # only a re-read.
             for hub in self.hubs.values():
                 hub.wake_all()
             return True
 
     async def refresh(self) -> bool:
-        """Reload from the source now (after a MOVED answer). True when the map changed."""
+        """Reload from the source now (after a MOVED answer). True when the map changed.
+
+        Concurrent callers (a burst of requests that all met MOVED) share one
+        reload instead of each reading the source.
+        """
         if self._source is None:
             return False
+        if self._refreshing is not None:
+            return await asyncio.shield(self._refreshing)
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._refreshing = fut
+        try:
+            changed = await self._reload()
+        except BaseException:
+            fut.set_result(False)
+            raise
+        else:
+            fut.set_result(changed)
+            return changed
+        finally:
+            self._refreshing = None
+
+    async def _reload(self) -> bool:
+        assert self._source is not None
         try:
             new_map = await self._source()
         except (OSError, ShardMapError) as exc:
@@ -140,16 +173,21 @@ class Fleet:
 
 
 def file_source(path: str) -> MapSource:
-    """Reads the map file when its mtime changes (cheap enough to poll each second)."""
-    last: list[float] = [-1.0]
+    """Reads the map file when it changed (cheap enough to poll each second).
+
+    A change is a new (inode, mtime_ns, size): writers replace the file by rename,
+    so even two writes within one clock tick differ by inode.
+    """
+    last: list[tuple[int, int, int] | None] = [None]
 
     async def read() -> ShardMap | None:
-        mtime = os.stat(path).st_mtime
-        if mtime == last[0]:
+        st = os.stat(path)
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if stamp == last[0]:
             return None
-        with open(path, "rb") as f:
-            shard_map = loads_shard_map(f.read())
-        last[0] = mtime
+        # a small local file: reading it inline is cheaper than a thread hop
+        shard_map = load_file(path)
+        last[0] = stamp
         return shard_map
 
     return read

@@ -31,3 +31,7 @@ NONCE = _load("nonce", _PRELUDE)
 TRIM = _load("trim", _PRELUDE)
 
 ALL: tuple[Script, ...] = (ENQUEUE, READ, DRAIN, ACK, STATUS, NONCE, TRIM)
+
+# Migration steps (relay.fleet.migration); relays never run them, so not in ALL.
+SLOT_STATE = _load("slot_state", _PRELUDE)
+SLOT_DROP = _load("slot_drop", _PRELUDE)

@@ -1,0 +1,23 @@
+-- slot_drop: delete some of a slot's keys, only while the slot's state allows it (a
+-- source after its flip, a target before its copy), so a late or confused migrator can
+-- never delete data that the shard is serving. The state key itself is never deleted.
+-- KEYS[1] slot state (string)   KEYS[2..] keys of the same slot to delete
+-- ARGV[1..] states that allow the delete: an exact value, '' for absent, or a prefix
+--           ending in '*' (e.g. 'moved b *')
+-- Returns {1, keys deleted} | {0, prior state ('' = absent)} when refused
+local cur = redis.call('GET', KEYS[1]) or ''
+local ok = false
+for i = 1, #ARGV do
+  local a = ARGV[i]
+  if string.sub(a, -1) == '*' then
+    if cur ~= '' and string.sub(cur, 1, #a - 1) == string.sub(a, 1, -2) then ok = true end
+  elseif cur == a then
+    ok = true
+  end
+end
+if not ok then return {0, cur} end
+local n = 0
+for i = 2, #KEYS do
+  n = n + redis.call('UNLINK', KEYS[i])
+end
+return {1, n}
