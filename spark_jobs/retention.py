@@ -29,6 +29,7 @@ from spark_jobs.shard_io import (
     JobError,
     SlotTask,
     UsageError,
+    failure_line,
     fleet_shard_specs,
     load_shard_map,
     now_ms,
@@ -285,9 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"retention: {exc}", file=sys.stderr)
         return 1
 
-    from spark_jobs.session import get_session
+    from spark_jobs.session import get_session, owns_session
 
     try:
+        stop_after = owns_session()
         spark = get_session("relayfleet-retention", args.master)
     except Exception as exc:  # the JVM could not start: say why in one line
         print(f"retention: cannot start Spark: {exc}", file=sys.stderr)
@@ -312,18 +314,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except Exception as exc:
         # a task failure reaches the driver as a Py4J/Spark error holding the task's traceback
-        print(f"retention: failed: {_first_line(exc)}", file=sys.stderr)
+        print(f"retention: failed: {failure_line(exc)}", file=sys.stderr)
         return 1
     finally:
-        spark.stop()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc)
-    for marker in ("MaintenanceError: ", "JobError: "):
-        if marker in text:
-            return text.split(marker, 1)[1].splitlines()[0]
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+        if stop_after:
+            spark.stop()
 
 
 if __name__ == "__main__":

@@ -54,9 +54,13 @@ def prepare_local_python() -> None:
 
 
 def get_session(app_name: str, master: str | None = None) -> SparkSession:
-    """The session for a job run: spark-submit's, or a local one."""
+    """The session for a job run: spark-submit's, or a local one (or the one
+    already active in this process, e.g. a test's)."""
     from pyspark.sql import SparkSession
 
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active
     builder = SparkSession.builder.appName(app_name)
     if master is None and not under_spark_submit():
         master = "local[*]"
@@ -69,6 +73,13 @@ def get_session(app_name: str, master: str | None = None) -> SparkSession:
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")
     return session
+
+
+def owns_session() -> bool:
+    """False when a session is already active here: a job must not stop it."""
+    from pyspark.sql import SparkSession
+
+    return SparkSession.getActiveSession() is None
 
 
 class Progress:

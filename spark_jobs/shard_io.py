@@ -79,7 +79,8 @@ def split_tasks(shard_map: ShardMap, max_slots: int = DEFAULT_TASK_SLOTS) -> lis
     return out
 
 
-def _kube_api() -> Any:
+def kube_api() -> Any:
+    """The kubernetes client module, configured in-cluster or from KUBECONFIG."""
     try:
         from kubernetes import client
         from kubernetes import config as kube_config
@@ -120,7 +121,7 @@ def load_shard_map(path: str | None, configmap: str | None) -> ShardMap:
             raise UsageError(f"shard map {path}: {exc}") from None
     if configmap:
         namespace, name = split_ns_name(configmap, "--shard-map-configmap")
-        client = _kube_api()
+        client = kube_api()
         try:
             cm = client.CoreV1Api().read_namespaced_config_map(name, namespace)
         except client.ApiException as exc:
@@ -137,7 +138,7 @@ def load_shard_map(path: str | None, configmap: str | None) -> ShardMap:
 
 def fleet_shard_specs(namespace: str, fleet: str) -> dict[str, Mapping[str, Any]]:
     """spec of every RelayShard of the fleet in the namespace, by name."""
-    client = _kube_api()
+    client = kube_api()
     try:
         api = client.CustomObjectsApi()
         listing = api.list_namespaced_custom_object(GROUP, VERSION, namespace, "relayshards")
@@ -206,3 +207,14 @@ def write_json(path: str, doc: Any) -> None:
         Path(path).write_text(json.dumps(doc, indent=2) + "\n", "utf-8")
     except OSError as exc:
         raise JobError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def failure_line(exc: BaseException) -> str:
+    """One line for a failed Spark action: a task's own error when it carries one
+    (it reaches the driver wrapped in a Py4J error with the task's traceback)."""
+    text = str(exc)
+    for marker in ("MaintenanceError: ", "JobError: "):
+        if marker in text:
+            return text.split(marker, 1)[1].splitlines()[0]
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"{type(exc).__name__}: {first}"

@@ -109,13 +109,17 @@ class ShardMaintenance:
     def __init__(self, url: str, *, timeout: float = 30.0, batch: int = 512) -> None:
         self.url = url
         self._batch = batch
-        self.client: redis.Redis = redis.Redis.from_url(
-            url,
-            decode_responses=False,
-            socket_connect_timeout=5.0,
-            socket_timeout=timeout,
-            single_connection_client=True,
-        )
+        try:
+            # a single connection: the commands are sequential, pipelines carry the volume
+            self.client: redis.Redis = redis.Redis.from_url(
+                url,
+                decode_responses=False,
+                socket_connect_timeout=5.0,
+                socket_timeout=timeout,
+                single_connection_client=True,
+            )
+        except (RedisError, OSError, ValueError) as exc:
+            raise self._fail("connecting", exc) from None
         self._trim_loaded = False
 
     def __enter__(self) -> ShardMaintenance:

@@ -1,0 +1,274 @@
+"""Rebalance planning over the whole fleet, as a Spark job.
+
+    python -m spark_jobs.rebalance --shard-map FILE --dry-run
+    python -m spark_jobs.rebalance --shard-map-configmap NS/relayfleet-F-shardmap [--auto-approve]
+
+Spark tasks, one per (shard, slot range), read every slot's statistics
+(messages, bytes, enqueue rate: O(1) per slot, no payload) from all shards in
+parallel. The driver plans moves with spark_jobs.planning and prints a
+before/after balance table on stderr. With --dry-run the plan is printed as
+JSON on stdout; otherwise it becomes a RelayRebalance proposal
+(relayfleet.dev/v1alpha1) that the operator executes once approved.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from relay.storage.maintenance import MaintenanceError
+from spark_jobs.planning import (
+    Plan,
+    PlanningError,
+    SlotLoad,
+    add_plan_args,
+    plan,
+    resolve_weights,
+)
+from spark_jobs.shard_io import (
+    GROUP,
+    VERSION,
+    ArgParser,
+    JobError,
+    SlotTask,
+    UsageError,
+    failure_line,
+    kube_api,
+    load_shard_map,
+    now_ms,
+    read_slot_stats,
+    split_ns_name,
+    split_tasks,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+PROPOSER = "spark-rebalance"
+LABEL_FLEET = "relayfleet.dev/fleet"
+LABEL_PROPOSER = "relayfleet.dev/proposed-by"
+_SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def collect_slot_stats(
+    spark: SparkSession, tasks: Sequence[SlotTask], at_ms: int, progress: bool = False
+) -> list[dict[str, Any]]:
+    """Every task's per-slot statistics rows, read in parallel Spark tasks."""
+    from spark_jobs.session import Progress
+
+    sc = spark.sparkContext
+    done = sc.accumulator(0)
+
+    def read(task: SlotTask) -> list[dict[str, Any]]:
+        rows = read_slot_stats(task, at_ms)
+        done.add(1)
+        return rows
+
+    rdd = sc.parallelize(list(tasks), max(1, len(tasks))).flatMap(read)
+    if not progress:
+        return rdd.collect()
+    with Progress("rebalance", lambda: f"{done.value}/{len(tasks)} tasks read"):
+        return rdd.collect()
+
+
+def slot_frame(spark: SparkSession, rows: Iterable[Mapping[str, Any]]) -> DataFrame:
+    """Slot statistics rows as a DataFrame with a fixed schema."""
+    from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
+
+    schema = StructType(
+        [
+            StructField("shard", StringType(), False),
+            StructField("slot", LongType(), False),
+            StructField("state", StringType(), True),
+            StructField("msgs", LongType(), False),
+            StructField("bytes", LongType(), False),
+            StructField("rate", DoubleType(), False),
+            StructField("queues", LongType(), False),
+        ]
+    )
+    names = schema.fieldNames()
+    return spark.createDataFrame([tuple(r[n] for n in names) for r in rows], schema)
+
+
+def shard_totals(slots: DataFrame) -> DataFrame:
+    """Per shard: slots with data, messages, bytes, enqueue rate, queues, pinned slots."""
+    from pyspark.sql import functions as F
+
+    return (
+        slots.groupBy("shard")
+        .agg(
+            F.count(F.lit(1)).alias("slots"),
+            F.sum("msgs").alias("msgs"),
+            F.sum("bytes").alias("bytes"),
+            F.round(F.sum("rate"), 3).alias("rate"),
+            F.sum("queues").alias("queues"),
+            F.sum(F.when(F.col("state").isNotNull(), 1).otherwise(0)).alias("pinned"),
+        )
+        .orderBy("shard")
+    )
+
+
+def loads_from(slots: DataFrame) -> list[SlotLoad]:
+    return [SlotLoad.from_row(r.asDict()) for r in slots.collect()]
+
+
+def proposal_body(result: Plan, namespace: str, auto_approve: bool = False) -> dict[str, Any]:
+    """The RelayRebalance object carrying the plan (crds/relayrebalances.yaml)."""
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "RelayRebalance",
+        "metadata": {
+            "generateName": f"{result.fleet}-rebalance-",
+            "namespace": namespace,
+            "labels": {LABEL_FLEET: result.fleet, LABEL_PROPOSER: PROPOSER},
+        },
+        "spec": {
+            "fleet": result.fleet,
+            "autoApprove": auto_approve,
+            "proposal": proposal_spec(result),
+        },
+    }
+
+
+def proposal_spec(result: Plan) -> dict[str, Any]:
+    doc = result.to_json()
+    return {
+        "shardMapEpoch": result.epoch,
+        "moves": [
+            {"slots": m.slots, "from": m.source, "to": m.target, "bytes": m.bytes, "messages": m.messages}
+            for m in result.moves
+        ],
+        "summary": {
+            "metric": doc["metric"],
+            "tolerance": doc["tolerance"],
+            "maxOverMean": doc["maxOverMean"],
+            "bytesMoved": doc["bytesMoved"],
+            "slotsMoved": doc["slotsMoved"],
+            "balanced": doc["balanced"],
+        },
+    }
+
+
+def submit_proposal(result: Plan, namespace: str, auto_approve: bool) -> str:
+    """Create the RelayRebalance, or refresh this job's earlier proposal that nobody
+    approved yet (one open proposal per fleet, as Strimzi's KafkaRebalance refresh).
+    Returns what was done, for the log."""
+    client = kube_api()
+    api = client.CustomObjectsApi()
+    plural = "relayrebalances"
+    selector = f"{LABEL_FLEET}={result.fleet},{LABEL_PROPOSER}={PROPOSER}"
+    try:
+        existing = api.list_namespaced_custom_object(
+            GROUP, VERSION, namespace, plural, label_selector=selector
+        )
+        for item in existing.get("items", []):
+            phase = (item.get("status") or {}).get("phase")
+            name = item["metadata"]["name"]
+            if phase == "Rebalancing":
+                return f"not proposing: {namespace}/{name} is still rebalancing fleet {result.fleet}"
+            if phase in (None, "New", "PendingProposal", "ProposalReady", "NotReady"):
+                patch = {"spec": {"proposal": proposal_spec(result), "autoApprove": auto_approve}}
+                api.patch_namespaced_custom_object(GROUP, VERSION, namespace, plural, name, patch)
+                return f"refreshed proposal {namespace}/{name}"
+        created = api.create_namespaced_custom_object(
+            GROUP, VERSION, namespace, plural, proposal_body(result, namespace, auto_approve)
+        )
+    except client.ApiException as exc:
+        raise JobError(f"cannot write RelayRebalance in {namespace}: {exc.status} {exc.reason}") from None
+    return f"created proposal {namespace}/{created['metadata']['name']}"
+
+
+def _namespace(args: Any) -> str:
+    if args.namespace:
+        return str(args.namespace)
+    if args.shard_map_configmap:
+        return split_ns_name(args.shard_map_configmap, "--shard-map-configmap")[0]
+    try:
+        return _SA_NAMESPACE.read_text("utf-8").strip()
+    except OSError:
+        raise UsageError("--namespace is required outside a cluster without --shard-map-configmap") from None
+
+
+def _parser() -> ArgParser:
+    p = ArgParser(prog="python -m spark_jobs.rebalance", description=__doc__.split("\n\n")[0])
+    add_plan_args(p)
+    p.add_argument("--dry-run", action="store_true", help="print the plan as JSON; change nothing")
+    p.add_argument("--namespace", help="where the RelayRebalance goes (default: the ConfigMap's)")
+    p.add_argument("--auto-approve", action="store_true", help="set spec.autoApprove on the proposal")
+    p.add_argument("--output", metavar="FILE", help="also write the JSON plan to FILE")
+    p.add_argument("--task-slots", type=int, default=1024, metavar="N", help="slots per Spark task")
+    p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = time.monotonic()
+    try:
+        args = _parser().parse_args(argv)
+        shard_map = load_shard_map(args.shard_map, args.shard_map_configmap)
+        tasks = split_tasks(shard_map, args.task_slots)
+        weights = resolve_weights(args, shard_map)
+        namespace = None if args.dry_run else _namespace(args)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except (UsageError, PlanningError) as exc:
+        print(f"rebalance: {exc}", file=sys.stderr)
+        return 2
+    except JobError as exc:
+        print(f"rebalance: {exc}", file=sys.stderr)
+        return 1
+
+    from spark_jobs.session import get_session, owns_session
+
+    try:
+        stop_after = owns_session()
+        spark = get_session("relayfleet-rebalance", args.master)
+    except Exception as exc:  # the JVM could not start: say why in one line
+        print(f"rebalance: cannot start Spark: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(
+            f"rebalance: fleet {shard_map.fleet} (map epoch {shard_map.epoch}), "
+            f"{len(shard_map.shards)} shards, {len(tasks)} tasks",
+            file=sys.stderr,
+        )
+        rows = collect_slot_stats(spark, tasks, now_ms(), progress=not args.quiet)
+        result = plan(shard_map, loads_from(slot_frame(spark, rows)), weights, args.metric, args.tolerance)
+        print(result.table(), file=sys.stderr)
+        doc = json.dumps(result.to_json(), indent=2)
+        if args.output:
+            try:
+                Path(args.output).write_text(doc + "\n", "utf-8")
+            except OSError as exc:
+                raise JobError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+        if args.dry_run:
+            print(doc)
+        elif not result.moves:
+            print("rebalance: nothing to propose: the fleet is balanced", file=sys.stderr)
+        else:
+            assert namespace is not None
+            print(f"rebalance: {submit_proposal(result, namespace, args.auto_approve)}", file=sys.stderr)
+        print(f"rebalance: done in {time.monotonic() - started:.1f}s", file=sys.stderr)
+        return 0
+    except PlanningError as exc:
+        print(f"rebalance: {exc}", file=sys.stderr)
+        return 2
+    except (JobError, MaintenanceError) as exc:
+        print(f"rebalance: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        # a task failure reaches the driver as a Py4J/Spark error holding the task's traceback
+        print(f"rebalance: failed: {failure_line(exc)}", file=sys.stderr)
+        return 1
+    finally:
+        if stop_after:
+            spark.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
