@@ -1,0 +1,62 @@
+{{/* Names, labels and images shared by every template. */}}
+
+{{- define "relayfleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "relayfleet.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "relayfleet.labels" -}}
+app.kubernetes.io/name: {{ include "relayfleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: relayfleet
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "relayfleet.operator.selector" -}}
+app.kubernetes.io/name: {{ include "relayfleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "relayfleet.operator.serviceAccount" -}}
+{{- default (printf "%s-operator" (include "relayfleet.fullname" .)) .Values.operator.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "relayfleet.spark.serviceAccount" -}}
+{{- default (printf "%s-spark" (include "relayfleet.fullname" .)) .Values.spark.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "relayfleet.watchNamespace" -}}
+{{- default .Release.Namespace .Values.operator.watchNamespace -}}
+{{- end -}}
+
+{{- define "relayfleet.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "relayfleet.spark.image" -}}
+{{- printf "%s:%s" .Values.spark.image.repository (default .Chart.AppVersion .Values.spark.image.tag) -}}
+{{- end -}}
+
+{{/* Restricted-profile pod and container security settings. */}}
+{{- define "relayfleet.containerSecurity" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: ["ALL"]
+{{- end -}}
