@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -542,6 +543,12 @@ def add_plan_args(p: Any) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--shard-map", metavar="FILE", help="shard map JSON file")
     src.add_argument("--shard-map-configmap", metavar="NS/NAME", help="ConfigMap holding shardmap.json")
+    p.add_argument(
+        "--credentials-dir",
+        default=os.environ.get("RELAY_REDIS_CREDENTIALS_DIR"),
+        metavar="DIR",
+        help="one file per shard holding its full Redis URL (env RELAY_REDIS_CREDENTIALS_DIR)",
+    )
     p.add_argument("--metric", choices=METRICS, default="blend", help="what load means (default: blend)")
     p.add_argument(
         "--tolerance",
@@ -578,7 +585,7 @@ def resolve_weights(args: Any, shard_map: ShardMap) -> dict[str, float]:
 
 def plan_main(argv: list[str]) -> int:
     """`relayfleet plan`: read every shard's slot statistics, print the JSON plan."""
-    from spark_jobs.shard_io import ArgParser, JobError, UsageError, load_shard_map, now_ms
+    from spark_jobs.shard_io import ArgParser, JobError, UsageError, load_shard_map, now_ms, with_credentials
 
     p = ArgParser(prog="relayfleet plan", description="Rebalance plan without Spark; JSON on stdout.")
     add_plan_args(p)
@@ -586,6 +593,7 @@ def plan_main(argv: list[str]) -> int:
         args = p.parse_args(argv)
         shard_map = load_shard_map(args.shard_map, args.shard_map_configmap)
         weights = resolve_weights(args, shard_map)
+        shard_map = with_credentials(shard_map, args.credentials_dir)
         stats = read_stats_direct(shard_map, now_ms())
         result = plan(shard_map, stats, weights, args.metric, args.tolerance)
     except SystemExit as exc:  # --help

@@ -43,6 +43,7 @@ from spark_jobs.shard_io import (
     read_slot_stats,
     split_ns_name,
     split_tasks,
+    with_credentials,
 )
 
 if TYPE_CHECKING:
@@ -211,8 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         shard_map = load_shard_map(args.shard_map, args.shard_map_configmap)
-        tasks = split_tasks(shard_map, args.task_slots)
         weights = resolve_weights(args, shard_map)
+        shard_map = with_credentials(shard_map, args.credentials_dir)
+        tasks = split_tasks(shard_map, args.task_slots)
         namespace = None if args.dry_run else _namespace(args)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)

@@ -16,6 +16,7 @@ the task rows into a per-shard report (a DataFrame), writes it as JSON lines
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from relay.storage.maintenance import MaintenanceError, ShardMaintenance, TrimPolicy
 from spark_jobs.shard_io import (
+    CREDENTIALS_ENV,
     ArgParser,
     JobError,
     SlotTask,
@@ -36,6 +38,7 @@ from spark_jobs.shard_io import (
     parse_duration_s,
     split_ns_name,
     split_tasks,
+    with_credentials,
 )
 
 if TYPE_CHECKING:
@@ -235,6 +238,12 @@ def _parser() -> ArgParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--shard-map", metavar="FILE")
     src.add_argument("--shard-map-configmap", metavar="NS/NAME")
+    p.add_argument(
+        "--credentials-dir",
+        default=os.environ.get(CREDENTIALS_ENV),
+        metavar="DIR",
+        help=f"one file per shard holding its full Redis URL (env {CREDENTIALS_ENV})",
+    )
     p.add_argument("--max-age", type=int, metavar="SECONDS", help=f"default {DEFAULT_MAX_AGE_S}")
     p.add_argument("--max-messages", type=int, metavar="N", help=f"per queue, default {DEFAULT_MAX_MESSAGES}")
     idle = p.add_mutually_exclusive_group()
@@ -256,7 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise UsageError(f"{flag} must be >= 1")
         if args.idle is not None and args.idle < 0:
             raise UsageError("--idle must be >= 0")
-        shard_map = load_shard_map(args.shard_map, args.shard_map_configmap)
+        shard_map = with_credentials(
+            load_shard_map(args.shard_map, args.shard_map_configmap), args.credentials_dir
+        )
         tasks = split_tasks(shard_map, args.task_slots)
         specs = None
         if args.shard_map_configmap:

@@ -12,7 +12,7 @@ import argparse
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -49,7 +49,7 @@ class SlotTask:
     """One unit of distributed work: a contiguous slot range owned by one shard."""
 
     shard: str
-    url: str
+    url: str = field(repr=False)  # may carry a password
     start: int
     end: int  # inclusive
 
@@ -134,6 +134,33 @@ def load_shard_map(path: str | None, configmap: str | None) -> ShardMap:
         except ShardMapError as exc:
             raise JobError(f"ConfigMap {namespace}/{name}: {exc}") from None
     raise UsageError("one of --shard-map or --shard-map-configmap is required")
+
+
+CREDENTIALS_ENV = "RELAY_REDIS_CREDENTIALS_DIR"
+
+
+def with_credentials(shard_map: ShardMap, directory: str | None) -> ShardMap:
+    """The map with each shard's full Redis URL from `directory`/<shard> where present.
+
+    Shard maps carry URLs without passwords; the operator keeps the full ones in
+    the fleet's credentials Secret, mounted as one file per shard (as for relays).
+    """
+    if not directory:
+        return shard_map
+    base = Path(directory)
+    if not base.is_dir():
+        raise UsageError(f"credentials directory {directory} does not exist")
+    urls = dict(shard_map.shards)
+    for name in urls:
+        try:
+            text = (base / name).read_text("utf-8").strip()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise JobError(f"cannot read credentials for shard {name}: {exc.strerror or exc}") from None
+        if text:
+            urls[name] = text
+    return replace(shard_map, shards=urls)
 
 
 def fleet_shard_specs(namespace: str, fleet: str) -> dict[str, Mapping[str, Any]]:
