@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]
 import kubernetes_validate
 import pytest
 import yaml
@@ -171,7 +171,7 @@ def test_examples_parse_as_relayfleet_objects() -> None:
 
 
 def builder_objects() -> list[dict[str, Any]]:
-    body = {
+    body: dict[str, Any] = {
         "metadata": {"name": "a", "namespace": "ns", "uid": "0b3a5d2e-1111-2222-3333-444455556666"},
         "spec": {
             "fleet": "main",
