@@ -45,7 +45,9 @@ async def read(request: web.Request) -> web.Response:
     finally:
         if waiters.get(key) is fut:
             del waiters[key]
-    return web.Response(body=b'{"messages":[{"seq":1}],"nextSeq":2,"epoch":"0"}', content_type="application/json")
+    return web.Response(
+        body=b'{"messages":[{"seq":1}],"nextSeq":2,"epoch":"0"}', content_type="application/json"
+    )
 
 
 async def empty(request: web.Request) -> web.Response:

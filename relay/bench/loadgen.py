@@ -18,6 +18,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 
 class HttpError(Exception):
@@ -50,10 +51,15 @@ class _Proto(asyncio.Protocol):
         self._body_start = -1
         self._length = -1  # -1: not known yet; -2: chunked
         self._closed_exc: Exception | None = None
+        self._will_close = False  # the server said "Connection: close" (e.g. nginx keepalive_requests)
+
+    @property
+    def reusable(self) -> bool:
+        return self._closed_exc is None and not self._will_close
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self.transport = cast(asyncio.Transport, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed_exc = HttpError(f"connection closed: {exc}" if exc else "connection closed")
@@ -100,6 +106,8 @@ class _Proto(asyncio.Protocol):
                     self._length = int(value)
                 elif name == b"transfer-encoding" and b"chunked" in value.lower():
                     self._length = -2
+                elif name == b"connection" and b"close" in value.lower():
+                    self._will_close = True
             self._body_start = end + 4
         if self._length >= 0:
             stop = self._body_start + self._length
@@ -139,28 +147,47 @@ def _dechunk(buf: bytearray, start: int) -> tuple[bytes, int] | None:
 
 
 class Conn:
-    """One keep-alive connection; ``send`` returns a future stamped on the response's last byte."""
+    """One keep-alive connection, reopened when the server closes it between requests.
 
-    def __init__(self, proto: _Proto, host: str) -> None:
+    ``start`` returns a future stamped on the response's last byte (send now, await later);
+    ``request`` awaits it.
+    """
+
+    def __init__(self, proto: _Proto, host: str, port: int) -> None:
         self._proto = proto
-        self.host = host
+        self.host = f"{host}:{port}"
+        self._addr = (host, port)
 
-    @classmethod
-    async def open(cls, host: str, port: int) -> Conn:
-        loop = asyncio.get_running_loop()
-        _, proto = await loop.create_connection(_Proto, host, port)
+    @staticmethod
+    async def _connect(host: str, port: int) -> _Proto:
+        _, proto = await asyncio.get_running_loop().create_connection(_Proto, host, port)
         sock = proto.transport.get_extra_info("socket") if proto.transport else None
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(proto, f"{host}:{port}")
+        return proto
 
-    def send_raw(self, raw: bytes) -> asyncio.Future[Response]:
+    @classmethod
+    async def open(cls, host: str, port: int) -> Conn:
+        return cls(await cls._connect(host, port), host, port)
+
+    async def start_raw(self, raw: bytes) -> asyncio.Future[Response]:
+        if not self._proto.reusable:
+            self.close()
+            self._proto = await self._connect(*self._addr)
         return self._proto.start(raw)
 
-    def send(
+    async def start(
         self, method: str, path: str, body: bytes = b"", headers: tuple[tuple[str, str], ...] = ()
     ) -> asyncio.Future[Response]:
-        return self._proto.start(build_request(method, path, self.host, body, headers))
+        return await self.start_raw(build_request(method, path, self.host, body, headers))
+
+    async def request_raw(self, raw: bytes) -> Response:
+        return await (await self.start_raw(raw))
+
+    async def request(
+        self, method: str, path: str, body: bytes = b"", headers: tuple[tuple[str, str], ...] = ()
+    ) -> Response:
+        return await (await self.start(method, path, body, headers))
 
     def close(self, reset: bool = False) -> None:
         """Close; ``reset`` sends RST instead of FIN so thousands of closes leave no TIME_WAIT."""
@@ -212,7 +239,11 @@ async def closed_loop(
         conn = conns[i]
         n = i
         while time.perf_counter() < stop_at:
-            resp = await conn.send_raw(make_request(n))
+            try:
+                resp = await conn.request_raw(make_request(n))
+            except (HttpError, OSError):
+                errors[i] += 1  # the next request reconnects
+                continue
             n += connections
             if 200 <= resp.status < 300:
                 counts[i] += 1

@@ -171,29 +171,32 @@ class Procs:
         self.stop_all()
 
 
-async def wait_exit(child: Child, timeout: float) -> int:
-    """Wait for a child to exit on its own (a load generator run); kill it past ``timeout``."""
-    deadline = time.monotonic() + timeout
+async def wait_exit(child: Child, within: float) -> int:
+    """Wait for a child to exit on its own (a load generator run); kill it past ``within`` s."""
+    deadline = time.monotonic() + within
     while child.popen.poll() is None:
         if time.monotonic() > deadline:
-            raise BenchError(f"{child.name} did not finish within {timeout:.0f} s")
+            raise BenchError(f"{child.name} did not finish within {within:.0f} s")
         await asyncio.sleep(0.02)
     return child.popen.returncode
 
 
-async def wait_port(port: int, child: Child, timeout: float = 20.0) -> None:
+async def wait_port(port: int, child: Child, within: float = 20.0) -> None:
     """Wait until something accepts TCP connections on 127.0.0.1:port; fail fast if the child died."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within
     while True:
         if not child.alive():
             raise BenchError(
-                f"{child.name} exited with status {child.popen.returncode} before listening:\n{child.log_tail()}"
+                f"{child.name} exited with status {child.popen.returncode} before listening:\n"
+                + child.log_tail()
             )
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", port)
         except OSError:
             if time.monotonic() > deadline:
-                raise BenchError(f"{child.name} did not listen on port {port} within {timeout:.0f} s") from None
+                raise BenchError(
+                    f"{child.name} did not listen on port {port} within {within:.0f} s"
+                ) from None
             await asyncio.sleep(0.05)
             continue
         writer.close()

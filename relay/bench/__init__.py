@@ -1,0 +1,16 @@
+"""Side-by-side benchmarks: the relay against redis-benchmark, an aiohttp ceiling and nginx + nchan.
+
+Entry point: :func:`main` (``relayfleet bench [--quick]`` / ``python -m relay.bench``).
+"""
+
+from __future__ import annotations
+
+
+def main(argv: list[str]) -> int:
+    # imported lazily: `relayfleet --help` must not pay for the bench's imports
+    from relay.bench.runner import main as run
+
+    return run(argv)
+
+
+__all__ = ["main"]

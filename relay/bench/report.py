@@ -1,0 +1,572 @@
+"""Turns Results into the markdown written to docs/benchmarks.md, with machine facts.
+
+The generated part sits between ``<!-- bench:<mode>:begin/end -->`` markers, so the
+hand-written analysis around it survives every re-run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import re
+import subprocess
+from collections.abc import Iterable
+from importlib import metadata
+from pathlib import Path
+
+from relay.bench.results import Results, Row, size_label
+
+# Targets of issue 9, on this class of machine (2 cores, generator on the same machine).
+TARGET_ENQUEUE_RATE = 15000.0
+TARGET_ENQUEUE_VS_CEILING = 0.6
+TARGET_ENQUEUE_VS_NCHAN = 1.0
+TARGET_WAKE_P50_MS = 2.0
+TARGET_WAKE_P99_MS = 10.0
+TARGET_RSS_PER_POLL_KIB = 15.0
+TARGET_READ_ACK_RATE = 100000.0
+
+
+def _cmd(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return "n/a"
+    return (out.stdout + out.stderr).strip().splitlines()[0] if (out.stdout + out.stderr).strip() else "n/a"
+
+
+def _pkg(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "n/a"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "n/a"
+
+
+def _mem_gib() -> str:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return f"{int(line.split()[1]) / (1 << 20):.1f} GiB"
+    except OSError:
+        pass
+    return "n/a"
+
+
+def _os_name() -> str:
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("PRETTY_NAME="):
+                return line.split("=", 1)[1].strip('"')
+    except OSError:
+        pass
+    return platform.system()
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def machine_facts(repo: Path) -> dict[str, str]:
+    dpkg = ["dpkg-query", "-W", "-f", "${Version}"]
+    return {
+        "CPU": f"{_cpu_model()}, {os.cpu_count()} cores",
+        "memory": _mem_gib(),
+        "OS / kernel": f"{_os_name()} / {platform.release()}",
+        "Python": platform.python_version(),
+        "aiohttp / uvloop / redis-py / hiredis / orjson": " / ".join(
+            _pkg(p) for p in ("aiohttp", "uvloop", "redis", "hiredis", "orjson")
+        ),
+        "redis-server": _cmd(["/usr/bin/redis-server", "--version"]).split(" sha=")[0],
+        "nginx / nchan": _cmd(["/usr/sbin/nginx", "-v"]).split("/")[-1]
+        + " / "
+        + _cmd([*dpkg, "libnginx-mod-nchan"]),
+        "wrk": _cmd([*dpkg, "wrk"]),
+        "relay commit": _cmd(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"]),
+    }
+
+
+# -- formatting helpers ---------------------------------------------------------------------
+
+
+def _num(v: float | None, digits: int = 0) -> str:
+    if v is None or math.isnan(v):
+        return "-"
+    return f"{v:,.{digits}f}"
+
+
+def _ms(v: float | None) -> str:
+    if v is None or math.isnan(v):
+        return "-"
+    return f"{v:.2f}" if v < 10 else f"{v:.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
+        return "-"
+    return f"{a / b:.2f}"
+
+
+def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def _unique(values: Iterable[str]) -> list[str]:
+    seen: list[str] = []
+    for v in values:
+        if v not in seen:
+            seen.append(v)
+    return seen
+
+
+def _int(row: Row, key: str) -> int:
+    return int(row.params[key])
+
+
+# -- sections -------------------------------------------------------------------------------
+
+
+def _calibration(res: Results) -> list[str]:
+    rows = res.select("calibration")
+    if not rows:
+        return []
+    lines = ["### Load generator calibration", ""]
+    lines.append(
+        "Each generator against a do-nothing endpoint on the same machine: the most it can drive. "
+        "Throughput results well below a generator's own ceiling are not generator-bound."
+    )
+    lines.append("")
+    lines += _table(
+        ["generator", "server", "connections", "requests/s"],
+        (
+            [
+                str(r.params["generator"]),
+                f"{r.target} `{r.params['path']}`",
+                str(r.params["conns"]),
+                _num(r.values.get("rate")),
+            ]
+            for r in rows
+        ),
+    )
+    return [*lines, ""]
+
+
+def _enqueue(res: Results, main_conns: int) -> list[str]:
+    rows = res.select("enqueue") + res.select("limit")
+    if not rows:
+        return []
+    sizes = sorted({_int(r, "size") for r in rows})
+    targets = _unique(r.target for r in rows if _int(r, "conns") == main_conns)
+    lines = ["### Enqueue throughput", ""]
+    lines.append(
+        f"Messages stored per second (2xx answers only), {main_conns} connections, one wrk thread per "
+        "server process; p50 / p99 request latency in ms under that load. `redis XADD` and "
+        "`redis enqueue.lua` are redis-benchmark (pipelined 16 deep), not HTTP."
+    )
+    lines.append("")
+    header = (
+        ["target"]
+        + [f"{size_label(s)} msg/s" for s in sizes]
+        + [f"{size_label(s)} p50/p99 ms" for s in sizes]
+    )
+    body = []
+    for t in targets:
+        cells = [t]
+        lat = []
+        for s in sizes:
+            row = next(
+                (
+                    r
+                    for r in rows
+                    if r.target == t and _int(r, "size") == s and _int(r, "conns") == main_conns
+                ),
+                None,
+            )
+            if row is None:
+                cells.append("-")
+                lat.append("-")
+                continue
+            err = row.values.get("errors", 0.0)
+            cells.append(_num(row.values.get("rate")) + (f" ({_num(err)} err)" if err else ""))
+            lat.append(f"{_ms(row.values.get('p50_ms'))} / {_ms(row.values.get('p99_ms'))}")
+        body.append(cells + lat)
+    lines += _table(header, body)
+    other = [r for r in res.select("enqueue") if _int(r, "conns") != main_conns]
+    if other:
+        lines += ["", "Connection count sweep (256 B unless shown):", ""]
+        lines += _table(
+            ["target", "size", "connections", "msg/s", "p50 ms", "p99 ms"],
+            (
+                [
+                    r.target,
+                    size_label(_int(r, "size")),
+                    str(r.params["conns"]),
+                    _num(r.values.get("rate")),
+                    _ms(r.values.get("p50_ms")),
+                    _ms(r.values.get("p99_ms")),
+                ]
+                for r in sorted(other, key=lambda r: (r.target, _int(r, "conns")))
+            ),
+        )
+    return [*lines, ""]
+
+
+def _ratios(res: Results, main_conns: int) -> list[str]:
+    relays = _unique(r.target for r in res.select("enqueue") if r.target.startswith("relay"))
+    if not relays:
+        return []
+    sizes = sorted({_int(r, "size") for r in res.select("enqueue")})
+    lines = ["### Ratios (enqueue)", ""]
+    lines.append(
+        "relay / limit = relay msg/s ÷ redis XADD; relay / script limit = ÷ redis running the relay's "
+        "enqueue.lua; relay / aiohttp = ÷ the empty-handler ceiling with as many processes (1p falls "
+        "back to aiohttp-1p); relay / nchan-redis = ÷ nginx + nchan with Redis storage."
+    )
+    lines.append("")
+    body = []
+    for t in relays:
+        procs = t.split("-")[-1]
+        for s in sizes:
+            rate = res.value("enqueue", t, "rate", size=s, conns=main_conns)
+            ceiling = res.value("enqueue", f"aiohttp-{procs}", "rate", size=s, conns=main_conns)
+            ceiling_name = f"aiohttp-{procs}"
+            if ceiling is None:
+                ceiling = res.value("enqueue", "aiohttp-1p", "rate", size=s, conns=main_conns)
+                ceiling_name = "aiohttp-1p"
+            body.append(
+                [
+                    t,
+                    size_label(s),
+                    _num(rate),
+                    _ratio(rate, res.value("limit", "redis XADD", "rate", size=s)),
+                    _ratio(rate, res.value("limit", "redis enqueue.lua", "rate", size=s)),
+                    f"{_ratio(rate, ceiling)} ({ceiling_name})",
+                    _ratio(rate, res.value("enqueue", "nchan-redis", "rate", size=s, conns=main_conns)),
+                ]
+            )
+    lines += _table(
+        [
+            "relay",
+            "size",
+            "msg/s",
+            "relay / limit",
+            "relay / script limit",
+            "relay / aiohttp",
+            "relay / nchan-redis",
+        ],
+        body,
+    )
+    return [*lines, ""]
+
+
+def _read_ack(res: Results) -> list[str]:
+    rows = res.select("read_ack")
+    if not rows:
+        return []
+    lines = ["### Read + ack throughput", ""]
+    lines.append(
+        "Queues prefilled through the relay's own enqueue script; readers loop `GET …/messages?limit=B"
+        "&fromSeq=S` then `POST …/ack {upToSeq}` until every queue is empty (own generator). "
+        "nchan has no batch read or ack: not compared."
+    )
+    lines.append("")
+    lines += _table(
+        ["target", "batch", "messages", "queues", "connections", "delivered msg/s", "HTTP req/s"],
+        (
+            [
+                r.target,
+                str(r.params["batch"]),
+                _num(r.values.get("messages")),
+                str(r.params["queues"]),
+                str(r.params["conns"]),
+                _num(r.values.get("rate")),
+                _num(r.values.get("req_rate")),
+            ]
+            for r in rows
+        ),
+    )
+    return [*lines, ""]
+
+
+def _longpoll(res: Results) -> list[str]:
+    rows = res.select("longpoll")
+    if not rows:
+        return []
+    lines = ["### Long-poll wake latency and memory per idle long-poll", ""]
+    lines.append(
+        "Sequential probes on one server process while N other long-polls sit idle on it (each on its "
+        "own queue). wake = enqueue answered → waiting reader answered (0 when the reader was answered "
+        "first); e2e = enqueue sent → reader answered. RSS/poll = (RSS with N idle - RSS before) ÷ N."
+    )
+    lines.append("")
+    lines += _table(
+        [
+            "target",
+            "idle polls",
+            "probes",
+            "wake p50 ms",
+            "wake p99 ms",
+            "wake p999 ms",
+            "e2e p50 ms",
+            "e2e p99 ms",
+            "reader first",
+            "RSS MiB",
+            "RSS/poll KiB",
+        ],
+        (
+            [
+                r.target,
+                _num(float(_int(r, "idle"))),
+                _num(r.values.get("probes")),
+                _ms(r.values.get("p50_ms")),
+                _ms(r.values.get("p99_ms")),
+                _ms(r.values.get("p999_ms")),
+                _ms(r.values.get("e2e_p50_ms")),
+                _ms(r.values.get("e2e_p99_ms")),
+                _num(r.values.get("reader_first")),
+                _num(r.values.get("rss_kib", math.nan) / 1024, 1),
+                _num(r.values.get("rss_per_poll_kib"), 1),
+            ]
+            for r in rows
+        ),
+    )
+    return [*lines, ""]
+
+
+def _live(res: Results) -> list[str]:
+    rows = res.select("live")
+    if not rows:
+        return []
+    lines = ["### Live WebSocket delivery", ""]
+    lines.append("Enqueue answered → frame received on an open WebSocket for that queue (client acks each).")
+    lines.append("")
+    lines += _table(
+        ["target", "probes", "p50 ms", "p99 ms", "p999 ms"],
+        (
+            [
+                r.target,
+                _num(r.values.get("probes")),
+                _ms(r.values.get("p50_ms")),
+                _ms(r.values.get("p99_ms")),
+                _ms(r.values.get("p999_ms")),
+            ]
+            for r in rows
+        ),
+    )
+    return [*lines, ""]
+
+
+def _fanout(res: Results) -> list[str]:
+    rows = res.select("fanout")
+    if not rows:
+        return []
+    lines = ["### Fan-out", ""]
+    lines.append(
+        "`POST /v1/messages` with 100 recipients per request (wrk); per-recipient errors are counted "
+        "from the 200 answers' result lists. nchan publishes to one channel per request: not compared."
+    )
+    lines.append("")
+    lines += _table(
+        [
+            "target",
+            "size",
+            "recipients",
+            "connections",
+            "requests/s",
+            "recipient msg/s",
+            "p50 ms",
+            "p99 ms",
+            "errors",
+        ],
+        (
+            [
+                r.target,
+                size_label(_int(r, "size")),
+                str(r.params["recipients"]),
+                str(r.params["conns"]),
+                _num(r.values.get("rate")),
+                _num(r.values.get("msg_rate")),
+                _ms(r.values.get("p50_ms")),
+                _ms(r.values.get("p99_ms")),
+                _num(r.values.get("errors", 0.0) + r.values.get("inner_errors", 0.0)),
+            ]
+            for r in rows
+        ),
+    )
+    return [*lines, ""]
+
+
+def _verdict(value: float | None, ok: bool) -> str:
+    if value is None:
+        return "not measured"
+    return "met" if ok else "missed"
+
+
+def _targets(res: Results, main_conns: int) -> list[str]:
+    rate = res.value("enqueue", "relay-1p", "rate", size=256, conns=main_conns)
+    ceiling = res.value("enqueue", "aiohttp-1p", "rate", size=256, conns=main_conns)
+    nchan = res.value("enqueue", "nchan-redis", "rate", size=256, conns=main_conns)
+    polls = [r for r in res.select("longpoll") if r.target == "relay-1p"]
+    top = max(polls, key=lambda r: _int(r, "idle")) if polls else None
+    ra = res.value("read_ack", "relay-1p", "rate", batch=100)
+    rows: list[list[str]] = []
+
+    def add(name: str, goal: str, value: float | None, shown: str, ok: bool, by: str) -> None:
+        verdict = _verdict(value, ok)
+        rows.append(
+            [
+                name,
+                goal,
+                shown if value is not None else "-",
+                verdict + (f" ({by})" if verdict == "missed" else ""),
+            ]
+        )
+
+    add(
+        "enqueue 256 B, relay-1p",
+        f"≥ {_num(TARGET_ENQUEUE_RATE)} msg/s",
+        rate,
+        _num(rate),
+        rate is not None and rate >= TARGET_ENQUEUE_RATE,
+        f"at {_ratio(rate, TARGET_ENQUEUE_RATE)} of goal",
+    )
+    vs_c = rate / ceiling if rate and ceiling else None
+    add(
+        "enqueue vs aiohttp-1p",
+        f"≥ {TARGET_ENQUEUE_VS_CEILING} x",
+        vs_c,
+        _num(vs_c, 2),
+        vs_c is not None and vs_c >= TARGET_ENQUEUE_VS_CEILING,
+        f"{_num(vs_c, 2)} x",
+    )
+    vs_n = rate / nchan if rate and nchan else None
+    add(
+        "enqueue vs nchan-redis",
+        f"≥ {TARGET_ENQUEUE_VS_NCHAN} x",
+        vs_n,
+        _num(vs_n, 2),
+        vs_n is not None and vs_n >= TARGET_ENQUEUE_VS_NCHAN,
+        f"{_num(vs_n, 2)} x",
+    )
+    if top is not None:
+        idle = _num(float(_int(top, "idle")))
+        p50, p99 = top.values.get("p50_ms"), top.values.get("p99_ms")
+        per = top.values.get("rss_per_poll_kib")
+        add(
+            f"wake p50, {idle} idle polls",
+            f"≤ {TARGET_WAKE_P50_MS} ms",
+            p50,
+            _ms(p50),
+            p50 is not None and p50 <= TARGET_WAKE_P50_MS,
+            f"{_ms(p50)} ms",
+        )
+        add(
+            f"wake p99, {idle} idle polls",
+            f"≤ {TARGET_WAKE_P99_MS} ms",
+            p99,
+            _ms(p99),
+            p99 is not None and p99 <= TARGET_WAKE_P99_MS,
+            f"{_ms(p99)} ms",
+        )
+        add(
+            f"RSS per idle poll ({idle})",
+            f"≤ {TARGET_RSS_PER_POLL_KIB} KiB",
+            per,
+            _num(per, 1),
+            per is not None and per <= TARGET_RSS_PER_POLL_KIB,
+            f"{_num(per, 1)} KiB",
+        )
+    add(
+        "read+ack, batch 100, relay-1p",
+        f"≥ {_num(TARGET_READ_ACK_RATE)} msg/s",
+        ra,
+        _num(ra),
+        ra is not None and ra >= TARGET_READ_ACK_RATE,
+        f"at {_ratio(ra, TARGET_READ_ACK_RATE)} of goal",
+    )
+    lines = ["### Issue 9 targets", ""]
+    lines += _table(["target", "goal", "measured", "verdict"], rows)
+    return [*lines, ""]
+
+
+def _skips(res: Results) -> list[str]:
+    noted = [r for r in res.rows if r.note]
+    if not res.skips and not noted:
+        return []
+    lines = ["### Skipped, failed or noted", ""]
+    lines += [f"- {s.scenario} / {s.target}: {s.reason}" for s in res.skips]
+    lines += [f"- {r.scenario} / {r.target} ({_params(r)}): {r.note}" for r in noted]
+    return [*lines, ""]
+
+
+def _params(row: Row) -> str:
+    return ", ".join(size_label(int(v)) if k == "size" else f"{k}={v}" for k, v in row.params.items())
+
+
+def render(
+    res: Results,
+    mode: str,
+    command: str,
+    facts: dict[str, str],
+    started: str,
+    seconds: float,
+    main_conns: int,
+    notes: list[str],
+) -> str:
+    lines = [f"_Generated by `{command}` on {started}, took {seconds:.0f} s ({mode} mode)._", ""]
+    lines += _table(["machine", ""], ([k, v] for k, v in facts.items()))
+    lines.append("")
+    lines += [f"- {n}" for n in notes]
+    lines.append("")
+    for section in (
+        _targets(res, main_conns),
+        _calibration(res),
+        _enqueue(res, main_conns),
+        _ratios(res, main_conns),
+        _read_ack(res),
+        _longpoll(res),
+        _live(res),
+        _fanout(res),
+        _skips(res),
+    ):
+        lines += section
+    return "\n".join(lines).rstrip() + "\n"
+
+
+_HEADER = """# Benchmarks
+
+Side-by-side numbers for the relay, measured in one run on one machine against
+the physical limit (redis-benchmark), the Python HTTP ceiling (aiohttp + uvloop
+empty handlers) and the peer a user would pick instead (nginx + nchan). Run
+`relayfleet bench` (a few minutes) or `relayfleet bench --quick` (under a minute);
+each run rewrites only its own generated section below.
+"""
+
+
+def write(path: Path, mode: str, generated: str) -> None:
+    """Replace this mode's generated section of ``path`` (created when missing)."""
+    begin, end = f"<!-- bench:{mode}:begin -->", f"<!-- bench:{mode}:end -->"
+    block = f"{begin}\n{generated}{end}"
+    text = path.read_text() if path.exists() else _HEADER
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text)
+    else:
+        title = "## Latest full run" if mode == "full" else "## Latest quick run"
+        text = text.rstrip() + f"\n\n{title}\n\n{block}\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)

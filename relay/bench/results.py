@@ -1,0 +1,72 @@
+"""What a benchmark run measured: rows, skips, percentiles, and the JSON form of both."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+def percentile(sorted_values: list[float], p: float) -> float:
+    """Nearest-rank percentile of an already sorted list (p in 0..100)."""
+    if not sorted_values:
+        return math.nan
+    rank = max(1, math.ceil(p / 100 * len(sorted_values)))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+def size_label(size: int) -> str:
+    if size >= 1024 and size % 1024 == 0:
+        return f"{size // 1024} KiB"
+    return f"{size} B"
+
+
+@dataclass
+class Row:
+    """One measurement: a scenario run against one target with fixed parameters."""
+
+    scenario: str  # calibration | limit | enqueue | read_ack | longpoll | live | fanout
+    target: str
+    params: dict[str, int | str]
+    values: dict[str, float]
+    note: str = ""
+
+
+@dataclass
+class Skip:
+    scenario: str
+    target: str
+    reason: str
+
+
+@dataclass
+class Results:
+    rows: list[Row] = field(default_factory=list)
+    skips: list[Skip] = field(default_factory=list)
+
+    def add(self, row: Row) -> Row:
+        self.rows.append(row)
+        return row
+
+    def skip(self, scenario: str, target: str, reason: str) -> None:
+        self.skips.append(Skip(scenario, target, reason))
+
+    def find(self, scenario: str, target: str, **params: int | str) -> Row | None:
+        for row in self.rows:
+            same = row.scenario == scenario and row.target == target
+            if same and all(row.params.get(k) == v for k, v in params.items()):
+                return row
+        return None
+
+    def value(self, scenario: str, target: str, key: str, **params: int | str) -> float | None:
+        row = self.find(scenario, target, **params)
+        if row is None or key not in row.values:
+            return None
+        v = row.values[key]
+        return None if math.isnan(v) else v
+
+    def select(self, scenario: str) -> list[Row]:
+        return [r for r in self.rows if r.scenario == scenario]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rows": [asdict(r) for r in self.rows], "skips": [asdict(s) for s in self.skips]}

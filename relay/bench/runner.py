@@ -1,0 +1,403 @@
+"""`relayfleet bench [--quick]`: which scenarios run against which targets, in what order.
+
+Servers are started here and stopped by pid in a ``finally`` (also on Ctrl-C /
+SIGTERM); a target that fails to start or dies is recorded as skipped and the
+run goes on with the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from types import FrameType
+from typing import TypeVar
+
+import uvloop
+
+from relay.bench import profile, report, scenarios, targets
+from relay.bench.procs import BenchError, Procs, raise_nofile_limit
+from relay.bench.results import Results, Row, size_label
+from relay.bench.scenarios import Run
+from relay.bench.targets import RedisServer, Target
+
+T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_OUTPUT = REPO / "docs" / "benchmarks.md"
+
+
+@dataclass
+class Plan:
+    mode: str
+    seconds: int
+    warmup: int
+    sizes: list[int]
+    connections: int
+    sweep_connections: list[int]
+    sweep_targets: list[str]
+    ceiling_processes: list[int]
+    relay_processes: list[int]
+    nchan_mem: bool
+    idle_levels: list[int]
+    probes: int
+    live_probes: int
+    read_ack_batches: list[int]
+    read_ack_total: int
+    fanout_sizes: list[int]
+    longpoll_targets: list[str]
+    aof: bool = True
+    profile_dir: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def make_plan(quick: bool) -> Plan:
+    if quick:
+        return Plan(
+            mode="quick",
+            seconds=2,
+            warmup=1,
+            sizes=[256],
+            connections=64,
+            sweep_connections=[],
+            sweep_targets=[],
+            ceiling_processes=[1],
+            relay_processes=[1],
+            nchan_mem=False,
+            idle_levels=[1, 1000],
+            probes=100,
+            live_probes=50,
+            read_ack_batches=[100],
+            read_ack_total=20000,
+            fanout_sizes=[256],
+            longpoll_targets=["relay-1p", "nchan-redis"],
+        )
+    return Plan(
+        mode="full",
+        seconds=4,
+        warmup=1,
+        sizes=[256, 4096, 65536],
+        connections=64,
+        sweep_connections=[16, 256],
+        sweep_targets=["aiohttp-1p", "nchan-redis", "relay-1p"],
+        ceiling_processes=[1, 2],
+        relay_processes=[1, 2],
+        nchan_mem=True,
+        idle_levels=[1, 1000, 10000],
+        probes=1000,
+        live_probes=300,
+        read_ack_batches=[10, 100, 1000],
+        read_ack_total=100000,
+        fanout_sizes=[256, 4096],
+        longpoll_targets=["aiohttp-1p", "nchan-mem", "nchan-redis", "relay-1p"],
+    )
+
+
+class Bench:
+    def __init__(self, plan: Plan, procs: Procs) -> None:
+        self.plan = plan
+        self.procs = procs
+        self.results = Results()
+        self.run = Run(procs, plan.seconds, plan.warmup)
+        self.t0 = time.monotonic()
+
+    def log(self, text: str) -> None:
+        print(f"[{time.monotonic() - self.t0:5.0f}s] {text}", file=sys.stderr, flush=True)
+
+    async def attempt(self, scenario: str, target: str, step: Callable[[], Awaitable[T]]) -> T | None:
+        """Run one step; a BenchError is recorded as a skip instead of ending the run."""
+        try:
+            return await step()
+        except BenchError as exc:
+            reason = str(exc).strip()
+            self.log(f"SKIP {scenario} / {target}: {reason.splitlines()[0] if reason else 'failed'}")
+            self.results.skip(scenario, target, reason.splitlines()[0] if reason else "failed")
+            return None
+
+    def stop(self, target: Target) -> None:
+        for child in target.children:
+            self.procs.stop(child)
+
+    def record(self, row: Row) -> None:
+        self.results.add(row)
+        v = row.values
+        params = ", ".join(
+            size_label(int(val)) if key == "size" else f"{key}={val}" for key, val in row.params.items()
+        )
+        shown = " ".join(
+            f"{k}={val:,.2f}" for k, val in v.items() if k in ("rate", "msg_rate", "p50_ms", "p99_ms")
+        )
+        self.log(f"{row.scenario:<11} {row.target:<18} {params:<32} {shown}")
+
+    # -- the run --------------------------------------------------------------------------
+
+    async def main(self) -> None:
+        plan = self.plan
+        redis = await targets.start_redis(self.procs, aof=plan.aof)
+        self.log(f"redis-server on port {redis.port} (AOF {'everysec' if plan.aof else 'off'})")
+        await self.peers(redis)
+        await self.limits(redis)
+        for n in plan.ceiling_processes:
+            await self.ceiling(n)
+        for n in plan.relay_processes:
+            await self.relay(redis, n)
+
+    async def peers(self, redis: RedisServer) -> None:
+        plan = self.plan
+
+        async def calibration() -> None:
+            mem, _ = await targets.start_nchan(self.procs, redis.url)
+            try:
+                static = Target("nginx-static", "nginx", mem.ports, mem.children, master_pid=mem.master_pid)
+                for row in await scenarios.calibrate(self.run, static, "/bench/static", plan.connections):
+                    self.record(row)
+            finally:
+                self.stop(mem)
+
+        await self.attempt("calibration", "nginx", calibration)
+        for kind in ("nchan-mem", "nchan-redis"):
+            live = kind == "nchan-mem" and plan.nchan_mem
+            if kind not in plan.longpoll_targets and not live:
+                continue
+
+            # a fresh nginx per storage, so RSS per idle poll starts from a clean worker
+            async def latency(kind: str = kind, live: bool = live) -> None:
+                mem, red = await targets.start_nchan(self.procs, redis.url)
+                t = mem if kind == "nchan-mem" else red
+                try:
+                    if kind in plan.longpoll_targets:
+                        await self.attempt("longpoll", kind, partial(self.longpoll, t))
+                    if live:
+                        await self.attempt("live", kind, partial(self.live, t))
+                finally:
+                    self.stop(t)
+                    await redis.flushall()
+
+            await self.attempt("longpoll", kind, latency)
+        for size in plan.sizes:
+            # a fresh nginx per size: nchan's shared memory holds every message of the previous run
+            async def one_size(size: int = size) -> None:
+                mem, red = await targets.start_nchan(self.procs, redis.url)
+                try:
+                    for t in ([mem] if plan.nchan_mem else []) + [red]:
+                        await self.attempt("enqueue", t.name, partial(self.enqueue, t, size))
+                        await redis.flushall()
+                    if size == 256:
+                        for c in plan.sweep_connections:
+                            if red.name in plan.sweep_targets:
+                                await self.attempt(
+                                    "enqueue",
+                                    red.name,
+                                    partial(self.enqueue, red, 256, c),
+                                )
+                                await redis.flushall()
+                finally:
+                    self.stop(mem)
+
+            await self.attempt("enqueue", "nchan", one_size)
+
+    async def limits(self, redis: RedisServer) -> None:
+        if not scenarios.have_redis_benchmark():
+            self.results.skip("limit", "redis", "redis-benchmark is not installed")
+            return
+        for size in self.plan.sizes:
+            rows = await self.attempt(
+                "limit",
+                "redis",
+                partial(
+                    scenarios.redis_limit, self.run, redis, size, self.plan.connections, self.plan.seconds
+                ),
+            )
+            for row in rows or []:
+                self.record(row)
+
+    async def ceiling(self, processes: int) -> None:
+        plan = self.plan
+
+        async def go() -> None:
+            t = await targets.start_ceiling(self.procs, processes)
+            try:
+                if processes == 1:
+                    for row in await scenarios.calibrate(self.run, t, "/empty", plan.connections):
+                        self.record(row)
+                    if t.name in plan.longpoll_targets:
+                        await self.attempt("longpoll", t.name, partial(self.longpoll, t))
+                for size in plan.sizes:
+                    await self.attempt("enqueue", t.name, partial(self.enqueue, t, size))
+                if t.name in plan.sweep_targets:
+                    for c in plan.sweep_connections:
+                        await self.attempt("enqueue", t.name, partial(self.enqueue, t, 256, c))
+            finally:
+                self.stop(t)
+
+        await self.attempt("start", f"aiohttp-{processes}p", go)
+
+    async def relay(self, redis: RedisServer, processes: int) -> None:
+        plan = self.plan
+
+        async def go() -> None:
+            t = await targets.start_relay(self.procs, redis.url, processes)
+            try:
+                # latency and memory first, on a fresh process
+                if t.name in plan.longpoll_targets:
+                    await self.attempt("longpoll", t.name, partial(self.longpoll, t))
+                    await self.attempt("live", t.name, partial(self.live, t))
+                    await redis.flushall()
+                for size in plan.sizes:
+                    profiling = plan.profile_dir is not None and processes == 1 and size == 256
+                    await self.attempt(
+                        "enqueue",
+                        t.name,
+                        partial(self.enqueue, t, size, with_profile=profiling),
+                    )
+                    await redis.flushall()
+                if t.name in plan.sweep_targets:
+                    for c in plan.sweep_connections:
+                        await self.attempt("enqueue", t.name, partial(self.enqueue, t, 256, c))
+                        await redis.flushall()
+                for batch in plan.read_ack_batches:
+                    await self.attempt("read_ack", t.name, partial(self.read_ack, t, redis, batch))
+                for size in plan.fanout_sizes:
+                    await self.attempt("fanout", t.name, partial(self.fanout, t, size))
+                    await redis.flushall()
+            finally:
+                self.stop(t)
+
+        await self.attempt("start", f"relay-{processes}p", go)
+
+    # -- steps ----------------------------------------------------------------------------
+
+    async def enqueue(self, t: Target, size: int, connections: int = 0, with_profile: bool = False) -> None:
+        conns = connections or self.plan.connections
+        if with_profile and self.plan.profile_dir is not None:
+            async with profile.recording(
+                self.procs,
+                t.children[0].pid,
+                self.plan.profile_dir,
+                "relay-enqueue-256B",
+                self.plan.seconds + self.plan.warmup,
+            ) as prof:
+                row = await scenarios.enqueue(self.run, t, size, conns)
+            self.plan.notes.append(prof.summary())
+        else:
+            row = await scenarios.enqueue(self.run, t, size, conns)
+        self.record(row)
+
+    async def longpoll(self, t: Target) -> None:
+        # the server must start fresh for RSS per poll to mean anything: restart nginx-based
+        # targets is the caller's job; relay/aiohttp processes start fresh in their group
+        for row in await scenarios.longpoll(t, self.plan.idle_levels, self.plan.probes):
+            self.record(row)
+
+    async def live(self, t: Target) -> None:
+        outcome = await scenarios.live(t, self.plan.live_probes)
+        if isinstance(outcome, str):
+            self.results.skip("live", t.name, outcome)
+            self.log(f"SKIP live / {t.name}: {outcome}")
+        else:
+            self.record(outcome)
+
+    async def read_ack(self, t: Target, redis: RedisServer, batch: int) -> None:
+        row = await scenarios.read_ack(
+            self.run, t, redis, batch, self.plan.read_ack_total, self.plan.connections
+        )
+        self.record(row)
+
+    async def fanout(self, t: Target, size: int) -> None:
+        self.record(await scenarios.fanout(self.run, t, size, 100, self.plan.connections))
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="relayfleet bench", description="Side-by-side benchmarks (see docs/benchmarks.md)."
+    )
+    p.add_argument("--quick", action="store_true", help="fewer scenarios and shorter runs: under one minute")
+    p.add_argument(
+        "--output", type=Path, default=DEFAULT_OUTPUT, help="markdown file to update (default: %(default)s)"
+    )
+    p.add_argument(
+        "--no-write", action="store_true", help="print the tables instead of updating the markdown file"
+    )
+    p.add_argument("--json", type=Path, help="also write raw results as JSON here")
+    p.add_argument(
+        "--no-aof", action="store_true", help="run Redis without AOF (default: appendfsync everysec)"
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="record a py-spy profile of relay-1p during the 256 B enqueue run into DIR",
+    )
+    return p.parse_args(argv)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # same clean-up path as Ctrl-C
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = _parse(argv)
+    except SystemExit as exc:
+        return 2 if exc.code not in (0, None) else 0
+    plan = make_plan(args.quick)
+    plan.aof = not args.no_aof
+    if args.profile is not None:
+        if shutil.which("py-spy") is None and not Path(sys.executable).with_name("py-spy").exists():
+            print("relayfleet bench: --profile needs py-spy (pip install py-spy)", file=sys.stderr)
+            return 2
+        plan.profile_dir = args.profile.resolve()
+        plan.profile_dir.mkdir(parents=True, exist_ok=True)
+    nofile = raise_nofile_limit()
+    if max(plan.idle_levels) + 1000 > nofile:
+        plan.notes.append(f"open-files limit {nofile}: idle long-polls capped")
+        plan.idle_levels = [n for n in plan.idle_levels if n + 1000 <= nofile]
+    command = "relayfleet bench" + (" " + shlex.join(argv) if argv else "")
+    started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    load_before = report.loadavg()
+    workdir = Path(tempfile.mkdtemp(prefix="relayfleet-bench-"))
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    bench: Bench | None = None
+    try:
+        with Procs(workdir) as procs:
+            bench = Bench(plan, procs)
+            uvloop.run(bench.main())
+    except KeyboardInterrupt:
+        print("relayfleet bench: interrupted; every started process was stopped", file=sys.stderr)
+        return 1
+    except BenchError as exc:
+        print(f"relayfleet bench: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert bench is not None
+    elapsed = time.monotonic() - bench.t0
+    notes = [
+        f"Load average before / after: {load_before} / {report.loadavg()} (the machine is shared; "
+        "numbers move with its load).",
+        "Everything runs on this machine: servers, Redis and the load generators share its cores.",
+        f"Redis: one redis-server, AOF {'appendfsync everysec' if plan.aof else 'off'}, noeviction, "
+        "flushed between runs.",
+        *plan.notes,
+    ]
+    facts = report.machine_facts(REPO)
+    text = report.render(bench.results, plan.mode, command, facts, started, elapsed, plan.connections, notes)
+    if args.json is not None:
+        args.json.write_text(json.dumps(bench.results.to_json(), indent=1))
+    if args.no_write:
+        print(text)
+    else:
+        report.write(args.output, plan.mode, text)
+        print(f"relayfleet bench: results written to {args.output}", file=sys.stderr)
+    failed = [s for s in bench.results.skips if s.scenario == "start"]
+    return 1 if failed and not bench.results.rows else 0

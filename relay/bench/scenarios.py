@@ -1,0 +1,519 @@
+"""The measurements: each function runs one scenario against one target and returns a Row.
+
+Throughput scenarios drive wrk; latency, read+ack and idle long-polls use the own
+generator (relay.bench.loadgen). A scenario never starts or stops servers: the
+runner owns their lifetimes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import csv
+import io
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import orjson
+import redis.asyncio as aioredis
+
+from relay.bench import wrk
+from relay.bench.loadgen import Conn, HttpError, Response, build_request, closed_loop, open_many
+from relay.bench.procs import BenchError, Procs, wait_exit
+from relay.bench.results import Row, percentile
+from relay.bench.targets import RedisServer, Target
+from relay.storage import keys as K
+from relay.storage import scripts
+from relay.storage.store import QueueLimits, ShardStore
+
+REDIS_BENCHMARK = "/usr/bin/redis-benchmark"
+OCTET = {"Content-Type": "application/octet-stream"}
+LONGPOLL_WAIT_S = 60  # the contract's maximum; idle polls are re-armed when they time out
+
+
+def filler(size: int) -> bytes:
+    """A printable payload of exactly ``size`` bytes (the same bytes wrk sends)."""
+    unit = b"relayfleet-bench-0123456789abcdef"
+    return (unit * (size // len(unit) + 1))[:size]
+
+
+def recipient() -> bytes:
+    return os.urandom(32)
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+@dataclass
+class Run:
+    """What every scenario needs: the process owner and timing knobs of this mode."""
+
+    procs: Procs
+    seconds: int  # measured wrk duration
+    warmup: int  # wrk warm-up duration (0 = none)
+
+
+# -- generator calibration -----------------------------------------------------------------
+
+
+async def calibrate(run: Run, target: Target, path: str, connections: int) -> list[Row]:
+    """Both generators against a do-nothing endpoint: the most either can drive here."""
+    script = wrk.lua_script("GET", [path], [], {})
+    res = await wrk.run(run.procs, target.urls()[:1], [script], connections, 1, run.seconds, "wrk-cal")
+    own_req = build_request("GET", path, f"127.0.0.1:{target.ports[0]}")
+    own = await closed_loop("127.0.0.1", target.ports[:1], lambda _: own_req, connections, run.seconds)
+    params: dict[str, int | str] = {"path": path, "conns": connections}
+    return [
+        Row("calibration", target.name, {**params, "generator": "wrk -t1"}, {"rate": res.ok_rate}),
+        Row(
+            "calibration",
+            target.name,
+            {**params, "generator": "own (uvloop)"},
+            {"rate": own.rate, "errors": float(own.errors)},
+        ),
+    ]
+
+
+# -- the physical limit ---------------------------------------------------------------------
+
+
+async def _redis_benchmark(
+    run: Run, port: int, connections: int, n: int, keyspace: int, cmd: list[str]
+) -> Row:
+    if not have_redis_benchmark():
+        raise BenchError(f"{REDIS_BENCHMARK} is missing (Debian: apt-get install redis-tools)")
+    argv = [REDIS_BENCHMARK, "-h", "127.0.0.1", "-p", str(port), "-c", str(connections), "-n", str(n)]
+    argv += ["-P", "16", "-r", str(keyspace), "--csv", *cmd]
+    child = run.procs.start("redis-benchmark", argv, capture=True)
+    try:
+        await wait_exit(child, 120)
+        assert child.popen.stdout is not None
+        out = child.popen.stdout.read().decode(errors="replace")
+    finally:
+        run.procs.stop(child)
+    rows = [r for r in csv.reader(io.StringIO(out)) if len(r) >= 7 and r[0] != "test"]
+    if child.popen.returncode != 0 or not rows:
+        raise BenchError(f"redis-benchmark failed: {child.log_tail(5) or out[-300:]}")
+    last = rows[-1]
+    return Row(
+        "limit", "redis", {}, {"rate": float(last[1]), "p50_ms": float(last[4]), "p99_ms": float(last[6])}
+    )
+
+
+async def redis_limit(run: Run, redis: RedisServer, size: int, connections: int, seconds: float) -> list[Row]:
+    """redis-benchmark, pipelined 16 deep (the relay coalesces calls into pipelines).
+
+    XADD alone is the physical limit of storing a message; EVALSHA of the relay's own
+    enqueue script is the limit of storing it with full semantics. Bench-only key names
+    (rfbench:*) are used, never the relay's.
+    """
+    payload = filler(size).decode()
+    # bounded memory: approximate trimming keeps ~100 entries per stream
+    xadd_keys = max(16, (256 << 20) // (100 * (size + 64)))
+    xadd = ["XADD", "rfbench:{__rand_int__}", "MAXLEN", "~", "100", "*", "p", payload]
+    probe = await _redis_benchmark(run, redis.port, connections, 5000, xadd_keys, xadd)
+    n = max(5000, int(probe.values["rate"] * seconds))
+    row = await _redis_benchmark(run, redis.port, connections, n, xadd_keys, xadd)
+    row.target, row.params = "redis XADD", {"size": size, "conns": connections}
+    await redis.flushall()
+
+    client = aioredis.Redis(port=redis.port)
+    try:
+        await client.script_load(scripts.ENQUEUE.source)
+    finally:
+        await client.aclose()
+    # One queue per run: redis-benchmark draws each __rand_int__ on its own, so a random
+    # queue name would pair one queue's counter with another's stream. Caps are lifted and
+    # the rate window is 1 ms (its zset expires at once), so every call takes the full
+    # store path: fence, rate check, caps, XADD, counters, index, statistics, PUBLISH.
+    now = str(int(time.time() * 1000))
+    q = "rfbench:{q}"
+    keys = [f"{q}:{k}" for k in ("state", "meta", "msgs", "idem", "idemx", "rate", "index", "stats")]
+    big = str(1 << 50)
+    argv = [payload, now, "", "", "", big, "1", big, big, "604800000", "bench", "rfbench:wake", "e"]
+    script_cmd = ["EVALSHA", scripts.ENQUEUE.sha, str(len(keys)), *keys, *argv]
+    # these messages stay (no trim in the script): cap the bytes written
+    budget = max(5000, (1 << 30) // (size + 256))
+    probe = await _redis_benchmark(run, redis.port, connections, min(5000, budget), 1, script_cmd)
+    n = min(budget, max(5000, int(probe.values["rate"] * seconds)))
+    script_row = await _redis_benchmark(run, redis.port, connections, n, 1, script_cmd)
+    script_row.target, script_row.params = "redis enqueue.lua", {"size": size, "conns": connections}
+    await redis.flushall()
+    return [row, script_row]
+
+
+# -- enqueue throughput ---------------------------------------------------------------------
+
+
+async def diagnose(target: Target, method: str, path: str, body: bytes, content_type: str) -> str:
+    """One request like the failing ones, so a run with errors says what the errors were."""
+    try:
+        conn = await Conn.open(target.host, target.ports[0])
+        try:
+            resp = await asyncio.wait_for(
+                conn.request(method, path, body, (("Content-Type", content_type),)), 10
+            )
+        finally:
+            conn.close()
+    except (OSError, HttpError, TimeoutError) as exc:
+        return f"a sample request failed: {type(exc).__name__}"
+    text = resp.body[:160].decode(errors="replace")
+    return f"a sample request got {resp.status}: {text}"
+
+
+def _enqueue_scripts(target: Target, size: int) -> list[str]:
+    # a recipient pool per server port: the relay's per-queue rate limit (500 / 5 s) never binds
+    pool = wrk.pool_size(size, 4096)
+    return [
+        wrk.lua_script(
+            "POST", [target.enqueue_path(recipient()) for _ in range(pool)], [], OCTET, filler_size=size
+        )
+        for _ in target.ports
+    ]
+
+
+async def enqueue(run: Run, target: Target, size: int, connections: int) -> Row:
+    scripts_ = _enqueue_scripts(target, size)
+    threads = len(target.ports)  # one wrk thread per server process
+    if run.warmup:
+        await wrk.run(run.procs, target.urls(), scripts_, connections, threads, run.warmup, "wrk-warmup")
+    res = await wrk.run(run.procs, target.urls(), scripts_, connections, threads, run.seconds, "wrk")
+    target.check_alive()
+    note = ""
+    if res.errors:
+        note = await diagnose(
+            target, "POST", target.enqueue_path(recipient()), filler(size), OCTET["Content-Type"]
+        )
+    return Row(
+        "enqueue",
+        target.name,
+        {"size": size, "conns": connections},
+        {"rate": res.ok_rate, "p50_ms": res.p50_ms, "p99_ms": res.p99_ms, "errors": float(res.errors)},
+        note,
+    )
+
+
+# -- fan-out --------------------------------------------------------------------------------
+
+
+async def fanout(run: Run, target: Target, size: int, recipients: int, connections: int) -> Row:
+    payload = _b64(filler(size))
+    bodies_per_port = 64
+    scripts_ = []
+    for _ in target.ports:
+        bodies = [
+            orjson.dumps({"recipients": [_b64(recipient()) for _ in range(recipients)], "payload": payload})
+            for _ in range(bodies_per_port)
+        ]
+        scripts_.append(
+            wrk.lua_script(
+                "POST",
+                ["/v1/messages"] * bodies_per_port,
+                bodies,
+                {"Content-Type": "application/json"},
+                count_inner_errors=True,
+            )
+        )
+    threads = len(target.ports)
+    if run.warmup:
+        await wrk.run(run.procs, target.urls(), scripts_, connections, threads, run.warmup, "wrk-warmup")
+    res = await wrk.run(run.procs, target.urls(), scripts_, connections, threads, run.seconds, "wrk")
+    target.check_alive()
+    note = ""
+    if res.errors or res.inner_errors:
+        sample = orjson.dumps(
+            {"recipients": [_b64(recipient()) for _ in range(recipients)], "payload": payload}
+        )
+        note = await diagnose(target, "POST", "/v1/messages", sample, "application/json")
+    return Row(
+        "fanout",
+        target.name,
+        {"size": size, "recipients": recipients, "conns": connections},
+        {
+            "rate": res.ok_rate,
+            "msg_rate": res.ok_rate * recipients,
+            "p50_ms": res.p50_ms,
+            "p99_ms": res.p99_ms,
+            "errors": float(res.errors),
+            "inner_errors": float(res.inner_errors),
+        },
+        note,
+    )
+
+
+# -- read + ack -----------------------------------------------------------------------------
+
+
+async def prefill(redis_url: str, queues: list[bytes], per_queue: int, size: int) -> None:
+    """Store messages through the relay's own enqueue script, many calls per pipeline.
+
+    Faster than HTTP, and the rate limit is lifted only for this filling client.
+    """
+    store = ShardStore("bench", redis_url, QueueLimits(rate_count=1 << 30), max_connections=8)
+    await store.start()
+    payload = filler(size)
+    now = int(time.time() * 1000)
+    try:
+        for r in queues:
+            q = K.queue_keys(r, b"")
+            outcomes = await asyncio.gather(*(store.enqueue(q, payload, now) for _ in range(per_queue)))
+            if any(o.kind != "stored" for o in outcomes):
+                raise BenchError(f"prefill refused: {outcomes[0].kind}")
+    finally:
+        await store.close()
+
+
+async def read_ack(
+    run: Run, target: Target, redis: RedisServer, batch: int, total: int, connections: int, size: int = 256
+) -> Row:
+    # a few batches per queue, and at least as many queues as readers
+    per_queue = max(batch, min(10000, 5 * batch, total // connections // batch * batch))
+    n_queues = max(1, math.ceil(total / per_queue))
+    queues = [recipient() for _ in range(n_queues)]
+    await prefill(redis.url, queues, per_queue, size)
+    expected = n_queues * per_queue
+    todo = list(queues)
+    delivered = [0]
+    requests = [0]
+    conns = [await Conn.open("127.0.0.1", target.ports[i % len(target.ports)]) for i in range(connections)]
+
+    async def reader(conn: Conn) -> None:
+        while todo:
+            r = K.b64(todo.pop())
+            from_seq = ""
+            while True:
+                resp = await conn.request("GET", f"/v1/queues/{r}/messages?limit={batch}{from_seq}")
+                requests[0] += 1
+                if resp.status != 200:
+                    raise BenchError(f"read answered {resp.status}: {resp.body[:200]!r}")
+                doc = orjson.loads(resp.body)
+                got = len(doc["messages"])
+                if got == 0:
+                    break
+                next_seq = int(doc["nextSeq"])
+                ack = await conn.request(
+                    "POST",
+                    f"/v1/queues/{r}/ack",
+                    orjson.dumps({"upToSeq": next_seq - 1}),
+                    (("Content-Type", "application/json"),),
+                )
+                requests[0] += 1
+                if ack.status != 200:
+                    raise BenchError(f"ack answered {ack.status}: {ack.body[:200]!r}")
+                delivered[0] += got
+                from_seq = f"&fromSeq={next_seq}"
+
+    started = time.perf_counter()
+    try:
+        await asyncio.gather(*(reader(c) for c in conns))
+    finally:
+        for c in conns:
+            c.close()
+    elapsed = time.perf_counter() - started
+    target.check_alive()
+    if delivered[0] != expected:
+        raise BenchError(f"read+ack delivered {delivered[0]} of {expected} messages")
+    await redis.flushall()
+    return Row(
+        "read_ack",
+        target.name,
+        {"batch": batch, "size": size, "conns": connections, "queues": n_queues},
+        {"rate": delivered[0] / elapsed, "req_rate": requests[0] / elapsed, "messages": float(expected)},
+    )
+
+
+# -- long-poll wake latency and idle long-poll memory ------------------------------------------
+
+
+class IdlePolls:
+    """Thousands of parked long-polls, each on its own recipient, re-armed when they time out."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.conns: list[Conn] = []
+        self.early: int = 0  # answers that were not a plain timeout (errors, refusals)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def grow(self, n: int) -> None:
+        if n <= len(self.conns):
+            return
+        new = await open_many(self.target.host, self.target.ports[0], n - len(self.conns))
+        self.conns.extend(new)
+        self._tasks.extend(asyncio.create_task(self._hold(c)) for c in new)
+
+    async def _hold(self, conn: Conn) -> None:
+        path = self.target.poll_path(recipient(), LONGPOLL_WAIT_S)
+        with contextlib.suppress(HttpError, OSError):
+            while True:
+                resp = await conn.request("GET", path)
+                if resp.status not in (200, 304, 408):
+                    self.early += 1
+                    await asyncio.sleep(1.0)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for conn in self.conns:
+            conn.close(reset=True)  # RST: 10,000 closes must not leave 10,000 TIME_WAIT ports
+        self.conns.clear()
+        self._tasks.clear()
+
+
+def _delivered(target: Target, resp: Response) -> bool:
+    if resp.status != 200:
+        return False
+    if target.kind in ("relay", "aiohttp"):
+        return b'"seq"' in resp.body
+    return len(resp.body) > 0
+
+
+async def wake_probes(target: Target, probes: int, size: int, settle_s: float) -> dict[str, float]:
+    """Sequential probes: a reader parks on a fresh queue, a writer enqueues, both answers timed."""
+    reader = await Conn.open(target.host, target.ports[0])
+    writer = await Conn.open(target.host, target.ports[0])
+    payload = filler(size)
+    after_ack: list[float] = []
+    end_to_end: list[float] = []
+    reader_first = 0
+    missed = 0
+    try:
+        for _ in range(probes):
+            r = recipient()
+            poll = await reader.start("GET", target.poll_path(r, 10))
+            await asyncio.sleep(settle_s)  # let the server park the waiter before the write
+            sent = time.perf_counter()
+            enq = await writer.request(
+                "POST", target.enqueue_path(r), payload, (("Content-Type", "application/octet-stream"),)
+            )
+            if not 200 <= enq.status < 300:
+                raise BenchError(f"{target.name}: enqueue answered {enq.status}: {enq.body[:200]!r}")
+            got = await asyncio.wait_for(poll, 15)
+            if not _delivered(target, got):
+                missed += 1
+                continue
+            if got.done < enq.done:
+                reader_first += 1
+            after_ack.append(max(0.0, got.done - enq.done) * 1000)
+            end_to_end.append((got.done - sent) * 1000)
+    finally:
+        reader.close()
+        writer.close()
+    after_ack.sort()
+    end_to_end.sort()
+    return {
+        "p50_ms": percentile(after_ack, 50),
+        "p99_ms": percentile(after_ack, 99),
+        "p999_ms": percentile(after_ack, 99.9),
+        "e2e_p50_ms": percentile(end_to_end, 50),
+        "e2e_p99_ms": percentile(end_to_end, 99),
+        "e2e_p999_ms": percentile(end_to_end, 99.9),
+        "reader_first": float(reader_first),
+        "missed": float(missed),
+        "probes": float(len(after_ack)),
+    }
+
+
+async def longpoll(target: Target, idle_levels: list[int], probes: int, size: int = 256) -> list[Row]:
+    """Wake latency with N idle long-polls parked on the same process, and RSS per idle poll.
+
+    Expects a freshly started target: RSS is measured against the value after a warm-up.
+    """
+    rows: list[Row] = []
+    idle = IdlePolls(target)
+    settle = 0.003
+    try:
+        await wake_probes(target, 20, size, settle)  # warm-up: imports, first allocations
+        base_rss = target.rss_kib()
+        for n in idle_levels:
+            await idle.grow(n)
+            await asyncio.sleep(1.0 if n >= 1000 else 0.2)  # let the server park every poll
+            target.check_alive()
+            rss = target.rss_kib()
+            values = await wake_probes(target, probes, size, settle)
+            values["rss_kib"] = float(rss)
+            values["rss_per_poll_kib"] = (rss - base_rss) / n if n else math.nan
+            values["idle_errors"] = float(idle.early)
+            rows.append(Row("longpoll", target.name, {"idle": n, "size": size}, values))
+    finally:
+        await idle.close()
+    return rows
+
+
+# -- live WebSocket delivery ----------------------------------------------------------------
+
+
+async def live(target: Target, probes: int, size: int = 256) -> Row | str:
+    """Enqueue answered → frame received on a live WebSocket; a string says why it was skipped."""
+    r = recipient()
+    path = target.live_path(r)
+    if path is None:
+        return "no WebSocket endpoint"
+    payload = filler(size)
+    writer = await Conn.open(target.host, target.ports[0])
+    after_ack: list[float] = []
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            try:
+                ws = await session.ws_connect(f"http://127.0.0.1:{target.ports[0]}{path}")
+            except aiohttp.WSServerHandshakeError as exc:
+                return f"WebSocket handshake answered {exc.status}"
+            async with ws:
+                if target.kind == "relay":
+                    first = await asyncio.wait_for(ws.receive_json(), 5)
+                    if first.get("type") != "empty":
+                        raise BenchError(f"live: expected an 'empty' frame first, got {first.get('type')!r}")
+                for _ in range(probes):
+                    # the receiver runs while the enqueue is in flight: the frame may beat the answer
+                    frame_task = asyncio.create_task(_next_frame(ws, target.kind == "relay"))
+                    enq = await writer.request("POST", target.enqueue_path(r), payload, tuple(OCTET.items()))
+                    if not 200 <= enq.status < 300:
+                        frame_task.cancel()
+                        raise BenchError(f"{target.name}: enqueue answered {enq.status}")
+                    got, seq = await asyncio.wait_for(frame_task, 5)
+                    after_ack.append(max(0.0, got - enq.done) * 1000)
+                    if seq is not None:
+                        await ws.send_str(orjson.dumps({"type": "ack", "upToSeq": seq}).decode())
+                    await asyncio.sleep(0.002)
+    finally:
+        writer.close()
+    after_ack.sort()
+    return Row(
+        "live",
+        target.name,
+        {"size": size},
+        {
+            "p50_ms": percentile(after_ack, 50),
+            "p99_ms": percentile(after_ack, 99),
+            "p999_ms": percentile(after_ack, 99.9),
+            "probes": float(len(after_ack)),
+        },
+    )
+
+
+async def _next_frame(ws: aiohttp.ClientWebSocketResponse, relay_frames: bool) -> tuple[float, int | None]:
+    """Arrival time of the next message frame (and its seq for relay frames)."""
+    while True:
+        msg = await ws.receive()
+        got = time.perf_counter()
+        if msg.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+            raise BenchError(f"live: the server sent {msg.type.name} ({msg.extra or ''})")
+        if not relay_frames:
+            return got, None
+        frame = orjson.loads(msg.data)
+        if frame.get("type") == "message":
+            return got, int(frame["seq"])
+        if frame.get("type") == "error":
+            raise BenchError(f"live: error frame {frame.get('code')}: {frame.get('error')}")
+
+
+def have_redis_benchmark() -> bool:
+    return Path(REDIS_BENCHMARK).exists() or shutil.which("redis-benchmark") is not None

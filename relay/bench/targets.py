@@ -1,0 +1,243 @@
+"""The systems under test: how each is started, stopped, and addressed.
+
+Every HTTP target is described by a :class:`Target`, so a scenario is written once
+and runs against the relay, the aiohttp ceiling and nginx + nchan alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from relay.bench.loadgen import Conn, HttpError
+from relay.bench.procs import BenchError, Child, Procs, child_pids, free_port, rss_kib, wait_port
+from relay.storage.keys import b64
+
+REDIS_SERVER = "/usr/bin/redis-server"
+NGINX = "/usr/sbin/nginx"
+NCHAN_MODULE = "/usr/lib/nginx/modules/ngx_nchan_module.so"
+NCHAN_CONF = Path("/work/shared/peers/nchan.conf")
+RELAY_PYTHON = Path("/work/main/.venv/bin/python")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Target:
+    """One HTTP system under test, on one port per server process."""
+
+    name: str  # short id used in tables, e.g. "relay-1p"
+    kind: str  # relay | aiohttp | nchan-mem | nchan-redis
+    ports: list[int]
+    children: list[Child] = field(default_factory=list)
+    # nginx serves from worker processes; their pids are looked up when RSS is wanted
+    master_pid: int = 0
+
+    @property
+    def host(self) -> str:
+        return "127.0.0.1"
+
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+    def enqueue_path(self, recipient: bytes) -> str:
+        if self.kind == "nchan-mem":
+            return f"/pub/{recipient.hex()}"
+        if self.kind == "nchan-redis":
+            return f"/rpub/{recipient.hex()}"
+        return f"/v1/queues/{b64(recipient)}/messages"
+
+    def poll_path(self, recipient: bytes, wait_s: int) -> str:
+        if self.kind == "nchan-mem":
+            return f"/sub/{recipient.hex()}"
+        if self.kind == "nchan-redis":
+            return f"/rsub/{recipient.hex()}"
+        return f"/v1/queues/{b64(recipient)}/messages?wait={wait_s}"
+
+    def live_path(self, recipient: bytes) -> str | None:
+        if self.kind == "relay":
+            return f"/v1/queues/{b64(recipient)}/live"
+        if self.kind == "nchan-mem":
+            return f"/ws/{recipient.hex()}"
+        return None
+
+    def server_pids(self) -> list[int]:
+        if self.master_pid:
+            return child_pids(self.master_pid)
+        return [c.pid for c in self.children]
+
+    def rss_kib(self) -> int:
+        return sum(rss_kib(p) for p in self.server_pids())
+
+    def check_alive(self) -> None:
+        for c in self.children:
+            if not c.alive():
+                raise BenchError(f"{c.name} exited with status {c.popen.returncode}:\n{c.log_tail()}")
+
+
+@dataclass
+class RedisServer:
+    port: int
+    child: Child
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    async def flushall(self) -> None:
+        client = aioredis.Redis(port=self.port)
+        try:
+            await client.flushall()
+        finally:
+            await client.aclose()
+
+    async def info_memory_mib(self) -> float:
+        client = aioredis.Redis(port=self.port)
+        try:
+            info = await client.info("memory")
+        finally:
+            await client.aclose()
+        return float(info["used_memory"]) / (1 << 20)
+
+
+async def start_redis(procs: Procs, aof: bool) -> RedisServer:
+    port = free_port()
+    data = procs.workdir / f"redis-{port}"
+    data.mkdir()
+    argv = [REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data)]
+    argv += ["--save", "", "--maxmemory-policy", "noeviction", "--daemonize", "no"]
+    # as DESIGN §4 runs production shards: AOF, fsync every second
+    argv += ["--appendonly", "yes" if aof else "no", "--appendfsync", "everysec"]
+    child = procs.start("redis-server", argv)
+    await wait_port(port, child)
+    return RedisServer(port, child)
+
+
+async def wait_http(port: int, path: str, child: Child, within: float = 30.0) -> None:
+    """Wait until GET path answers 200 (readiness), failing fast if the child exits."""
+    await wait_port(port, child, within)
+    deadline = time.monotonic() + within
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if not child.alive():
+            break
+        try:
+            conn = await Conn.open("127.0.0.1", port)
+            try:
+                resp = await asyncio.wait_for(conn.request("GET", path), 2.0)
+            finally:
+                conn.close()
+            if resp.status == 200:
+                return
+            last = f"status {resp.status}"
+        except (OSError, HttpError, TimeoutError) as exc:
+            last = type(exc).__name__
+        await asyncio.sleep(0.1)
+    if not child.alive():
+        raise BenchError(f"{child.name} exited with status {child.popen.returncode}:\n{child.log_tail()}")
+    raise BenchError(f"{child.name}: GET {path} not ready within {within:.0f} s ({last})")
+
+
+async def start_ceiling(procs: Procs, processes: int) -> Target:
+    target = Target(f"aiohttp-{processes}p", "aiohttp", [])
+    for _ in range(processes):
+        port = free_port()
+        child = procs.start(
+            "aiohttp-ceiling", [sys.executable, "-m", "relay.bench.ceiling", "--port", str(port)]
+        )
+        target.ports.append(port)
+        target.children.append(child)
+    for port, child in zip(target.ports, target.children, strict=True):
+        await wait_http(port, "/readyz", child)
+    return target
+
+
+def relay_python() -> str:
+    return str(RELAY_PYTHON) if RELAY_PYTHON.exists() else sys.executable
+
+
+async def start_relay(procs: Procs, redis_url: str, processes: int) -> Target:
+    target = Target(f"relay-{processes}p", "relay", [])
+    for _ in range(processes):
+        port = free_port()
+        argv = [relay_python(), "-m", "relay", "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--redis-url", redis_url, "--auth", "none"]
+        child = procs.start("relay", argv, cwd=REPO)
+        target.ports.append(port)
+        target.children.append(child)
+    for port, child in zip(target.ports, target.children, strict=True):
+        await wait_http(port, "/readyz", child)
+    return target
+
+
+def render_nchan_conf(
+    template: str, prefix: Path, port: int, redis_url: str, connections: int, shm_mib: int
+) -> str:
+    """The shared peer config with its three variables filled in, plus two bench-only changes.
+
+    Changes (recorded in docs/benchmarks.md): worker_connections raised so 10,000 idle
+    long-polls fit; nchan_max_reserved_memory raised so a few seconds of 4-64 KiB publishes
+    fit in shared memory; request bodies up to 128 KiB buffered in memory (as aiohttp does)
+    instead of temp files; a static ``/bench/static`` location to calibrate the load generator.
+    """
+    values = {"PREFIX": str(prefix), "PORT": str(port), "REDIS_URL": redis_url}
+
+    def sub(m: re.Match[str]) -> str:
+        key = m.group(1)
+        if key not in values:
+            raise BenchError(f"nchan.conf uses an unknown variable ${{{key}}}")
+        return values[key]
+
+    text = re.sub(r"\$\{(\w+)\}", sub, template)
+    text, n = re.subn(r"worker_connections\s+\d+;", f"worker_connections {connections};", text)
+    if n != 1:
+        raise BenchError("nchan.conf: expected one worker_connections directive")
+    text, n = re.subn(r"nchan_max_reserved_memory\s+\w+;", f"nchan_max_reserved_memory {shm_mib}M;", text)
+    if n != 1:
+        raise BenchError("nchan.conf: expected one nchan_max_reserved_memory directive")
+    text = text.replace("http {", "http {\n  client_body_buffer_size 128k;", 1)
+    listen = f"listen 127.0.0.1:{port};"
+    if listen not in text:
+        raise BenchError("nchan.conf: expected a 'listen 127.0.0.1:${PORT};' line")
+    text = text.replace(listen, listen + '\n    location = /bench/static { return 200 "ok"; }', 1)
+    return text
+
+
+def _nginx_prefix(workdir: Path, port: int, redis_url: str, connections: int, shm_mib: int) -> Path:
+    """Create nginx's prefix folder with the rendered config; return the config's path."""
+    for path in (NGINX, NCHAN_MODULE, NCHAN_CONF):
+        if not Path(path).exists():
+            raise BenchError(f"{path} is missing (Debian: apt-get install nginx libnginx-mod-nchan)")
+    prefix = workdir / f"nginx-{port}"
+    prefix.mkdir()
+    temps = ("tmp-body", "tmp-proxy", "tmp-fcgi", "tmp-uwsgi", "tmp-scgi")
+    for sub in (*temps, "logs"):
+        (prefix / sub).mkdir()
+    conf = prefix / "nginx.conf"
+    conf.write_text(render_nchan_conf(NCHAN_CONF.read_text(), prefix, port, redis_url, connections, shm_mib))
+    # workers run as an unprivileged user when the bench runs as root: let them reach the prefix
+    for path in (workdir, prefix):
+        path.chmod(0o711)
+    for sub in temps:
+        (prefix / sub).chmod(0o777)
+    return conf
+
+
+async def start_nchan(procs: Procs, redis_url: str, shm_mib: int = 4096) -> tuple[Target, Target]:
+    """One nginx (one worker, as the shared config says) serving both nchan storages."""
+    # nginx cannot raise its own fd limit here (no CAP_SYS_RESOURCE): stay under ours
+    connections = max(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 512)
+    port = free_port()
+    conf = _nginx_prefix(procs.workdir, port, redis_url, connections, shm_mib)
+    prefix = conf.parent
+    child = procs.start("nginx", [NGINX, "-c", str(conf), "-p", str(prefix), "-g", "daemon off;"])
+    await wait_http(port, "/bench/static", child)
+    mem = Target("nchan-mem", "nchan-mem", [port], [child], master_pid=child.pid)
+    red = Target("nchan-redis", "nchan-redis", [port], [child], master_pid=child.pid)
+    return mem, red
