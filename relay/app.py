@@ -80,7 +80,14 @@ def _code_of(response: web.Response) -> str:
     return str(response.status)
 
 
-EXTRA_ROUTE_MODULES: list[str] = []  # protocol modules register here (live, pickup, inbox, fan-out, openapi)
+EXTRA_ROUTE_MODULES: list[str] = [
+    "relay.api.live",
+    "relay.api.pickup",
+    "relay.api.inbox",
+    "relay.api.fanout",
+    "relay.api.openapi",
+    "relay.push",
+]  # protocol modules register here (live, pickup, inbox, fan-out, openapi)
 
 
 def build_app(settings: Settings, fleet: Fleet) -> web.Application:

@@ -1,0 +1,309 @@
+"""Live delivery over WebSocket: the backlog from fromSeq, an "empty" marker, then new messages.
+
+One connection per queue: the handler authenticates the upgrade request (the
+same signature as any GET), takes the queue over from an older connection of
+this process (closed with 4409), and then reads client frames (acks and Pickup
+2.0 messages) while a sender task streams. The sender registers its waiter
+before reading, keeps at most ``live_queue_max`` frames unacknowledged, reads
+Redis in small batches, and re-resolves the queue's route on every wake so it
+follows a slot migration. Nothing is deleted without an ack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import weakref
+from typing import Any
+
+import orjson
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from relay import metrics
+from relay.api import params, pickup
+from relay.api.context import CTX, Context, ctx
+from relay.api.errors import ApiError, error_response
+from relay.api.queues import message_json, parse_ack
+from relay.service import Unavailable
+from relay.storage.store import ReadResult
+
+log = logging.getLogger("relay.live")
+
+routes = web.RouteTableDef()
+
+CLOSE_DISPLACED = 4409
+READ_BATCH = 16  # messages per Redis read: bounds memory per connection (payloads reach 5 MiB)
+HEARTBEAT_S = 20.0  # WebSocket ping interval; no pong within half of it closes the connection
+REREAD_S = 30.0  # a wakeup is a hint: re-read this often even without one
+PRUNE_S = 5.0  # with the window full, look this often for unacked messages removed elsewhere
+MAX_FRAME = 1 << 20  # client frames are acks and Pickup messages
+
+
+class LiveSession:
+    """One live connection: the queue, the stream position and the unacked window."""
+
+    def __init__(self, c: Context, ws: web.WebSocketResponse, recipient: bytes, channel: bytes) -> None:
+        self.c = c
+        self.ws = ws
+        self.recipient = recipient
+        self.channel = channel
+        self.window = max(1, c.settings.live_queue_max)
+        self.inflight: collections.deque[int] = collections.deque()  # sent, not yet acked, ascending
+        self.room = asyncio.Event()  # set while fewer than `window` frames are unacked
+        self.room.set()
+        self.streaming = asyncio.Event()  # cleared by Pickup live-delivery-change false
+        self.streaming.set()
+        self.displaced = asyncio.Event()  # a newer connection took the queue over
+
+    # -- pickup.LiveControl ------------------------------------------------
+    @property
+    def live_delivery(self) -> bool:
+        return self.streaming.is_set()
+
+    def set_live_delivery(self, on: bool) -> None:
+        if on:
+            self.streaming.set()
+        else:
+            self.streaming.clear()
+
+    def acked(self, seqs: list[int]) -> None:
+        gone = set(seqs)
+        self.inflight = collections.deque(s for s in self.inflight if s not in gone)
+        self._update_room()
+
+    # -- window ------------------------------------------------------------
+    def acked_upto(self, n: int) -> None:
+        while self.inflight and self.inflight[0] <= n:
+            self.inflight.popleft()
+        self._update_room()
+
+    def _update_room(self) -> None:
+        if len(self.inflight) < self.window:
+            self.room.set()
+        else:
+            self.room.clear()
+
+    async def send(self, doc: dict[str, Any]) -> None:
+        # uncompressed frames are written whole without yielding, so the sender
+        # task and replies to client frames never interleave inside a frame
+        await self.ws.send_str(orjson.dumps(doc).decode())
+
+    # -- sender ------------------------------------------------------------
+    async def stream(self, from_seq: int | None) -> None:
+        """Send the backlog, then "empty", then new messages, until cancelled."""
+        service = self.c.service
+        next_seq = from_seq
+        epoch: str | None = None
+        sent_empty = False
+        while True:
+            route = service.fleet.route(self.recipient, self.channel)
+            with route.hub.waiting(route.keys.wake) as waiter:
+                await waiter.ready(1.0)  # subscribed before the first read: no lost wakeup
+                while True:
+                    await self.streaming.wait()
+                    await self._wait_for_room(next_seq)
+                    want = min(READ_BATCH, self.window - len(self.inflight))
+                    result = await service.read(self.recipient, self.channel, next_seq, want, 0)
+                    if epoch is not None and result.epoch != epoch:
+                        # the queue's history was reset: its seqs start again
+                        next_seq = None
+                        self.inflight.clear()
+                        self._update_room()
+                        epoch = result.epoch
+                        continue
+                    epoch = result.epoch
+                    next_seq = await self._send_batch(result, next_seq)
+                    if len(result.messages) == want:
+                        continue  # more backlog may be waiting
+                    if not sent_empty:
+                        await self.send({"type": "empty"})
+                        sent_empty = True
+                    await waiter.wait(REREAD_S)
+                    if service.closing:
+                        await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"relay shutting down")
+                        return
+                    if service.fleet.route(self.recipient, self.channel).hub is not route.hub:
+                        break  # the queue moved to another shard: wait there
+
+    async def _send_batch(self, result: ReadResult, next_seq: int | None) -> int:
+        for m in result.messages:
+            await self.send({"type": "message", **message_json(m)})
+            self.inflight.append(m.seq)
+        self._update_room()
+        if result.messages:
+            return result.messages[-1].seq + 1
+        return next_seq if next_seq is not None else result.last_seq + 1
+
+    async def _wait_for_room(self, next_seq: int | None) -> None:
+        """Backpressure: with the window full, read nothing more until acks arrive."""
+        while not self.room.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.room.wait(), PRUNE_S)
+                return
+            await self._prune()
+
+    async def _prune(self) -> None:
+        """Forget unacked frames whose messages were removed another way (HTTP ack, drain, retention)."""
+        if not self.inflight:
+            return
+        first = await self.c.service.read(self.recipient, self.channel, self.inflight[0], 1, 0)
+        oldest_held = first.messages[0].seq if first.messages else None
+        while self.inflight and (oldest_held is None or self.inflight[0] < oldest_held):
+            self.inflight.popleft()
+        self._update_room()
+
+    # -- client frames -----------------------------------------------------
+    async def on_text(self, data: str) -> None:
+        try:
+            doc = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            await self.send_error("bad_json", "frame must be a JSON object")
+            return
+        if isinstance(doc, dict) and "@type" in doc:
+            await self.on_pickup(doc)
+        elif isinstance(doc, dict) and doc.get("type") == "ack":
+            await self.on_ack(doc)
+        else:
+            await self.send_error("bad_frame", 'expected {"type": "ack", ...} or a Pickup 2.0 message')
+
+    async def on_ack(self, doc: dict[str, Any]) -> None:
+        try:
+            up_to, seqs = parse_ack(doc)
+        except ApiError as exc:
+            await self.send_error(exc.code, exc.text)
+            return
+        await self.c.service.ack(self.recipient, self.channel, up_to, seqs)
+        if up_to is not None:
+            self.acked_upto(up_to)
+        else:
+            self.acked(seqs or [])
+
+    async def on_pickup(self, doc: dict[str, Any]) -> None:
+        prefix = pickup.PREFIXES[0]
+        offending = doc.get("@id") if isinstance(doc.get("@id"), str) else None
+        try:
+            msg = pickup.parse_message(doc)
+            prefix = msg.prefix
+            key = msg.recipient_key
+            if key is not None and pickup.recipient_from_key(key) != self.recipient:
+                raise pickup.PickupError("recipient_key is not the key this connection proved")
+            reply = await pickup.answer(self.c, msg, self.recipient, self.channel, self)
+        except pickup.PickupError as exc:
+            reply = pickup.problem_report(prefix, offending, exc.text)
+        await self.send(reply)
+
+    async def send_error(self, code: str, text: str) -> None:
+        await self.send({"type": "error", "code": code, "error": text})
+
+
+_sessions: weakref.WeakKeyDictionary[web.WebSocketResponse, LiveSession] = weakref.WeakKeyDictionary()
+
+
+def _take_over(c: Context, key: tuple[bytes, bytes], session: LiveSession) -> None:
+    """Register `session` as the queue's live connection; the older one closes itself with 4409."""
+    old = c.live.by_queue.get(key)
+    c.live.by_queue[key] = session.ws
+    _sessions[session.ws] = session
+    if old is not None and (displaced := _sessions.get(old)) is not None:
+        displaced.displaced.set()
+
+
+@routes.get("/v1/queues/{recipient}/live")
+async def live(request: web.Request) -> web.StreamResponse:
+    c = ctx(request)
+    recipient = params.recipient_key(request.match_info["recipient"])
+    channel = params.channel_of(request)
+    from_seq = params.from_seq(request)
+    ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=False)
+    if not ws.can_prepare(request).ok:
+        return error_response(
+            426, "websocket_required", "this endpoint speaks WebSocket only", {"Upgrade": "websocket"}
+        )
+    await c.auth.verify(request, recipient)
+    if c.service.closing:
+        raise Unavailable("relay shutting down")
+    await ws.prepare(request)
+    key = (recipient, channel)
+    session = LiveSession(c, ws, recipient, channel)
+    _take_over(c, key, session)
+    metrics.LIVE_CONNECTIONS.inc()
+    sender = asyncio.get_running_loop().create_task(session.stream(from_seq))
+    try:
+        await _receive(session, sender)
+    finally:
+        sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sender
+        if c.live.by_queue.get(key) is ws:
+            del c.live.by_queue[key]
+        metrics.LIVE_CONNECTIONS.dec()
+        if not ws.closed:
+            await ws.close()
+    return ws
+
+
+async def _receive(session: LiveSession, sender: asyncio.Task[None]) -> None:
+    """Handle client frames until the connection or the sender ends."""
+    ws = session.ws
+    reader = asyncio.ensure_future(ws.receive())
+    displaced = asyncio.ensure_future(session.displaced.wait())
+    try:
+        while True:
+            done, _ = await asyncio.wait({reader, sender, displaced}, return_when=asyncio.FIRST_COMPLETED)
+            if sender in done:
+                await _sender_ended(session, sender)
+                return
+            if displaced in done:
+                # closed from its own task with no receive pending, so the close
+                # handshake completes and the client sees 4409 cleanly
+                reader.cancel()
+                sender.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await reader
+                await ws.close(code=CLOSE_DISPLACED, message=b"displaced by a newer live connection")
+                return
+            msg = reader.result()
+            if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
+                return
+            if msg.type == WSMsgType.TEXT:
+                try:
+                    await session.on_text(msg.data)
+                except Unavailable:
+                    await session.send_error("unavailable", "temporarily unavailable; send the frame again")
+            elif msg.type == WSMsgType.BINARY:
+                await session.send_error("bad_frame", "frames must be text (JSON)")
+            reader = asyncio.ensure_future(ws.receive())
+    except ConnectionError:
+        return  # the peer went away while we answered
+    except Exception as exc:  # never a traceback into the HTTP middleware after the upgrade
+        log.error("live connection failed: %s", type(exc).__name__, exc_info=exc)
+        await ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"internal error")
+    finally:
+        displaced.cancel()
+        if not reader.done():
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+
+
+async def _sender_ended(session: LiveSession, sender: asyncio.Task[None]) -> None:
+    exc = None if sender.cancelled() else sender.exception()
+    if exc is None or isinstance(exc, ConnectionError):
+        return  # shut down, or the peer went away mid-send
+    if isinstance(exc, Unavailable):
+        code, text = WSCloseCode.TRY_AGAIN_LATER, b"shard unavailable; reconnect"
+    else:
+        log.error("live sender failed: %s", type(exc).__name__, exc_info=exc)
+        code, text = WSCloseCode.INTERNAL_ERROR, b"internal error"
+    await session.ws.close(code=code, message=text)
+
+
+async def _close_all(app: web.Application) -> None:
+    for ws in list(app[CTX].live.by_queue.values()):
+        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"relay shutting down")
+
+
+def setup(app: web.Application) -> None:
+    app.on_shutdown.append(_close_all)

@@ -1,0 +1,172 @@
+"""Push hook (phnx QS): tell a webhook when a message is stored for a client that is offline.
+
+"Offline" means nobody in the fleet waits on the queue's wakeup channel (the
+enqueue script's PUBLISH reached no subscriber) and this process holds no live
+connection for it. The webhook gets ``{"recipient", "channel", "seq"}`` as JSON,
+never the payload. Enqueue never waits for it: notifications go into a bounded
+map of pending queues (a newer seq replaces an unsent older one for the same
+queue, so a burst costs one call), drained by a few workers with bounded retries.
+When the map is full, new notifications are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections import OrderedDict
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from relay import metrics
+from relay.api.context import CTX, Context
+from relay.api.params import b64encode
+
+log = logging.getLogger("relay.push")
+
+routes = web.RouteTableDef()  # no endpoints: this module only hooks the queue service
+
+MAX_PENDING = 10_000
+ATTEMPTS = 4
+WORKERS = 4
+TIMEOUT_S = 5.0
+BACKOFF_S = 0.2
+
+
+class PushNotifier:
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_pending: int = MAX_PENDING,
+        attempts: int = ATTEMPTS,
+        workers: int = WORKERS,
+        timeout_s: float = TIMEOUT_S,
+        backoff_s: float = BACKOFF_S,
+    ) -> None:
+        self.url = url
+        self.max_pending = max_pending
+        self.attempts = attempts
+        self.workers = workers
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self._pending: OrderedDict[tuple[bytes, bytes], int] = OrderedDict()
+        self._ready = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def target(self) -> str:
+        """The webhook's host, for logs (the URL itself may carry a token)."""
+        return urlsplit(self.url).hostname or "?"
+
+    def offer(self, recipient: bytes, channel: bytes, seq: int) -> None:
+        """Queue a notification; never blocks, never raises."""
+        key = (recipient, channel)
+        if key in self._pending:
+            self._pending[key] = max(seq, self._pending[key])
+            metrics.PUSH_NOTIFICATIONS.labels("coalesced").inc()
+            return
+        if len(self._pending) >= self.max_pending:
+            metrics.PUSH_NOTIFICATIONS.labels("dropped").inc()
+            return
+        self._pending[key] = seq
+        self._ready.set()
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._work()) for _ in range(self.workers)]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _work(self) -> None:
+        while True:
+            if not self._pending:
+                self._ready.clear()
+                await self._ready.wait()
+                continue
+            (recipient, channel), seq = self._pending.popitem(last=False)
+            await self._deliver(recipient, channel, seq)
+
+    async def _deliver(self, recipient: bytes, channel: bytes, seq: int) -> None:
+        assert self._session is not None
+        body = orjson.dumps({"recipient": b64encode(recipient), "channel": b64encode(channel), "seq": seq})
+        headers = {"Content-Type": "application/json"}
+        for attempt in range(1, self.attempts + 1):
+            retry_after = 0.0
+            try:
+                async with self._session.post(self.url, data=body, headers=headers) as resp:
+                    await resp.read()
+                    if 200 <= resp.status < 300:
+                        metrics.PUSH_NOTIFICATIONS.labels("sent").inc()
+                        return
+                    if resp.status != 429 and resp.status < 500:
+                        metrics.PUSH_NOTIFICATIONS.labels("rejected").inc()
+                        log.warning("push webhook at %s refused a notification: %d", self.target, resp.status)
+                        return
+                    with contextlib.suppress(ValueError):
+                        retry_after = min(float(resp.headers.get("Retry-After", "0")), 5.0)
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                pass
+            if attempt < self.attempts:
+                metrics.PUSH_NOTIFICATIONS.labels("retried").inc()
+                delay = self.backoff_s * 2 ** (attempt - 1)
+                await asyncio.sleep(max(retry_after, delay * random.uniform(0.5, 1.5)))
+        metrics.PUSH_NOTIFICATIONS.labels("failed").inc()
+        log.warning("push webhook at %s failed %d times; notification dropped", self.target, self.attempts)
+
+
+NOTIFIER = web.AppKey("relayfleet_push", PushNotifier)
+
+
+def install(app: web.Application, notifier: PushNotifier) -> None:
+    """Hook `notifier` into the app's queue service (after any hook already there)."""
+    c: Context = app[CTX]
+    previous = c.service.on_stored
+
+    def on_stored(recipient: bytes, channel: bytes, seq: int, subscribers: int) -> None:
+        if previous is not None:
+            previous(recipient, channel, seq, subscribers)
+        if subscribers == 0 and (recipient, channel) not in c.live.by_queue:
+            notifier.offer(recipient, channel, seq)
+
+    c.service.on_stored = on_stored
+    app[NOTIFIER] = notifier
+
+    async def start(_: web.Application) -> None:
+        await notifier.start()
+
+    async def stop(_: web.Application) -> None:
+        await notifier.stop()
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+
+
+def setup(app: web.Application) -> None:
+    url = app[CTX].settings.push_webhook
+    if not url:
+        return
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        log.error("RELAY_PUSH_WEBHOOK must be an http(s) URL; push notifications are off")
+        return
+    install(app, PushNotifier(url))
+    log.info("push notifications for offline queues go to %s", parts.hostname)
