@@ -239,18 +239,18 @@ async def execute_move(
     owners: Sequence[ShardSpec],
     cause: str,
 ) -> migration.MoveResult:
-    """One range through the migration adapter; the map is published at the flip."""
+    """One range through the migration adapter; the map is published at each flip."""
 
-    async def on_flipped(m: Move) -> None:
-        await publish_move(ctx.kube, namespace, fleet_name, m.slot_list(), m.target, owners)
+    async def publish(slots: Sequence[int], target: str) -> ShardMap:
+        return await publish_move(ctx.kube, namespace, fleet_name, slots, target, owners)
 
     try:
-        result = await migration.migrate_range(shard_map, move, urls, on_flipped)
+        result = await migration.migrate_range(shard_map, move, urls, publish)
     except Exception:
         metrics.MIGRATIONS.labels(cause, "error").inc()
         raise
-    # Publishing again is a no-op if the library already did it at the flip.
-    await on_flipped(move)
+    # A no-op when the library published every batch already (it does, at each flip).
+    await publish(move.slot_list(), move.target)
     metrics.MIGRATIONS.labels(cause, "ok").inc()
     metrics.SLOTS_MOVED.labels(fleet_name).inc(move.size)
     metrics.BYTES_MOVED.labels(fleet_name).inc(result.bytes)

@@ -2,7 +2,7 @@
 
 `migrate_range` is the one adapter between the operator and the shared migration library
 (`relay.fleet.migration`, the fenced MIGRATE protocol of DESIGN §4): every slot move the
-operator makes — draining a deleted shard, executing a RelayRebalance — goes through it.
+operator makes (draining a deleted shard, executing a RelayRebalance) goes through it.
 The rest answers the few questions the operator asks a shard directly: does it answer, does
 it hold data, how many bytes sit in these slots.
 """
@@ -10,19 +10,21 @@ it hold data, how many bytes sit in these slots.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from relay.fleet import migration as fleet_migration
 from relay.fleet.sharding import ShardMap
 from relay.storage import keys
 from relayfleet_operator.planning import Move
 
 
-class MigrationUnavailable(NotImplementedError):
-    """The migration library is not wired in: no slot can move."""
+class MoveError(RuntimeError):
+    """The migration library could not complete a move; the message says which slot and why.
+    Running the same move again resumes it."""
 
 
 @dataclass(frozen=True)
@@ -31,23 +33,34 @@ class MoveResult:
     bytes: int = 0
 
 
-# Called once the library has flipped the range (target owns it, source answers MOVED):
-# the operator then publishes the new shard map (epoch + 1) to the ConfigMap.
-OnFlipped = Callable[[Move], Awaitable[None]]
+# Records in the fleet's shard map that `slots` now belong to `target` (epoch + 1) and
+# returns the map as stored: the relays' source of truth is then up to date.
+PublishSlots = Callable[[Sequence[int], str], Awaitable[ShardMap]]
 
 
 async def migrate_range(
-    shard_map: ShardMap, move: Move, urls: Mapping[str, str], on_flipped: OnFlipped
+    shard_map: ShardMap, move: Move, urls: Mapping[str, str], publish: PublishSlots
 ) -> MoveResult:
     """Move `move`'s slots from its source to its target with the shared migration library.
 
-    `urls` maps shard names to full Redis URLs (credentials included). Must be idempotent
-    and resumable: the operator calls it again for a move interrupted by a restart.
+    `shard_map` is the map in force; `urls` maps shard names to full Redis URLs (credentials
+    included). Idempotent and resumable: the library reads where each slot stands from the
+    shards' own state keys, so the operator simply calls it again after a restart.
     """
-    raise MigrationUnavailable(
-        "slot migration is not available: relay.fleet.migration (the fenced MIGRATE protocol) "
-        "is not wired into relayfleet_operator.migration.migrate_range yet"
-    )
+
+    async def publish_map(new_map: ShardMap) -> ShardMap:
+        # The library proposes a whole map built on its own view; publish only this move's
+        # flipped slots onto the current ConfigMap so concurrent changes are not overwritten.
+        flipped = [s for s in move.slot_list() if new_map.shard_for_slot(s) == move.target]
+        return await publish(flipped, move.target)
+
+    try:
+        report = await fleet_migration.migrate_slots(
+            shard_map, move.slot_list(), move.target, publish_map, redis_urls=urls
+        )
+    except fleet_migration.MigrationError as exc:
+        raise MoveError(str(exc)) from None
+    return MoveResult(keys=report.keys, bytes=report.bytes)
 
 
 def _client(url: str, timeout: float) -> aioredis.Redis:

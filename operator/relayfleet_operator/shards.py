@@ -289,11 +289,6 @@ async def _move_away(
                 result = await fleet.execute_move(
                     ctx, shard.namespace, shard.fleet, current, move, urls, owners, "drain"
                 )
-            except migration.MigrationUnavailable as exc:
-                entries[i]["state"] = "Failed"
-                entries[i]["message"] = str(exc)
-                await _blocked(ctx, body, shard, previous, entries, str(exc))
-                raise kopf.TemporaryError(str(exc), delay=60) from None
             except Exception as exc:
                 entries[i]["state"] = "Failed"
                 entries[i]["message"] = f"{type(exc).__name__}: {exc}"[:4000]
@@ -340,14 +335,3 @@ async def _drain_status(
     )
     status["drain"] = {"moves": entries}
     await _safe_status(ctx, body, status)
-
-
-async def _blocked(
-    ctx: fleet.Context, body: Mapping[str, Any], shard: ShardSpec, previous: Obj, entries: list[Obj], why: str
-) -> None:
-    status = shard_status(
-        shard, previous, Observed(blocked=why, draining=True, slot_count=previous.get("slotCount"))
-    )
-    status["drain"] = {"moves": entries}
-    await _safe_status(ctx, body, status)
-    notify(body, "DeletionBlocked", why, warning=True)
