@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -91,7 +92,8 @@ def kube_api() -> Any:
         config.load_incluster_config()
     except config.ConfigException:
         try:
-            config.load_kube_config()
+            # KUBECONFIG read now: the client's own default is fixed at its import
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
         except (config.ConfigException, OSError) as exc:
             raise JobError(f"no Kubernetes configuration (in-cluster or KUBECONFIG): {exc}") from None
     return client

@@ -4,7 +4,10 @@ scripts, the job's Spark function in the shared local SparkSession."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -232,3 +235,39 @@ def test_budget_and_idle_rules(redis_fleet: FleetFactory) -> None:
         m.client.sadd(K.slot_index(5), "ghost.")
         assert m.trim([(5, "ghost.")], policy)[0].deleted
         assert m.slot_queues(5) == []
+
+
+def test_retention_command_line(redis_fleet: FleetFactory, tmp_path: Path) -> None:
+    """`python -m spark_jobs.retention` as the CronJob runs it (its own local Spark)."""
+    fleet = redis_fleet(["a", "b"])
+    rng = random.Random(5)
+    now = int(time.time() * 1000)
+    seeds = []
+    for shard in ("a", "b"):
+        for _ in range(3):
+            r = recipient_on(fleet, shard, rng)
+            seeds += [Seed(r, b"", b"p" * 10, now - 3 * HOUR + i) for i in range(4)]
+            seeds += [Seed(r, b"", b"q" * 10, now - MIN + i) for i in range(2)]
+    seed(fleet, seeds)
+    path = tmp_path / "map.json"
+    path.write_text(fleet.dumps())
+    report = tmp_path / "report.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "spark_jobs.retention", "--shard-map", str(path), "--max-age", "3600",
+         "--report", str(report), "--master", "local[2]"],
+        capture_output=True, text=True, timeout=240, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in report.read_text().splitlines()]
+    assert {line["shard"]: line["messages_removed"] for line in lines} == {"a": 12, "b": 12}
+    assert sum(line["bytes_removed"] for line in lines) == 240
+    assert "retention: 2 shards, 6 queues scanned, 24 messages and 240 bytes removed" in proc.stderr
+    assert "redis://" not in proc.stderr + proc.stdout
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "spark_jobs.retention", "--shard-map", str(path), "--max-age", "0"],
+        capture_output=True, text=True, timeout=60, env=env, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "retention: --max-age must be >= 1"
