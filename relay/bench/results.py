@@ -11,7 +11,7 @@ def percentile(sorted_values: list[float], p: float) -> float:
     """Nearest-rank percentile of an already sorted list (p in 0..100)."""
     if not sorted_values:
         return math.nan
-    rank = max(1, math.ceil(p / 100 * len(sorted_values)))
+    rank = max(1, math.ceil(round(p / 100 * len(sorted_values), 9)))  # 99.9% of 1000 is 999, not 999.0…01
     return sorted_values[min(rank, len(sorted_values)) - 1]
 
 

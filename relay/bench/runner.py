@@ -307,9 +307,12 @@ class Bench:
             self.record(outcome)
 
     async def read_ack(self, t: Target, redis: RedisServer, batch: int) -> None:
-        row = await scenarios.read_ack(
-            self.run, t, redis, batch, self.plan.read_ack_total, self.plan.connections
-        )
+        try:
+            row = await scenarios.read_ack(
+                t, redis.url, batch, self.plan.read_ack_total, self.plan.connections
+            )
+        finally:
+            await redis.flushall()
         self.record(row)
 
     async def fanout(self, t: Target, size: int) -> None:

@@ -271,13 +271,13 @@ async def prefill(redis_url: str, queues: list[bytes], per_queue: int, size: int
 
 
 async def read_ack(
-    run: Run, target: Target, redis: RedisServer, batch: int, total: int, connections: int, size: int = 256
+    target: Target, redis_url: str, batch: int, total: int, connections: int, size: int = 256
 ) -> Row:
     # a few batches per queue, and at least as many queues as readers
     per_queue = max(batch, min(10000, 5 * batch, total // connections // batch * batch))
     n_queues = max(1, math.ceil(total / per_queue))
     queues = [recipient() for _ in range(n_queues)]
-    await prefill(redis.url, queues, per_queue, size)
+    await prefill(redis_url, queues, per_queue, size)
     expected = n_queues * per_queue
     todo = list(queues)
     delivered = [0]
@@ -320,7 +320,6 @@ async def read_ack(
     target.check_alive()
     if delivered[0] != expected:
         raise BenchError(f"read+ack delivered {delivered[0]} of {expected} messages")
-    await redis.flushall()
     return Row(
         "read_ack",
         target.name,

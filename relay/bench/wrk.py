@@ -31,13 +31,12 @@ def wrk_binary() -> str:
 
 
 def _lua_str(data: bytes) -> str:
-    """A Lua long-bracket literal for printable ASCII ``data``."""
-    text = data.decode("ascii")
-    level = 0
-    while ("]" + "=" * level + "]") in text:
-        level += 1
-    eq = "=" * level
-    return f"[{eq}[{text}]{eq}]"
+    """A Lua string literal for any bytes: printable ASCII as is, the rest as decimal escapes."""
+    out = ['"']
+    for b in data:
+        out.append(chr(b) if 32 <= b < 127 and b not in (34, 92) else f"\\{b:03d}")
+    out.append('"')
+    return "".join(out)
 
 
 def lua_script(
@@ -50,7 +49,7 @@ def lua_script(
 ) -> str:
     """Build a wrk script.
 
-    ``bodies`` are ASCII literals used round-robin with ``paths``; with ``filler_size`` > 0
+    ``bodies`` are used round-robin with ``paths``; with ``filler_size`` > 0
     every body is instead that many bytes built in Lua (no huge literal in the file).
     ``count_inner_errors`` scans 2xx bodies for per-item 4xx/5xx statuses (fan-out).
     """
