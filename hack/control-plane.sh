@@ -5,10 +5,11 @@
 # compiled here; nothing prebuilt is downloaded. Outputs are cached per
 # component and version, and the script is a no-op once they all exist.
 #
-# Usage: hack/control-plane.sh [--help]
+# Usage: hack/control-plane.sh [--check | --help]
 # On success the only line on stdout is the bin dir holding kube-apiserver,
 # kube-controller-manager, kube-scheduler, kubectl, etcd, kwok, kwokctl, helm.
 # Everything else (progress, timings, go output) goes to stderr.
+# --check builds nothing: prints the bin dir and exits 0 if all is built, else exits 1.
 #
 # Environment:
 #   RELAYFLEET_CACHE_DIR  cache root (default: ${XDG_CACHE_HOME:-$HOME/.cache}/relayfleet).
@@ -30,11 +31,13 @@ KWOK_VERSION="v0.8.0"
 HELM_VERSION="v3.22.0"
 
 usage() {
-  sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
+check_only=false
 case "${1-}" in
   -h | --help) usage; exit 0 ;;
+  --check) check_only=true ;;
   "") ;;
   *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
 esac
@@ -42,7 +45,11 @@ esac
 log() { printf '[control-plane] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache_root="${RELAYFLEET_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/relayfleet}"
+# A relative RELAYFLEET_CACHE_DIR (e.g. .cache, which .gitignore covers) is
+# taken relative to the repository root.
+[[ "${cache_root}" == /* ]] || cache_root="${repo_root}/${cache_root}"
 kube_dir="${cache_root}/k8s/${KUBE_VERSION}"
 etcd_dir="${cache_root}/etcd/${ETCD_VERSION}"
 kwok_dir="${cache_root}/kwok/${KWOK_VERSION}"
@@ -69,6 +76,10 @@ all_built() {
 if all_built; then
   printf '%s\n' "${bin_dir}"
   exit 0
+fi
+if [[ "${check_only}" == true ]]; then
+  log "not built yet: ${bin_dir}"
+  exit 1
 fi
 
 command -v go >/dev/null || die "go is not on PATH"

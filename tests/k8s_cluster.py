@@ -42,7 +42,6 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import IO
 
@@ -150,15 +149,35 @@ def pinned_kube_version() -> str:
     return match.group(1)
 
 
-@cache
+_build_result: Path | ControlPlaneError | None = None
+
+
 def control_plane_bin_dir() -> Path:
-    """Build (or find) the pinned binaries; returns their directory."""
+    """Build (or find) the pinned binaries once per session; returns their directory.
+
+    A failed build is remembered too, so every fixture reports it without
+    building again.
+    """
+    global _build_result
+    if _build_result is None:
+        try:
+            _build_result = _run_build_script()
+        except ControlPlaneError as exc:
+            _build_result = exc
+    if isinstance(_build_result, ControlPlaneError):
+        raise _build_result
+    return _build_result
+
+
+def _run_build_script(*args: str) -> Path:
     proc = subprocess.run(
-        ["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, check=False, cwd=REPO_ROOT
+        ["bash", str(BUILD_SCRIPT), *args], capture_output=True, text=True, check=False, cwd=REPO_ROOT
     )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        raise ControlPlaneError(f"{BUILD_SCRIPT} failed (exit {proc.returncode}):\n{_tail(proc.stderr, 60)}")
+        raise ControlPlaneError(
+            f"{BUILD_SCRIPT} {' '.join(args)} failed (exit {proc.returncode}):\n{_tail(proc.stderr, 60)}"
+        )
     bin_dir = Path(lines[-1])
     if not (bin_dir / "kube-apiserver").exists():
         raise ControlPlaneError(f"{BUILD_SCRIPT} printed {bin_dir}, which has no kube-apiserver")
@@ -211,13 +230,9 @@ def kwok_cluster(
 
 def _external_cluster(kubeconfig: Path) -> KubeCluster:
     bin_dir: Path | None = None
-    with contextlib.suppress(ControlPlaneError, OSError):
-        # Only if already built: an external cluster must not trigger a build.
-        probe = subprocess.run(
-            ["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, check=False, timeout=5
-        )
-        if probe.returncode == 0 and probe.stdout.strip():
-            bin_dir = Path(probe.stdout.strip().splitlines()[-1])
+    with contextlib.suppress(ControlPlaneError):
+        # The pinned kubectl/helm if already built; an external cluster never triggers a build.
+        bin_dir = _run_build_script("--check")
     cluster = KubeCluster(kubeconfig=kubeconfig, server="", bin_dir=bin_dir, external=True)
     view = cluster.kubectl("config", "view", "--minify", "-o", "jsonpath={.clusters[0].cluster.server}")
     return KubeCluster(kubeconfig=kubeconfig, server=view.stdout.strip(), bin_dir=bin_dir, external=True)
@@ -467,8 +482,9 @@ def _kubeconfig(server: str, pki: _Pki) -> str:
 def _kwok(bin_dir: Path, workdir: Path) -> Iterator[KubeCluster]:
     name = f"rf-{uuid.uuid4().hex[:8]}"
     kubeconfig = workdir / "kubeconfig"
-    # Keeps kwokctl's state, logs and pid files out of ~/.kwok.
-    env = {"KWOK_WORKDIR": str(workdir / "kwok-home")}
+    # KWOK_WORKDIR keeps kwokctl's state, logs and pid files out of ~/.kwok;
+    # KWOK_KUBE_VERSION makes it generate flags for the version we built.
+    env = {"KWOK_WORKDIR": str(workdir / "kwok-home"), "KWOK_KUBE_VERSION": _kube_version(bin_dir)}
     kwokctl = str(bin_dir / "kwokctl")
 
     def run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -491,7 +507,6 @@ def _kwok(bin_dir: Path, workdir: Path) -> Iterator[KubeCluster]:
         f"--kube-scheduler-binary={bin_dir / 'kube-scheduler'}",
         f"--kwok-controller-binary={bin_dir / 'kwok'}",
         f"--etcd-binary={bin_dir / 'etcd'}",
-        f"--kube-version={_kube_version(bin_dir)}",
         "--wait=2m",
         timeout=STARTUP_TIMEOUT_S + 60,
     )
