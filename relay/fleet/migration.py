@@ -283,10 +283,9 @@ class _Plan:
     resumed: set[int] = field(default_factory=set)
     unpublished: set[int] = field(default_factory=set)  # the map does not name the target yet
     states: dict[str, dict[int, str | None]] = field(default_factory=dict)
-
-
-def _is_moved_to(state: str | None, target: str) -> bool:
-    return state is not None and state.startswith(f"moved {target} ")
+    leftovers: dict[str, list[int]] = field(
+        default_factory=dict
+    )  # 'moved' shard -> slots it still has keys of
 
 
 class _Migration:
@@ -344,6 +343,21 @@ class _Migration:
         plan = _Plan()
         results = await asyncio.gather(*(sh.states(slots) for sh in self.shards.values()))
         plan.states = dict(zip(self.shards, results, strict=True))
+        # A shard that says 'moved' never serves the slot again, so any keys it still
+        # holds (a cleanup cut short) are garbage, deleted at the end of this run.
+        # (The target's own stale keys are dropped before its copy instead.)
+        for name, sh in self.shards.items():
+            if name == self.target:
+                continue
+            moved = [s for s in slots if (plan.states[name][s] or "").startswith("moved ")]
+            if moved:
+                cmds = [("EXISTS", *_slot_keys(s)) for s in moved]
+                replies = [
+                    r for part in _chunks(cmds, 4096) for r in await sh.run("looking for leftovers", part)
+                ]
+                if left := [s for s, n in zip(moved, replies, strict=True) if int(n)]:
+                    plan.leftovers[name] = left
+        has_leftovers = {s for left in plan.leftovers.values() for s in left}
         for s in slots:
             owner = self.map.shard_for_slot(s)
             holder = self._holder(s, owner, plan.states)
@@ -351,8 +365,7 @@ class _Migration:
             if owner != self.target:
                 plan.unpublished.add(s)
             if holder == self.target:
-                leftovers = any(_is_moved_to(v, self.target) for n, v in st.items() if n != self.target)
-                if st[self.target] is None and owner == self.target and not leftovers:
+                if st[self.target] is None and owner == self.target and s not in has_leftovers:
                     plan.already.append(s)
                 else:
                     plan.finish.append(s)  # only an earlier, interrupted run leaves a slot here
@@ -396,6 +409,11 @@ class _Migration:
         for source, source_slots in plan.copy.items():
             for batch in await self.batches(source, source_slots):
                 await self.move_batch(source, batch, plan)
+        for name, left in plan.leftovers.items():
+            sh = self.shards[name]
+            members = await sh.members(left)
+            await self.wake(sh, members)
+            await self.clean(sh, members, "moved *")
         self.report.elapsed_s = time.monotonic() - self.started
         self.report.map_epoch = self.map.epoch
         self.report.final_map = self.map
@@ -564,8 +582,8 @@ class _Migration:
         for chunk in _chunks(channels, 1000):
             await src.run("waking waiters", [("PUBLISH", ch, "moved") for ch in chunk])
 
-    async def clean(self, src: _Shard, qids: Mapping[int, Sequence[str]]) -> None:
-        allowed = (f"moved {self.target} *",)
+    async def clean(self, src: _Shard, qids: Mapping[int, Sequence[str]], allowed_state: str = "") -> None:
+        allowed = (allowed_state or f"moved {self.target} *",)
         first = True
         for s, qs in qids.items():
             doomed = [k for q in qs for k in _queue_keys(s, q)]
@@ -600,16 +618,7 @@ class _Migration:
         await self.publish(slots)
         self.slots_done += len(slots)
         self.report.slots_moved += len(slots)
-        for name, sh in self.shards.items():
-            if name == self.target:
-                continue
-            left = [s for s in slots if _is_moved_to(plan.states[name][s], self.target)]
-            if not left:
-                continue
-            members = await sh.members(left)
-            await self.wake(sh, members)
-            await self.clean(sh, members)
-        self.tick("copy")
+        self.tick("copy")  # the sources' leftovers are woken and deleted at the end of the run
 
 
 def _validate(shard_map: ShardMap, slots: Iterable[int], target: str) -> list[int]:
