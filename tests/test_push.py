@@ -1,0 +1,200 @@
+"""Push hook: offline queues get a webhook call ({recipient, channel, seq}, never the payload).
+
+The webhook is a real HTTP server on a real socket; the relay a real aiohttp app
+over a real redis-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from relay import metrics
+from relay.api.auth import keypair
+from relay.api.context import CTX
+from relay.api.params import b64encode
+from relay.localredis import LocalRedis, free_port
+from relay.push import NOTIFIER, PushNotifier
+from tests.conftest import RelayFactory, RunningRelay
+
+
+@dataclass
+class Webhook:
+    url: str
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    raw: list[bytes] = field(default_factory=list)
+    answers: list[int] = field(default_factory=list)  # statuses to answer, in order; then 204
+    delay_s: float = 0.0
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def wait_for(self, n: int, timeout: float = 5.0) -> None:
+        async with asyncio.timeout(timeout):
+            while len(self.calls) < n:
+                self.arrived.clear()
+                await self.arrived.wait()
+
+
+@pytest.fixture
+async def webhook() -> AsyncIterator[Webhook]:
+    hook = Webhook(url="")
+
+    async def receive(request: web.Request) -> web.Response:
+        body = await request.read()
+        hook.raw.append(body)
+        hook.calls.append(await request.json())
+        hook.arrived.set()
+        if hook.delay_s:
+            await asyncio.sleep(hook.delay_s)
+        status = hook.answers.pop(0) if hook.answers else 204
+        return web.Response(status=status)
+
+    app = web.Application()
+    app.router.add_post("/push", receive)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    hook.url = str(server.make_url("/push"))
+    yield hook
+    await server.close()
+
+
+async def fast_relay(factory: RelayFactory, redis_url: str, url: str) -> RunningRelay:
+    relay = await factory(redis_url, push_webhook=url)
+    notifier = relay.app[NOTIFIER]
+    notifier.backoff_s = 0.01  # keep retry tests short
+    return relay
+
+
+async def test_offline_queue_is_notified_without_the_payload(
+    redis_server: LocalRedis, relay_factory: RelayFactory, webhook: Webhook
+) -> None:
+    relay = await fast_relay(relay_factory, redis_server.url, webhook.url)
+    recipient, _ = keypair()
+    async with relay.client() as c:
+        seq, _ = await c.enqueue(recipient, b"TOP-SECRET-PAYLOAD", channel=b"ch")
+    await webhook.wait_for(1)
+    assert webhook.calls == [{"recipient": b64encode(recipient), "channel": b64encode(b"ch"), "seq": seq}]
+    assert b"TOP-SECRET" not in webhook.raw[0]
+    assert b64encode(b"TOP-SECRET-PAYLOAD").encode() not in webhook.raw[0]
+
+
+async def test_no_push_while_a_client_waits_or_is_live(
+    redis_server: LocalRedis, relay_factory: RelayFactory, webhook: Webhook
+) -> None:
+    relay = await fast_relay(relay_factory, redis_server.url, webhook.url)
+    waiting, live_one, offline = keypair()[0], keypair()[0], keypair()[0]
+    async with relay.client() as c:
+        poll = asyncio.ensure_future(c.read(waiting, wait=5))
+        await asyncio.sleep(0.2)  # the long-poll is registered and subscribed
+        await c.enqueue(waiting, b"a")
+        assert len((await poll).messages) == 1
+        conn = await c.live(live_one)
+        assert (await conn.receive())["type"] == "empty"
+        await c.enqueue(live_one, b"b")
+        assert (await conn.receive())["type"] == "message"
+        await conn.close()
+        await c.enqueue(offline, b"c")  # the marker: once it is pushed, the others would have been
+    await webhook.wait_for(1)
+    await asyncio.sleep(0.2)
+    assert [call["recipient"] for call in webhook.calls] == [b64encode(offline)]
+
+
+async def test_a_slow_webhook_never_slows_enqueue(
+    redis_server: LocalRedis, relay_factory: RelayFactory, webhook: Webhook
+) -> None:
+    relay = await fast_relay(relay_factory, redis_server.url, webhook.url)
+    webhook.delay_s = 2.0
+    async with relay.client() as c:
+        start = time.perf_counter()
+        for _ in range(20):
+            await c.enqueue(keypair()[0], b"x")
+        elapsed = time.perf_counter() - start
+    assert elapsed < 1.5  # 20 enqueues while each webhook call takes 2 s
+    await webhook.wait_for(4)  # the workers are busy with the first few
+
+
+async def test_failures_are_retried_a_bounded_number_of_times(
+    redis_server: LocalRedis, relay_factory: RelayFactory, webhook: Webhook
+) -> None:
+    relay = await fast_relay(relay_factory, redis_server.url, webhook.url)
+    retried = metrics.PUSH_NOTIFICATIONS.labels("retried")
+    failed = metrics.PUSH_NOTIFICATIONS.labels("failed")
+    before_retried, before_failed = retried._value.get(), failed._value.get()
+    webhook.answers = [503, 500]  # two failures, then success
+    async with relay.client() as c:
+        await c.enqueue(keypair()[0], b"x")
+        await webhook.wait_for(3)
+        assert retried._value.get() - before_retried == 2
+        webhook.answers = [500] * 10  # never succeeds: gives up after the bound
+        await c.enqueue(keypair()[0], b"y")
+        await webhook.wait_for(3 + relay.app[NOTIFIER].attempts)
+        await asyncio.sleep(0.1)
+        assert len(webhook.calls) == 3 + relay.app[NOTIFIER].attempts
+        assert failed._value.get() - before_failed == 1
+        webhook.answers = [400]  # refused: not retried
+        await c.enqueue(keypair()[0], b"z")
+        await webhook.wait_for(4 + relay.app[NOTIFIER].attempts)
+        await asyncio.sleep(0.1)
+        assert len(webhook.calls) == 4 + relay.app[NOTIFIER].attempts
+
+
+async def test_pending_notifications_are_bounded_and_coalesced(webhook: Webhook) -> None:
+    notifier = PushNotifier(webhook.url, max_pending=3, workers=1, backoff_s=0.01)
+    dropped = metrics.PUSH_NOTIFICATIONS.labels("dropped")
+    before = dropped._value.get()
+    webhook.delay_s = 0.3
+    await notifier.start()
+    try:
+        a, b, c, d = (keypair()[0] for _ in range(4))
+        notifier.offer(a, b"", 1)
+        await webhook.wait_for(1)  # the single worker is now busy with a
+        for seq in range(1, 6):
+            notifier.offer(b, b"", seq)  # a burst for one queue: one pending entry, latest seq
+        notifier.offer(c, b"", 1)
+        notifier.offer(d, b"", 1)
+        notifier.offer(keypair()[0], b"", 1)  # over the bound of 3 pending queues
+        assert notifier.pending() == 3
+        assert dropped._value.get() - before == 1
+        await webhook.wait_for(4)
+        assert [(call["recipient"], call["seq"]) for call in webhook.calls[1:]] == [
+            (b64encode(b), 5),
+            (b64encode(c), 1),
+            (b64encode(d), 1),
+        ]
+    finally:
+        await notifier.stop()
+
+
+async def test_unreachable_webhook_costs_enqueue_nothing(
+    redis_server: LocalRedis, relay_factory: RelayFactory
+) -> None:
+    relay = await fast_relay(relay_factory, redis_server.url, f"http://127.0.0.1:{free_port()}/nobody")
+    failed = metrics.PUSH_NOTIFICATIONS.labels("failed")
+    before = failed._value.get()
+    async with relay.client() as c:
+        start = time.perf_counter()
+        await c.enqueue(keypair()[0], b"x")
+        assert time.perf_counter() - start < 0.5
+        async with asyncio.timeout(10):
+            while failed._value.get() == before:
+                await asyncio.sleep(0.02)
+
+
+async def test_no_webhook_no_notifier(relay: RunningRelay) -> None:
+    assert NOTIFIER not in relay.app
+    assert relay.app[CTX].service.on_stored is None
+
+
+async def test_a_bad_webhook_url_is_a_clear_error(
+    redis_server: LocalRedis, relay_factory: RelayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    relay = await relay_factory(redis_server.url, push_webhook="ftp://token@example/x")
+    assert NOTIFIER not in relay.app
+    assert "RELAY_PUSH_WEBHOOK must be an http(s) URL" in caplog.text
+    assert "token" not in caplog.text
