@@ -175,9 +175,8 @@ def _run_build_script(*args: str) -> Path:
     )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        raise ControlPlaneError(
-            f"{BUILD_SCRIPT} {' '.join(args)} failed (exit {proc.returncode}):\n{_tail(proc.stderr, 60)}"
-        )
+        command = " ".join(["bash", str(BUILD_SCRIPT), *args])
+        raise ControlPlaneError(f"{command} failed (exit {proc.returncode}):\n{_tail(proc.stderr, 60)}")
     bin_dir = Path(lines[-1])
     if not (bin_dir / "kube-apiserver").exists():
         raise ControlPlaneError(f"{BUILD_SCRIPT} printed {bin_dir}, which has no kube-apiserver")
@@ -189,7 +188,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly or external_kubeconfig(session.config) is not None:
         return
     if any(K8S_FIXTURES.intersection(getattr(item, "fixturenames", ())) for item in session.items):
-        control_plane_bin_dir()
+        # A failure is remembered and raised by the fixtures, failing only the tests that need them.
+        with contextlib.suppress(ControlPlaneError):
+            control_plane_bin_dir()
 
 
 # -------------------------------------------------------------------- fixtures
