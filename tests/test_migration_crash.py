@@ -30,6 +30,7 @@ from tests.test_migration_harness import (
     b64,
     final_placement_problems,
     fleet_procs,
+    retries,
 )
 
 LO, HI = 1000, 1199  # the slot range that moves; one batch, so every crash hits it whole
@@ -145,6 +146,9 @@ async def test_migration_killed_at_every_step_resumes_and_loses_nothing(tmp_path
                 src, tgt = tgt, src
         finally:
             await work.stop()
+        retried = retries(fleet)
+        assert retried.get("migrating", 0) > 0, retried
+        assert retried.get("moved", 0) > 0, retried
         verdict = work.history.check()
         work.history.save(str(tmp_path / "history.jsonl"))
         assert verdict.ok, f"{verdict.render()}\n{fleet.relay_logs()}"

@@ -161,6 +161,19 @@ def fleet_procs(tmp_path: Path, **kw: Any) -> Iterator[FleetProcs]:
         fleet.stop()
 
 
+def retries(fleet: FleetProcs) -> dict[str, float]:
+    """The relays' internal retries by reason ('moved', 'migrating'), summed over relays."""
+    out: dict[str, float] = {}
+    for r in fleet.relays:
+        with urllib.request.urlopen(r.url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            if line.startswith("relayfleet_internal_retries_total{"):
+                reason = line.split('reason="', 1)[1].split('"', 1)[0]
+                out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 # -- the workload ---------------------------------------------------------------------
 
 

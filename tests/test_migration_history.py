@@ -19,6 +19,7 @@ from tests.test_migration_harness import (
     final_placement_problems,
     fleet_procs,
     make_queues,
+    retries,
 )
 
 
@@ -36,6 +37,7 @@ async def _run_history(tmp_path: Path, seconds: float, seed: int) -> None:
             migrator.stop()
             await moving
         await work.stop()
+        retried = retries(fleet)
         history_path = tmp_path / "history.jsonl"
         work.history.save(str(history_path))
         verdict = work.history.check()
@@ -50,6 +52,9 @@ async def _run_history(tmp_path: Path, seconds: float, seed: int) -> None:
         assert verdict.counts["messages_acknowledged"] >= 20 * seconds
         assert verdict.counts["idempotent_duplicates"] > 0
         assert migrator.moved >= 2 * seconds, "the slots hardly moved"
+        # the relays met fenced slots and MOVED answers, and rode them out inside the deadline
+        assert retried.get("migrating", 0) > 0, retried
+        assert retried.get("moved", 0) > 0, retried
         assert not await final_placement_problems(fleet, slots)
 
 
