@@ -318,7 +318,7 @@ class Workload:
             if next_seq is not None:
                 extra["fromSeq"] = next_seq
             t0, t1, status, doc, ra = await self._call("GET", _q(q.path("messages"), extra))
-            items = _items(doc) if status == 200 else []
+            items = delivered_items(doc) if status == 200 else []
             self.history.deliver(q.name, "read", t0, t1, status, items, next_seq, doc.get("epoch"), ra)
             if status != 200:
                 await asyncio.sleep(0.05)
@@ -347,7 +347,7 @@ class Workload:
             t0, t1, status, doc, ra = await self._call(
                 "POST", _q(q.path("drain"), {"limit": 20, "wait": self._wait()}), b""
             )
-            items = _items(doc) if status == 200 else []
+            items = delivered_items(doc) if status == 200 else []
             self.history.deliver(q.name, "drain", t0, t1, status, items, None, doc.get("epoch"), ra)
             if status != 200:
                 await asyncio.sleep(0.05)
@@ -356,7 +356,7 @@ class Workload:
                 return
 
 
-def _items(doc: dict[str, Any]) -> list[tuple[int, str]]:
+def delivered_items(doc: dict[str, Any]) -> list[tuple[int, str]]:
     out = []
     for m in doc.get("messages", []):
         payload = base64.urlsafe_b64decode(m["payload"] + "=" * (-len(m["payload"]) % 4))

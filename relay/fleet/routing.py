@@ -63,8 +63,10 @@ class Fleet:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
-        for t in list(self._retiring):
+        retiring = list(self._retiring)
+        for t in retiring:
             t.cancel()
+        await asyncio.gather(*retiring, return_exceptions=True)
         for hub in self.hubs.values():
             await hub.stop()
         for store in self.stores.values():
@@ -88,9 +90,11 @@ class Fleet:
     def _retire(self, store: ShardStore, hub: WakeupHub) -> None:
         async def later() -> None:
             hub.wake_all()  # its waiters re-read through the new route
-            await asyncio.sleep(_RETIRE_AFTER_S)
-            await hub.stop()
-            await store.close()
+            try:
+                await asyncio.sleep(_RETIRE_AFTER_S)
+            finally:  # also when the fleet closes first: never leak the connections
+                await hub.stop()
+                await store.close()
 
         task = asyncio.get_running_loop().create_task(later())
         self._retiring.add(task)
