@@ -192,6 +192,7 @@ async def drain(ctx: fleet.Context, body: Mapping[str, Any]) -> None:
         owners = fleet.specs_of(members)
         shard_map, _ = await fleet.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
         owned = fleet.owned_by(shard_map, shard.name)
+        drop_map = False
         if shard_map is not None and owned:
             # Only shards already in the map (reconciled at least once) can take slots.
             weights = {
@@ -199,16 +200,21 @@ async def drain(ctx: fleet.Context, body: Mapping[str, Any]) -> None:
                 for n, w in fleet.weights_of(members).items()
                 if n != shard.name and n in shard_map.shards
             }
-            if not weights:
-                await _last_shard(ctx, body, shard, shard_map, previous)
-            else:
+            others = sorted(n for n in shard_map.shards if n != shard.name)
+            if weights:
                 await _move_away(ctx, body, shard, shard_map, weights, owners, previous)
+            elif others:
+                why = f"no shard can take the slots yet ({', '.join(others)} are leaving the fleet too)"
+                raise kopf.TemporaryError(why, delay=15)
+            else:
+                await _last_shard(ctx, body, shard, shard_map, previous)
+                drop_map = True  # the fleet ends with its last shard
+
+        def change(m: ShardMap | None) -> ShardMap | None:
+            return None if m is None or drop_map else builders.leave_shard_map(m, shard.name)
+
         left, _ = await fleet.update_shard_map(
-            ctx.kube,
-            shard.namespace,
-            shard.fleet,
-            lambda m: None if m is None else builders.leave_shard_map(m, shard.name),
-            [o for o in owners if o.name != shard.name],
+            ctx.kube, shard.namespace, shard.fleet, change, [o for o in owners if o.name != shard.name]
         )
         await fleet.set_credentials(ctx.kube, shard.namespace, shard.fleet, shard.name, None, [])
     notify(body, "LeftFleet", f"left fleet {shard.fleet}" + ("" if left else "; it was the last shard"))
