@@ -1,0 +1,256 @@
+"""The shard map in a Kubernetes ConfigMap (key ``shardmap.json``): relays watch it, the operator writes it.
+
+`configmap_source` is a `MapSource` for `relay.fleet.routing.Fleet`: the first call
+reads the ConfigMap directly (startup fails clearly when it is missing or invalid);
+after that a background thread keeps a watch open and the source hands out each newer
+map once. The thread is plain blocking I/O on purpose: the kubernetes client is
+synchronous, and one thread per relay process costs nothing next to the event loop
+it would otherwise block. An invalid update is logged and skipped, keeping the last
+good map, so a bad edit never takes the fleet down.
+
+`configmap_publisher` gives a `relay.fleet.migration.PublishMap` that replaces the map
+with optimistic concurrency (resourceVersion), refusing a map that is not newer.
+
+Kubernetes configuration: an explicit kubeconfig, else in-cluster, else $KUBECONFIG
+or ~/.kube/config. The kubernetes package comes with the [operator] extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
+
+__all__ = ["KEY", "ConfigMapSource", "configmap_name", "configmap_publisher", "configmap_source"]
+
+log = logging.getLogger("relay.configmap")
+
+KEY = "shardmap.json"
+
+
+def configmap_name(fleet: str) -> str:
+    """The ConfigMap a fleet's map lives in (DESIGN §4)."""
+    return f"relayfleet-{fleet}-shardmap"
+
+
+def _core_api(kubeconfig: str | None) -> Any:
+    try:
+        from kubernetes import client, config
+    except ImportError:
+        raise ShardMapError(
+            "reading the shard map from a ConfigMap needs the kubernetes package: "
+            "pip install 'relayfleet[operator]'"
+        ) from None
+    cfg = client.Configuration()
+    try:
+        if kubeconfig is None:
+            try:
+                config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+                return client.CoreV1Api(client.ApiClient(cfg))
+            except config.ConfigException:
+                pass  # not in a pod: a kubeconfig, as kubectl would use
+        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)  # type: ignore[no-untyped-call]
+    except (config.ConfigException, OSError, TypeError, ValueError) as exc:
+        raise ShardMapError(
+            f"no usable Kubernetes configuration (not in a pod, no kubeconfig): {exc}"
+        ) from None
+    return client.CoreV1Api(client.ApiClient(cfg))
+
+
+def _parse(cm: Any, where: str) -> ShardMap:
+    data = getattr(cm, "data", None) or {}
+    text = data.get(KEY)
+    if not text:
+        raise ShardMapError(f"ConfigMap {where} has no key {KEY}")
+    try:
+        return loads_shard_map(text)
+    except ShardMapError as exc:
+        raise ShardMapError(f"ConfigMap {where}: {exc}") from None
+
+
+class ConfigMapSource:
+    """A MapSource over one ConfigMap; call it for the newest map not handed out yet (None: no change)."""
+
+    def __init__(
+        self, namespace: str, name: str, *, kubeconfig: str | None = None, watch_timeout_s: int = 290
+    ) -> None:
+        self.namespace = namespace
+        self.name = name
+        self.where = f"{namespace}/{name}"
+        self.kubeconfig = kubeconfig
+        self.watch_timeout_s = watch_timeout_s
+        self._api: Any = None
+        self._latest: tuple[str, ShardMap] | None = None  # (resourceVersion, map); swapped whole
+        self._handed_out = ""
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.watch_errors = 0
+
+    async def __call__(self) -> ShardMap | None:
+        if self._latest is None:
+            await asyncio.to_thread(self._first_read)
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._watch_loop, name=f"configmap-watch {self.where}", daemon=True
+            )
+            self._thread.start()
+        latest = self._latest
+        if latest is None or latest[0] == self._handed_out:
+            return None
+        self._handed_out = latest[0]
+        return latest[1]
+
+    def close(self, join_s: float = 0.0) -> None:
+        """Stop watching (the thread ends when its watch call returns)."""
+        self._stop.set()
+        if self._thread is not None and join_s > 0:
+            self._thread.join(join_s)
+
+    # -- the blocking side, on a worker thread ----------------------------------------
+    def _first_read(self) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        if self._api is None:
+            self._api = _core_api(self.kubeconfig)
+        try:
+            cm = self._api.read_namespaced_config_map(self.name, self.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                raise ShardMapError(f"ConfigMap {self.where} not found") from None
+            raise ShardMapError(f"reading ConfigMap {self.where} failed: {exc.status} {exc.reason}") from None
+        except OSError as exc:
+            raise ShardMapError(f"reading ConfigMap {self.where} failed: {exc}") from None
+        self._latest = (cm.metadata.resource_version, _parse(cm, self.where))
+
+    def _watch_loop(self) -> None:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        backoff = 0.5
+        rv = self._latest[0] if self._latest else ""
+        while not self._stop.is_set():
+            try:
+                if not rv:
+                    cm = self._api.read_namespaced_config_map(self.name, self.namespace)
+                    rv = cm.metadata.resource_version
+                    self._offer(cm)
+                w = watch.Watch()  # type: ignore[no-untyped-call]
+                for event in w.stream(  # type: ignore[no-untyped-call]
+                    self._api.list_namespaced_config_map,
+                    self.namespace,
+                    field_selector=f"metadata.name={self.name}",
+                    resource_version=rv,
+                    timeout_seconds=self.watch_timeout_s,
+                    allow_watch_bookmarks=True,
+                ):
+                    if self._stop.is_set():
+                        w.stop()  # type: ignore[no-untyped-call]
+                        break
+                    kind, obj = event.get("type"), event.get("object")
+                    if kind == "ERROR":
+                        rv = ""  # e.g. 410 Gone: our version is too old; list again
+                        break
+                    if obj is not None and getattr(obj, "metadata", None) is not None:
+                        rv = obj.metadata.resource_version or rv
+                    if kind in ("ADDED", "MODIFIED"):
+                        self._offer(obj)
+                    elif kind == "DELETED":
+                        log.warning(
+                            "ConfigMap %s was deleted; keeping shard map epoch %s", self.where, self._epoch()
+                        )
+                backoff = 0.5
+            except ApiException as exc:
+                self.watch_errors += 1
+                if exc.status == 410:
+                    rv = ""
+                    continue
+                log.warning("watching ConfigMap %s failed: %s %s", self.where, exc.status, exc.reason)
+                rv = ""
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+            except (HTTPError, OSError, ValueError) as exc:
+                self.watch_errors += 1
+                log.warning("watching ConfigMap %s failed: %s", self.where, type(exc).__name__)
+                rv = ""
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    def _epoch(self) -> str:
+        return str(self._latest[1].epoch) if self._latest else "none"
+
+    def _offer(self, cm: Any) -> None:
+        try:
+            shard_map = _parse(cm, self.where)
+        except ShardMapError as exc:
+            log.warning("ignoring an invalid shard map update (keeping epoch %s): %s", self._epoch(), exc)
+            return
+        latest = self._latest
+        if latest is not None and shard_map.epoch < latest[1].epoch and shard_map.fleet == latest[1].fleet:
+            return  # never hand out an older map than one already seen
+        self._latest = (cm.metadata.resource_version, shard_map)
+
+
+def configmap_source(namespace: str, name: str) -> ConfigMapSource:
+    """The relay's `--shard-map-configmap NS/NAME` source (a `MapSource`)."""
+    return ConfigMapSource(namespace, name)
+
+
+def configmap_publisher(
+    namespace: str, name: str, *, kubeconfig: str | None = None, retries: int = 5
+) -> Callable[[ShardMap], Awaitable[ShardMap]]:
+    """Writes maps to the ConfigMap (creating it if missing); refuses one that is not newer."""
+    where = f"{namespace}/{name}"
+    api_box: list[Any] = []
+
+    def write(new_map: ShardMap) -> ShardMap:
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        if not api_box:
+            api_box.append(_core_api(kubeconfig))
+        api = api_box[0]
+        body_data = {KEY: new_map.dumps()}
+        for attempt in range(retries):
+            try:
+                try:
+                    cm = api.read_namespaced_config_map(name, namespace)
+                except ApiException as exc:
+                    if exc.status != 404:
+                        raise
+                    api.create_namespaced_config_map(
+                        namespace,
+                        client.V1ConfigMap(
+                            metadata=client.V1ObjectMeta(name=name, namespace=namespace), data=body_data
+                        ),
+                    )
+                    return new_map
+                current = (cm.data or {}).get(KEY)
+                if current:
+                    old = loads_shard_map(current)
+                    if old.epoch >= new_map.epoch and old.fleet == new_map.fleet:
+                        raise ShardMapError(
+                            f"ConfigMap {where} already holds epoch {old.epoch}; "
+                            f"refusing epoch {new_map.epoch}"
+                        )
+                cm.data = {**(cm.data or {}), **body_data}
+                api.replace_namespaced_config_map(
+                    name, namespace, cm
+                )  # carries resourceVersion: 409 if raced
+                return new_map
+            except ApiException as exc:
+                if exc.status == 409 and attempt + 1 < retries:
+                    time.sleep(0.05 * (attempt + 1))
+                    continue
+                raise ShardMapError(f"writing ConfigMap {where} failed: {exc.status} {exc.reason}") from None
+        raise ShardMapError(f"writing ConfigMap {where} kept conflicting")
+
+    async def publish(new_map: ShardMap) -> ShardMap:
+        return await asyncio.to_thread(write, new_map)
+
+    return publish
