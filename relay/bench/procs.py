@@ -80,6 +80,14 @@ class Child:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
+    out_path: Path
+
+    def output(self) -> str:
+        """What the child wrote to stdout (the log itself unless started with capture=True)."""
+        try:
+            return self.out_path.read_bytes().decode(errors="replace")
+        except OSError:
+            return ""
 
     @property
     def pid(self) -> int:
@@ -112,18 +120,22 @@ class Procs:
         cwd: Path | None = None,
         capture: bool = False,
     ) -> Child:
-        """Start a child; its stdout+stderr go to a log file (or a pipe with capture=True)."""
+        """Start a child; stderr (and stdout) go to a log file, stdout to its own file with capture=True.
+
+        Files, not pipes: a child writing more than a pipe holds while nobody reads would block.
+        """
         self._seq += 1
         log_path = self.workdir / f"{self._seq:03d}-{name}.log"
+        out_path = log_path.with_suffix(".out") if capture else log_path
         full_env = dict(os.environ)
         if env:
             full_env.update(env)
-        with open(log_path, "wb") as log:
+        with open(log_path, "wb") as log, open(out_path, "ab") as out:
             try:
                 popen = subprocess.Popen(
                     list(argv),
                     stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE if capture else log,
+                    stdout=out,
                     stderr=log,
                     env=full_env,
                     cwd=str(cwd) if cwd else None,
@@ -134,7 +146,7 @@ class Procs:
                 )
             except OSError as exc:
                 raise BenchError(f"cannot start {name} ({argv[0]}): {exc.strerror}") from None
-        child = Child(name, popen, log_path)
+        child = Child(name, popen, log_path, out_path)
         self._children.append(child)
         return child
 
@@ -149,8 +161,6 @@ class Procs:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(child.pid, signal.SIGKILL)
                 child.popen.wait()
-        if child.popen.stdout is not None:
-            child.popen.stdout.close()
         if child in self._children:
             self._children.remove(child)
 

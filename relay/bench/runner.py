@@ -83,7 +83,7 @@ def make_plan(quick: bool) -> Plan:
         )
     return Plan(
         mode="full",
-        seconds=4,
+        seconds=3,
         warmup=1,
         sizes=[256, 4096, 65536],
         connections=64,
@@ -96,7 +96,7 @@ def make_plan(quick: bool) -> Plan:
         probes=1000,
         live_probes=300,
         read_ack_batches=[10, 100, 1000],
-        read_ack_total=100000,
+        read_ack_total=50000,
         fanout_sizes=[256, 4096],
         longpoll_targets=["aiohttp-1p", "nchan-mem", "nchan-redis", "relay-1p"],
     )

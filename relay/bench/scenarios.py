@@ -94,8 +94,7 @@ async def _redis_benchmark(
     child = run.procs.start("redis-benchmark", argv, capture=True)
     try:
         await wait_exit(child, 120)
-        assert child.popen.stdout is not None
-        out = child.popen.stdout.read().decode(errors="replace")
+        out = child.output()
     finally:
         run.procs.stop(child)
     rows = [r for r in csv.reader(io.StringIO(out)) if len(r) >= 7 and r[0] != "test"]
@@ -427,7 +426,7 @@ async def longpoll(target: Target, idle_levels: list[int], probes: int, size: in
     """
     rows: list[Row] = []
     idle = IdlePolls(target)
-    settle = 0.003
+    settle = 0.002
     try:
         await wake_probes(target, 20, size, settle)  # warm-up: imports, first allocations
         base_rss = target.rss_kib()

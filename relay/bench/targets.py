@@ -209,6 +209,28 @@ def render_nchan_conf(
     return text
 
 
+async def _wait_redis_publish(port: int, child: Child, within: float = 20.0) -> None:
+    """nchan connects to Redis after it starts listening: wait until a Redis-backed publish works."""
+    deadline = time.monotonic() + within
+    status = 0
+    while time.monotonic() < deadline:
+        if not child.alive():
+            break
+        try:
+            conn = await Conn.open("127.0.0.1", port)
+            try:
+                resp = await asyncio.wait_for(conn.request("POST", "/rpub/benchready", b"ready"), 2.0)
+            finally:
+                conn.close()
+            status = resp.status
+            if 200 <= status < 300:
+                return
+        except (OSError, HttpError, TimeoutError):
+            pass
+        await asyncio.sleep(0.1)
+    raise BenchError(f"nchan: publishing to Redis storage failed for {within:.0f} s (last status {status})")
+
+
 def _nginx_prefix(workdir: Path, port: int, redis_url: str, connections: int, shm_mib: int) -> Path:
     """Create nginx's prefix folder with the rendered config; return the config's path."""
     for path in (NGINX, NCHAN_MODULE, NCHAN_CONF):
@@ -238,6 +260,7 @@ async def start_nchan(procs: Procs, redis_url: str, shm_mib: int = 4096) -> tupl
     prefix = conf.parent
     child = procs.start("nginx", [NGINX, "-c", str(conf), "-p", str(prefix), "-g", "daemon off;"])
     await wait_http(port, "/bench/static", child)
+    await _wait_redis_publish(port, child)
     mem = Target("nchan-mem", "nchan-mem", [port], [child], master_pid=child.pid)
     red = Target("nchan-redis", "nchan-redis", [port], [child], master_pid=child.pid)
     return mem, red

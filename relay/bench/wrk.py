@@ -199,8 +199,7 @@ async def run(
     try:
         for child in children:
             await wait_exit(child, seconds + 30)
-            assert child.popen.stdout is not None
-            out = child.popen.stdout.read().decode(errors="replace")
+            out = child.output()
             if child.popen.returncode != 0:
                 raise BenchError(f"wrk failed ({child.popen.returncode}): {child.log_tail(5)}")
             parts.append(parse_output(out))
