@@ -250,7 +250,7 @@ def _parser() -> ArgParser:
     idle.add_argument("--idle", type=int, metavar="SECONDS", help="delete empty queues idle this long")
     idle.add_argument("--keep-empty", action="store_true", help="never delete empty queues")
     p.add_argument("--report", metavar="PATH", help="JSON lines, or Parquet when PATH ends in .parquet")
-    p.add_argument("--task-slots", type=int, default=512, metavar="N", help="slots per Spark task")
+    p.add_argument("--task-slots", type=int, default=1024, metavar="N", help="slots per Spark task")
     p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p

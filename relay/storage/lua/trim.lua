@@ -32,27 +32,15 @@ local seq = tonumber(meta[1]) or 0
 local held = tonumber(meta[2]) or 0
 local len = redis.call('XLEN', KEYS[3])
 
--- When the newest message still held is the last one enqueued, its time is the
--- queue's last enqueue: read it before trimming can remove it.
-local last_enq = nil
-if len > 0 then
-  local newest = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)[1]
-  local id = newest[1]
-  if tonumber(string.sub(id, 1, string.find(id, '-', 1, true) - 1)) == seq then
-    local fl = newest[2]
-    for i = 1, #fl, 2 do
-      if fl[i] == 't' then last_enq = tonumber(fl[i + 1]) end
-    end
-  end
-end
-
--- Messages leave oldest first, so the stream stays a contiguous run of seqs.
+-- Messages leave oldest first, so the stream stays a contiguous run of seqs. Most
+-- queues have nothing due: read one entry first, then growing chunks.
 local over = 0
 if cap >= 0 and len > cap then over = len - cap end
-local removed, bytes, last_removed, more = 0, 0, nil, 0
-local from = '-'
+local removed, bytes, more = 0, 0, 0
+local last_id, last_t = nil, nil
+local from, want = '-', math.max(1, math.min(over, 64))
 while removed < budget do
-  local chunk = redis.call('XRANGE', KEYS[3], from, '+', 'COUNT', math.min(64, budget - removed))
+  local chunk = redis.call('XRANGE', KEYS[3], from, '+', 'COUNT', math.min(want, budget - removed))
   if #chunk == 0 then break end
   local stop = false
   for _, e in ipairs(chunk) do
@@ -64,7 +52,7 @@ while removed < budget do
     if removed < over or t < cutoff then
       removed = removed + 1
       bytes = bytes + n
-      last_removed = e[1]
+      last_id, last_t = e[1], t
       if removed >= budget then break end
     else
       stop = true
@@ -73,11 +61,16 @@ while removed < budget do
   end
   if stop then break end
   from = '(' .. chunk[#chunk][1]
+  want = math.min(64, want * 4)
 end
-if last_removed then
-  local lseq = tonumber(string.sub(last_removed, 1, string.find(last_removed, '-', 1, true) - 1))
+-- When every message went and the newest was the last one enqueued, its time is
+-- the queue's last enqueue (used by the idle check below).
+local last_enq = nil
+if last_id then
+  local lseq = tonumber(string.sub(last_id, 1, string.find(last_id, '-', 1, true) - 1))
   redis.call('XTRIM', KEYS[3], 'MINID', (lseq + 1) .. '-0')
   len = len - removed
+  if len == 0 and lseq == seq then last_enq = last_t end
   -- budget spent: the next entry may be due too; the caller calls again
   if removed >= budget and len > 0 then more = 1 end
 end
