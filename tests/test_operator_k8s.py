@@ -183,10 +183,11 @@ INVALID = [
 def test_invalid_objects_are_rejected_with_their_message(
     kube_apiserver: KubeCluster, apiserver_ns: str, doc: dict[str, Any], message: str
 ) -> None:
-    proc = wait_for(
-        "the type to be served",
-        lambda: (p := create(kube_apiserver, apiserver_ns, doc)) and ("NotFound" not in p.stderr) and p,
-    )
+    def attempt() -> subprocess.CompletedProcess[str] | None:
+        p = create(kube_apiserver, apiserver_ns, doc)
+        return None if "NotFound" in p.stderr else p  # the type is not served yet
+
+    proc = wait_for("the type to be served", attempt)
     assert proc.returncode != 0
     assert "Invalid" in proc.stderr
     assert message in proc.stderr
@@ -290,6 +291,7 @@ class Operator:
             "RELAYFLEET_OPERATOR_METRICS_PORT": str(free_port()),
             "RELAYFLEET_OPERATOR_RESYNC_SECONDS": "3",
             "RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS": "1",
+            "RELAYFLEET_OPERATOR_RETRY_SECONDS": "2",
             **env,
         }
         with self.log.open("ab") as out:

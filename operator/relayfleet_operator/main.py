@@ -4,7 +4,10 @@ Uses KUBECONFIG (or ~/.kube/config) when present, else the in-cluster service ac
 Environment:
   RELAYFLEET_OPERATOR_HEALTH_PORT   kopf liveness endpoint (default 8080, path /healthz)
   RELAYFLEET_OPERATOR_METRICS_PORT  Prometheus /metrics (default 9090; 0 disables)
-  RELAYFLEET_OPERATOR_RESYNC_SECONDS, RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS
+  RELAYFLEET_OPERATOR_RESYNC_SECONDS     re-apply period of every RelayShard (drift correction; 30)
+  RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS  step period of every RelayRebalance (2)
+  RELAYFLEET_OPERATOR_RETRY_SECONDS      wait before retrying a failed or blocked step (15)
+  RELAY_LOG_LEVEL                        DEBUG, INFO (default), WARNING, ERROR
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ def default_namespace() -> str:
 
 def run(namespace: str | None, all_namespaces: bool) -> int:
     """Run the operator until SIGINT/SIGTERM. 0 on a clean stop, 1 on failure, 2 on bad input."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = os.environ.get("RELAY_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if namespace and all_namespaces:
         print("relayfleet: --namespace and --all-namespaces are exclusive", file=sys.stderr)
         return 2

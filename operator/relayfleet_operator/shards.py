@@ -4,6 +4,7 @@ draining it (moving its slots away) before it may be deleted."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from typing import Any, cast
@@ -19,6 +20,8 @@ from relayfleet_operator.status import Observed, condition, shard_status
 
 Obj = dict[str, Any]
 FORCE_DELETE = "relayfleet.dev/force-delete"
+# How long a failed or blocked step waits before kopf calls the handler again.
+RETRY_SECONDS = float(os.environ.get("RELAYFLEET_OPERATOR_RETRY_SECONDS", "15"))
 log = logging.getLogger("relayfleet.operator")
 
 
@@ -124,7 +127,7 @@ async def reconcile(ctx: fleet.Context, body: Mapping[str, Any], *, announce: bo
         await _safe_status(ctx, body, status)
         if announce or condition(previous, "Degraded") is None or _was_not_degraded(previous):
             notify(body, "ReconcileError", str(exc), warning=True)
-        raise kopf.TemporaryError(str(exc), delay=15) from None
+        raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from None
     status = shard_status(shard, previous, seen)
     await write_status(ctx, body, status)
     if announce:
@@ -185,7 +188,7 @@ async def drain(ctx: fleet.Context, body: Mapping[str, Any]) -> None:
     key = (shard.namespace, shard.fleet)
     lock = ctx.locks.fleet(*key)
     if lock.locked() and key in ctx.moving:
-        raise kopf.TemporaryError(f"waiting: {ctx.moving[key]}", delay=10)
+        raise kopf.TemporaryError(f"waiting: {ctx.moving[key]}", delay=RETRY_SECONDS)
     previous = body.get("status") or {}
     async with lock:
         members = await fleet.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
@@ -205,7 +208,7 @@ async def drain(ctx: fleet.Context, body: Mapping[str, Any]) -> None:
                 await _move_away(ctx, body, shard, shard_map, weights, owners, previous)
             elif others:
                 why = f"no shard can take the slots yet ({', '.join(others)} are leaving the fleet too)"
-                raise kopf.TemporaryError(why, delay=15)
+                raise kopf.TemporaryError(why, delay=RETRY_SECONDS)
             else:
                 await _last_shard(ctx, body, shard, shard_map, previous)
                 drop_map = True  # the fleet ends with its last shard
@@ -247,7 +250,7 @@ async def _last_shard(
     await _safe_status(ctx, body, status)
     notify(body, "DeletionBlocked", why, warning=True)
     metrics.ERRORS.labels("RelayShard", "DeletionBlocked").inc()
-    raise kopf.TemporaryError(why, delay=30)
+    raise kopf.TemporaryError(why, delay=RETRY_SECONDS)
 
 
 async def _move_away(
@@ -268,7 +271,7 @@ async def _move_away(
         try:
             plan = plan_drain(shard_map, [shard.name], weights)
         except PlanError as exc:
-            raise kopf.TemporaryError(str(exc), delay=30) from None
+            raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from None
         plan = await migration.estimate(plan, urls)
         entries = [{**m.to_json(), "state": "Pending"} for m in plan]
     total = sum(m.size for m in plan)
@@ -280,7 +283,7 @@ async def _move_away(
                 continue
             current, _ = await fleet.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
             if current is None:
-                raise kopf.TemporaryError("the shard map disappeared", delay=30)
+                raise kopf.TemporaryError("the shard map disappeared", delay=RETRY_SECONDS)
             try:
                 if fleet.move_progress(current, move) == "done":
                     entries[i]["state"] = "Done"
@@ -288,7 +291,9 @@ async def _move_away(
             except fleet.FleetError as exc:
                 # Someone else moved these slots: forget the kept plan and plan again.
                 await _safe_status(ctx, body, {"drain": None})
-                raise kopf.TemporaryError(f"drain plan is stale ({exc}); planning again", delay=5) from None
+                raise kopf.TemporaryError(
+                    f"drain plan is stale ({exc}); planning again", delay=RETRY_SECONDS
+                ) from None
             entries[i]["state"] = "Migrating"
             await _drain_status(ctx, body, shard, previous, entries, i, current)
             try:
@@ -300,7 +305,9 @@ async def _move_away(
                 entries[i]["message"] = f"{type(exc).__name__}: {exc}"[:4000]
                 await _drain_status(ctx, body, shard, previous, entries, i, current)
                 notify(body, "MoveFailed", f"slots {move.slots} -> {move.target}: {exc}", warning=True)
-                raise kopf.TemporaryError(f"moving slots {move.slots} failed: {exc}", delay=30) from None
+                raise kopf.TemporaryError(
+                    f"moving slots {move.slots} failed: {exc}", delay=RETRY_SECONDS
+                ) from None
             entries[i].update(state="Done", bytesMoved=result.bytes, keysMoved=result.keys)
             notify(
                 body,
