@@ -238,18 +238,35 @@ class _Shard:
                         f"which does not allow {what}; is another migration running?"
                     )
 
-    async def drop(self, what: str, slot: int, keys: Sequence[str], allowed: Sequence[str]) -> int:
+    async def drop(
+        self,
+        what: str,
+        items: Iterable[tuple[int, Sequence[str]]],
+        allowed: Sequence[str],
+        after_first: Callable[[], None] | None = None,
+    ) -> int:
+        """Delete keys slot by slot, in the order given, each call guarded by the slot's state; pipelined."""
+        calls = [
+            (slot, _evalsha(scripts.SLOT_DROP, (K.slot_state(slot), *chunk), allowed))
+            for slot, keys in items
+            for chunk in _chunks(keys, 500)
+        ]
         deleted = 0
-        for chunk in _chunks(keys, 1000):
-            (reply,) = await self.run(
-                what, [_evalsha(scripts.SLOT_DROP, (K.slot_state(slot), *chunk), allowed)]
-            )
-            ok, n = reply
-            if not int(ok):
-                state = _s(n) or "owned"
-                raise MigrationError(f"slot {slot}: shard {self.name} refused {what} in state {state!r}")
-            deleted += int(n)
+        for i, part in enumerate(_chunks(calls, 128)):
+            replies = await self.run(what, [cmd for _, cmd in part])
+            for (slot, _), (ok, n) in zip(part, replies, strict=True):
+                if not int(ok):
+                    state = _s(n) or "owned"
+                    raise MigrationError(f"slot {slot}: shard {self.name} refused {what} in state {state!r}")
+                deleted += int(n)
+            if i == 0 and after_first is not None:
+                after_first()
         return deleted
+
+    async def purge(self, what: str, slots: Sequence[int], allowed: Sequence[str]) -> None:
+        """Every key this shard holds of `slots` (its index says which), state keys excepted."""
+        members = await self.members(slots)
+        await self.drop(what, [(s, _all_keys(s, members[s])) for s in slots], allowed)
 
     async def members(self, slots: Sequence[int]) -> dict[int, list[str]]:
         out: dict[int, list[str]] = {}
@@ -271,6 +288,11 @@ def _slot_keys(slot: int) -> tuple[str, ...]:
 
 def _queue_keys(slot: int, qid: str) -> tuple[str, ...]:
     return K.queue_keys_for_id(slot, qid).all_keys()
+
+
+def _all_keys(slot: int, qids: Iterable[str]) -> list[str]:
+    """The slot's keys on a shard, in a safe deletion order: queues first, the index last."""
+    return [k for q in qids for k in _queue_keys(slot, q)] + list(_slot_keys(slot))
 
 
 @dataclass
@@ -453,6 +475,9 @@ class _Migration:
             await src.cas("completing an earlier flip", half, "", ("importing",))
         await self.drop_strays(source, batch, plan, epoch)
         await tgt.cas("fencing (importing)", batch, "importing", ("", "importing", "moved *"))
+        # Stale keys on the target (an earlier attempt, old leftovers) must not survive the
+        # copy; dropped before the source's fence so this work stays out of the write pause.
+        await tgt.purge("dropping stale keys before the copy", batch, ("importing",))
         await src.cas("fencing (migrating)", batch, "migrating", ("", "migrating"))
         fenced_at = time.monotonic()
         _crash_point("fenced")
@@ -489,30 +514,26 @@ class _Migration:
             strays = [s for s in batch if plan.states[name][s] == "importing"]
             if not strays:
                 continue
-            members = await sh.members(strays)
-            for s in strays:
-                doomed = [k for q in members[s] for k in _queue_keys(s, q)] + list(_slot_keys(s))
-                await sh.drop("dropping an abandoned import", s, doomed, ("importing",))
+            await sh.purge("dropping an abandoned import", strays, ("importing",))
             await sh.cas("closing an abandoned import", strays, f"moved {source} {epoch}", ("importing",))
 
     async def copy(self, src: _Shard, tgt: _Shard, batch: Sequence[int]) -> dict[int, list[str]]:
         self.tick("copy")
-        # Stale keys on the target (an earlier attempt, old leftovers) must not survive the copy.
-        stale = await tgt.members(batch)
-        for s in batch:
-            doomed = [k for q in stale[s] for k in _queue_keys(s, q)] + list(_slot_keys(s))
-            await tgt.drop("dropping stale keys before the copy", s, doomed, ("importing",))
         qids = await src.members(batch)
         # Which keys exist, and each queue's payload bytes, in one round trip.
         probe = [k for s in batch for k in (*_slot_keys(s), *(k for q in qids[s] for k in _queue_keys(s, q)))]
         streams = [K.queue_keys_for_id(s, q) for s in batch for q in qids[s]]
 
-        cmds = [("EXISTS", k) for k in probe] + [("HGET", qk.meta, "bytes") for qk in streams]
+        cmds = [("PTTL", k) for k in probe] + [("HGET", qk.meta, "bytes") for qk in streams]
         replies: list[Any] = []
         for part in _chunks(cmds, 5000):
             replies.extend(await src.run("listing the slot's keys", part))
         size_of = {qk.msgs: max(0, int(v or 0)) for qk, v in zip(streams, replies[len(probe) :], strict=True)}
-        wanted = [(k, size_of.get(k, 0)) for k, e in zip(probe, replies[: len(probe)], strict=True) if int(e)]
+        ttls = [int(t) for t in replies[: len(probe)]]  # -2 missing, -1 persistent, else ms left
+        wanted = [(k, size_of.get(k, 0)) for k, t in zip(probe, ttls, strict=True) if t != -2]
+        # A key with a TTL (the rate window) may expire on either side at any moment: it
+        # is copied, but only persistent keys are required to arrive.
+        required = [k for k, t in zip(probe, ttls, strict=True) if t == -1]
         # Chunks bound how long one MIGRATE blocks the source for its other slots.
         chunk: list[str] = []
         chunk_bytes = 0
@@ -530,15 +551,14 @@ class _Migration:
             await self.migrate(src, chunk, chunk_bytes)
             if sent == 0:
                 _crash_point("mid-copy")
-        # Verify before the flip: every key that exists on the fenced source exists on the target.
-        keys_only = [k for k, _ in wanted]
+        # Verify before the flip: every persistent key of the fenced source exists on the target.
         present = 0
-        for part in _chunks(keys_only, 1000):
+        for part in _chunks(required, 1000):
             (n,) = await tgt.run("verifying the copy", [("EXISTS", *part)])
             present += int(n)
-        if present != len(keys_only):
+        if present != len(required):
             raise MigrationError(
-                f"copy to {tgt.name} incomplete: {present} of {len(keys_only)} keys of slots "
+                f"copy to {tgt.name} incomplete: {present} of {len(required)} keys of slots "
                 f"{batch[0]}-{batch[-1]} arrived"
             )
         return qids
@@ -559,10 +579,7 @@ class _Migration:
     async def rollback(self, src: _Shard, tgt: _Shard, batch: Sequence[int]) -> None:
         """Undo a fence whose copy failed: the source serves again, the target forgets the partial copy."""
         try:
-            stale = await tgt.members(batch)
-            for s in batch:
-                doomed = [k for q in stale[s] for k in _queue_keys(s, q)] + list(_slot_keys(s))
-                await tgt.drop("dropping a partial copy", s, doomed, ("importing",))
+            await tgt.purge("dropping a partial copy", batch, ("importing",))
             await tgt.cas(
                 "rolling back (importing)", batch, f"moved {src.name} {self.map.epoch}", ("importing",)
             )
@@ -584,15 +601,12 @@ class _Migration:
 
     async def clean(self, src: _Shard, qids: Mapping[int, Sequence[str]], allowed_state: str = "") -> None:
         allowed = (allowed_state or f"moved {self.target} *",)
-        first = True
-        for s, qs in qids.items():
-            doomed = [k for q in qs for k in _queue_keys(s, q)]
-            if doomed:
-                await src.drop("deleting the source's copy", s, doomed, allowed)
-                if first:
-                    first = False
-                    _crash_point("mid-cleanup")
-            await src.drop("deleting the source's copy", s, _slot_keys(s), allowed)
+        await src.drop(
+            "deleting the source's copy",
+            [(s, _all_keys(s, qs)) for s, qs in qids.items()],
+            allowed,
+            after_first=lambda: _crash_point("mid-cleanup"),
+        )
 
     async def finish(self, slots: list[int], plan: _Plan) -> None:
         """Slots whose data already lives on the target: complete flip, publish, wake and clean."""
@@ -607,10 +621,7 @@ class _Migration:
             for name, sh in self.shards.items():
                 strays = [s for s in migrating if name != self.target and plan.states[name][s] == "importing"]
                 if strays:
-                    members = await sh.members(strays)
-                    for s in strays:
-                        doomed = [k for q in members[s] for k in _queue_keys(s, q)] + list(_slot_keys(s))
-                        await sh.drop("dropping an abandoned import", s, doomed, ("importing",))
+                    await sh.purge("dropping an abandoned import", strays, ("importing",))
                     await sh.cas(
                         "closing an abandoned import", strays, f"moved {self.target} {epoch}", ("importing",)
                     )
