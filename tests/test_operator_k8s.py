@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -281,14 +282,17 @@ class Operator:
     namespace: str
     log: Path
     proc: subprocess.Popen[bytes] | None = None
+    health_port: int = 0
+    metrics_port: int = 0
 
     def start(self, **env: str) -> Operator:
         assert self.proc is None or self.proc.poll() is not None
+        self.health_port, self.metrics_port = free_port(), free_port()
         full = {
             **os.environ,
             "KUBECONFIG": str(self.cluster.kubeconfig),
-            "RELAYFLEET_OPERATOR_HEALTH_PORT": str(free_port()),
-            "RELAYFLEET_OPERATOR_METRICS_PORT": str(free_port()),
+            "RELAYFLEET_OPERATOR_HEALTH_PORT": str(self.health_port),
+            "RELAYFLEET_OPERATOR_METRICS_PORT": str(self.metrics_port),
             "RELAYFLEET_OPERATOR_RESYNC_SECONDS": "3",
             "RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS": "1",
             "RELAYFLEET_OPERATOR_RETRY_SECONDS": "2",
@@ -533,6 +537,38 @@ def test_operator_creates_children_and_reports_status(
     events = kwok_cluster.kubectl("-n", ns, "get", "events", "-o", "json").stdout
     reasons = {e["reason"] for e in json.loads(events)["items"]}
     assert {"JoinedFleet", "Reconciled"} <= reasons
+
+    # The operator's own endpoints: kopf liveness and Prometheus metrics.
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.health_port}/healthz", timeout=5) as resp:
+        assert resp.status == 200
+        assert json.loads(resp.read())["kube"] == "ok"
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    assert 'relayfleet_operator_reconciles_total{kind="RelayShard",result="ok"}' in text
+    assert f'relayfleet_operator_shard_map_epoch{{fleet="main",namespace="{ns}"}}' in text
+
+
+def test_auto_rebalance_gives_a_new_shard_its_share(
+    kwok_cluster: KubeCluster, kwok_ns: str, operator: Operator, redis_servers: Callable[[], LocalRedis]
+) -> None:
+    ns = kwok_ns
+    servers = {"a": redis_servers(), "b": redis_servers()}
+    recipients = recipients_on(range(16384), 20)
+    asyncio.run(_enqueue(servers["a"].url, recipients, 2))
+    expected = {r: asyncio.run(_read(servers["a"].url, r)) for r in recipients}
+    operator.start()
+    apply(kwok_cluster, ns, external("a", servers["a"], weight=300))
+    wait_for("a in the map", lambda: (m := shard_map(kwok_cluster, ns)) and "a" in m.shards)
+    apply(kwok_cluster, ns, external("b", servers["b"], autoRebalance=True))
+    wait_for(
+        "the join rebalance", lambda: rebalance_phase(kwok_cluster, ns, "b-join") == "Ready", timeout=120
+    )
+    assert shard_map(kwok_cluster, ns).slot_counts() == {"a": 12288, "b": 4096}
+    history_intact(kwok_cluster, ns, servers, expected)
+    joined = get(kwok_cluster, ns, "rrebalance", "b-join")
+    assert joined is not None
+    assert joined["spec"]["autoApprove"] is True
+    assert joined["metadata"]["ownerReferences"][0]["name"] == "b"
 
 
 def test_deleting_a_shard_moves_its_slots_first(
