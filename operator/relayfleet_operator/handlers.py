@@ -36,7 +36,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="relayfleet.dev", key="last-handled-configuration"
     )
-    settings.posting.level = logging.INFO
+    # Our own Events are posted explicitly (shards.notify); kopf's log lines become Events
+    # only from WARNING up, or every periodic resync would leave one behind.
+    settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 270
     settings.watching.client_timeout = 300
     settings.execution.max_workers = 8

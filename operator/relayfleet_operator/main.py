@@ -52,6 +52,10 @@ def run(namespace: str | None, all_namespaces: bool) -> int:
     logging.basicConfig(
         level=getattr(logging, level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if level != "DEBUG":
+        # kopf logs every successful handler and timer tick at INFO: periodic noise.
+        for noisy in ("kopf.objects", "kopf.activities.probe", "aiohttp.access"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     if namespace and all_namespaces:
         print("relayfleet: --namespace and --all-namespaces are exclusive", file=sys.stderr)
         return 2

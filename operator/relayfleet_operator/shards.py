@@ -26,13 +26,22 @@ log = logging.getLogger("relayfleet.operator")
 
 
 def notify(body: Mapping[str, Any], reason: str, message: str, warning: bool = False) -> None:
-    """Post a Kubernetes Event on the object (no-op outside a running operator)."""
+    """Post a Kubernetes Event on the object (no-op outside a running operator), and log it."""
+    meta = body.get("metadata") or {}
+    log.log(
+        logging.WARNING if warning else logging.INFO,
+        "%s %s/%s: %s: %s",
+        body.get("kind", "object"),
+        meta.get("namespace"),
+        meta.get("name"),
+        reason,
+        message,
+    )
     try:
         target = cast(kopf.Body, body)  # kopf accepts any mapping with apiVersion/kind/metadata
-        if warning:
-            kopf.warn(target, reason=reason, message=message)
-        else:
-            kopf.info(target, reason=reason, message=message)
+        # kopf.event posts regardless of settings.posting.level, which is kept at WARNING so
+        # kopf's own per-handler log lines do not become Events.
+        kopf.event(target, type="Warning" if warning else "Normal", reason=reason, message=message)
     except LookupError:
         pass
 
