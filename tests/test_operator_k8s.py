@@ -652,6 +652,14 @@ def test_rebalance_waits_for_approval_then_moves_data(
     assert rebalance_phase(kwok_cluster, ns, "even") == "ProposalReady"
     assert shard_map(kwok_cluster, ns).slot_counts() == {"a": 16384, "b": 0}
 
+    # stop, then refresh: a new proposal, still waiting for approval.
+    kwok_cluster.kubectl("-n", ns, "annotate", "rrebalance", "even", "relayfleet.dev/rebalance=stop")
+    wait_for("Stopped", lambda: rebalance_phase(kwok_cluster, ns, "even") == "Stopped")
+    kwok_cluster.kubectl(
+        "-n", ns, "annotate", "--overwrite", "rrebalance", "even", "relayfleet.dev/rebalance=refresh"
+    )
+    wait_for("a refreshed proposal", lambda: rebalance_phase(kwok_cluster, ns, "even") == "ProposalReady")
+
     kwok_cluster.kubectl("-n", ns, "annotate", "rrebalance", "even", "relayfleet.dev/rebalance=approve")
     try:
         wait_for(
