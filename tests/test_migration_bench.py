@@ -44,8 +44,8 @@ class BenchConfig:
     messages: int = 10
     size: int = 4096
     writers: int = 16
-    max_batch_slots: int = 256
-    max_batch_bytes: int = 16 << 20
+    max_batch_slots: int = 1024  # the library's defaults
+    max_batch_bytes: int = 8 << 20
     warmup_s: float = 2.0
 
 
@@ -201,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--messages", type=int, default=10)
     p.add_argument("--size", type=int, default=8192, help="payload bytes per message")
     p.add_argument("--writers", type=int, default=16)
-    p.add_argument("--batch-slots", type=int, default=256)
-    p.add_argument("--batch-mb", type=float, default=16.0)
+    p.add_argument("--batch-slots", type=int, default=1024)
+    p.add_argument("--batch-mb", type=float, default=8.0)
     args = p.parse_args(argv)
     cfg = BenchConfig(
         queues=args.queues,

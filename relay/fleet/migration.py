@@ -268,6 +268,24 @@ class _Shard:
         members = await self.members(slots)
         await self.drop(what, [(s, _all_keys(s, members[s])) for s in slots], allowed)
 
+    async def fence(self, slots: Sequence[int]) -> dict[int, list[str]]:
+        """Fence the source ('migrating') and list each slot's queues in the same round trip."""
+        out: dict[int, list[str]] = {}
+        allowed = ("", "migrating")
+        for chunk in _chunks(slots, 512):
+            cmds = [_evalsha(scripts.SLOT_STATE, (K.slot_state(s),), ("migrating", *allowed)) for s in chunk]
+            cmds += [("SMEMBERS", K.slot_index(s)) for s in chunk]
+            replies = await self.run("fencing (migrating)", cmds)
+            for s, (ok, prior) in zip(chunk, replies[: len(chunk)], strict=True):
+                if not int(ok):
+                    raise MigrationError(
+                        f"slot {s}: shard {self.name} is in state {_s(prior) or 'owned'!r}, "
+                        "which does not allow fencing; is another migration running?"
+                    )
+            for s, members in zip(chunk, replies[len(chunk) :], strict=True):
+                out[s] = sorted(_s(m) for m in members)  # after the fence: nothing can add a queue now
+        return out
+
     async def members(self, slots: Sequence[int]) -> dict[int, list[str]]:
         out: dict[int, list[str]] = {}
         for chunk in _chunks(slots, 512):
@@ -320,6 +338,7 @@ class _Migration:
         urls: Mapping[str, str],
         max_batch_slots: int,
         max_batch_bytes: int,
+        max_batch_queues: int,
         chunk_keys: int,
         chunk_bytes: int,
         migrate_timeout_ms: int,
@@ -330,6 +349,7 @@ class _Migration:
         self.progress = progress
         self.max_batch_slots = max_batch_slots
         self.max_batch_bytes = max_batch_bytes
+        self.max_batch_queues = max_batch_queues
         self.chunk_keys = chunk_keys
         self.chunk_bytes = chunk_bytes
         self.migrate_timeout_ms = migrate_timeout_ms
@@ -342,6 +362,7 @@ class _Migration:
         self.report = MigrationReport(target, 0)
         self.slots_total = 0
         self.slots_done = 0
+        self.cleanup: asyncio.Task[None] | None = None
 
     async def close(self) -> None:
         for shard in self.shards.values():
@@ -428,9 +449,16 @@ class _Migration:
         self.slots_done = len(plan.already)
         if plan.finish:
             await self.finish(plan.finish, plan)
-        for source, source_slots in plan.copy.items():
-            for batch in await self.batches(source, source_slots):
-                await self.move_batch(source, batch, plan)
+        try:
+            for source, source_slots in plan.copy.items():
+                for batch in await self.batches(source, source_slots):
+                    await self.move_batch(source, batch, plan)
+        except BaseException:
+            if self.cleanup is not None:  # resumable like any other step: the rerun finishes it
+                self.cleanup.cancel()
+                await asyncio.gather(self.cleanup, return_exceptions=True)
+            raise
+        await self.settle_cleanup()
         for name, left in plan.leftovers.items():
             sh = self.shards[name]
             members = await sh.members(left)
@@ -445,22 +473,29 @@ class _Migration:
     async def batches(self, source: str, slots: Sequence[int]) -> list[list[int]]:
         """Consecutive runs of slots, each under the batch limits, sized from the slot statistics."""
         sh = self.shards[source]
-        sizes: dict[int, int] = {}
+        sizes: dict[int, tuple[int, int]] = {}  # slot -> (payload bytes, queues)
         for chunk in _chunks(slots, 2048):
-            replies = await sh.run(
-                "reading slot statistics", [("HGET", K.slot_stats(s), "bytes") for s in chunk]
-            )
-            for s, v in zip(chunk, replies, strict=True):
-                sizes[s] = max(0, int(v or 0))
+            cmds = [
+                c for s in chunk for c in (("HGET", K.slot_stats(s), "bytes"), ("SCARD", K.slot_index(s)))
+            ]
+            replies = await sh.run("reading slot statistics", cmds)
+            for i, s in enumerate(chunk):
+                sizes[s] = (max(0, int(replies[2 * i] or 0)), int(replies[2 * i + 1]))
         out: list[list[int]] = []
         cur: list[int] = []
-        cur_bytes = 0
+        cur_bytes = cur_queues = 0
         for s in slots:
-            if cur and (len(cur) >= self.max_batch_slots or cur_bytes + sizes[s] > self.max_batch_bytes):
+            nbytes, queues = sizes[s]
+            if cur and (
+                len(cur) >= self.max_batch_slots
+                or cur_bytes + nbytes > self.max_batch_bytes
+                or cur_queues + queues > self.max_batch_queues
+            ):
                 out.append(cur)
-                cur, cur_bytes = [], 0
+                cur, cur_bytes, cur_queues = [], 0, 0
             cur.append(s)
-            cur_bytes += sizes[s]
+            cur_bytes += nbytes
+            cur_queues += queues
         if cur:
             out.append(cur)
         return out
@@ -478,11 +513,11 @@ class _Migration:
         # Stale keys on the target (an earlier attempt, old leftovers) must not survive the
         # copy; dropped before the source's fence so this work stays out of the write pause.
         await tgt.purge("dropping stale keys before the copy", batch, ("importing",))
-        await src.cas("fencing (migrating)", batch, "migrating", ("", "migrating"))
-        fenced_at = time.monotonic()
-        _crash_point("fenced")
         try:
-            qids = await self.copy(src, tgt, batch)
+            qids = await src.fence(batch)
+            fenced_at = time.monotonic()
+            _crash_point("fenced")
+            await self.copy(src, tgt, batch, qids)
         except BaseException:
             await asyncio.shield(self.rollback(src, tgt, batch))
             raise
@@ -501,10 +536,21 @@ class _Migration:
         self.report.batches += 1
         self.slots_done += len(batch)
         _crash_point("published")
+        # Wake and clean overlap the next batch's copy: both are outside the pause, and
+        # at most one batch's cleanup is outstanding.
+        await self.settle_cleanup()
+        self.cleanup = asyncio.get_running_loop().create_task(self.wake_and_clean(src, qids))
+        self.tick("copy")
+
+    async def wake_and_clean(self, src: _Shard, qids: Mapping[int, Sequence[str]]) -> None:
         await self.wake(src, qids)
         _crash_point("woken")
         await self.clean(src, qids)
-        self.tick("copy")
+
+    async def settle_cleanup(self) -> None:
+        task, self.cleanup = self.cleanup, None
+        if task is not None:
+            await task
 
     async def drop_strays(self, source: str, batch: Sequence[int], plan: _Plan, epoch: int) -> None:
         """Shards left 'importing' by an abandoned move elsewhere: empty them, point them at the source."""
@@ -517,9 +563,10 @@ class _Migration:
             await sh.purge("dropping an abandoned import", strays, ("importing",))
             await sh.cas("closing an abandoned import", strays, f"moved {source} {epoch}", ("importing",))
 
-    async def copy(self, src: _Shard, tgt: _Shard, batch: Sequence[int]) -> dict[int, list[str]]:
+    async def copy(
+        self, src: _Shard, tgt: _Shard, batch: Sequence[int], qids: Mapping[int, Sequence[str]]
+    ) -> None:
         self.tick("copy")
-        qids = await src.members(batch)
         # Which keys exist, and each queue's payload bytes, in one round trip.
         probe = [k for s in batch for k in (*_slot_keys(s), *(k for q in qids[s] for k in _queue_keys(s, q)))]
         streams = [K.queue_keys_for_id(s, q) for s in batch for q in qids[s]]
@@ -561,7 +608,6 @@ class _Migration:
                 f"copy to {tgt.name} incomplete: {present} of {len(required)} keys of slots "
                 f"{batch[0]}-{batch[-1]} arrived"
             )
-        return qids
 
     async def migrate(self, src: _Shard, keys: Sequence[str], nbytes: int) -> None:
         a = self.target_addr
@@ -653,8 +699,9 @@ async def migrate_slots(
     progress: ProgressFn | None = None,
     *,
     redis_urls: Mapping[str, str] | None = None,
-    max_batch_slots: int = 256,
-    max_batch_bytes: int = 16 << 20,
+    max_batch_slots: int = 1024,
+    max_batch_bytes: int = 8 << 20,
+    max_batch_queues: int = 5000,
     chunk_keys: int = 500,
     chunk_bytes: int = 4 << 20,
     migrate_timeout_ms: int = 15_000,
@@ -668,7 +715,8 @@ async def migrate_slots(
     batch builds on that. `redis_urls` overrides the map's URLs per shard (credentials);
     every source must reach the target at the URL used here, since MIGRATE is issued
     by the source's Redis. Batches are consecutive slots of one source, bounded by
-    `max_batch_slots` and `max_batch_bytes` (payload): the bound on the write pause.
+    `max_batch_slots`, `max_batch_bytes` (payload) and `max_batch_queues`: together the
+    bound on each slot's write pause.
     """
     wanted = _validate(shard_map, slots, target)
     m = _Migration(
@@ -679,6 +727,7 @@ async def migrate_slots(
         dict(redis_urls or {}),
         max(1, max_batch_slots),
         max(1, max_batch_bytes),
+        max(1, max_batch_queues),
         max(1, chunk_keys),
         max(1, chunk_bytes),
         migrate_timeout_ms,
