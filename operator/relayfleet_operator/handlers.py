@@ -42,7 +42,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.watching.server_timeout = 270
     settings.watching.client_timeout = 300
     settings.execution.max_workers = 8
-    memo["ctx"] = fleet.Context(kube=Kube.from_config(os.environ.get("RELAYFLEET_OPERATOR_KUBECONFIG")))
+    kube = memo.get("kube")
+    if not isinstance(kube, Kube):  # started by kopf directly, not through main.run
+        kube = Kube.from_config(os.environ.get("RELAYFLEET_OPERATOR_KUBECONFIG"))
+    memo["ctx"] = fleet.Context(kube=kube)
     memo["rebalancing"] = set()
 
 

@@ -41,7 +41,7 @@ def default_namespace() -> str:
         namespace = (context or {}).get("context", {}).get("namespace")
         if isinstance(namespace, str) and namespace:
             return namespace
-    except Exception:
+    except Exception:  # no kubeconfig at all is fine here
         pass
     return "default"
 
@@ -73,6 +73,17 @@ def run(namespace: str | None, all_namespaces: bool) -> int:
         print(f"relayfleet: the operator needs the [operator] extra ({exc.name} missing)", file=sys.stderr)
         return 1
     assert handlers  # imported for its registrations
+    from relayfleet_operator.kube import Kube
+
+    try:
+        # Checked here, once, so a missing configuration is one clear line, not a retry loop.
+        kube = Kube.from_config(os.environ.get("RELAYFLEET_OPERATOR_KUBECONFIG"))
+    except Exception as exc:  # kubernetes raises several unrelated types here
+        print(
+            f"relayfleet: no usable Kubernetes configuration (KUBECONFIG or in-cluster): {exc}",
+            file=sys.stderr,
+        )
+        return 1
     scope = "all namespaces" if all_namespaces else f"namespace {namespace or default_namespace()}"
     logging.getLogger("relayfleet.operator").info("relayfleet operator watching %s", scope)
     try:
@@ -83,11 +94,12 @@ def run(namespace: str | None, all_namespaces: bool) -> int:
             namespaces=() if all_namespaces else [namespace or default_namespace()],
             standalone=True,  # one replica (Recreate): no peering objects needed
             liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz",
+            memo=kopf.Memo(kube=kube),
         )
     except OSError as exc:
         print(f"relayfleet: operator failed: {exc}", file=sys.stderr)
         return 1
-    except Exception as exc:
+    except Exception as exc:  # one line for the user, not a traceback
         print(f"relayfleet: operator failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -244,7 +244,7 @@ async def _last_shard(
         url = await fleet.redis_url(ctx.kube, shard)
         has_data = await migration.holds_data(url, shard_map.slots_of(shard.name))
         unknown = ""
-    except Exception as exc:
+    except Exception as exc:  # failing to look means "assume data"
         has_data, unknown = True, f" (could not check: {type(exc).__name__})"
     if not has_data:
         return
