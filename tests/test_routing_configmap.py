@@ -20,8 +20,8 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from relay.fleet.configmap import KEY, ConfigMapSource, configmap_name, configmap_publisher
-from relay.fleet.migration import migrate_slots
+from relay.fleet.configmap import KEY, ConfigMapSource, configmap_name, configmap_publisher, configmap_reader
+from relay.fleet.migration import MapConflict, migrate_slots
 from relay.fleet.sharding import ShardMap, ShardMapError, even_split, slot_of
 from relay.localredis import LocalRedis, free_port
 from tests.k8s_cluster import KubeCluster
@@ -90,9 +90,10 @@ async def test_source_reads_then_watches(kubeconfig: str, kube_apiserver: KubeCl
 async def test_publisher_refuses_stale_maps(kubeconfig: str, cm_name: str) -> None:
     publish = configmap_publisher(NS, cm_name, kubeconfig=kubeconfig)
     await publish(_map(3))
-    with pytest.raises(ShardMapError, match="already holds epoch 3"):
+    with pytest.raises(MapConflict, match="already holds epoch 3"):
         await publish(_map(3))
     assert (await publish(_map(4))).epoch == 4
+    assert (await configmap_reader(NS, cm_name, kubeconfig=kubeconfig)()).epoch == 4
 
 
 async def test_missing_configmap_is_a_clear_error(kubeconfig: str) -> None:

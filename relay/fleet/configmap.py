@@ -9,7 +9,9 @@ it would otherwise block. An invalid update is logged and skipped, keeping the l
 good map, so a bad edit never takes the fleet down.
 
 `configmap_publisher` gives a `relay.fleet.migration.PublishMap` that replaces the map
-with optimistic concurrency (resourceVersion), refusing a map that is not newer.
+with optimistic concurrency (resourceVersion), refusing a map that is not newer with
+`MapConflict`; `configmap_reader` is the matching `current_map`, so concurrent
+migrations of disjoint slots compose.
 
 Kubernetes configuration: an explicit kubeconfig, else in-cluster, else $KUBECONFIG
 or ~/.kube/config. The kubernetes package comes with the [operator] extra.
@@ -24,9 +26,17 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from relay.fleet.migration import MapConflict
 from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
 
-__all__ = ["KEY", "ConfigMapSource", "configmap_name", "configmap_publisher", "configmap_source"]
+__all__ = [
+    "KEY",
+    "ConfigMapSource",
+    "configmap_name",
+    "configmap_publisher",
+    "configmap_reader",
+    "configmap_source",
+]
 
 log = logging.getLogger("relay.configmap")
 
@@ -234,7 +244,7 @@ def configmap_publisher(
                 if current:
                     old = loads_shard_map(current)
                     if old.epoch >= new_map.epoch and old.fleet == new_map.fleet:
-                        raise ShardMapError(
+                        raise MapConflict(
                             f"ConfigMap {where} already holds epoch {old.epoch}; "
                             f"refusing epoch {new_map.epoch}"
                         )
@@ -254,3 +264,17 @@ def configmap_publisher(
         return await asyncio.to_thread(write, new_map)
 
     return publish
+
+
+def configmap_reader(
+    namespace: str, name: str, *, kubeconfig: str | None = None
+) -> Callable[[], Awaitable[ShardMap]]:
+    """The map in the ConfigMap now (a `relay.fleet.migration.CurrentMap`)."""
+    source = ConfigMapSource(namespace, name, kubeconfig=kubeconfig)
+
+    async def read() -> ShardMap:
+        await asyncio.to_thread(source._first_read)  # one GET, no watch
+        assert source._latest is not None
+        return source._latest[1]
+
+    return read

@@ -28,6 +28,7 @@ queue ids to wake in the source's index.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import math
 import os
 import sys
@@ -48,12 +49,14 @@ from relay.storage.scripts import Script
 __all__ = [
     "CRASH_ENV",
     "STEPS",
+    "MapConflict",
     "MigrationError",
     "MigrationReport",
     "Progress",
     "ProgressBar",
     "PublishMap",
     "file_publisher",
+    "file_reader",
     "migrate_main",
     "migrate_slots",
     "write_map_file",
@@ -65,10 +68,15 @@ STEPS = ("fenced", "mid-copy", "copied", "mid-flip", "flipped", "published", "wo
 CRASH_EXIT = 86
 
 PublishMap = Callable[[ShardMap], Awaitable[ShardMap | None]]
+CurrentMap = Callable[[], Awaitable[ShardMap]]
 
 
 class MigrationError(Exception):
     """A migration could not go on; the message says which slot or shard and why."""
+
+
+class MapConflict(MigrationError):
+    """A publisher found a map newer than the one it was given (someone else published)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,6 +371,7 @@ class _Migration:
         self.slots_total = 0
         self.slots_done = 0
         self.cleanup: asyncio.Task[None] | None = None
+        self.current_map: CurrentMap | None = None
 
     async def close(self) -> None:
         for shard in self.shards.values():
@@ -636,9 +645,19 @@ class _Migration:
     async def publish(self, slots: Sequence[int]) -> None:
         if all(self.map.shard_for_slot(s) == self.target for s in slots):
             return
-        new_map = self.map.with_slots(slots, self.target)
-        published = await self.publish_map(new_map)
-        self.map = published if published is not None else new_map
+        for attempt in range(8):
+            new_map = self.map.with_slots(slots, self.target)
+            try:
+                published = await self.publish_map(new_map)
+            except MapConflict:
+                if self.current_map is None or attempt == 7:
+                    raise
+                # Another migration published meanwhile: build on its map. Our slots are
+                # ours alone (their states say so), so the two changes compose.
+                self.map = await self.current_map()
+                continue
+            self.map = published if published is not None else new_map
+            return
 
     async def wake(self, src: _Shard, qids: Mapping[int, Sequence[str]]) -> None:
         channels = [K.queue_keys_for_id(s, q).wake for s, qs in qids.items() for q in qs]
@@ -705,6 +724,7 @@ async def migrate_slots(
     chunk_keys: int = 500,
     chunk_bytes: int = 4 << 20,
     migrate_timeout_ms: int = 15_000,
+    current_map: CurrentMap | None = None,
 ) -> MigrationReport:
     """Move `slots` to shard `target`, online; safe to call again after any failure or crash.
 
@@ -714,7 +734,10 @@ async def migrate_slots(
     return the map it actually stored (e.g. merged with a concurrent change); the next
     batch builds on that. `redis_urls` overrides the map's URLs per shard (credentials);
     every source must reach the target at the URL used here, since MIGRATE is issued
-    by the source's Redis. Batches are consecutive slots of one source, bounded by
+    by the source's Redis. When `publish_map` raises `MapConflict` (another migration
+    published first), the next map is rebuilt on `current_map()` and offered again;
+    without `current_map` the conflict ends the run (rerun it). Batches are
+    consecutive slots of one source, bounded by
     `max_batch_slots`, `max_batch_bytes` (payload) and `max_batch_queues`: together the
     bound on each slot's write pause.
     """
@@ -732,6 +755,7 @@ async def migrate_slots(
         max(1, chunk_bytes),
         migrate_timeout_ms,
     )
+    m.current_map = current_map
     try:
         return await m.run(wanted)
     finally:
@@ -762,19 +786,36 @@ def _read_map_file(path: str) -> ShardMap:
         return loads_shard_map(f.read())
 
 
+def _publish_file(path: str, new_map: ShardMap) -> None:
+    # The lock makes read-compare-write atomic against other migrations on this host.
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            current = _read_map_file(path)
+            if current.epoch >= new_map.epoch:
+                raise MapConflict(f"{path} changed during the migration (now epoch {current.epoch})")
+            write_map_file(path, new_map)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def file_publisher(path: str) -> PublishMap:
-    """Publishes to a shard map file; refuses when someone else changed it meanwhile."""
+    """Publishes to a shard map file; `MapConflict` when someone else published a newer map."""
 
     async def publish(new_map: ShardMap) -> ShardMap:
-        current = await asyncio.to_thread(_read_map_file, path)
-        if current.epoch >= new_map.epoch:
-            raise MigrationError(
-                f"{path} changed during the migration (epoch {current.epoch}); run the migration again"
-            )
-        await asyncio.to_thread(write_map_file, path, new_map)
+        await asyncio.to_thread(_publish_file, path, new_map)
         return new_map
 
     return publish
+
+
+def file_reader(path: str) -> CurrentMap:
+    """The map in the file now (the `current_map` that goes with `file_publisher`)."""
+
+    async def read() -> ShardMap:
+        return await asyncio.to_thread(_read_map_file, path)
+
+    return read
 
 
 # -- the command line ---------------------------------------------------------------
@@ -827,7 +868,16 @@ def migrate_main(shard_map_path: str, slots: str, to: str) -> int:
         return 2
     bar = ProgressBar(to)
     try:
-        report = asyncio.run(migrate_slots(shard_map, wanted, to, file_publisher(shard_map_path), bar))
+        report = asyncio.run(
+            migrate_slots(
+                shard_map,
+                wanted,
+                to,
+                file_publisher(shard_map_path),
+                bar,
+                current_map=file_reader(shard_map_path),
+            )
+        )
     except MigrationError as exc:
         print(f"\nrelayfleet migrate: {exc}", file=sys.stderr)
         return 1
