@@ -276,22 +276,23 @@ class _Shard:
         members = await self.members(slots)
         await self.drop(what, [(s, _all_keys(s, members[s])) for s in slots], allowed)
 
-    async def fence(self, slots: Sequence[int]) -> dict[int, list[str]]:
-        """Fence the source ('migrating') and list each slot's queues in the same round trip."""
+    async def fence(
+        self, what: str, slots: Sequence[int], new: str, allowed: Sequence[str]
+    ) -> dict[int, list[str]]:
+        """Set the slots' state, then list their queues, in one round trip."""
         out: dict[int, list[str]] = {}
-        allowed = ("", "migrating")
         for chunk in _chunks(slots, 512):
-            cmds = [_evalsha(scripts.SLOT_STATE, (K.slot_state(s),), ("migrating", *allowed)) for s in chunk]
+            cmds = [_evalsha(scripts.SLOT_STATE, (K.slot_state(s),), (new, *allowed)) for s in chunk]
             cmds += [("SMEMBERS", K.slot_index(s)) for s in chunk]
-            replies = await self.run("fencing (migrating)", cmds)
+            replies = await self.run(what, cmds)
             for s, (ok, prior) in zip(chunk, replies[: len(chunk)], strict=True):
                 if not int(ok):
                     raise MigrationError(
                         f"slot {s}: shard {self.name} is in state {_s(prior) or 'owned'!r}, "
-                        "which does not allow fencing; is another migration running?"
+                        f"which does not allow {what}; is another migration running?"
                     )
             for s, members in zip(chunk, replies[len(chunk) :], strict=True):
-                out[s] = sorted(_s(m) for m in members)  # after the fence: nothing can add a queue now
+                out[s] = sorted(_s(m) for m in members)
         return out
 
     async def members(self, slots: Sequence[int]) -> dict[int, list[str]]:
@@ -329,11 +330,9 @@ class _Plan:
     finish: list[int] = field(default_factory=list)  # on the target: publish / wake / clean left to do
     already: list[int] = field(default_factory=list)
     resumed: set[int] = field(default_factory=set)
-    unpublished: set[int] = field(default_factory=set)  # the map does not name the target yet
     states: dict[str, dict[int, str | None]] = field(default_factory=dict)
-    leftovers: dict[str, list[int]] = field(
-        default_factory=dict
-    )  # 'moved' shard -> slots it still has keys of
+    # shard that says 'moved' -> slots it still holds keys of
+    leftovers: dict[str, list[int]] = field(default_factory=dict)
 
 
 class _Migration:
@@ -414,8 +413,6 @@ class _Migration:
             owner = self.map.shard_for_slot(s)
             holder = self._holder(s, owner, plan.states)
             st = {name: plan.states[name][s] for name in self.shards}
-            if owner != self.target:
-                plan.unpublished.add(s)
             if holder == self.target:
                 if st[self.target] is None and owner == self.target and s not in has_leftovers:
                     plan.already.append(s)
@@ -518,13 +515,15 @@ class _Migration:
         if half:
             await src.cas("completing an earlier flip", half, "", ("importing",))
         await self.drop_strays(source, batch, plan, epoch)
-        await tgt.cas("fencing (importing)", batch, "importing", ("", "importing", "moved *"))
+        stale = await tgt.fence("fencing (importing)", batch, "importing", ("", "importing", "moved *"))
         # Stale keys on the target (an earlier attempt, old leftovers) must not survive the
         # copy; dropped before the source's fence so this work stays out of the write pause.
-        await tgt.purge("dropping stale keys before the copy", batch, ("importing",))
+        doomed = [(s, _all_keys(s, stale[s])) for s in batch]
+        await tgt.drop("dropping stale keys before the copy", doomed, ("importing",))
+        fenced_at = time.monotonic()  # taken before the fence is sent: the pause is not understated
         try:
-            qids = await src.fence(batch)
-            fenced_at = time.monotonic()
+            # the listing follows the fence: no queue can appear in the slot after it
+            qids = await src.fence("fencing (migrating)", batch, "migrating", ("", "migrating"))
             _crash_point("fenced")
             await self.copy(src, tgt, batch, qids)
         except BaseException:
