@@ -186,7 +186,7 @@ class Plan:
             f"{_size(self.bytes_moved)} moved"
         )
         lines.extend(f"note: {n}" for n in self.notes)
-        return "\n".join(lines)
+        return "\n".join(line.rstrip() for line in lines)
 
 
 def _size(n: int) -> str:
