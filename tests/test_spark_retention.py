@@ -189,6 +189,12 @@ def test_retention_end_to_end(spark: SparkSession, redis_fleet: FleetFactory, tm
     assert lines[0]["tasks"] == 8
     assert lines[1]["slots_skipped"] == 1
 
+    # or as Parquet (a Spark output directory), same rows
+    parquet = tmp_path / "report.parquet"
+    retention.write_report(report, str(parquet))
+    back = {r["shard"]: r.asDict() for r in spark.read.parquet(str(parquet)).collect()}
+    assert back == {line["shard"]: line for line in lines}
+
     # once the slot is owned again, its old messages go like any others
     with _client(fleet, "b") as r:
         r.delete(K.slot_state(mig_slot))
