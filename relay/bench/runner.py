@@ -223,14 +223,12 @@ class Bench:
     async def ceiling(self, processes: int) -> None:
         plan = self.plan
 
-        async def go() -> None:
+        async def throughput() -> None:
             t = await targets.start_ceiling(self.procs, processes)
             try:
                 if processes == 1:
                     for row in await scenarios.calibrate(self.run, t, "/empty", plan.connections):
                         self.record(row)
-                    if t.name in plan.longpoll_targets:
-                        await self.attempt("longpoll", t.name, partial(self.longpoll, t))
                 for size in plan.sizes:
                     await self.attempt("enqueue", t.name, partial(self.enqueue, t, size))
                 if t.name in plan.sweep_targets:
@@ -239,19 +237,16 @@ class Bench:
             finally:
                 self.stop(t)
 
-        await self.attempt("start", f"aiohttp-{processes}p", go)
+        await self.attempt("start", f"aiohttp-{processes}p", throughput)
+        if f"aiohttp-{processes}p" in plan.longpoll_targets:
+            await self.attempt("start", f"aiohttp-{processes}p", partial(self.latency, "aiohttp", processes))
 
     async def relay(self, redis: RedisServer, processes: int) -> None:
         plan = self.plan
 
-        async def go() -> None:
+        async def throughput() -> None:
             t = await targets.start_relay(self.procs, redis.url, processes)
             try:
-                # latency and memory first, on a fresh process
-                if t.name in plan.longpoll_targets:
-                    await self.attempt("longpoll", t.name, partial(self.longpoll, t))
-                    await self.attempt("live", t.name, partial(self.live, t))
-                    await redis.flushall()
                 for size in plan.sizes:
                     profiling = plan.profile_dir is not None and processes == 1 and size == 256
                     await self.attempt(
@@ -272,7 +267,31 @@ class Bench:
             finally:
                 self.stop(t)
 
-        await self.attempt("start", f"relay-{processes}p", go)
+        await self.attempt("start", f"relay-{processes}p", throughput)
+        if f"relay-{processes}p" in plan.longpoll_targets:
+            await self.attempt(
+                "start", f"relay-{processes}p", partial(self.latency, "relay", processes, redis)
+            )
+            await redis.flushall()
+
+    async def latency(self, kind: str, processes: int, redis: RedisServer | None = None) -> None:
+        """Long-poll and live latency on a process of its own, started fresh.
+
+        Fresh, so RSS per idle poll starts from a clean heap; its own, because thousands of
+        abandoned long-polls may linger in the server until their wait expires and must not
+        disturb a later throughput run.
+        """
+        if kind == "relay":
+            assert redis is not None
+            t = await targets.start_relay(self.procs, redis.url, processes)
+        else:
+            t = await targets.start_ceiling(self.procs, processes)
+        try:
+            await self.attempt("longpoll", t.name, partial(self.longpoll, t))
+            if kind == "relay":
+                await self.attempt("live", t.name, partial(self.live, t))
+        finally:
+            self.stop(t)
 
     # -- steps ----------------------------------------------------------------------------
 

@@ -185,7 +185,7 @@ async def enqueue(run: Run, target: Target, size: int, connections: int) -> Row:
         await wrk.run(run.procs, target.urls(), scripts_, connections, threads, run.warmup, "wrk-warmup")
     res = await wrk.run(run.procs, target.urls(), scripts_, connections, threads, run.seconds, "wrk")
     target.check_alive()
-    note = ""
+    note = "no request completed within the run" if res.requests == 0 else ""
     if res.errors:
         note = await diagnose(
             target, "POST", target.enqueue_path(recipient()), filler(size), OCTET["Content-Type"]
@@ -225,7 +225,7 @@ async def fanout(run: Run, target: Target, size: int, recipients: int, connectio
         await wrk.run(run.procs, target.urls(), scripts_, connections, threads, run.warmup, "wrk-warmup")
     res = await wrk.run(run.procs, target.urls(), scripts_, connections, threads, run.seconds, "wrk")
     target.check_alive()
-    note = ""
+    note = "no request completed within the run" if res.requests == 0 else ""
     if res.errors or res.inner_errors:
         sample = orjson.dumps(
             {"recipients": [_b64(recipient()) for _ in range(recipients)], "payload": payload}
