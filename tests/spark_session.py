@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -70,6 +71,7 @@ def redis_fleet() -> Iterator[FleetFactory]:
     finally:
         for server in servers:
             server.stop()
+            shutil.rmtree(server.dir, ignore_errors=True)
 
 
 # --- seeding shards through the real enqueue script -------------------------
