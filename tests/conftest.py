@@ -1,0 +1,91 @@
+"""Shared fixtures: real redis-server processes and in-process relays on real sockets."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, replace
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from relay.api.context import CTX
+from relay.app import build_app, start_fleet
+from relay.client import RelayClient
+from relay.fleet.routing import Fleet, single_shard_map
+from relay.fleet.sharding import ShardMap
+from relay.localredis import LocalRedis
+from relay.settings import Settings
+
+pytest_plugins: list[str] = []
+for _plugin in ("tests.k8s_cluster", "tests.spark_session", "tests.soak_option"):
+    if os.path.exists(os.path.join(os.path.dirname(__file__), _plugin.split(".")[1] + ".py")):
+        pytest_plugins.append(_plugin)
+
+DEBIAN_REDIS = "/usr/bin/redis-server"
+
+
+@pytest.fixture
+def redis_server() -> Iterator[LocalRedis]:
+    """A fresh Debian redis-server (AOF on, noeviction) on a free port, stopped by pid."""
+    server = LocalRedis(binary=DEBIAN_REDIS if os.path.exists(DEBIAN_REDIS) else "").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@dataclass
+class RunningRelay:
+    base_url: str
+    app: web.Application
+    fleet: Fleet
+    server: TestServer
+
+    @property
+    def settings(self) -> Settings:
+        return self.app[CTX].settings
+
+    def client(self, private_key: bytes | None = None, public_key: bytes | None = None) -> RelayClient:
+        return RelayClient(self.base_url, private_key, public_key)
+
+
+RelayFactory = Callable[..., Awaitable[RunningRelay]]
+
+
+@pytest.fixture
+async def relay_factory() -> AsyncIterator[RelayFactory]:
+    """Start in-process relays (real aiohttp server on a real port) over given Redis shards."""
+    running: list[RunningRelay] = []
+
+    async def start(
+        redis_url: str | None = None, shard_map: ShardMap | None = None, **overrides: object
+    ) -> RunningRelay:
+        settings = replace(Settings(auth="none"), **overrides)  # type: ignore[arg-type]
+        smap = shard_map or single_shard_map(redis_url or "")
+        fleet = await start_fleet(smap, settings, None)
+        app = build_app(settings, fleet)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        app[CTX].ready = True
+        relay = RunningRelay(str(server.make_url("")).rstrip("/"), app, fleet, server)
+        running.append(relay)
+        return relay
+
+    yield start
+    for relay in running:
+        await relay.server.close()
+        await relay.fleet.close()
+
+
+@pytest.fixture
+async def relay(redis_server: LocalRedis, relay_factory: RelayFactory) -> RunningRelay:
+    return await relay_factory(redis_server.url)
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
