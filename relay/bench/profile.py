@@ -75,7 +75,7 @@ async def recording(procs: Procs, pid: int, out_dir: Path, name: str, seconds: i
     """Sample ``pid`` for ``seconds`` while the body runs; summarize when both are done."""
     prof = Profile(out_dir / f"{name}.collapsed.txt", out_dir / f"{name}.top.txt")
     argv = [py_spy(), "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "250"]
-    argv += ["--format", "raw", "--output", str(prof.raw), "--nonblocking"]
+    argv += ["--format", "raw", "--output", str(prof.raw)]
     child = procs.start("py-spy", argv)
     try:
         yield prof
