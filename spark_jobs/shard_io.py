@@ -13,10 +13,11 @@ import json
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from relay.fleet import credentials
 from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
 from relay.storage.maintenance import ShardMaintenance
 
@@ -138,31 +139,17 @@ def load_shard_map(path: str | None, configmap: str | None) -> ShardMap:
     raise UsageError("one of --shard-map or --shard-map-configmap is required")
 
 
-CREDENTIALS_ENV = "RELAY_REDIS_CREDENTIALS_DIR"
+CREDENTIALS_ENV = credentials.CREDENTIALS_ENV
 
 
 def with_credentials(shard_map: ShardMap, directory: str | None) -> ShardMap:
-    """The map with each shard's full Redis URL from `directory`/<shard> where present.
-
-    Shard maps carry URLs without passwords; the operator keeps the full ones in
-    the fleet's credentials Secret, mounted as one file per shard (as for relays).
-    """
-    if not directory:
-        return shard_map
-    base = Path(directory)
-    if not base.is_dir():
-        raise UsageError(f"credentials directory {directory} does not exist")
-    urls = dict(shard_map.shards)
-    for name in urls:
-        try:
-            text = (base / name).read_text("utf-8").strip()
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise JobError(f"cannot read credentials for shard {name}: {exc.strerror or exc}") from None
-        if text:
-            urls[name] = text
-    return replace(shard_map, shards=urls)
+    """The map with each shard's full Redis URL from `directory`/<shard> where present."""
+    try:
+        return credentials.apply_credentials(shard_map, directory)
+    except credentials.CredentialsError as exc:
+        if "does not exist" in str(exc):
+            raise UsageError(str(exc)) from None
+        raise JobError(str(exc)) from None
 
 
 def fleet_shard_specs(namespace: str, fleet: str) -> dict[str, Mapping[str, Any]]:

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from relay import metrics
+from relay.fleet.credentials import credentials_dir_from_env, shard_url
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, ShardMapError, SlotRange, loads_shard_map, slot_of
 from relay.storage import keys as K
 from relay.storage.store import QueueLimits, ShardStore
@@ -73,7 +74,8 @@ class Fleet:
             await store.close()
 
     async def _open_shards(self, shard_map: ShardMap) -> None:
-        for name, url in shard_map.shards.items():
+        for name, map_url in shard_map.shards.items():
+            url = shard_url(name, map_url, credentials_dir_from_env())
             store = self.stores.get(name)
             if store is not None and store.url == url:
                 continue

@@ -16,7 +16,7 @@ class Script:
 
 def _load(name: str, prelude: str) -> Script:
     body = resources.files("relay.storage").joinpath(f"lua/{name}.lua").read_text("utf-8")
-    source = body if name == "nonce" else prelude + "\n" + body
+    source = prelude + "\n" + body
     return Script(name, source, hashlib.sha1(source.encode("utf-8")).hexdigest())
 
 

@@ -247,5 +247,9 @@ class ShardStore:
 
     async def use_nonce(self, slot: int, member: str, now_ms: int, lifetime_ms: int) -> bool:
         """True when the nonce was unused (and is now recorded)."""
-        r = await self._batcher.call(scripts.NONCE, (K.slot_nonces(slot),), (member, now_ms, lifetime_ms))
-        return bool(r)
+        r = _check(
+            await self._batcher.call(
+                scripts.NONCE, (K.slot_state(slot), K.slot_nonces(slot)), (member, now_ms, lifetime_ms)
+            )
+        )
+        return bool(r[1])

@@ -1,0 +1,56 @@
+# relayfleet: `make run` (local fleet + demo) and `make test` (everything CI runs).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# pip's wheel cache outlives clean checkouts on the same machine (pyspark builds from a 456 MB sdist)
+export PIP_CACHE_DIR ?= $(HOME)/.cache/relayfleet/pip
+PYTEST_ARGS ?=
+
+.PHONY: run test lint typecheck control-plane chart-crds bench bench-quick soak clean venv venv-dev
+
+$(VENV)/.base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -U pip wheel setuptools
+	$(VENV)/bin/pip install -q -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.base pyproject.toml
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.base
+venv-dev: $(VENV)/.dev
+
+## run: a local relay on embedded Redis shard(s) and a short demo
+run: venv
+	$(VENV)/bin/relayfleet dev --shards 2
+
+## test: lint, type-check, build/reuse the Kubernetes control plane, run the whole suite
+test: venv-dev control-plane lint typecheck
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: venv-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: venv-dev
+	$(VENV)/bin/mypy
+
+control-plane:
+	bash hack/control-plane.sh
+
+chart-crds:
+	cp crds/*.yaml charts/relayfleet/crds/
+
+bench: venv-dev
+	$(VENV)/bin/relayfleet bench
+
+bench-quick: venv-dev
+	$(VENV)/bin/relayfleet bench --quick
+
+soak: venv-dev
+	$(PY) -m pytest -m soak --soak
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
