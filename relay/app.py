@@ -87,6 +87,7 @@ EXTRA_ROUTE_MODULES: list[str] = [
     "relay.api.fanout",
     "relay.api.openapi",
     "relay.push",
+    "relay.shard_health",
 ]  # protocol modules register here (live, pickup, inbox, fan-out, openapi)
 
 

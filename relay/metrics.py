@@ -6,11 +6,31 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 _WAKE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 REQUESTS = Counter(
-    "relayfleet_http_requests_total", "HTTP requests by route and status", ["route", "method", "status"], registry=REGISTRY
+    "relayfleet_http_requests_total",
+    "HTTP requests by route and status",
+    ["route", "method", "status"],
+    registry=REGISTRY,
 )
 REQUEST_SECONDS = Histogram(
     "relayfleet_http_request_duration_seconds",
@@ -22,11 +42,15 @@ REQUEST_SECONDS = Histogram(
 MESSAGES = Counter(
     "relayfleet_messages_total", "Queue operations on messages", ["op"], registry=REGISTRY
 )  # op: enqueued, duplicate, delivered, drained, acked, expired
-BYTES = Counter("relayfleet_message_bytes_total", "Payload bytes by queue operation", ["op"], registry=REGISTRY)
+BYTES = Counter(
+    "relayfleet_message_bytes_total", "Payload bytes by queue operation", ["op"], registry=REGISTRY
+)
 REJECTED = Counter(
     "relayfleet_rejected_total", "Requests rejected, by error code", ["code"], registry=REGISTRY
 )
-RATE_LIMITED = Counter("relayfleet_rate_limited_total", "Enqueues refused by the per-queue rate limit", registry=REGISTRY)
+RATE_LIMITED = Counter(
+    "relayfleet_rate_limited_total", "Enqueues refused by the per-queue rate limit", registry=REGISTRY
+)
 WAITERS = Gauge("relayfleet_waiters", "Long-polls currently waiting in this process", registry=REGISTRY)
 LIVE_CONNECTIONS = Gauge("relayfleet_live_connections", "Open live WebSocket connections", registry=REGISTRY)
 WAKEUP_SECONDS = Histogram(
@@ -36,11 +60,17 @@ WAKEUP_SECONDS = Histogram(
     registry=REGISTRY,
 )
 REDIS_ERRORS = Counter(
-    "relayfleet_redis_errors_total", "Redis calls that failed, by shard and kind", ["shard", "kind"], registry=REGISTRY
+    "relayfleet_redis_errors_total",
+    "Redis calls that failed, by shard and kind",
+    ["shard", "kind"],
+    registry=REGISTRY,
 )
 SHARD_UP = Gauge("relayfleet_shard_up", "1 when the shard's Redis answers", ["shard"], registry=REGISTRY)
 SUBSCRIBER_UP = Gauge(
-    "relayfleet_wakeup_subscriber_up", "1 when the shard's wakeup subscription is alive", ["shard"], registry=REGISTRY
+    "relayfleet_wakeup_subscriber_up",
+    "1 when the shard's wakeup subscription is alive",
+    ["shard"],
+    registry=REGISTRY,
 )
 SUBSCRIBER_RECONNECTS = Counter(
     "relayfleet_wakeup_reconnects_total", "Wakeup subscriber reconnects", ["shard"], registry=REGISTRY
@@ -52,4 +82,57 @@ RETRIES = Counter(
 )  # reason: moved, migrating
 PUSH_NOTIFICATIONS = Counter(
     "relayfleet_push_notifications_total", "Push webhook calls by outcome", ["outcome"], registry=REGISTRY
+)
+
+# Per-shard figures, refreshed by relay.shard_health (one series per shard: shards are few).
+SHARD_MEMORY_USED = Gauge(
+    "relayfleet_shard_memory_used_bytes", "Redis used_memory", ["shard"], registry=REGISTRY
+)
+SHARD_MEMORY_MAX = Gauge(
+    "relayfleet_shard_memory_max_bytes", "Redis maxmemory (0 = unlimited)", ["shard"], registry=REGISTRY
+)
+SHARD_AOF_ENABLED = Gauge(
+    "relayfleet_shard_aof_enabled", "1 when the shard's Redis has AOF on", ["shard"], registry=REGISTRY
+)
+SHARD_PERSISTENCE_OK = Gauge(
+    "relayfleet_shard_persistence_ok",
+    "1 when the last AOF write/rewrite and RDB save of the shard's Redis succeeded",
+    ["shard"],
+    registry=REGISTRY,
+)
+SHARD_MESSAGES = Gauge(
+    "relayfleet_shard_messages", "Messages held by the shard's owned slots", ["shard"], registry=REGISTRY
+)
+SHARD_BYTES = Gauge(
+    "relayfleet_shard_bytes", "Payload bytes held by the shard's owned slots", ["shard"], registry=REGISTRY
+)
+SHARD_QUEUES = Gauge(
+    "relayfleet_shard_queues", "Queues with keys on the shard's owned slots", ["shard"], registry=REGISTRY
+)
+SHARD_ENQUEUE_RATE = Gauge(
+    "relayfleet_shard_enqueues_per_minute",
+    "Enqueues in the last complete minute window",
+    ["shard"],
+    registry=REGISTRY,
+)
+SHARD_SLOTS = Gauge(
+    "relayfleet_shard_slots", "Slots the shard map gives the shard", ["shard"], registry=REGISTRY
+)
+SHARD_SLOTS_MIGRATING = Gauge(
+    "relayfleet_shard_slots_migrating",
+    "Slots of the shard marked migrating or importing",
+    ["shard"],
+    registry=REGISTRY,
+)
+SHARD_STATS_SECONDS = Histogram(
+    "relayfleet_shard_stats_duration_seconds",
+    "Time to read one shard's health and slot statistics",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+    registry=REGISTRY,
+)
+SHARD_STATS_TIMESTAMP = Gauge(
+    "relayfleet_shard_stats_last_success_timestamp_seconds",
+    "Unix time of the shard's last complete statistics read",
+    ["shard"],
+    registry=REGISTRY,
 )

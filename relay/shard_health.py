@@ -1,0 +1,237 @@
+"""Per-shard health and load gauges, read by each relay in the background.
+
+Two cadences, both cheap:
+- health (every RELAYFLEET_SHARD_HEALTH_INTERVAL s, default 5): PING plus INFO memory
+  and persistence of every shard: two round trips per shard.
+- load (at most every RELAYFLEET_SHARD_STATS_INTERVAL s, default 20, and only when
+  /metrics was scraped since the last read, so an unscraped relay costs the shards
+  nothing): per slot the map gives the shard, HMGET of its stats hash, GET of its state
+  and SCARD of its queue index, pipelined 1024 slots per round trip.
+
+Gauges carry a `shard` label only: shards are few, queues and slots never become labels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+from redis.exceptions import RedisError
+
+from relay import metrics
+from relay.api.context import CTX
+from relay.fleet.routing import Fleet
+from relay.storage import keys as K
+from relay.storage.maintenance import enqueue_rate
+from relay.storage.store import ShardStore
+
+log = logging.getLogger("relay.shard_health")
+
+routes = web.RouteTableDef()  # no routes of its own: app.py wants the attribute
+
+_PIPELINE_SLOTS = 1024
+_STAT_FIELDS = ("msgs", "bytes", "wstart", "wcur", "wprev")
+_PROBE_TIMEOUT_S = 3.0
+
+
+def _interval(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        log.warning("%s=%r is not a number; using %s", name, raw, default)
+        return default
+    return max(0.2, value)
+
+
+class _ScrapeMarker(Collector):
+    """Notes when /metrics was last rendered; exports nothing."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+
+    def collect(self) -> Iterable[Metric]:
+        self.last = time.monotonic()
+        return iter(())
+
+    def describe(self) -> Iterable[Metric]:
+        return iter(())  # keeps auto_describe from calling collect() at registration
+
+
+SCRAPES = _ScrapeMarker()
+metrics.REGISTRY.register(SCRAPES)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLoad:
+    messages: int
+    bytes: int
+    queues: int
+    enqueues_per_minute: float
+    slots: int
+    migrating: int
+
+
+def _num(value: Any) -> int:
+    if value is None:
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _chunks(slots: list[int]) -> Iterator[list[int]]:
+    for i in range(0, len(slots), _PIPELINE_SLOTS):
+        yield slots[i : i + _PIPELINE_SLOTS]
+
+
+async def read_health(store: ShardStore) -> dict[str, float]:
+    """INFO memory + persistence of one shard, reduced to the gauges' values."""
+    info: dict[str, Any] = {}
+    for section in ("memory", "persistence"):
+        info.update(await store.client.info(section))
+    ok = all(
+        str(info.get(field, "ok")) == "ok"
+        for field in ("aof_last_write_status", "aof_last_bgrewrite_status", "rdb_last_bgsave_status")
+    )
+    return {
+        "used": float(_num(info.get("used_memory"))),
+        "max": float(_num(info.get("maxmemory"))),
+        "aof": float(_num(info.get("aof_enabled"))),
+        "persistence_ok": 1.0 if ok else 0.0,
+    }
+
+
+async def read_load(store: ShardStore, slots: list[int], now_ms: int) -> ShardLoad:
+    """Totals over the given slots (the ones the map gives this shard); moved slots count for nothing."""
+    messages = size = queues = migrating = 0
+    rate = 0.0
+    for chunk in _chunks(slots):
+        pipe = store.client.pipeline(transaction=False)
+        for slot in chunk:
+            pipe.hmget(K.slot_stats(slot), _STAT_FIELDS)
+            pipe.get(K.slot_state(slot))
+            pipe.scard(K.slot_index(slot))
+        replies = await pipe.execute()
+        for i in range(len(chunk)):
+            stats, state, nqueues = replies[3 * i], replies[3 * i + 1], replies[3 * i + 2]
+            state_s = state.decode("ascii", "replace") if isinstance(state, bytes) else state
+            if state_s is not None and str(state_s).startswith("moved"):
+                continue
+            if state_s in ("migrating", "importing"):
+                migrating += 1
+            msgs, nbytes, wstart, wcur, wprev = (_num(v) for v in stats)
+            messages += msgs
+            size += nbytes
+            queues += _num(nqueues)
+            rate += enqueue_rate(wstart, wcur, wprev, now_ms)
+    return ShardLoad(messages, size, queues, rate, len(slots), migrating)
+
+
+class ShardHealth:
+    """The background loop of one relay process."""
+
+    def __init__(self, fleet: Fleet, health_s: float, stats_s: float) -> None:
+        self.fleet = fleet
+        self.health_s = health_s
+        self.stats_s = stats_s
+        self._stats_at = -1e9
+        self._known: set[str] = set()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bad round must never end the loop
+                log.warning("shard health round failed: %s", type(exc).__name__)
+            await asyncio.sleep(self.health_s)
+
+    async def tick(self) -> None:
+        now = time.monotonic()
+        stores = dict(self.fleet.stores)
+        self._forget(set(stores))
+        want_load = now - self._stats_at >= self.stats_s and (
+            SCRAPES.last >= self._stats_at or self._stats_at < 0
+        )
+        await asyncio.gather(*(self._probe(name, store, want_load) for name, store in stores.items()))
+        if want_load:
+            self._stats_at = now
+
+    async def _probe(self, name: str, store: ShardStore, want_load: bool) -> None:
+        started = time.perf_counter()
+        try:
+            health = await asyncio.wait_for(read_health(store), _PROBE_TIMEOUT_S)
+        except (RedisError, OSError, TimeoutError):
+            metrics.SHARD_UP.labels(name).set(0)
+            return
+        metrics.SHARD_UP.labels(name).set(1)
+        metrics.SHARD_MEMORY_USED.labels(name).set(health["used"])
+        metrics.SHARD_MEMORY_MAX.labels(name).set(health["max"])
+        metrics.SHARD_AOF_ENABLED.labels(name).set(health["aof"])
+        metrics.SHARD_PERSISTENCE_OK.labels(name).set(health["persistence_ok"])
+        if not want_load:
+            return
+        slots = self.fleet.map.slots_of(name)
+        try:
+            load = await read_load(store, slots, int(time.time() * 1000))
+        except (RedisError, OSError) as exc:
+            log.warning("shard %s: reading slot statistics failed: %s", name, type(exc).__name__)
+            return
+        metrics.SHARD_MESSAGES.labels(name).set(load.messages)
+        metrics.SHARD_BYTES.labels(name).set(load.bytes)
+        metrics.SHARD_QUEUES.labels(name).set(load.queues)
+        metrics.SHARD_ENQUEUE_RATE.labels(name).set(load.enqueues_per_minute)
+        metrics.SHARD_SLOTS.labels(name).set(load.slots)
+        metrics.SHARD_SLOTS_MIGRATING.labels(name).set(load.migrating)
+        metrics.SHARD_STATS_TIMESTAMP.labels(name).set(time.time())
+        metrics.SHARD_STATS_SECONDS.observe(time.perf_counter() - started)
+
+    def _forget(self, current: set[str]) -> None:
+        """Drop the series of shards that left the map, so they don't alert as stale."""
+        for gone in self._known - current:
+            for gauge in (
+                metrics.SHARD_UP,
+                metrics.SHARD_MEMORY_USED,
+                metrics.SHARD_MEMORY_MAX,
+                metrics.SHARD_AOF_ENABLED,
+                metrics.SHARD_PERSISTENCE_OK,
+                metrics.SHARD_MESSAGES,
+                metrics.SHARD_BYTES,
+                metrics.SHARD_QUEUES,
+                metrics.SHARD_ENQUEUE_RATE,
+                metrics.SHARD_SLOTS,
+                metrics.SHARD_SLOTS_MIGRATING,
+                metrics.SHARD_STATS_TIMESTAMP,
+            ):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(gone)
+        self._known = current
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    monitor = ShardHealth(
+        app[CTX].service.fleet,
+        _interval("RELAYFLEET_SHARD_HEALTH_INTERVAL", 5.0),
+        _interval("RELAYFLEET_SHARD_STATS_INTERVAL", 20.0),
+    )
+    task = asyncio.get_running_loop().create_task(monitor.run())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def setup(app: web.Application) -> None:
+    app.cleanup_ctx.append(_lifecycle)
