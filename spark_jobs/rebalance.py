@@ -14,6 +14,7 @@ JSON on stdout; otherwise it becomes a RelayRebalance proposal
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -29,6 +30,7 @@ from spark_jobs.planning import (
     plan,
     resolve_weights,
 )
+from spark_jobs.run_summary import PUSHGATEWAY_ENV, RunSummary
 from spark_jobs.shard_io import (
     GROUP,
     VERSION,
@@ -204,13 +206,27 @@ def _parser() -> ArgParser:
     p.add_argument("--task-slots", type=int, default=1024, metavar="N", help="slots per Spark task")
     p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument(
+        "--pushgateway",
+        default=os.environ.get(PUSHGATEWAY_ENV),
+        metavar="URL",
+        help=f"push the run summary to this Prometheus Pushgateway (env {PUSHGATEWAY_ENV})",
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    run = RunSummary("rebalance")
+    code = _run(argv, run)
+    run.finish(code)
+    return code
+
+
+def _run(argv: Sequence[str] | None, run: RunSummary) -> int:
     started = time.monotonic()
     try:
         args = _parser().parse_args(argv)
+        run.pushgateway = args.pushgateway
         shard_map = load_shard_map(args.shard_map, args.shard_map_configmap)
         weights = resolve_weights(args, shard_map)
         shard_map = with_credentials(shard_map, args.credentials_dir)
@@ -242,6 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = collect_slot_stats(spark, tasks, now_ms(), progress=not args.quiet)
         result = plan(shard_map, loads_from(slot_frame(spark, rows)), weights, args.metric, args.tolerance)
         print(result.table(), file=sys.stderr)
+        summary = result.to_json()
+        run.figures.update(
+            slots_proposed=float(summary["slotsMoved"]),
+            bytes_proposed=float(summary["bytesMoved"]),
+            max_over_mean_before=float(summary["maxOverMean"]["before"]),
+            max_over_mean_after=float(summary["maxOverMean"]["after"]),
+        )
         doc = json.dumps(result.to_json(), indent=2)
         if args.output:
             try:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relay.storage.maintenance import MaintenanceError, ShardMaintenance, TrimPolicy
+from spark_jobs.run_summary import PUSHGATEWAY_ENV, RunSummary
 from spark_jobs.shard_io import (
     CREDENTIALS_ENV,
     ArgParser,
@@ -253,13 +254,27 @@ def _parser() -> ArgParser:
     p.add_argument("--task-slots", type=int, default=1024, metavar="N", help="slots per Spark task")
     p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument(
+        "--pushgateway",
+        default=os.environ.get(PUSHGATEWAY_ENV),
+        metavar="URL",
+        help=f"push the run summary to this Prometheus Pushgateway (env {PUSHGATEWAY_ENV})",
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    run = RunSummary("retention")
+    code = _run(argv, run)
+    run.finish(code)
+    return code
+
+
+def _run(argv: Sequence[str] | None, run: RunSummary) -> int:
     started = time.monotonic()
     try:
         args = _parser().parse_args(argv)
+        run.pushgateway = args.pushgateway
         for flag, value in (("--max-age", args.max_age), ("--max-messages", args.max_messages)):
             if value is not None and value < 1:
                 raise UsageError(f"{flag} must be >= 1")
@@ -319,6 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in shard_rows:
             print(json.dumps(r))
         print(summary(shard_rows, time.monotonic() - started), file=sys.stderr)
+        run.figures.update({c: float(sum(int(r[c]) for r in shard_rows)) for c in REPORT_COLUMNS[1:-1]})
         return 0
     except (JobError, MaintenanceError) as exc:
         print(f"retention: {exc}", file=sys.stderr)
