@@ -136,3 +136,7 @@ SHARD_STATS_TIMESTAMP = Gauge(
     ["shard"],
     registry=REGISTRY,
 )
+
+# Retry reasons start at 0, so the dashboard's retry panel has series before the first move.
+for _reason in ("moved", "migrating"):
+    RETRIES.labels(_reason)

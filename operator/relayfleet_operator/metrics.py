@@ -59,3 +59,9 @@ REBALANCES_ACTIVE = Gauge(
 def serve(port: int, addr: str = "0.0.0.0") -> None:
     """Expose /metrics on its own port (kopf's liveness endpoint has another)."""
     start_http_server(port, addr=addr, registry=REGISTRY)
+
+
+# Slot-move outcomes start at 0, so increase() and the dashboard see them before the first move.
+for _cause in ("drain", "rebalance"):
+    for _result in ("ok", "error"):
+        MIGRATIONS.labels(_cause, _result)
