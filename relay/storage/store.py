@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -84,8 +85,30 @@ class StatusResult:
     newest_ms: int | None
 
 
+_EPOCH_PREFIX = os.urandom(5).hex()
+_epoch_counter = itertools.count()
+
+
 def new_epoch() -> str:
-    return os.urandom(8).hex()
+    """A value no other call anywhere returns: random per process, then a counter.
+
+    Only the call that creates a queue's meta keeps it, yet every call passes one,
+    so urandom per call was measurable; re-seeded in forked children (see below).
+    """
+    n = next(_epoch_counter)
+    if n > 0xFFFFFF:  # same 16 hex digits as before; never reuse a value
+        _reseed_epochs()
+        n = next(_epoch_counter)
+    return f"{_EPOCH_PREFIX}{n:06x}"
+
+
+def _reseed_epochs() -> None:
+    global _EPOCH_PREFIX, _epoch_counter
+    _EPOCH_PREFIX = os.urandom(5).hex()
+    _epoch_counter = itertools.count()
+
+
+os.register_at_fork(after_in_child=_reseed_epochs)
 
 
 def _now_ms() -> int:
@@ -109,13 +132,17 @@ def _check(reply: Any) -> list[Any]:
 def _messages(entries: list[Any]) -> list[Message]:
     out = []
     for entry_id, fields in entries:
-        f = dict(zip(fields[::2], fields[1::2], strict=True))
-        mid = f.get(b"m", b"")
+        # enqueue.lua writes the fields as p, t, m, n in this order; fall back otherwise
+        if len(fields) >= 6 and fields[0] == b"p" and fields[2] == b"t" and fields[4] == b"m":
+            payload, received, mid = fields[1], fields[3], fields[5]
+        else:
+            f = dict(zip(fields[::2], fields[1::2], strict=True))
+            payload, received, mid = f[b"p"], f[b"t"], f.get(b"m", b"")
         out.append(
             Message(
-                seq=int(entry_id.split(b"-", 1)[0]),
-                payload=f[b"p"],
-                received_ms=int(f[b"t"]),
+                seq=int(entry_id[: entry_id.index(b"-")]),
+                payload=payload,
+                received_ms=int(received),
                 message_id=mid.decode() if mid else None,
             )
         )
@@ -137,7 +164,7 @@ class ShardStore:
             socket_timeout=5.0,
             health_check_interval=0,
         )
-        self._batcher = ScriptBatcher(self.client)
+        self._batcher = ScriptBatcher(self.client, url)
 
     async def start(self) -> None:
         try:
@@ -146,6 +173,7 @@ class ShardStore:
             raise StoreUnavailable(type(exc).__name__) from None
 
     async def close(self) -> None:
+        await self._batcher.close()
         await self.client.aclose()
 
     async def ping(self) -> bool:
