@@ -1,0 +1,302 @@
+"""Static checks of the chart's observability: the rendered PrometheusRule passes `promtool check
+rules` and promtool rule unit tests, every metric name the rules and dashboards use exists in a
+real registry, every alert is documented. The helpers here also serve
+tests/test_observability_live.py (a real Prometheus scraping a real local fleet)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "charts" / "relayfleet"
+DASHBOARDS = sorted((CHART / "files" / "dashboards").glob("*.json"))
+PROMETHEUS = "/usr/bin/prometheus"
+PROMTOOL = "/usr/bin/promtool"
+
+# Grafana's interval variable has no meaning to Prometheus; the tests put a window in its place
+# that covers several 1 s scrapes.
+RATE_WINDOW = "30s"
+
+_NAME = re.compile(r"\brelayfleet_[a-z0-9_]+\b")
+
+# Series that a local fleet cannot produce: the operator runs only against Kubernetes, and the
+# Spark jobs' summaries reach Prometheus through a Pushgateway. Their expressions are checked by
+# promtool (syntax), by Prometheus (evaluates without error), by name against the real
+# registries (tests/test_observability.py::test_every_metric_name_exists) and by promtool rule
+# unit tests with synthetic series (tests/test_observability.py::test_alert_rules_unit).
+NOT_LOCAL = ("relayfleet_operator_", "relayfleet_spark_job_")
+
+
+def helm_binary() -> str | None:
+    if os.environ.get("RELAYFLEET_HELM"):
+        return os.environ["RELAYFLEET_HELM"]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    found = sorted(glob.glob(f"{cache}/relayfleet/helm/*/bin/helm"))
+    return found[-1] if found else shutil.which("helm")
+
+
+def rendered_rule_groups() -> list[dict[str, Any]]:
+    """The `groups` of the PrometheusRule exactly as the chart renders it (monitoring API present)."""
+    helm = helm_binary()
+    if helm is None:
+        raise FileNotFoundError("helm not built yet: run hack/control-plane.sh (or set RELAYFLEET_HELM)")
+    proc = subprocess.run(
+        [
+            helm,
+            "template",
+            "relayfleet",
+            str(CHART),
+            "--api-versions",
+            "monitoring.coreos.com/v1",
+            "--set",
+            "metrics.prometheusRule.enabled=true",
+            "--show-only",
+            "templates/prometheusrule.yaml",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    (doc,) = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    assert doc["kind"] == "PrometheusRule"
+    groups: list[dict[str, Any]] = doc["spec"]["groups"]
+    return groups
+
+
+def alert_rules(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for g in groups for r in g["rules"] if "alert" in r]
+
+
+def dashboard_queries() -> list[tuple[str, str, str]]:
+    """(dashboard file, panel title, expression) of every target of every panel."""
+    out = []
+    for path in DASHBOARDS:
+        doc = json.loads(path.read_text())
+        for panel in doc["panels"]:
+            for target in panel.get("targets", ()):
+                out.append((path.name, str(panel["title"]), str(target["expr"])))
+    return out
+
+
+def promql(expr: str) -> str:
+    return expr.replace("$__rate_interval", RATE_WINDOW)
+
+
+def metric_names(expr: str) -> set[str]:
+    return set(_NAME.findall(expr))
+
+
+def local(expr: str) -> bool:
+    return not any(name.startswith(NOT_LOCAL) for name in metric_names(expr))
+
+
+needs_helm = pytest.mark.skipif(helm_binary() is None, reason="helm not built yet: run hack/control-plane.sh")
+needs_promtool = pytest.mark.skipif(not os.path.exists(PROMTOOL), reason="apt-get install prometheus")
+
+
+@needs_helm
+@needs_promtool
+def test_promtool_checks_the_rendered_rules(tmp_path: Path) -> None:
+    groups = rendered_rule_groups()
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump({"groups": groups}))
+    proc = subprocess.run(
+        [PROMTOOL, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"SUCCESS: {sum(len(g['rules']) for g in groups)} rules found" in proc.stdout
+
+
+@needs_helm
+def test_every_alert_is_complete_and_in_the_runbook() -> None:
+    runbook = (ROOT / "docs" / "runbook.md").read_text()
+    anchors = {line[3:].strip().lower() for line in runbook.splitlines() if line.startswith("## ")}
+    alerts = alert_rules(rendered_rule_groups())
+    names = {a["alert"] for a in alerts}
+    for wanted in (
+        "RelayfleetShardRedisDown",
+        "RelayfleetShardMemoryHigh",
+        "RelayfleetWakeupLatencyHigh",
+        "RelayfleetErrorRatioHigh",
+        "RelayfleetRebalanceStuck",
+        "RelayfleetRetentionJobFailing",
+        "RelayfleetRetentionJobNotRun",
+        "RelayfleetOperatorReconcileErrors",
+    ):
+        assert wanted in names
+    for a in alerts:
+        ann = a["annotations"]
+        assert ann["summary"] and ann["description"], a["alert"]
+        assert a["labels"]["severity"] in ("warning", "critical"), a["alert"]
+        assert ann["runbook_url"].endswith("docs/runbook.md#" + a["alert"].lower()), a["alert"]
+        assert a["alert"].lower() in anchors, f"docs/runbook.md has no section '## {a['alert']}'"
+
+
+def _registry_names() -> set[str]:
+    """Every sample name the relay, the operator and the Spark run summary can expose."""
+    from prometheus_client import CollectorRegistry
+
+    from relay import metrics as relay_metrics
+    from relayfleet_operator import metrics as operator_metrics
+    from spark_jobs.run_summary import RunSummary
+
+    registries: list[CollectorRegistry] = [relay_metrics.REGISTRY, operator_metrics.REGISTRY]
+    for job, figures in (
+        ("retention", ("messages_removed", "bytes_removed", "queues_deleted", "queues_scanned")),
+        ("rebalance", ("slots_proposed", "bytes_proposed", "max_over_mean_before", "max_over_mean_after")),
+    ):
+        run = RunSummary(job, figures={f: 1.0 for f in figures})
+        registries.append(run.registry(ok=True, duration=1.0))
+    names: set[str] = set()
+    for reg in registries:
+        for family in reg.collect():
+            names.add(family.name)
+            for suffix in ("_total", "_bucket", "_sum", "_count", "_created"):
+                names.add(family.name + suffix)
+    return names
+
+
+def test_every_metric_name_exists() -> None:
+    """No typo'd names, including the operator's and the Spark jobs' (which a local fleet lacks)."""
+    known = _registry_names()
+    used = {n for _, _, e in dashboard_queries() for n in metric_names(e)}
+    used |= {
+        n
+        for a in alert_rules(yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())["groups"])
+        for n in metric_names(a["expr"])
+    }
+    assert used
+    assert sorted(used - known) == []
+
+
+def test_rebalance_figures_match_the_job() -> None:
+    """The rebalance figures the dashboard shows are the ones the job sets."""
+    source = (ROOT / "spark_jobs" / "rebalance.py").read_text() + (
+        ROOT / "spark_jobs" / "retention.py"
+    ).read_text()
+    for _, _, expr in dashboard_queries():
+        for name in metric_names(expr):
+            if name.startswith("relayfleet_spark_job_") and name not in (
+                "relayfleet_spark_job_success",
+                "relayfleet_spark_job_duration_seconds",
+                "relayfleet_spark_job_last_success_timestamp_seconds",
+                "relayfleet_spark_job_last_run_timestamp_seconds",
+            ):
+                figure = name.removeprefix("relayfleet_spark_job_")
+                assert figure in source or f'"{figure}"' in (ROOT / "spark_jobs" / "retention.py").read_text()
+
+
+def test_dashboard_is_well_formed() -> None:
+    assert DASHBOARDS
+    ids: set[int] = set()
+    for path in DASHBOARDS:
+        doc = json.loads(path.read_text())
+        assert doc["uid"] and doc["title"]
+        for panel in doc["panels"]:
+            assert panel["id"] not in ids
+            ids.add(panel["id"])
+            if panel["type"] != "row":
+                assert panel["targets"], panel["title"]
+    titles = " ".join(t for _, t, _ in dashboard_queries()).lower()
+    for wanted in (
+        "messages per second",
+        "latency p50 / p99",
+        "waiters",
+        "4xx / 5xx",
+        "429",
+        "memory",
+        "migrating",
+    ):
+        assert wanted in titles
+
+
+# promtool rule unit tests: the alerts whose series a local fleet can't produce (operator,
+# Spark), plus the shard alerts, against synthetic series with the rendered rules.
+# (series, [(eval minute, alert, labels of the one expected alert or None for none)])
+_UNIT_CASES: list[tuple[list[tuple[str, str]], list[tuple[int, str, dict[str, str] | None]]]] = [
+    (
+        [
+            ('relayfleet_shard_up{shard="a", instance="r1"}', "1 1 0x10"),
+            ('relayfleet_shard_up{shard="a", instance="r2"}', "1x12"),
+        ],
+        [(1, "RelayfleetShardRedisDown", None), (10, "RelayfleetShardRedisDown", {"shard": "a"})],
+    ),
+    (
+        [
+            ("relayfleet_operator_rebalances_active", "1x90"),
+            ('relayfleet_operator_slots_moved_total{fleet="main"}', "0 64 128 128x87"),
+            ('relayfleet_operator_errors_total{kind="RelayShard", error="ApiError"}', "0+1x40"),
+        ],
+        [
+            (20, "RelayfleetRebalanceStuck", None),
+            (80, "RelayfleetRebalanceStuck", {}),
+            (30, "RelayfleetOperatorReconcileErrors", {"kind": "RelayShard"}),
+        ],
+    ),
+    (
+        [
+            ('relayfleet_spark_job_success{spark_job="retention"}', "1 1 0x300"),
+            ('relayfleet_spark_job_last_run_timestamp_seconds{spark_job="retention"}', "0 60 120x300"),
+            ('relayfleet_spark_job_last_success_timestamp_seconds{spark_job="retention"}', "0 60x300"),
+        ],
+        [
+            (60, "RelayfleetRetentionJobFailing", {}),
+            (60, "RelayfleetRetentionJobNotRun", None),
+            (300, "RelayfleetRetentionJobNotRun", {}),
+        ],
+    ),
+    ([], [(40, "RelayfleetRetentionJobNotRun", {"spark_job": "retention"})]),
+]
+
+
+def _expand(text: str, labels: dict[str, str]) -> str:
+    return re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m.group(1)], text)
+
+
+def _unit_tests(groups: list[dict[str, Any]]) -> dict[str, Any]:
+    rules = {r["alert"]: r for r in alert_rules(groups)}
+    tests = []
+    for series, checks in _UNIT_CASES:
+        alert_tests = []
+        for minute, name, labels in checks:
+            expected = []
+            if labels is not None:
+                rule = rules[name]
+                expected.append(
+                    {
+                        "exp_labels": {**rule["labels"], **labels},
+                        "exp_annotations": {k: _expand(v, labels) for k, v in rule["annotations"].items()},
+                    }
+                )
+            alert_tests.append({"eval_time": f"{minute}m", "alertname": name, "exp_alerts": expected})
+        tests.append(
+            {
+                "interval": "1m",
+                "input_series": [{"series": s, "values": v} for s, v in series],
+                "alert_rule_test": alert_tests,
+            }
+        )
+    return {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": tests}
+
+
+@needs_helm
+@needs_promtool
+def test_alert_rules_unit(tmp_path: Path) -> None:
+    groups = rendered_rule_groups()
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(_unit_tests(groups)))
+    proc = subprocess.run(
+        [PROMTOOL, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
