@@ -137,7 +137,8 @@ def test_every_alert_is_complete_and_in_the_runbook() -> None:
         assert wanted in names
     for a in alerts:
         ann = a["annotations"]
-        assert ann["summary"] and ann["description"], a["alert"]
+        assert ann["summary"], a["alert"]
+        assert ann["description"], a["alert"]
         assert a["labels"]["severity"] in ("warning", "critical"), a["alert"]
         assert ann["runbook_url"].endswith("docs/runbook.md#" + a["alert"].lower()), a["alert"]
         assert a["alert"].lower() in anchors, f"docs/runbook.md has no section '## {a['alert']}'"
@@ -146,9 +147,9 @@ def test_every_alert_is_complete_and_in_the_runbook() -> None:
 def _registry_names() -> set[str]:
     """Every sample name the relay, the operator and the Spark run summary can expose."""
     from prometheus_client import CollectorRegistry
+    from relayfleet_operator import metrics as operator_metrics
 
     from relay import metrics as relay_metrics
-    from relayfleet_operator import metrics as operator_metrics
     from spark_jobs.run_summary import RunSummary
 
     registries: list[CollectorRegistry] = [relay_metrics.REGISTRY, operator_metrics.REGISTRY]
@@ -202,7 +203,8 @@ def test_dashboard_is_well_formed() -> None:
     ids: set[int] = set()
     for path in DASHBOARDS:
         doc = json.loads(path.read_text())
-        assert doc["uid"] and doc["title"]
+        assert doc["uid"]
+        assert doc["title"]
         for panel in doc["panels"]:
             assert panel["id"] not in ids
             ids.add(panel["id"])
