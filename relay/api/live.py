@@ -103,7 +103,7 @@ class LiveSession:
                 await waiter.ready(1.0)  # subscribed before the first read: no lost wakeup
                 while True:
                     await self.streaming.wait()
-                    await self._wait_for_room(next_seq)
+                    await self._wait_for_room()
                     want = min(READ_BATCH, self.window - len(self.inflight))
                     result = await service.read(self.recipient, self.channel, next_seq, want, 0)
                     if epoch is not None and result.epoch != epoch:
@@ -136,7 +136,7 @@ class LiveSession:
             return result.messages[-1].seq + 1
         return next_seq if next_seq is not None else result.last_seq + 1
 
-    async def _wait_for_room(self, next_seq: int | None) -> None:
+    async def _wait_for_room(self) -> None:
         """Backpressure: with the window full, read nothing more until acks arrive."""
         while not self.room.is_set():
             with contextlib.suppress(TimeoutError):
