@@ -1,0 +1,226 @@
+"""The user's path on a cluster: install the chart, create a fleet, use it, scale it, run the jobs.
+
+One module, steps in order (each test builds on the previous one's cluster state). A recording
+workload sends and reads messages through the fleet's Service from before the scale-out until
+after the scale-in; the history checker then verifies every message it saw acknowledged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+
+from e2e.env import FLEET, RELEASE, Env
+from e2e.workload import Workload
+from relay.fleet.sharding import SLOT_COUNT, ShardMap, loads_shard_map
+
+T = TypeVar("T")
+FLEET_SERVICE = f"relayfleet-{FLEET}"
+TIMINGS: dict[str, float] = {}
+STATE: dict[str, Any] = {}
+
+
+def wait_for(what: str, check: Callable[[], T | None], timeout: float = 120.0, interval: float = 0.5) -> T:
+    start = time.monotonic()
+    last: object = None
+    while True:
+        try:
+            result = check()
+        except (LookupError, OSError, AssertionError) as exc:
+            result, last = None, exc
+        if result:
+            TIMINGS[what] = round(time.monotonic() - start, 1)
+            return result
+        if time.monotonic() - start > timeout:
+            pytest.fail(
+                f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last: {last})" if last else "")
+            )
+        time.sleep(interval)
+
+
+def shard(name: str, **spec: Any) -> str:
+    body = {
+        "apiVersion": "relayfleet.dev/v1alpha1",
+        "kind": "RelayShard",
+        "metadata": {"name": name},
+        "spec": {
+            "fleet": FLEET,
+            "replicas": 1,
+            "redis": {"managed": {"storage": {"size": "64Mi"}}},
+            "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
+            **spec,
+        },
+    }
+    return json.dumps(body)
+
+
+def shard_map(e2e: Env) -> ShardMap | None:
+    cm = e2e.get("configmap", f"relayfleet-{FLEET}-shardmap")
+    if cm is None:
+        return None
+    data: Any = cm["data"]
+    return loads_shard_map(data["shardmap.json"])
+
+
+def slots_of(m: ShardMap) -> dict[str, int]:
+    out = dict.fromkeys(m.shards, 0)
+    for r in m.ranges:
+        out[r.shard] += r.end - r.start + 1
+    return out
+
+
+def phase(e2e: Env, kind: str, name: str) -> str | None:
+    obj: Any = e2e.get(kind, name)
+    return None if obj is None else (obj.get("status") or {}).get("phase")
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return int(resp.status), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def relay_url(e2e: Env) -> str:
+    return e2e.service_url(FLEET_SERVICE, 80)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_workload() -> Iterator[None]:
+    yield
+    workload = STATE.pop("workload", None)
+    if workload is not None:  # an earlier step failed: do not leave it running
+        with contextlib.suppress(AssertionError):
+            workload.stop(timeout=30)
+
+
+# --- the steps -------------------------------------------------------------------------------
+
+
+def test_chart_installs_and_operator_becomes_available(e2e: Env) -> None:
+    def available() -> bool:
+        dep: Any = e2e.get("deployment", f"{RELEASE}-operator")
+        return bool(dep) and (dep.get("status") or {}).get("availableReplicas") == 1
+
+    wait_for("operator available", available, timeout=90)
+    crons = e2e.kubectl("get", "cronjob", "-o", "name").stdout.split()
+    assert f"cronjob.batch/{RELEASE}-retention-{FLEET}" in crons
+    assert f"cronjob.batch/{RELEASE}-rebalance-{FLEET}" in crons
+
+
+def test_two_shards_become_ready_and_messages_flow(e2e: Env) -> None:
+    # The second shard joins with no slots; autoRebalance hands it its share at once.
+    e2e.kubectl("apply", "-f", "-", input=shard("a"))
+    e2e.kubectl("apply", "-f", "-", input=shard("b", autoRebalance=True))
+    wait_for("shard a Ready", lambda: phase(e2e, "rshard", "a") == "Ready", timeout=150)
+    wait_for("shard b Ready", lambda: phase(e2e, "rshard", "b") == "Ready", timeout=150)
+
+    def split() -> ShardMap | None:
+        m = shard_map(e2e)
+        return m if m is not None and all(slots_of(m).get(s, 0) > 0 for s in ("a", "b")) else None
+
+    m = wait_for("slots split between a and b", split, timeout=120)
+    assert sum(slots_of(m).values()) == SLOT_COUNT
+    wait_for("b-join rebalance Ready", lambda: phase(e2e, "rrebalance", "b-join") == "Ready", timeout=60)
+    wait_for(
+        "fleet service answers /readyz", lambda: http_get(relay_url(e2e) + "/readyz")[0] == 200, timeout=60
+    )
+
+    workload = Workload(lambda: relay_url(e2e)).start()
+    STATE["workload"] = workload
+    wait_for("first messages stored", lambda: workload.stored >= 20, timeout=60)
+
+
+def test_third_shard_and_an_approved_rebalance(e2e: Env) -> None:
+    workload: Workload = STATE["workload"]
+    e2e.kubectl("apply", "-f", "-", input=shard("c"))
+    wait_for("shard c Ready", lambda: phase(e2e, "rshard", "c") == "Ready", timeout=150)
+    m = shard_map(e2e)
+    assert m is not None
+    assert slots_of(m)["c"] == 0
+
+    rebalance = {
+        "apiVersion": "relayfleet.dev/v1alpha1",
+        "kind": "RelayRebalance",
+        "metadata": {"name": "scale-out"},
+        "spec": {"fleet": FLEET, "mode": "weight"},
+    }
+    e2e.kubectl("apply", "-f", "-", input=json.dumps(rebalance))
+    wait_for("proposal ready", lambda: phase(e2e, "rrebalance", "scale-out") == "ProposalReady", timeout=60)
+    obj: Any = e2e.get("rrebalance", "scale-out")
+    assert any(mv["to"] == "c" for mv in obj["status"]["moves"])
+    before = workload.stored
+    e2e.kubectl("annotate", "rrebalance", "scale-out", "relayfleet.dev/rebalance=approve")
+    wait_for("rebalance executed", lambda: phase(e2e, "rrebalance", "scale-out") == "Ready", timeout=120)
+    m = shard_map(e2e)
+    assert m is not None
+    counts = slots_of(m)
+    assert all(counts[s] > SLOT_COUNT // 5 for s in ("a", "b", "c")), counts
+    wait_for("messages stored after the rebalance", lambda: workload.stored > before + 10, timeout=60)
+
+
+def test_deleted_shard_drains_away(e2e: Env) -> None:
+    workload: Workload = STATE["workload"]
+    e2e.kubectl("delete", "rshard", "a", "--wait=false")
+
+    def gone() -> bool:
+        m = shard_map(e2e)
+        return m is not None and "a" not in m.shards and e2e.get("rshard", "a") is None
+
+    wait_for("shard a drained and removed", gone, timeout=150)
+    m = shard_map(e2e)
+    assert m is not None
+    assert sum(slots_of(m).values()) == SLOT_COUNT
+    assert set(m.shards) == {"b", "c"}
+    wait_for("relay of a gone", lambda: e2e.get("deployment", "relayfleet-a-relay") is None, timeout=60)
+    before = workload.stored
+    wait_for("messages stored after the scale-in", lambda: workload.stored > before + 10, timeout=60)
+
+
+def test_history_of_scale_out_rebalance_and_scale_in_is_valid(e2e: Env) -> None:
+    workload: Workload = STATE.pop("workload")
+    workload.stop(timeout=120)
+    verdict = workload.history.check()
+    print(verdict.render())
+    print(f"stored {workload.stored}, connects refused {workload.connect_failures}, timings {TIMINGS}")
+    assert workload.stored > 50
+    assert verdict.ok, verdict.render()
+
+
+def _run_job_from_cronjob(e2e: Env, job: str) -> str:
+    name = f"e2e-{job}-{int(time.time())}"
+    e2e.kubectl("create", "job", f"--from=cronjob/{RELEASE}-{job}-{FLEET}", name)
+    return name
+
+
+def _job_done(e2e: Env, name: str) -> bool:
+    obj: Any = e2e.get("job", name)
+    status = (obj or {}).get("status") or {}
+    if status.get("failed"):
+        logs = e2e.kubectl("logs", f"job/{name}", "--tail=40", check=False)
+        raise pytest.fail.Exception(f"job {name} failed: {logs.stdout}{logs.stderr}")
+    return bool(status.get("succeeded"))
+
+
+def test_retention_and_rebalance_cronjobs_run(e2e: Env) -> None:
+    retention = _run_job_from_cronjob(e2e, "retention")
+    rebalance = _run_job_from_cronjob(e2e, "rebalance")
+    wait_for("retention job succeeded", lambda: _job_done(e2e, retention), timeout=240, interval=2)
+    wait_for("rebalance job succeeded", lambda: _job_done(e2e, rebalance), timeout=240, interval=2)
+
+
+def test_metrics_are_served(e2e: Env) -> None:
+    status, text = http_get(relay_url(e2e) + "/metrics")
+    assert status == 200
+    assert "relayfleet_http_requests_total" in text
+    status, text = http_get(e2e.service_url(f"{RELEASE}-operator", 9090) + "/metrics")
+    assert status == 200
+    assert "relayfleet_operator_reconciles_total" in text

@@ -1,0 +1,179 @@
+"""A recording client workload for the e2e tests: producers and authenticated readers.
+
+Producers send uniquely numbered payloads with an Idempotency-Key (retried until stored);
+each queue has one reader that long-polls, signs its reads and acks with the recipient's
+Ed25519 key, and at the end reads its queue to the end. Every response goes into a
+`relay.history.History`, which the test checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from relay.api.auth import keypair, sign_headers
+from relay.history import History
+
+NOT_SENT = -1
+
+
+def b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+@dataclass(frozen=True)
+class Queue:
+    name: str
+    public: bytes
+    private: bytes
+
+    def path(self, tail: str) -> str:
+        return f"/v1/queues/{b64(self.public)}/{tail}"
+
+
+@dataclass
+class Workload:
+    """Runs on its own thread and event loop, so tests can step the cluster meanwhile."""
+
+    base_url: Callable[[], str]  # called per request: a Service may have several endpoints
+    queues: int = 8
+    producers: int = 3
+    pause_s: float = 0.05
+    seed: int = 11
+    history: History = field(default_factory=History)
+    stored: int = 0
+    connect_failures: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _final: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.qs = [Queue(f"q{i}", *keypair()) for i in range(self.queues)]
+
+    def start(self) -> Workload:
+        self._thread = threading.Thread(target=self._main, name="e2e-workload", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 90.0) -> None:
+        """Stop producing, let readers read every queue to its end, join."""
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise AssertionError(f"workload did not finish within {timeout:.0f}s")
+        if self._error is not None:
+            raise AssertionError(f"workload failed: {self._error!r}")
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except BaseException as exc:  # reported by stop()
+            self._error = exc
+
+    async def _run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            producers = [asyncio.create_task(self._producer(session, p)) for p in range(self.producers)]
+            readers = [asyncio.create_task(self._reader(session, q)) for q in self.qs]
+            await asyncio.to_thread(self._stop.wait)
+            await asyncio.gather(*producers)
+            self._final.set()
+            await asyncio.gather(*readers)
+
+    async def _call(
+        self, session: aiohttp.ClientSession, method: str, path: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[float, float, int, dict[str, Any], bool]:
+        t0 = time.monotonic()
+        try:
+            async with session.request(method, self.base_url() + path, data=body, headers=headers) as resp:
+                doc = await resp.json(content_type=None) if resp.content_length != 0 else {}
+                return t0, time.monotonic(), resp.status, doc or {}, "Retry-After" in resp.headers
+        except aiohttp.ClientConnectorError:
+            # Never connected, so nothing was sent: not part of the history (a stale endpoint).
+            self.connect_failures += 1
+            return t0, time.monotonic(), NOT_SENT, {}, False
+        except (aiohttp.ClientError, TimeoutError, ValueError, OSError):
+            return t0, time.monotonic(), 0, {}, False
+
+    async def _producer(self, session: aiohttp.ClientSession, p: int) -> None:
+        rnd = random.Random(self.seed * 100 + p)
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            q = rnd.choice(self.qs)
+            msg_id = f"p{p}-{n}"
+            payload = msg_id.encode() + b" " + rnd.randbytes(rnd.randint(1, 200))
+            headers = {"Content-Type": "application/octet-stream", "Idempotency-Key": msg_id}
+            for attempt in range(400):
+                t0, t1, status, doc, ra = await self._call(
+                    session, "POST", q.path("messages"), payload, headers
+                )
+                if status == NOT_SENT:
+                    await asyncio.sleep(0.1)
+                    continue
+                seq = doc.get("seq") if status in (200, 201) else None
+                self.history.enqueue(q.name, msg_id, t0, t1, status, seq, msg_id, ra)
+                if status in (200, 201):
+                    self.stored += status == 201
+                    break
+                await asyncio.sleep(min(0.5, 0.05 * (attempt + 1)))
+            else:
+                raise AssertionError(f"{msg_id} was never stored")
+            await asyncio.sleep(rnd.random() * 2 * self.pause_s)
+
+    async def _reader(self, session: aiohttp.ClientSession, q: Queue) -> None:
+        next_seq: int | None = None
+        while True:
+            final = self._final.is_set()
+            query = f"?limit=50&wait={0 if final else 2}" + (
+                f"&fromSeq={next_seq}" if next_seq is not None else ""
+            )
+            path = q.path("messages") + query
+            headers = sign_headers(q.private, "GET", path)
+            t0, t1, status, doc, ra = await self._call(session, "GET", path, b"", headers)
+            if status == NOT_SENT:
+                await asyncio.sleep(0.1)
+                continue
+            items = _items(doc) if status == 200 else []
+            self.history.deliver(q.name, "read", t0, t1, status, items, next_seq, doc.get("epoch"), ra)
+            if status != 200:
+                await asyncio.sleep(0.1)
+                continue
+            if items:
+                await self._ack(session, q, items[-1][0])
+                next_seq = int(doc["nextSeq"])
+            elif final:
+                return
+
+    async def _ack(self, session: aiohttp.ClientSession, q: Queue, upto: int) -> None:
+        body = f'{{"upToSeq": {upto}}}'.encode()
+        path = q.path("ack")
+        for _ in range(400):
+            headers = {"Content-Type": "application/json", **sign_headers(q.private, "POST", path, body)}
+            t0, t1, status, _doc, ra = await self._call(session, "POST", path, body, headers)
+            if status == NOT_SENT:
+                await asyncio.sleep(0.1)
+                continue
+            self.history.ack(q.name, t0, t1, status, upto=upto, retry_after=ra)
+            if status == 200:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"ack on {q.name} never succeeded")
+
+
+def _items(doc: dict[str, Any]) -> list[tuple[int, str]]:
+    out = []
+    for m in doc.get("messages", []):
+        payload = base64.urlsafe_b64decode(m["payload"] + "=" * (-len(m["payload"]) % 4))
+        out.append((int(m["seq"]), payload.split(b" ", 1)[0].decode()))
+    return out
