@@ -1,0 +1,244 @@
+"""`relayfleet top`: the fleet's live figures in a terminal, read from the relays' /metrics.
+
+Rates and latency percentiles come from the difference between two reads (counters and
+histogram buckets), so even `--once` reads twice, a second apart. Per-shard figures are the
+relays' shard gauges (every relay reports every shard; the freshest read wins).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TextIO
+from urllib.parse import urlsplit
+
+from prometheus_client.parser import text_string_to_metric_families
+
+REFRESH_S = 2.0
+_TIMEOUT_S = 2.0
+
+Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass
+class Scrape:
+    """One relay's /metrics: samples by (name, labels), or why it could not be read."""
+
+    url: str
+    samples: dict[tuple[str, Labels], float] = field(default_factory=dict)
+    error: str | None = None
+    at: float = 0.0
+
+    def total(self, name: str, where: Callable[[dict[str, str]], bool] = lambda _: True) -> float:
+        return sum(v for (n, labels), v in self.samples.items() if n == name and where(dict(labels)))
+
+    def by(self, name: str, label: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (n, labels), v in self.samples.items():
+            if n == name:
+                key = dict(labels).get(label, "")
+                out[key] = out.get(key, 0.0) + v
+        return out
+
+
+def _metrics_url(url: str) -> str:
+    base = url.rstrip("/")
+    return base if base.endswith("/metrics") else base + "/metrics"
+
+
+def check_url(url: str) -> str | None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"not an http(s) URL: {url!r}"
+    return None
+
+
+def scrape(url: str) -> Scrape:
+    out = Scrape(url, at=time.monotonic())
+    try:
+        with urllib.request.urlopen(_metrics_url(url), timeout=_TIMEOUT_S) as resp:
+            text = resp.read().decode("utf-8", "replace")
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out.samples[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        out.error = str(getattr(exc, "reason", None) or exc)[:80]
+    return out
+
+
+def scrape_all(urls: list[str]) -> list[Scrape]:
+    with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
+        return list(pool.map(scrape, urls))
+
+
+def _rate(
+    name: str, before: list[Scrape], after: list[Scrape], where: Callable[[dict[str, str]], bool]
+) -> float:
+    total = 0.0
+    for b, a in zip(before, after, strict=True):
+        if a.error or b.error:
+            continue
+        dt = a.at - b.at
+        if dt > 0:
+            total += max(0.0, a.total(name, where) - b.total(name, where)) / dt  # a restart resets counters
+    return total
+
+
+def quantile(q: float, name: str, before: list[Scrape], after: list[Scrape]) -> float | None:
+    """The q-quantile of a histogram over the interval between the reads (linear in the bucket)."""
+    buckets: dict[float, float] = {}
+    for b, a in zip(before, after, strict=True):
+        if a.error or b.error:
+            continue
+        for (n, labels), v in a.samples.items():
+            if n == f"{name}_bucket":
+                le = float(dict(labels)["le"])
+                buckets[le] = buckets.get(le, 0.0) + max(0.0, v - b.samples.get((n, labels), 0.0))
+    if not buckets:
+        return None
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return None
+    rank, prev_bound, prev_count = q * total, 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return prev_bound
+            span = count - prev_count
+            return prev_bound + (bound - prev_bound) * ((rank - prev_count) / span if span else 1.0)
+        prev_bound, prev_count = bound, count
+    return None
+
+
+def _status(prefix: str) -> Callable[[dict[str, str]], bool]:
+    return lambda labels: labels.get("status", "").startswith(prefix)
+
+
+def _op(op: str) -> Callable[[dict[str, str]], bool]:
+    return lambda labels: labels.get("op") == op
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}GiB"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}ms"
+
+
+def render(before: list[Scrape], after: list[Scrape]) -> str:
+    up = [s for s in after if not s.error]
+    lines = [f"relayfleet top: {len(up)}/{len(after)} relays answering   {time.strftime('%H:%M:%S')}", ""]
+
+    def rate(name: str, where: Callable[[dict[str, str]], bool] = lambda _: True) -> float:
+        return _rate(name, before, after, where)
+
+    lines.append(
+        f"enqueued {rate('relayfleet_messages_total', _op('enqueued')):8.1f}/s   "
+        f"delivered {rate('relayfleet_messages_total', _op('delivered')):8.1f}/s   "
+        f"drained {rate('relayfleet_messages_total', _op('drained')):8.1f}/s   "
+        f"acked {rate('relayfleet_messages_total', _op('acked')):8.1f}/s"
+    )
+    lines.append(
+        f"requests {rate('relayfleet_http_requests_total'):8.1f}/s   "
+        f"4xx {rate('relayfleet_http_requests_total', _status('4')):7.1f}/s   "
+        f"5xx {rate('relayfleet_http_requests_total', _status('5')):7.1f}/s   "
+        f"429 {rate('relayfleet_rate_limited_total'):7.1f}/s"
+    )
+    req, wake = "relayfleet_http_request_duration_seconds", "relayfleet_wakeup_latency_seconds"
+    req_p50, req_p99 = quantile(0.5, req, before, after), quantile(0.99, req, before, after)
+    wake_p50, wake_p99 = quantile(0.5, wake, before, after), quantile(0.99, wake, before, after)
+    lines.append(
+        f"request p50 {_ms(req_p50)}  p99 {_ms(req_p99)}   wakeup p50 {_ms(wake_p50)}  p99 {_ms(wake_p99)}"
+    )
+    lines.append("")
+    lines.append(f"{'RELAY':<32} {'STATE':<8} {'WAITERS':>8} {'LIVE':>6} {'MAP EPOCH':>9}")
+    for s in after:
+        if s.error:
+            lines.append(f"{s.url[:32]:<32} {'down':<8} {s.error}")
+            continue
+        lines.append(
+            f"{s.url[:32]:<32} {'up':<8} {s.total('relayfleet_waiters'):8.0f} "
+            f"{s.total('relayfleet_live_connections'):6.0f} {s.total('relayfleet_shard_map_epoch'):9.0f}"
+        )
+    lines.append("")
+    lines.extend(_shard_table(up))
+    return "\n".join(lines)
+
+
+def _shard_table(up: Iterable[Scrape]) -> list[str]:
+    # The freshest relay's view of each shard; 'up' is down if any relay says so.
+    columns = (
+        ("messages", "relayfleet_shard_messages"),
+        ("bytes", "relayfleet_shard_bytes"),
+        ("queues", "relayfleet_shard_queues"),
+        ("enq/min", "relayfleet_shard_enqueues_per_minute"),
+        ("slots", "relayfleet_shard_slots"),
+        ("migr", "relayfleet_shard_slots_migrating"),
+        ("mem", "relayfleet_shard_memory_used_bytes"),
+        ("maxmem", "relayfleet_shard_memory_max_bytes"),
+    )
+    shards: dict[str, dict[str, float]] = {}
+    for s in up:
+        for name, value in s.by("relayfleet_shard_up", "shard").items():
+            row = shards.setdefault(name, {"up": 1.0})
+            row["up"] = min(row["up"], value)
+        for col, metric in columns:
+            for name, value in s.by(metric, "shard").items():
+                shards.setdefault(name, {"up": 1.0})[col] = value
+    header = f"{'SHARD':<16} {'REDIS':<6} {'MESSAGES':>10} {'BYTES':>10} {'QUEUES':>8} {'ENQ/MIN':>8} "
+    header += f"{'SLOTS':>6} {'MIGR':>5} {'MEMORY':>18}"
+    out = [header]
+    for name in sorted(shards):
+        r = shards[name]
+        mem = _bytes(r.get("mem", 0.0))
+        if r.get("maxmem"):
+            mem += f"/{_bytes(r['maxmem'])}"
+        out.append(
+            f"{name[:16]:<16} {'up' if r['up'] else 'DOWN':<6} {r.get('messages', 0):10.0f} "
+            f"{_bytes(r.get('bytes', 0.0)):>10} {r.get('queues', 0):8.0f} {r.get('enq/min', 0):8.0f} "
+            f"{r.get('slots', 0):6.0f} {r.get('migr', 0):5.0f} {mem:>18}"
+        )
+    if not shards:
+        out.append("(no shard figures yet)")
+    return out
+
+
+def top_main(urls: list[str], once: bool, out: TextIO | None = None, refresh_s: float = REFRESH_S) -> int:
+    stream = out or sys.stdout
+    if not urls:
+        print("relayfleet top: give at least one relay URL", file=sys.stderr)
+        return 2
+    for url in urls:
+        if (problem := check_url(url)) is not None:
+            print(f"relayfleet top: {problem}", file=sys.stderr)
+            return 2
+    try:
+        before = scrape_all(urls)
+        if once:
+            time.sleep(1.0)
+            after = scrape_all(urls)
+            print(render(before, after), file=stream)
+            if all(s.error for s in after):
+                print("relayfleet top: no relay answered", file=sys.stderr)
+                return 1
+            return 0
+        while True:
+            time.sleep(refresh_s)
+            after = scrape_all(urls)
+            print("\x1b[H\x1b[2J" + render(before, after), file=stream, flush=True)
+            before = after
+    except KeyboardInterrupt:
+        return 0
