@@ -1,0 +1,69 @@
+"""`relayfleet top` against a real relay (in-process, real Redis): figures, bad input, a down relay."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+
+import pytest
+
+from relay.top import Scrape, quantile, top_main
+from tests.conftest import RunningRelay
+
+
+async def test_once_shows_rates_relays_and_shards(relay: RunningRelay) -> None:
+    stop = asyncio.Event()
+
+    async def traffic() -> None:
+        async with relay.client() as c:
+            while not stop.is_set():
+                r = os.urandom(32)
+                await c.enqueue(r, b"x" * 100)
+                await c.read(r)
+                await asyncio.sleep(0.005)
+
+    task = asyncio.ensure_future(traffic())
+    try:
+        await asyncio.sleep(0.3)
+        out = io.StringIO()
+        code = await asyncio.to_thread(top_main, [relay.base_url, "http://127.0.0.1:1"], True, out)
+    finally:
+        stop.set()
+        await task
+    text = out.getvalue()
+    assert code == 0
+    assert "1/2 relays answering" in text
+    enqueued = float(text.split("enqueued", 1)[1].split("/s", 1)[0])
+    assert enqueued > 0
+    assert "http://127.0.0.1:1" in text
+    assert "down" in text
+    shard_rows = text.split("SHARD", 1)[1].splitlines()[1:]
+    assert any(" up " in row and "16384" in row for row in shard_rows), text
+
+
+def test_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert top_main(["not a url"], once=True) == 2
+    assert "not an http(s) URL" in capsys.readouterr().err
+    assert top_main([], once=True) == 2
+
+
+def test_no_relay_answering_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert top_main(["http://127.0.0.1:1"], once=True, out=io.StringIO()) == 1
+    assert "no relay answered" in capsys.readouterr().err
+
+
+def test_quantile_from_bucket_deltas() -> None:
+    def scrape(counts: dict[str, float]) -> Scrape:
+        s = Scrape("u")
+        for le, v in counts.items():
+            s.samples[("h_bucket", (("le", le),))] = v
+        return s
+
+    before = scrape({"0.1": 10, "1.0": 10, "+Inf": 10})
+    after = scrape({"0.1": 60, "1.0": 110, "+Inf": 110})  # 50 under 0.1 s, 50 in (0.1, 1]
+    p50 = quantile(0.5, "h", [before], [after])
+    p99 = quantile(0.99, "h", [before], [after])
+    assert p50 == pytest.approx(0.1)
+    assert p99 == pytest.approx(0.1 + 0.9 * 0.98)
+    assert quantile(0.5, "h", [after], [after]) is None  # nothing happened in between
