@@ -1,0 +1,55 @@
+"""relay.shard_health against real Redis: per-shard totals from the slot statistics, INFO
+memory/persistence, and shard_up going to 0 when the shard's redis-server stops."""
+
+from __future__ import annotations
+
+import os
+
+import redis
+
+from relay import metrics
+from relay.localredis import LocalRedis
+from relay.shard_health import ShardHealth
+from relay.storage import keys as K
+from tests.conftest import RunningRelay
+
+
+def gauge(g: object, shard: str) -> float:
+    return float(g.labels(shard)._value.get())  # type: ignore[attr-defined]
+
+
+async def test_totals_memory_and_down(redis_server: LocalRedis, relay: RunningRelay) -> None:
+    (shard,) = relay.fleet.stores
+    with redis.Redis.from_url(redis_server.url) as r:
+        r.config_set("maxmemory", str(64 << 20))
+    async with relay.client() as c:
+        recipients = [os.urandom(32) for _ in range(20)]
+        for rcpt in recipients:
+            for _ in range(3):
+                await c.enqueue(rcpt, b"p" * 50)
+    monitor = ShardHealth(relay.fleet, health_s=1.0, stats_s=0.0)
+    await monitor.tick()
+    assert gauge(metrics.SHARD_UP, shard) == 1
+    assert gauge(metrics.SHARD_MESSAGES, shard) == 60
+    assert gauge(metrics.SHARD_BYTES, shard) == 60 * 50
+    assert gauge(metrics.SHARD_QUEUES, shard) == 20
+    assert gauge(metrics.SHARD_SLOTS, shard) == 16384
+    assert gauge(metrics.SHARD_SLOTS_MIGRATING, shard) == 0
+    assert gauge(metrics.SHARD_ENQUEUE_RATE, shard) >= 60
+    assert gauge(metrics.SHARD_MEMORY_MAX, shard) == 64 << 20
+    assert 0 < gauge(metrics.SHARD_MEMORY_USED, shard) < 64 << 20
+    assert gauge(metrics.SHARD_AOF_ENABLED, shard) == 1
+    assert gauge(metrics.SHARD_PERSISTENCE_OK, shard) == 1
+
+    # A slot being moved away counts as migrating; a slot already moved counts for nothing.
+    with redis.Redis.from_url(redis_server.url) as r:
+        r.set(K.slot_state(7), "migrating")
+        r.hset(K.slot_stats(8), mapping={"msgs": 1000, "bytes": 1000})
+        r.set(K.slot_state(8), "moved other 2")
+    await monitor.tick()
+    assert gauge(metrics.SHARD_SLOTS_MIGRATING, shard) == 1
+    assert gauge(metrics.SHARD_MESSAGES, shard) == 60
+
+    redis_server.stop()
+    await monitor.tick()
+    assert gauge(metrics.SHARD_UP, shard) == 0
