@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import aiohttp
 import redis
 
 from relay import metrics
@@ -46,6 +47,10 @@ async def test_totals_memory_and_down(redis_server: LocalRedis, relay: RunningRe
         r.set(K.slot_state(7), "migrating")
         r.hset(K.slot_stats(8), mapping={"msgs": 1000, "bytes": 1000})
         r.set(K.slot_state(8), "moved other 2")
+    await monitor.tick()
+    assert gauge(metrics.SHARD_SLOTS_MIGRATING, shard) == 0  # nobody scraped: slot stats not re-read
+    async with aiohttp.ClientSession() as http, http.get(relay.base_url + "/metrics") as resp:
+        assert resp.status == 200
     await monitor.tick()
     assert gauge(metrics.SHARD_SLOTS_MIGRATING, shard) == 1
     assert gauge(metrics.SHARD_MESSAGES, shard) == 60
