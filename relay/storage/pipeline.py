@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import hiredis
 import redis.asyncio as aioredis
@@ -104,8 +104,7 @@ class _Resp(asyncio.Protocol):
         self.lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
@@ -255,7 +254,7 @@ class ScriptBatcher:
     async def _connect(self) -> None:
         try:
             conn = await asyncio.wait_for(self._open(), self._connect_timeout)
-        except (OSError, TimeoutError, StoreUnavailable, ValueError) as exc:
+        except Exception as exc:  # whatever went wrong, the waiting callers get an answer
             pending, self._pending = list(self._pending), deque()
             reason = str(exc) if isinstance(exc, StoreUnavailable) else type(exc).__name__
             _fail(pending, StoreUnavailable(reason))
