@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import aiohttp
+import pytest
 import redis
 
 from relay import metrics
@@ -13,6 +14,12 @@ from relay.localredis import LocalRedis
 from relay.shard_health import ShardHealth
 from relay.storage import keys as K
 from tests.conftest import RunningRelay
+
+
+@pytest.fixture(autouse=True)
+def quiet_background_monitor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay's own loop ticks once at start-up, then leaves the gauges to this test."""
+    monkeypatch.setenv("RELAYFLEET_SHARD_HEALTH_INTERVAL", "3600")
 
 
 def gauge(g: object, shard: str) -> float:
