@@ -296,3 +296,23 @@ async def test_shutdown_closes_live_connections(owner: RelayClient, relay: Runni
         with pytest.raises(LiveClosed) as closed:
             await frame(conn)
         assert closed.value.code == aiohttp.WSCloseCode.GOING_AWAY
+
+
+async def test_a_client_that_stops_answering_pings_is_dropped(
+    relay: RunningRelay, owner: RelayClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(live_module, "HEARTBEAT_S", 0.2)
+    assert owner.public_key is not None
+    assert owner.private_key is not None
+    path = f"/v1/queues/{b64encode(owner.public_key)}/live"
+    url = "ws" + relay.base_url.removeprefix("http") + path
+    async with aiohttp.ClientSession() as s:
+        # autoping off and never reading: pings go unanswered, as with a stuck client
+        ws = await s.ws_connect(url, headers=sign_headers(owner.private_key, "GET", path), autoping=False)
+        await asyncio.sleep(1.0)
+        for _ in range(50):
+            if (await owner.status())["live_delivery"] is False:
+                break
+            await asyncio.sleep(0.05)
+        assert (await owner.status())["live_delivery"] is False  # the server let go of it
+        await ws.close()
