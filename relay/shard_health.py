@@ -147,6 +147,7 @@ class ShardHealth:
         self.stats_s = stats_s
         self._stats_at = -1e9
         self._known: set[str] = set()
+        self.first_round = asyncio.Event()  # set once a tick completed (tests wait on it)
 
     async def run(self) -> None:
         while True:
@@ -168,6 +169,7 @@ class ShardHealth:
         await asyncio.gather(*(self._probe(name, store, want_load) for name, store in stores.items()))
         if want_load:
             self._stats_at = now
+        self.first_round.set()
 
     async def _probe(self, name: str, store: ShardStore, want_load: bool) -> None:
         started = time.perf_counter()
@@ -220,13 +222,11 @@ class ShardHealth:
         self._known = current
 
 
+MONITOR = web.AppKey("relayfleet_shard_health", ShardHealth)
+
+
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
-    monitor = ShardHealth(
-        app[CTX].service.fleet,
-        _interval("RELAYFLEET_SHARD_HEALTH_INTERVAL", 5.0),
-        _interval("RELAYFLEET_SHARD_STATS_INTERVAL", 20.0),
-    )
-    task = asyncio.get_running_loop().create_task(monitor.run())
+    task = asyncio.get_running_loop().create_task(app[MONITOR].run())
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -234,4 +234,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def setup(app: web.Application) -> None:
+    app[MONITOR] = ShardHealth(
+        app[CTX].service.fleet,
+        _interval("RELAYFLEET_SHARD_HEALTH_INTERVAL", 5.0),
+        _interval("RELAYFLEET_SHARD_STATS_INTERVAL", 20.0),
+    )
     app.cleanup_ctx.append(_lifecycle)
