@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from prometheus_client import Counter, Histogram
 
 from relay import metrics
 from relay.api import health, queues
@@ -46,7 +47,9 @@ def _error_for(exc: BaseException) -> web.Response:
         return error_response(507, "storage_full", "the shard is out of memory; nothing was stored")
     if isinstance(exc, web.HTTPException):
         code = _HTTP_CODES.get(exc.status, "http_error")
-        return error_response(exc.status, code, exc.reason.lower(), {k: v for k, v in exc.headers.items() if k == "Allow"})
+        return error_response(
+            exc.status, code, exc.reason.lower(), {k: v for k, v in exc.headers.items() if k == "Allow"}
+        )
     log.error("unhandled %s in request handler", type(exc).__name__, exc_info=exc)
     return error_response(500, "internal_error", "internal error")
 
@@ -65,9 +68,23 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
     status = response.status
     if status >= 400 and isinstance(response, web.Response) and response.body is not None:
         metrics.REJECTED.labels(_code_of(response)).inc()
-    metrics.REQUESTS.labels(route, request.method, str(status)).inc()
-    metrics.REQUEST_SECONDS.labels(route, request.method).observe(time.perf_counter() - start)
+    method = request.method
+    counter = _REQUEST_COUNTERS.get((route, method, status))
+    if counter is None:
+        counter = _REQUEST_COUNTERS[(route, method, status)] = metrics.REQUESTS.labels(
+            route, method, str(status)
+        )
+    counter.inc()
+    timer = _REQUEST_TIMERS.get((route, method))
+    if timer is None:
+        timer = _REQUEST_TIMERS[(route, method)] = metrics.REQUEST_SECONDS.labels(route, method)
+    timer.observe(time.perf_counter() - start)
     return response
+
+
+# Label children per (route, method[, status]): bounded by the route table, resolved once.
+_REQUEST_COUNTERS: dict[tuple[str, str, int], Counter] = {}
+_REQUEST_TIMERS: dict[tuple[str, str], Histogram] = {}
 
 
 def _code_of(response: web.Response) -> str:
@@ -124,18 +141,25 @@ def begin_shutdown(app: web.Application) -> None:
         hub.wake_all()
 
 
-async def serve(settings: Settings, shard_map: ShardMap, source: MapSource | None, drain_delay_s: float = 0.0) -> None:
+async def serve(
+    settings: Settings, shard_map: ShardMap, source: MapSource | None, drain_delay_s: float = 0.0
+) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
     fleet = await start_fleet(shard_map, settings, source)
     app = build_app(settings, fleet)
     if settings.auth == "none":
         log.warning("authentication is disabled (--auth none): for local development only")
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=settings.shutdown_grace_s)
+    # handler_cancellation: a long-poll whose client left unregisters at once, not when its wait ends
+    runner = web.AppRunner(
+        app, access_log=None, shutdown_timeout=settings.shutdown_grace_s, handler_cancellation=True
+    )
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True, backlog=4096)
     await site.start()
     app[CTX].ready = True
-    log.info("relay listening on http://%s:%d (shard map epoch %d)", settings.host, settings.port, shard_map.epoch)
+    log.info(
+        "relay listening on http://%s:%d (shard map epoch %d)", settings.host, settings.port, shard_map.epoch
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -30,15 +30,21 @@ def b64decode(text: str) -> bytes:
         raise ValueError("not base64url without padding") from None
 
 
+_URLSAFE = bytes.maketrans(b"+/", b"-_")
+
+
 def b64encode(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+    # binascii + translate: what base64.urlsafe_b64encode does, minus two Python layers
+    return binascii.b2a_base64(data, newline=False).translate(_URLSAFE).rstrip(b"=").decode("ascii")
 
 
 def recipient_key(text: str) -> bytes:
     try:
         raw = b64decode(text)
     except ValueError:
-        raise bad_request("recipientKey must be base64url (no padding) of exactly 32 bytes", "bad_recipient") from None
+        raise bad_request(
+            "recipientKey must be base64url (no padding) of exactly 32 bytes", "bad_recipient"
+        ) from None
     if len(raw) != RECIPIENT_BYTES:
         raise bad_request(f"recipientKey must be exactly 32 bytes, got {len(raw)}", "bad_recipient")
     return raw
@@ -52,7 +58,9 @@ def channel_value(text: str) -> bytes:
     try:
         raw = b64decode(text)
     except ValueError:
-        raise bad_request("channel must be base64url (no padding) of at most 64 bytes", "bad_channel") from None
+        raise bad_request(
+            "channel must be base64url (no padding) of at most 64 bytes", "bad_channel"
+        ) from None
     if len(raw) > MAX_CHANNEL_BYTES:
         raise bad_request(f"channel must be at most 64 bytes, got {len(raw)}", "bad_channel")
     return raw
@@ -137,5 +145,14 @@ async def json_body(request: web.Request, cap: int) -> tuple[Any, bytes]:
         raise bad_request("request body must be valid JSON", "bad_json") from None
 
 
+_SECONDS: dict[int, str] = {}  # formatted "YYYY-MM-DDTHH:MM:SS." per second; bounded
+
+
 def rfc3339_ms(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"
+    second, milli = divmod(ms, 1000)
+    head = _SECONDS.get(second)
+    if head is None:
+        if len(_SECONDS) >= 4096:
+            _SECONDS.clear()
+        head = _SECONDS[second] = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S.")
+    return f"{head}{milli:03d}Z"

@@ -19,7 +19,9 @@ routes = web.RouteTableDef()
 def enqueue_error(outcome: EnqueueOutcome) -> ApiError | None:
     """The contract's answer for a refused enqueue, or None when it was stored."""
     if outcome.kind == "conflict":
-        return ApiError(409, "idempotency_conflict", "Idempotency-Key was already used with a different payload")
+        return ApiError(
+            409, "idempotency_conflict", "Idempotency-Key was already used with a different payload"
+        )
     if outcome.kind == "rate_limited":
         ms = outcome.retry_after_ms
         return ApiError(
@@ -78,7 +80,11 @@ async def read(request: web.Request) -> web.Response:
     c = ctx(request)
     recipient = params.recipient_key(request.match_info["recipient"])
     channel = params.channel_of(request)
-    start, lim, wait = params.from_seq(request), params.limit(request, c.settings), params.wait(request, c.settings)
+    start, lim, wait = (
+        params.from_seq(request),
+        params.limit(request, c.settings),
+        params.wait(request, c.settings),
+    )
     await c.auth.verify(request, recipient)
     result = await c.service.read(recipient, channel, start, lim, wait)
     return json_response(read_json(result, start))
@@ -140,7 +146,9 @@ async def status(request: web.Request) -> web.Response:
             "total_bytes": st.bytes,
             "oldest_received_time": params.rfc3339_ms(st.oldest_ms) if st.oldest_ms is not None else None,
             "newest_received_time": params.rfc3339_ms(st.newest_ms) if st.newest_ms is not None else None,
-            "longest_waited_seconds": max(0, int(now - st.oldest_ms / 1000)) if st.oldest_ms is not None else None,
+            "longest_waited_seconds": max(0, int(now - st.oldest_ms / 1000))
+            if st.oldest_ms is not None
+            else None,
             "live_delivery": (recipient, channel) in c.live.by_queue,
             "nextSeq": st.last_seq + 1,
             "epoch": st.epoch,

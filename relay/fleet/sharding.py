@@ -5,6 +5,7 @@ Pure and stdlib-only so the operator, the Spark jobs and the relay share it.
 
 from __future__ import annotations
 
+import binascii
 import bisect
 import json
 from collections.abc import Iterable, Mapping
@@ -14,25 +15,9 @@ from typing import Any
 SLOT_COUNT = 16384
 
 
-def _crc16_table() -> tuple[int, ...]:
-    table = []
-    for byte in range(256):
-        crc = byte << 8
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else (crc << 1)
-        table.append(crc & 0xFFFF)
-    return tuple(table)
-
-
-_TABLE = _crc16_table()
-
-
 def crc16(data: bytes) -> int:
-    """CRC16-XMODEM, the checksum Redis Cluster uses for key slots."""
-    crc = 0
-    for byte in data:
-        crc = ((crc << 8) & 0xFFFF) ^ _TABLE[((crc >> 8) ^ byte) & 0xFF]
-    return crc
+    """CRC16-XMODEM, the checksum Redis Cluster uses for key slots (binascii does it in C)."""
+    return binascii.crc_hqx(data, 0)
 
 
 def slot_of(recipient: bytes, channel: bytes = b"") -> int:

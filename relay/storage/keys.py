@@ -9,6 +9,7 @@ could itself be a Redis Cluster without changing a script.
 from __future__ import annotations
 
 import base64
+import functools
 from dataclasses import dataclass
 
 from relay.fleet.sharding import slot_of
@@ -70,10 +71,13 @@ class QueueKeys:
         return (self.meta, self.msgs, self.idem, self.idemx, self.rate)
 
 
+# Hot queues are looked up on every request; the names never change, so cache them.
+@functools.lru_cache(maxsize=1 << 16)
 def queue_id(recipient: bytes, channel: bytes) -> str:
     return f"{b64(recipient)}.{b64(channel)}"
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def queue_keys_for_id(slot: int, qid: str) -> QueueKeys:
     base = f"{slot_tag(slot)}:q:{qid}"
     return QueueKeys(
