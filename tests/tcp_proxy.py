@@ -1,0 +1,120 @@
+"""A loopback TCP proxy a test controls, to cut and restore one network link.
+
+It runs its own event loop on a thread, so cutting the link does not depend on the
+test's loop being free. Two ways to cut:
+
+- ``cut("reset")``: every open connection is closed and new ones are refused at once
+  (what a crashed peer or a firewall REJECT looks like);
+- ``cut("blackhole")``: connections stay open but nothing is forwarded, and new ones
+  are accepted and then starved (a partition or a firewall DROP: the harder case,
+  since only timeouts notice it).
+
+``restore()`` forwards again; connections starved during a blackhole are closed so
+the client reconnects rather than reading a torn stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+
+
+class TcpProxy:
+    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+        self.target = (target_host, target_port)
+        self.mode = "up"  # 'up' | 'reset' | 'blackhole'
+        self.connections = 0
+        self._loop = asyncio.new_event_loop()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tcp-proxy", daemon=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+
+    def start(self) -> TcpProxy:
+        self._thread.start()
+        self._call(self._start())
+        return self
+
+    def stop(self) -> None:
+        with contextlib.suppress(RuntimeError, TimeoutError):
+            self._call(self._stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def cut(self, how: str = "reset") -> None:
+        assert how in ("reset", "blackhole"), how
+        self._call(self._set(how))
+
+    def restore(self) -> None:
+        self._call(self._set("up"))
+
+    def _call(self, coro: object) -> None:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        fut.result(10)
+
+    async def _start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+    async def _stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self._close_all()
+
+    def _close_all(self) -> None:
+        for w in list(self._writers):
+            w.transport.abort()
+        self._writers.clear()
+
+    async def _set(self, mode: str) -> None:
+        previous, self.mode = self.mode, mode
+        if mode == "reset" or (mode == "up" and previous == "blackhole"):
+            self._close_all()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.mode == "reset":
+            writer.transport.abort()
+            return
+        self._writers.add(writer)
+        self.connections += 1
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.transport.abort()
+            self._writers.discard(writer)
+            return
+        self._writers.add(up_writer)
+        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                data = await src.read(65536)
+                if not data:
+                    break
+                while self.mode == "blackhole":  # hold the bytes: nothing gets through
+                    await asyncio.sleep(0.05)
+                if dst not in self._writers:
+                    break
+                dst.write(data)
+                await dst.drain()
+        except (OSError, ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._writers.discard(dst)
+            dst.transport.abort()
+
+
+@contextlib.contextmanager
+def tcp_proxy(target_port: int) -> Iterator[TcpProxy]:
+    proxy = TcpProxy(target_port).start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()

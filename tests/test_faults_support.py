@@ -1,0 +1,83 @@
+"""Shared pieces of the fault suite (no tests here): relay processes on one Redis URL,
+small HTTP probes, and a closing line each fault test prints for the suite's verdicts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from relay.history import Verdict
+from relay.localredis import free_port
+from tests.test_migration_harness import RelayProc, wait_ready
+
+
+def start_relay(workdir: Path, redis_url: str, env: dict[str, str] | None = None, port: int = 0) -> RelayProc:
+    """`python -m relay --redis-url URL --auth none` as a subprocess, ready when returned."""
+    port = port or free_port()
+    log_path = workdir / f"relay-{port}.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "relay", "--redis-url", redis_url, "--port", str(port), "--auth", "none"],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "RELAY_FLEET": "test", "RELAY_LOG_LEVEL": "WARNING", **(env or {})},
+        )
+    relay = RelayProc(port, proc, log_path)
+    try:
+        wait_ready(relay)
+    except BaseException:
+        stop_relay(relay)
+        raise
+    return relay
+
+
+def stop_relay(relay: RelayProc, sig: int = signal.SIGTERM) -> None:
+    if relay.proc.poll() is None:
+        relay.proc.send_signal(sig)
+    try:
+        relay.proc.wait(15)
+    except subprocess.TimeoutExpired:
+        relay.proc.kill()
+        relay.proc.wait(5)
+
+
+async def call(
+    http: aiohttp.ClientSession, method: str, url: str, body: bytes | None = None, **headers: str
+) -> tuple[int, dict[str, Any], dict[str, str], float]:
+    """(status, json body, headers, seconds taken); status 0 when no response came."""
+    t0 = time.monotonic()
+    try:
+        async with http.request(method, url, data=body, headers=headers or None) as resp:
+            doc = await resp.json(content_type=None) if resp.content_length != 0 else {}
+            return resp.status, doc or {}, dict(resp.headers), time.monotonic() - t0
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return 0, {}, {}, time.monotonic() - t0
+
+
+def report(name: str, verdict: Verdict | None = None, **numbers: object) -> str:
+    """One line for the suite's closing note: the fault, the numbers, the verdict."""
+    parts = [f"FAULTS {name}:"]
+    parts += [f"{k}={v}" for k, v in numbers.items()]
+    if verdict is not None:
+        c = verdict.counts
+        parts += [
+            f"enqueue_attempts={c.get('enqueue_attempts', 0)}",
+            f"acknowledged={c.get('messages_acknowledged', 0)}",
+            f"delivered={c.get('messages_delivered', 0)}",
+            f"violations={len(verdict.violations)}",
+        ]
+    line = " ".join(parts)
+    print(line)
+    out = os.environ.get("RELAY_FAULTS_REPORT")
+    if out:
+        with open(out, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    return line
