@@ -32,7 +32,7 @@ Event records (also the JSON-lines file format; ``t0``/``t1`` are seconds, one c
 it must reuse one Idempotency-Key (``key``). Before checking, every queue must have
 been read or drained to the end, or unread messages count as lost.
 
-Command line: ``python -m relay.history HISTORY.jsonl [--at-least-once] [--show N]``
+Command line: ``python -m relay.history HISTORY.jsonl [--at-least-once] [--allow-unanswered] [--show N]``
 prints the verdict; exit 0 when the history is valid, 1 on violations, 2 on bad input.
 """
 
@@ -143,8 +143,8 @@ class History:
             for e in self.events:
                 f.write(json.dumps(e, separators=(",", ":")) + "\n")
 
-    def check(self, exactly_once: bool = True) -> Verdict:
-        return check(self.events, exactly_once)
+    def check(self, exactly_once: bool = True, allow_unanswered: bool = False) -> Verdict:
+        return check(self.events, exactly_once, allow_unanswered)
 
 
 class HistoryError(ValueError):
@@ -236,13 +236,15 @@ class _Msg:
     attempts: int = 0
 
 
-def _status_ok(e: dict[str, Any], out: list[Violation]) -> bool:
+def _status_ok(e: dict[str, Any], out: list[Violation], allow_unanswered: bool = False) -> bool:
     status = int(e["status"])
     op = e["op"]
     if status in _ALLOWED[op]:
         return True
     what = f"{op} [{e['t0']:.3f}..{e['t1']:.3f}]"
-    if status == 0:
+    if status == 0 and allow_unanswered:
+        pass  # the relay process died mid-request: the client retries (counted as unanswered)
+    elif status == 0:
         out.append(Violation("status", e["queue"], f"{what} got no response"))
     elif status == 503 and e.get("retry_after"):
         pass  # retryable by contract
@@ -254,8 +256,14 @@ def _status_ok(e: dict[str, Any], out: list[Violation]) -> bool:
     return False
 
 
-def check(events: Iterable[dict[str, Any]], exactly_once: bool = True) -> Verdict:
-    """Verify a history (see the module docstring for what each violation means)."""
+def check(
+    events: Iterable[dict[str, Any]], exactly_once: bool = True, allow_unanswered: bool = False
+) -> Verdict:
+    """Verify a history (see the module docstring for what each violation means).
+
+    ``allow_unanswered``: a request that got no response (status 0: its relay process was
+    killed) is not itself a violation; what it did must still be consistent, e.g. a drain
+    whose answer was lost does lose its messages, so such runs use read+ack queues."""
     v: list[Violation] = []
     msgs: dict[str, _Msg] = {}
     deliveries: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -263,7 +271,9 @@ def check(events: Iterable[dict[str, Any]], exactly_once: bool = True) -> Verdic
     counts: dict[str, int] = defaultdict(int)
     for n, e in enumerate(events):
         _validate(e, f"event {n}")
-        ok = _status_ok(e, v)
+        ok = _status_ok(e, v, allow_unanswered)
+        if int(e["status"]) == 0:
+            counts["unanswered"] += 1
         if e["op"] != "enqueue" and int(e["status"]) == 503:
             counts["retryable_503"] += 1
         if e["op"] == "enqueue":
@@ -433,6 +443,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m relay.history", description="Verify a recorded relay history")
     p.add_argument("history", help="JSON-lines history file")
     p.add_argument("--at-least-once", action="store_true", help="allow re-deliveries before the ack")
+    p.add_argument(
+        "--allow-unanswered",
+        action="store_true",
+        help="requests with no response (killed relay) are no violation",
+    )
     p.add_argument("--show", type=int, default=20, help="violations to print (default 20)")
     args = p.parse_args(argv)
     try:
@@ -444,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"relay.history: {args.history}: {exc}", file=sys.stderr)
         return 2
     try:
-        verdict = check(events, exactly_once=not args.at_least_once)
+        verdict = check(events, exactly_once=not args.at_least_once, allow_unanswered=args.allow_unanswered)
     except (TypeError, ValueError, KeyError) as exc:
         print(
             f"relay.history: {args.history}: malformed record ({type(exc).__name__}: {exc})", file=sys.stderr

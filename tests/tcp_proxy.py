@@ -19,7 +19,8 @@ import asyncio
 import contextlib
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 
 class TcpProxy:
@@ -55,11 +56,12 @@ class TcpProxy:
     def restore(self) -> None:
         self._call(self._set("up"))
 
-    def _call(self, coro: object) -> None:
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
-        fut.result(10)
+    def _call(self, coro: Coroutine[Any, Any, None]) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
 
     async def _start(self) -> None:
+        self._flowing = asyncio.Event()
+        self._flowing.set()
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
 
     async def _stop(self) -> None:
@@ -74,6 +76,10 @@ class TcpProxy:
 
     async def _set(self, mode: str) -> None:
         previous, self.mode = self.mode, mode
+        if mode == "blackhole":
+            self._flowing.clear()
+        else:
+            self._flowing.set()
         if mode == "reset" or (mode == "up" and previous == "blackhole"):
             self._close_all()
 
@@ -98,8 +104,7 @@ class TcpProxy:
                 data = await src.read(65536)
                 if not data:
                     break
-                while self.mode == "blackhole":  # hold the bytes: nothing gets through
-                    await asyncio.sleep(0.05)
+                await self._flowing.wait()  # a blackhole holds the bytes: nothing gets through
                 if dst not in self._writers:
                     break
                 dst.write(data)
