@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=getattr(args, "log_level", "INFO").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=getattr(args, "log_level", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         return _dispatch(args)
@@ -106,7 +107,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         try:
             from relayfleet_operator.main import run
         except ImportError as exc:
-            print(f"relayfleet: the operator needs the [operator] extra ({exc.name} missing)", file=sys.stderr)
+            print(
+                f"relayfleet: the operator needs the [operator] extra ({exc.name} missing)", file=sys.stderr
+            )
             return 1
         return run(args.namespace, args.all_namespaces)
     if cmd == "bench":
@@ -145,7 +148,10 @@ def _relay(args: argparse.Namespace) -> int:
         source = configmap_source(namespace, name)
         shard_map = asyncio.run(_first_map(source))
     else:
-        print("relayfleet: one of --redis-url, --shard-map or --shard-map-configmap is required", file=sys.stderr)
+        print(
+            "relayfleet: one of --redis-url, --shard-map or --shard-map-configmap is required",
+            file=sys.stderr,
+        )
         return 2
     tokens = tuple(t.strip() for t in (_env("RELAY_ENQUEUE_TOKENS", "") or "").split(",") if t.strip())
     settings = Settings(

@@ -45,7 +45,9 @@ class Batch:
 
 
 def _batch(doc: dict[str, Any]) -> Batch:
-    msgs = [Received(m["seq"], b64decode(m["payload"]), m["receivedAt"], m["messageId"]) for m in doc["messages"]]
+    msgs = [
+        Received(m["seq"], b64decode(m["payload"]), m["receivedAt"], m["messageId"]) for m in doc["messages"]
+    ]
     return Batch(msgs, doc["nextSeq"], doc["epoch"], bool(doc.get("more", False)))
 
 
@@ -131,12 +133,21 @@ class RelayClient:
         wait: float | None = None,
     ) -> Batch:
         r = recipient or self._me()
-        q = {"channel": b64encode(channel) if channel else None, "fromSeq": from_seq, "limit": limit, "wait": wait}
+        q = {
+            "channel": b64encode(channel) if channel else None,
+            "fromSeq": from_seq,
+            "limit": limit,
+            "wait": wait,
+        }
         _, doc = await self.request("GET", self._path(r, "messages", q), sign=True)
         return _batch(doc)
 
     async def drain(
-        self, recipient: bytes | None = None, channel: bytes = b"", limit: int | None = None, wait: float | None = None
+        self,
+        recipient: bytes | None = None,
+        channel: bytes = b"",
+        limit: int | None = None,
+        wait: float | None = None,
     ) -> Batch:
         r = recipient or self._me()
         q = {"channel": b64encode(channel) if channel else None, "limit": limit, "wait": wait}

@@ -80,14 +80,20 @@ class LocalRedis:
             args += ["--maxmemory", self.maxmemory]
         if self.password:
             args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.dir}/redis.log")
+                raise RuntimeError(
+                    f"redis-server exited with {self.proc.returncode}; see {self.dir}/redis.log"
+                )
             try:
                 with socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
-                    s.sendall(b"PING\r\n" if not self.password else f"AUTH {self.password}\r\nPING\r\n".encode())
+                    s.sendall(
+                        b"PING\r\n" if not self.password else f"AUTH {self.password}\r\nPING\r\n".encode()
+                    )
                     reply = s.recv(256)
                     if b"PONG" in reply or b"+OK" in reply:
                         return self

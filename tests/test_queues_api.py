@@ -33,18 +33,23 @@ async def test_enqueue_read_ack_roundtrip(relay: RunningRelay) -> None:
         assert await c.enqueue(r, b"two") == (2, False)
         batch = await c.read(r)
         assert [(m.seq, m.payload) for m in batch.messages] == [(1, b"one"), (2, b"two")]
-        assert batch.next_seq == 3 and batch.epoch
-        assert batch.messages[0].received_at.endswith("Z") and len(batch.messages[0].received_at) == 24
+        assert batch.next_seq == 3
+        assert batch.epoch
+        assert batch.messages[0].received_at.endswith("Z")
+        assert len(batch.messages[0].received_at) == 24
         assert batch.messages[0].message_id is None
         # non-destructive, fromSeq and limit
         again = await c.read(r, from_seq=2, limit=1)
-        assert [m.seq for m in again.messages] == [2] and again.next_seq == 3
+        assert [m.seq for m in again.messages] == [2]
+        assert again.next_seq == 3
         assert await c.ack(r, up_to_seq=1) == 1
         assert await c.ack(r, up_to_seq=1) == 0  # idempotent
         assert [m.seq for m in (await c.read(r)).messages] == [2]
         assert await c.ack(r, seqs=[2, 99]) == 1
         empty = await c.read(r, from_seq=3)
-        assert empty.messages == [] and empty.next_seq == 3 and empty.epoch == batch.epoch
+        assert empty.messages == []
+        assert empty.next_seq == 3
+        assert empty.epoch == batch.epoch
         # seq is never reused while the queue exists
         assert await c.enqueue(r, b"three") == (3, False)
 
@@ -53,18 +58,26 @@ async def test_status_is_complete(relay: RunningRelay) -> None:
     r = rkey()
     async with relay.client() as c:
         st = await c.status(r)
-        assert st["message_count"] == 0 and st["total_bytes"] == 0
-        assert st["oldest_received_time"] is None and st["longest_waited_seconds"] is None
-        assert st["live_delivery"] is False and st["nextSeq"] == 1 and st["epoch"]
+        assert st["message_count"] == 0
+        assert st["total_bytes"] == 0
+        assert st["oldest_received_time"] is None
+        assert st["longest_waited_seconds"] is None
+        assert st["live_delivery"] is False
+        assert st["nextSeq"] == 1
+        assert st["epoch"]
         await c.enqueue(r, b"abc")
         await c.enqueue(r, b"defgh")
         st2 = await c.status(r)
-        assert st2["message_count"] == 2 and st2["total_bytes"] == 8 and st2["nextSeq"] == 3
+        assert st2["message_count"] == 2
+        assert st2["total_bytes"] == 8
+        assert st2["nextSeq"] == 3
         assert st2["oldest_received_time"] <= st2["newest_received_time"]
-        assert st2["longest_waited_seconds"] >= 0 and st2["epoch"] == st["epoch"]
+        assert st2["longest_waited_seconds"] >= 0
+        assert st2["epoch"] == st["epoch"]
         await c.ack(r, up_to_seq=1)
         st3 = await c.status(r)
-        assert st3["message_count"] == 1 and st3["total_bytes"] == 5
+        assert st3["message_count"] == 1
+        assert st3["total_bytes"] == 5
 
 
 @pytest.mark.parametrize(
@@ -108,7 +121,8 @@ async def test_payload_errors(relay: RunningRelay, http: aiohttp.ClientSession) 
         assert resp.status == 201
     async with relay.client() as c:
         st = await c.status(r)
-        assert st["message_count"] == 1 and st["total_bytes"] == 5242880
+        assert st["message_count"] == 1
+        assert st["total_bytes"] == 5242880
 
 
 async def test_oversize_chunked_body_is_refused_before_fully_read(
@@ -142,7 +156,8 @@ async def test_idempotency(relay: RunningRelay, http: aiohttp.ClientSession) -> 
             assert await c.enqueue(r, b"pay", idempotency_key="k-1") == (1, True)
         with pytest.raises(RelayError) as exc:
             await c.enqueue(r, b"other", idempotency_key="k-1")
-        assert exc.value.status == 409 and exc.value.code == "idempotency_conflict"
+        assert exc.value.status == 409
+        assert exc.value.code == "idempotency_conflict"
         assert await c.enqueue(r, b"pay", idempotency_key="k-2") == (2, False)
         assert len((await c.read(r)).messages) == 2
         # still a duplicate after the original was acknowledged
@@ -164,7 +179,7 @@ async def test_idempotency_across_concurrent_retries(relay: RunningRelay) -> Non
 
 
 async def test_rate_limit_boundary(redis_server: LocalRedis, relay_factory: RelayFactory) -> None:
-    relay = await relay_factory(redis_server.url, limits=QueueLimits(rate_count=5, rate_window_ms=1000))
+    relay = await relay_factory(redis_server.url, limits=QueueLimits(rate_count=5, rate_window_ms=3000))
     r, other = rkey(), rkey()
     async with relay.client() as c:
         for i in range(5):
@@ -174,9 +189,10 @@ async def test_rate_limit_boundary(redis_server: LocalRedis, relay_factory: Rela
         with pytest.raises(RelayError) as exc:
             await c.enqueue(r, b"m5")
         err = exc.value
-        assert err.status == 429 and err.code == "rate_limited"
+        assert err.status == 429
+        assert err.code == "rate_limited"
         assert int(err.headers["Retry-After"]) >= 1
-        assert 0 < err.body["retryAfterMs"] <= 1000
+        assert 0 < err.body["retryAfterMs"] <= 3000
         # rejected attempts do not count either, and other queues are unaffected
         assert (await c.enqueue(other, b"x"))[0] == 1
         await asyncio.sleep(err.body["retryAfterMs"] / 1000 + 0.05)
@@ -192,11 +208,13 @@ async def test_queue_caps(redis_server: LocalRedis, relay_factory: RelayFactory)
             await c.enqueue(r, b"a")
         with pytest.raises(RelayError) as exc:
             await c.enqueue(r, b"a")
-        assert exc.value.status == 507 and exc.value.code == "queue_full"
+        assert exc.value.status == 507
+        assert exc.value.code == "queue_full"
         await c.enqueue(r2, b"123456789")
         with pytest.raises(RelayError) as exc2:
             await c.enqueue(r2, b"12")
-        assert exc2.value.status == 507 and exc2.value.code == "queue_full"
+        assert exc2.value.status == 507
+        assert exc2.value.code == "queue_full"
         await c.ack(r, up_to_seq=1)
         assert (await c.enqueue(r, b"a"))[0] == 4
 
@@ -232,9 +250,11 @@ async def test_bad_parameters(relay: RunningRelay, http: aiohttp.ClientSession) 
 
 async def test_unknown_route_and_method_are_json(relay: RunningRelay, http: aiohttp.ClientSession) -> None:
     async with http.get(relay.base_url + "/v1/nope") as resp:
-        assert resp.status == 404 and (await resp.json())["code"] == "not_found"
+        assert resp.status == 404
+        assert (await resp.json())["code"] == "not_found"
     async with http.delete(relay.base_url + qpath(rkey())) as resp:
-        assert resp.status == 405 and (await resp.json())["code"] == "method_not_allowed"
+        assert resp.status == 405
+        assert (await resp.json())["code"] == "method_not_allowed"
 
 
 async def test_channels_are_isolated(relay: RunningRelay) -> None:
@@ -285,7 +305,8 @@ async def test_drain_never_returns_a_message_twice(relay: RunningRelay) -> None:
         for b in results:
             assert [m.seq for m in b.messages] == sorted(m.seq for m in b.messages)
         final = await c.drain(r)
-        assert final.messages == [] and final.more is False
+        assert final.messages == []
+        assert final.more is False
         assert (await c.status(r))["total_bytes"] == 0
 
 
@@ -295,9 +316,11 @@ async def test_drain_more_flag_and_wait(relay: RunningRelay) -> None:
         for i in range(3):
             await c.enqueue(r, b"%d" % i)
         first = await c.drain(r, limit=2)
-        assert [m.seq for m in first.messages] == [1, 2] and first.more is True
+        assert [m.seq for m in first.messages] == [1, 2]
+        assert first.more is True
         second = await c.drain(r, limit=2)
-        assert [m.seq for m in second.messages] == [3] and second.more is False
+        assert [m.seq for m in second.messages] == [3]
+        assert second.more is False
         waiting = asyncio.create_task(c.drain(r, wait=5))
         await asyncio.sleep(0.1)
         await c.enqueue(r, b"late")
@@ -318,7 +341,10 @@ async def test_long_poll_wakes_within_milliseconds(relay: RunningRelay) -> None:
             latencies.append(time.perf_counter() - t0)
             assert [m.seq for m in batch.messages] == [i + 1]
     latencies.sort()
-    assert latencies[len(latencies) // 2] < 0.05, latencies
+    # woken, not timed out: the median is milliseconds (bench: p50 < 1 ms); the bound
+    # leaves room for a loaded CI machine while staying far below the 10 s wait
+    assert latencies[len(latencies) // 2] < 0.1, latencies
+    assert latencies[-1] < 2.0, latencies
 
 
 async def test_long_poll_timeout_returns_empty(relay: RunningRelay) -> None:
@@ -327,7 +353,8 @@ async def test_long_poll_timeout_returns_empty(relay: RunningRelay) -> None:
         t0 = time.perf_counter()
         batch = await c.read(r, from_seq=1, wait=0.4)
         elapsed = time.perf_counter() - t0
-    assert batch.messages == [] and batch.next_seq == 1
+    assert batch.messages == []
+    assert batch.next_seq == 1
     assert 0.35 <= elapsed < 2.0
 
 
@@ -401,7 +428,8 @@ async def test_redis_down_gives_503_and_recovers(redis_server: LocalRedis, relay
         redis_server.stop()
         with pytest.raises(RelayError) as exc:
             await c.enqueue(r, b"during")
-        assert exc.value.status == 503 and exc.value.code == "unavailable"
+        assert exc.value.status == 503
+        assert exc.value.code == "unavailable"
         assert int(exc.value.headers["Retry-After"]) >= 1
         redis_server.start()
         for _ in range(50):
@@ -421,11 +449,18 @@ async def test_storage_full_is_507_and_keeps_data(relay_factory: RelayFactory) -
         r = rkey()
         stored = 0
         async with relay.client() as c:
-            with pytest.raises(RelayError) as exc:
-                for _ in range(100):
+            refused: RelayError | None = None
+            for _ in range(100):
+                try:
                     await c.enqueue(r, os.urandom(100_000))
-                    stored += 1
-            assert exc.value.status == 507 and exc.value.code == "storage_full"
+                except RelayError as err:
+                    refused = err
+                    break
+                stored += 1
+            assert refused is not None
+            exc = pytest.ExceptionInfo.from_exc_info((RelayError, refused, None))  # type: ignore[arg-type]
+            assert exc.value.status == 507
+            assert exc.value.code == "storage_full"
             assert stored > 0
             assert len((await c.read(r, limit=1000)).messages) == stored
     finally:
@@ -441,4 +476,5 @@ async def test_anonymous_client_cannot_read_signed_queue(
         await c.enqueue(r, b"secret")  # enqueue stays open
         with pytest.raises(RelayError) as exc:
             await c.read(r)
-        assert exc.value.status == 401 and exc.value.headers["WWW-Authenticate"] == "Relay-Ed25519"
+        assert exc.value.status == 401
+        assert exc.value.headers["WWW-Authenticate"] == "Relay-Ed25519"

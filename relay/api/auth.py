@@ -104,11 +104,15 @@ class Authenticator:
         if abs(int(creds.ts) - time.time()) > self.skew:
             raise unauthorized("ts is outside the allowed clock skew")
         try:
-            VerifyKey(creds.key).verify(canonical(method, path_and_query, creds.ts, creds.nonce, body), creds.sig)
+            VerifyKey(creds.key).verify(
+                canonical(method, path_and_query, creds.ts, creds.nonce, body), creds.sig
+            )
         except (BadSignatureError, ValueError):
             raise unauthorized("signature does not verify") from None
         # recorded only after the signature checks out, so nobody can burn others' nonces
-        fresh = await self.service.use_nonce(recipient, f"{b64encode(creds.key)}.{creds.nonce}", 2 * self.skew * 1000)
+        fresh = await self.service.use_nonce(
+            recipient, f"{b64encode(creds.key)}.{creds.nonce}", 2 * self.skew * 1000
+        )
         if not fresh:
             raise unauthorized("nonce was already used")
 

@@ -33,7 +33,10 @@ async def readyz(request: web.Request) -> web.Response:
     subs_down = [name for name, hub in fleet.hubs.items() if not hub.healthy]
     if down or subs_down:
         return error_response(
-            503, "not_ready", "some shards are not answering", extra={"shardsDown": down, "subscribersDown": subs_down}
+            503,
+            "not_ready",
+            "some shards are not answering",
+            extra={"shardsDown": down, "subscribersDown": subs_down},
         )
     return json_response({"status": "ready", "shardMapEpoch": fleet.map.epoch, "shards": len(stores)})
 

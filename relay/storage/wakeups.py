@@ -183,7 +183,9 @@ class WakeupHub:
             try:
                 reader, writer = await asyncio.wait_for(self._open(), 3.0)
             except (OSError, TimeoutError, ConnectionError) as exc:
-                log.warning("wakeup subscriber for shard %s cannot connect: %s", self.shard, type(exc).__name__)
+                log.warning(
+                    "wakeup subscriber for shard %s cannot connect: %s", self.shard, type(exc).__name__
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue

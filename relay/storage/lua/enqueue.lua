@@ -17,6 +17,12 @@
 local f = fence(KEYS[1])
 if f then return f end
 local now = tonumber(ARGV[2])
+-- The first write must be one Redis refuses at maxmemory (HSETNX is): Redis only
+-- checks OOM before a script's first write, and a refused enqueue changes nothing.
+if redis.call('HSETNX', KEYS[2], 'epoch', ARGV[13]) == 1 then
+  redis.call('HSET', KEYS[2], 'created', now)
+  redis.call('SADD', KEYS[7], ARGV[11])
+end
 local ikey = ARGV[3]
 if ikey ~= '' then
   local prev = redis.call('HGET', KEYS[4], ikey)
@@ -34,17 +40,13 @@ if redis.call('ZCARD', KEYS[6]) >= tonumber(ARGV[6]) then
   return {'rate', math.max(1, tonumber(oldest[2]) + window - now)}
 end
 local size = string.len(ARGV[1])
-local meta = redis.call('HMGET', KEYS[2], 'seq', 'bytes', 'epoch')
+local meta = redis.call('HMGET', KEYS[2], 'seq', 'bytes')
 local held = tonumber(meta[2]) or 0
 if redis.call('XLEN', KEYS[3]) + 1 > tonumber(ARGV[8]) then return {'full', 'messages'} end
 if held + size > tonumber(ARGV[9]) then return {'full', 'bytes'} end
 local seq = (tonumber(meta[1]) or 0) + 1
 redis.call('XADD', KEYS[3], seq .. '-0', 'p', ARGV[1], 't', now, 'm', ARGV[5], 'n', size)
-if meta[3] then
-  redis.call('HSET', KEYS[2], 'seq', seq, 'bytes', held + size)
-else
-  redis.call('HSET', KEYS[2], 'seq', seq, 'bytes', held + size, 'epoch', ARGV[13], 'created', now)
-end
+redis.call('HSET', KEYS[2], 'seq', seq, 'bytes', held + size)
 redis.call('ZADD', KEYS[6], now, seq)
 redis.call('PEXPIRE', KEYS[6], window)
 if ikey ~= '' then
