@@ -49,23 +49,31 @@ def build_parser() -> argparse.ArgumentParser:
     mig.add_argument("--shard-map", required=True, metavar="FILE")
     mig.add_argument("--slots", required=True, metavar="A-B")
     mig.add_argument("--to", required=True, metavar="SHARD")
-    plan = sub.add_parser("plan", help="rebalance plan without Spark (JSON on stdout)")
-    plan.add_argument("--shard-map", required=True, metavar="FILE")
+    sub.add_parser("plan", help="rebalance plan without Spark (JSON on stdout): --shard-map FILE")
     sub.add_parser("keygen", help="print a new Ed25519 key pair")
     op = sub.add_parser("operator", help="run the kopf operator")
     scope = op.add_mutually_exclusive_group()
     scope.add_argument("--namespace", default=_env("RELAY_OPERATOR_NAMESPACE"))
     scope.add_argument("--all-namespaces", action="store_true")
-    bench = sub.add_parser("bench", help="side-by-side benchmarks")
-    bench.add_argument("--quick", action="store_true")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("bench", help="side-by-side benchmarks: [--quick]")
     top = sub.add_parser("top", help="live figures of a fleet from its relays' /metrics")
     top.add_argument("urls", nargs="*", default=[_env("RELAY_URL", "http://127.0.0.1:8080")])
     top.add_argument("--once", action="store_true")
     return parser
 
 
+# Subcommands with a parser of their own get their arguments untouched.
+_PASSTHROUGH = {"bench": ("relay.bench", "main"), "plan": ("spark_jobs.planning", "plan_main")}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _PASSTHROUGH:
+        import importlib
+
+        module, func = _PASSTHROUGH[argv[0]]
+        entry = getattr(importlib.import_module(module), func)
+        return int(entry(argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "INFO").upper(),
@@ -99,10 +107,6 @@ def _dispatch(args: argparse.Namespace) -> int:
         from relay.fleet.migration import migrate_main
 
         return migrate_main(args.shard_map, args.slots, args.to)
-    if cmd == "plan":
-        from spark_jobs.planning import plan_main
-
-        return plan_main(["--shard-map", args.shard_map])
     if cmd == "operator":
         try:
             from relayfleet_operator.main import run
@@ -112,14 +116,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             )
             return 1
         return run(args.namespace, args.all_namespaces)
-    if cmd == "bench":
-        from relay.bench import main as bench_main
-
-        return bench_main((["--quick"] if args.quick else []) + list(args.rest))
     if cmd == "top":
         from relay.top import top_main
 
-        return top_main(args.urls, once=args.once)
+        return int(top_main(args.urls, once=args.once))
     raise AssertionError(cmd)
 
 
@@ -146,7 +146,11 @@ def _relay(args: argparse.Namespace) -> int:
             print("relayfleet: --shard-map-configmap must be NAMESPACE/NAME", file=sys.stderr)
             return 2
         source = configmap_source(namespace, name)
-        shard_map = asyncio.run(_first_map(source))
+        first = asyncio.run(source())
+        if first is None:
+            print(f"relayfleet: ConfigMap {args.shard_map_configmap} holds no shard map", file=sys.stderr)
+            return 1
+        shard_map = first
     else:
         print(
             "relayfleet: one of --redis-url, --shard-map or --shard-map-configmap is required",
@@ -166,17 +170,6 @@ def _relay(args: argparse.Namespace) -> int:
     )
     _run(serve(settings, shard_map, source, drain_delay_s=env_int("RELAY_SHUTDOWN_DELAY_SECONDS", 0)))
     return 0
-
-
-async def _first_map(source: object) -> object:
-    from relay.fleet.routing import MapSource
-
-    assert callable(source)
-    src: MapSource = source
-    shard_map = await src()
-    if shard_map is None:
-        raise ShardMapError("shard map ConfigMap is empty")
-    return shard_map
 
 
 def _run(coro: object) -> None:
