@@ -65,6 +65,8 @@ def _bulk(a: Arg) -> bytes:
 
 
 _HEADS: dict[tuple[str, int], bytes] = {}
+# EVALSHA head plus the encoded key names, per (script, keys) of a hot queue; bounded.
+_KEY_SEGMENTS: dict[tuple[str, tuple[str, ...]], bytes] = {}
 
 
 def _evalsha_head(script: Script, nkeys: int) -> bytes:
@@ -188,9 +190,13 @@ class ScriptBatcher:
             await self._client.script_load(script.source)
 
     def call(self, script: Script, keys: tuple[str, ...], args: tuple[Arg, ...]) -> asyncio.Future[Any]:
-        parts = [b"*%d\r\n" % (3 + len(keys) + len(args)), _evalsha_head(script, len(keys))]
-        for k in keys:
-            parts.append(_bulk_str(k))
+        head = _KEY_SEGMENTS.get((script.sha, keys))
+        if head is None:
+            head = _evalsha_head(script, len(keys)) + b"".join([_bulk_str(k) for k in keys])
+            if len(_KEY_SEGMENTS) >= _BULK_CACHE_MAX:
+                _KEY_SEGMENTS.clear()
+            _KEY_SEGMENTS[(script.sha, keys)] = head
+        parts = [b"*%d\r\n" % (3 + len(keys) + len(args)), head]
         for a in args:
             parts.append(_bulk(a))
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
