@@ -6,7 +6,7 @@ Two cadences, both cheap:
 - load (at most every RELAYFLEET_SHARD_STATS_INTERVAL s, default 20, and only when
   /metrics was scraped since the last read, so an unscraped relay costs the shards
   nothing): per slot the map gives the shard, HMGET of its stats hash, GET of its state
-  and SCARD of its queue index, pipelined 1024 slots per round trip.
+  and SCARD of its queue index, pipelined 256 slots per round trip.
 
 Gauges carry a `shard` label only: shards are few, queues and slots never become labels.
 """
@@ -38,7 +38,7 @@ log = logging.getLogger("relay.shard_health")
 
 routes = web.RouteTableDef()  # no routes of its own: app.py wants the attribute
 
-_PIPELINE_SLOTS = 1024
+_PIPELINE_SLOTS = 256  # small round trips: the event loop serves requests in between
 _STAT_FIELDS = ("msgs", "bytes", "wstart", "wcur", "wprev")
 _PROBE_TIMEOUT_S = 3.0
 
@@ -145,7 +145,10 @@ class ShardHealth:
         self.fleet = fleet
         self.health_s = health_s
         self.stats_s = stats_s
-        self._stats_at = -1e9
+        # Not at start-up: the first read waits for the first scrape (a relay nobody scrapes
+        # never pays for it, and a starting relay serves traffic first).
+        self._stats_at = time.monotonic() - stats_s
+        self._scraped_at = time.monotonic()
         self._known: set[str] = set()
         self.first_round = asyncio.Event()  # set once a tick completed (tests wait on it)
 
@@ -163,12 +166,10 @@ class ShardHealth:
         now = time.monotonic()
         stores = dict(self.fleet.stores)
         self._forget(set(stores))
-        want_load = now - self._stats_at >= self.stats_s and (
-            SCRAPES.last >= self._stats_at or self._stats_at < 0
-        )
+        want_load = now - self._stats_at >= self.stats_s and SCRAPES.last > self._scraped_at
         await asyncio.gather(*(self._probe(name, store, want_load) for name, store in stores.items()))
         if want_load:
-            self._stats_at = now
+            self._stats_at = self._scraped_at = now
         self.first_round.set()
 
     async def _probe(self, name: str, store: ShardStore, want_load: bool) -> None:

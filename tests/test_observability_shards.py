@@ -23,6 +23,11 @@ def quiet_background_monitor(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RELAYFLEET_SHARD_HEALTH_INTERVAL", "3600")
 
 
+async def scrape(relay: RunningRelay) -> None:
+    async with aiohttp.ClientSession() as http, http.get(relay.base_url + "/metrics") as resp:
+        assert resp.status == 200
+
+
 def gauge(g: object, shard: str) -> float:
     return float(g.labels(shard)._value.get())  # type: ignore[attr-defined]
 
@@ -39,6 +44,11 @@ async def test_totals_memory_and_down(redis_server: LocalRedis, relay: RunningRe
             for _ in range(3):
                 await c.enqueue(rcpt, b"p" * 50)
     monitor = ShardHealth(relay.fleet, health_s=1.0, stats_s=0.0)
+    metrics.SHARD_MESSAGES.labels(shard).set(-1)  # the registry is process-wide: a marker
+    await monitor.tick()
+    assert gauge(metrics.SHARD_UP, shard) == 1
+    assert gauge(metrics.SHARD_MESSAGES, shard) == -1  # slot statistics wait for a scrape
+    await scrape(relay)
     await monitor.tick()
     assert gauge(metrics.SHARD_UP, shard) == 1
     assert gauge(metrics.SHARD_MESSAGES, shard) == 60
@@ -59,8 +69,7 @@ async def test_totals_memory_and_down(redis_server: LocalRedis, relay: RunningRe
         r.set(K.slot_state(8), "moved other 2")
     await monitor.tick()
     assert gauge(metrics.SHARD_SLOTS_MIGRATING, shard) == 0  # nobody scraped: slot stats not re-read
-    async with aiohttp.ClientSession() as http, http.get(relay.base_url + "/metrics") as resp:
-        assert resp.status == 200
+    await scrape(relay)
     await monitor.tick()
     assert gauge(metrics.SHARD_SLOTS_MIGRATING, shard) == 1
     assert gauge(metrics.SHARD_MESSAGES, shard) == 60
