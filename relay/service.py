@@ -187,6 +187,10 @@ class QueueService:
             recipient, b"", lambda r: r.store.use_nonce(r.keys.slot, member, ts, lifetime_ms)
         )
 
+    async def announce_live(self, recipient: bytes, channel: bytes, token: bytes) -> None:
+        """Tell every live connection to this queue, fleet-wide, that `token` is the newest."""
+        await self.call(recipient, channel, lambda r: r.store.publish_notice(r.keys.wake, token))
+
     def waiting_count(self) -> int:
         return self._waiters
 

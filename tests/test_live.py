@@ -316,3 +316,27 @@ async def test_a_client_that_stops_answering_pings_is_dropped(
             await asyncio.sleep(0.05)
         assert (await owner.status())["live_delivery"] is False  # the server let go of it
         await ws.close()
+
+
+async def test_displacement_across_relay_processes(redis_server: LocalRedis, relay_factory: RelayFactory) -> None:
+    """Two relays on one Redis: the newest connection wins wherever it landed."""
+    a = await relay_factory(redis_server.url, auth="ed25519")
+    b = await relay_factory(redis_server.url, auth="ed25519")
+    public, private = keypair()
+    async with a.client(private, public) as via_a, b.client(private, public) as via_b:
+        first = await via_a.live()
+        assert await frame(first) == {"type": "empty"}
+        second = await via_b.live()
+        assert await frame(second) == {"type": "empty"}
+        with pytest.raises(LiveClosed) as closed:
+            await frame(first)
+        assert closed.value.code == CLOSE_DISPLACED
+        await via_a.enqueue(public, b"only-to-second")
+        assert received(await frame(second)).payload == b"only-to-second"
+        third = await via_a.live()  # and back: the one on b is displaced now
+        assert received(await frame(third)).payload == b"only-to-second"
+        assert await frame(third) == {"type": "empty"}
+        with pytest.raises(LiveClosed) as closed_b:
+            await frame(second)
+        assert closed_b.value.code == CLOSE_DISPLACED
+        await third.close()

@@ -154,14 +154,7 @@ def test_invalid_requests_never_get_a_5xx(operation: Any, relay_url: str, http: 
     run_generated(operation, GenerationMode.NEGATIVE, relay_url, http, [not_a_server_error])
 
 
-# ack.lua builds stream ids from Lua numbers, which print as 1e+14 from 10^14 on: a
-# Redis error (answered 503) for upToSeq >= 10^14 - 1. Fix asked of storage's owner;
-# strict, so this fails as soon as it is fixed and the mark must go.
-_ACK_BUG = pytest.mark.xfail(strict=True, reason="ack.lua: upToSeq >= 1e14 - 1 is a Redis error (503)")
-BOUNDARY = [
-    pytest.param(op, id=op.label, marks=[_ACK_BUG] if op.label == "POST /v1/queues/{recipient}/ack" else [])
-    for op in WITH_INPUT
-]
+BOUNDARY = [pytest.param(op, id=op.label) for op in WITH_INPUT]
 
 
 @pytest.mark.parametrize("operation", BOUNDARY)

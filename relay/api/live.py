@@ -15,6 +15,8 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
+import os
 import weakref
 from typing import Any
 
@@ -28,6 +30,7 @@ from relay.api.errors import ApiError, error_response
 from relay.api.queues import message_json, parse_ack
 from relay.service import Unavailable
 from relay.storage.store import ReadResult
+from relay.storage.wakeups import Waiter
 
 log = logging.getLogger("relay.live")
 
@@ -38,6 +41,7 @@ READ_BATCH = 16  # messages per Redis read: bounds memory per connection (payloa
 HEARTBEAT_S = 20.0  # WebSocket ping interval; no pong within half of it closes the connection
 REREAD_S = 30.0  # a wakeup is a hint: re-read this often even without one
 PRUNE_S = 5.0  # with the window full, look this often for unacked messages removed elsewhere
+NOTICE_CHECK_S = 0.5  # while not reading (window full, paused), look for takeover notices this often
 MAX_FRAME = 1 << 20  # client frames are acks and Pickup messages
 
 
@@ -56,6 +60,8 @@ class LiveSession:
         self.streaming = asyncio.Event()  # cleared by Pickup live-delivery-change false
         self.streaming.set()
         self.displaced = asyncio.Event()  # a newer connection took the queue over
+        self.token = os.urandom(16)  # announced fleet-wide; a foreign token after it displaces us
+        self.seen_own = False
 
     # -- pickup.LiveControl ------------------------------------------------
     @property
@@ -97,13 +103,19 @@ class LiveSession:
         next_seq = from_seq
         epoch: str | None = None
         sent_empty = False
+        announced = False
         while True:
             route = service.fleet.route(self.recipient, self.channel)
             with route.hub.waiting(route.keys.wake) as waiter:
                 await waiter.ready(1.0)  # subscribed before the first read: no lost wakeup
+                if not announced:
+                    # after subscribing, so our own notice comes back to us: notices after
+                    # it are from newer connections (Redis delivers in publish order)
+                    await service.announce_live(self.recipient, self.channel, self.token)
+                    announced = True
                 while True:
-                    await self.streaming.wait()
-                    await self._wait_for_room()
+                    await self._idle_until(self.streaming, waiter)
+                    await self._wait_for_room(waiter)
                     want = min(READ_BATCH, self.window - len(self.inflight))
                     result = await service.read(self.recipient, self.channel, next_seq, want, 0)
                     if epoch is not None and result.epoch != epoch:
@@ -121,6 +133,7 @@ class LiveSession:
                         await self.send({"type": "empty"})
                         sent_empty = True
                     await waiter.wait(REREAD_S)
+                    self._check_notices(waiter)
                     if service.closing:
                         await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"relay shutting down")
                         return
@@ -136,13 +149,30 @@ class LiveSession:
             return result.messages[-1].seq + 1
         return next_seq if next_seq is not None else result.last_seq + 1
 
-    async def _wait_for_room(self) -> None:
+    async def _wait_for_room(self, waiter: Waiter) -> None:
         """Backpressure: with the window full, read nothing more until acks arrive."""
         while not self.room.is_set():
+            await self._idle_until(self.room, waiter, PRUNE_S)
+            if not self.room.is_set():
+                await self._prune()
+
+    async def _idle_until(self, event: asyncio.Event, waiter: Waiter, limit_s: float = math.inf) -> None:
+        """Wait for `event` (at most `limit_s`) while still noticing newer connections elsewhere."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + limit_s
+        while not event.is_set() and (left := end - loop.time()) > 0:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.room.wait(), PRUNE_S)
-                return
-            await self._prune()
+                await asyncio.wait_for(event.wait(), min(NOTICE_CHECK_S, left))
+            self._check_notices(waiter)
+
+    def _check_notices(self, waiter: Waiter) -> None:
+        """A foreign live-connection token after our own: a newer connection, elsewhere in the fleet."""
+        while waiter.notices:
+            token = waiter.notices.popleft()
+            if token == self.token:
+                self.seen_own = True
+            elif self.seen_own:
+                self.displaced.set()
 
     async def _prune(self) -> None:
         """Forget unacked frames whose messages were removed another way (HTTP ack, drain, retention)."""

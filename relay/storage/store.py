@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from relay.storage import keys as K
 from relay.storage import scripts
 from relay.storage.pipeline import ScriptBatcher, StoreRejected, StoreUnavailable
+from relay.storage.wakeups import NOTICE_PREFIX
 
 __all__ = [
     "EnqueueOutcome",
@@ -272,6 +273,13 @@ class ShardStore:
             oldest_ms=int(r[5]) if r[5] else None,
             newest_ms=int(r[6]) if r[6] else None,
         )
+
+    async def publish_notice(self, channel: str, data: bytes) -> int:
+        """Publish a notice (not a message) on a wakeup channel; returns the subscriber count."""
+        try:
+            return int(await self.client.publish(channel, NOTICE_PREFIX + data))
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(type(exc).__name__) from None
 
     async def use_nonce(self, slot: int, member: str, now_ms: int, lifetime_ms: int) -> bool:
         """True when the nonce was unused (and is now recorded)."""

@@ -10,6 +10,7 @@ to re-read, because wakeups may have been missed meanwhile.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import ssl
@@ -36,14 +37,24 @@ def _pack(*parts: str | bytes) -> bytes:
     return b"".join(out)
 
 
+NOTICE_PREFIX = b"n:"  # wakeup-channel payloads that are notices (live takeovers), not new messages
+_MAX_NOTICES = 64
+
+
 class Waiter:
-    __slots__ = ("_chan", "_event", "_hub", "woken_at_ms")
+    __slots__ = ("_chan", "_event", "_hub", "notices", "woken_at_ms")
 
     def __init__(self, hub: WakeupHub, chan: _Channel) -> None:
         self._hub = hub
         self._chan = chan
         self._event = asyncio.Event()
         self.woken_at_ms: int | None = None  # enqueue time of the message that woke us
+        # notice payloads (prefix stripped) in publish order; the newest are kept
+        self.notices: collections.deque[bytes] = collections.deque(maxlen=_MAX_NOTICES)
+
+    def notice(self, data: bytes) -> None:
+        self.notices.append(data)
+        self._event.set()
 
     def wake(self, enqueued_ms: int | None) -> None:
         if enqueued_ms is not None and self.woken_at_ms is None:
@@ -250,6 +261,10 @@ class WakeupHub:
         if kind == b"message" and len(msg) == 3:
             chan = self._channels.get(msg[1].decode())
             if chan is None:
+                return
+            if msg[2].startswith(NOTICE_PREFIX):
+                for w in chan.waiters:
+                    w.notice(msg[2][len(NOTICE_PREFIX) :])
                 return
             enq_ms: int | None = None
             with contextlib.suppress(ValueError, IndexError):

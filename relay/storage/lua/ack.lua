@@ -9,11 +9,12 @@ local removed, bytes = 0, 0
 if ARGV[1] == 'upto' then
   local upto = tonumber(ARGV[2])
   if upto >= 1 then
-    local entries = redis.call('XRANGE', KEYS[3], '-', upto .. '-0')
+    -- ids from the argument's digits: a Lua number prints as 1e+14 from 10^14 on
+    local entries = redis.call('XRANGE', KEYS[3], '-', ARGV[2] .. '-0')
     if #entries > 0 then
       bytes = entry_bytes(entries)
       removed = #entries
-      redis.call('XTRIM', KEYS[3], 'MINID', (upto + 1) .. '-0')
+      redis.call('XTRIM', KEYS[3], 'MINID', ARGV[2] .. '-1')  -- every id below N-1 is <= N-0
     end
   end
 else
