@@ -318,7 +318,9 @@ async def test_a_client_that_stops_answering_pings_is_dropped(
         await ws.close()
 
 
-async def test_displacement_across_relay_processes(redis_server: LocalRedis, relay_factory: RelayFactory) -> None:
+async def test_displacement_across_relay_processes(
+    redis_server: LocalRedis, relay_factory: RelayFactory
+) -> None:
     """Two relays on one Redis: the newest connection wins wherever it landed."""
     a = await relay_factory(redis_server.url, auth="ed25519")
     b = await relay_factory(redis_server.url, auth="ed25519")
