@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import os
 import re
 from datetime import UTC, datetime
 from typing import Any
@@ -18,6 +20,8 @@ _B64URL = re.compile(r"^[A-Za-z0-9_-]*$")
 _PRINTABLE = re.compile(r"^[\x20-\x7e]{1,128}$")
 RECIPIENT_BYTES = 32
 MAX_CHANNEL_BYTES = 64
+# A body must arrive within this long, or a slow sender (slowloris) holds a handler forever.
+BODY_TIMEOUT_S = float(os.environ.get("RELAY_BODY_TIMEOUT_S", "30"))
 
 
 def b64decode(text: str) -> bytes:
@@ -114,6 +118,8 @@ async def payload(request: web.Request, cap: int) -> bytes:
     try:
         body = await raw_body(request, cap)
     except ApiError as exc:
+        if exc.status != 413:
+            raise
         raise ApiError(413, "payload_too_large", f"payload exceeds max size ({cap} bytes)") from exc
     if not body:
         raise bad_request("payload must not be empty", "empty_payload")
@@ -128,11 +134,20 @@ async def raw_body(request: web.Request, cap: int) -> bytes:
         raise too_large
     chunks: list[bytes] = []
     size = 0
-    while chunk := await request.content.readany():
-        size += len(chunk)
-        if size > cap:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > cap:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(
+            408,
+            "body_timeout",
+            f"request body not received within {BODY_TIMEOUT_S:g} s",
+            {"Connection": "close"},
+        ) from None
     return b"".join(chunks)
 
 
