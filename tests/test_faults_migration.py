@@ -1,0 +1,134 @@
+"""Fault: `relayfleet migrate` SIGKILLed at random moments under load, then rerun.
+
+tests/test_migration_crash.py kills the migrator at each named step (a test hook);
+this one kills the real process with SIGKILL after a random delay, wherever it is
+(mid-MIGRATE chunk, between fence and listing, mid-publish...), then runs it again to
+completion. Each time: the rerun finishes the move, and at the end the recorded
+history holds every guarantee and no shard keeps stray keys or fences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from relay.fleet.migration import CRASH_ENV
+from tests.test_faults_support import report
+from tests.test_migration_crash import FILLERS, HI, LO, _queues_in_range
+from tests.test_migration_harness import FleetProcs, Workload, final_placement_problems, fleet_procs
+
+pytestmark = [pytest.mark.faults]
+
+
+def _migrate_cmd(fleet: FleetProcs, to: str) -> list[str]:
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from relay.cli import main; sys.exit(main(sys.argv[1:]))",
+        "migrate",
+        "--shard-map",
+        fleet.map_path,
+        "--slots",
+        f"{LO}-{HI}",
+        "--to",
+        to,
+    ]
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != CRASH_ENV}
+
+
+def _killed_after(fleet: FleetProcs, to: str, delay: float) -> bool:
+    """Start a migration, SIGKILL it after `delay` s; True if it was still running."""
+    proc = subprocess.Popen(
+        _migrate_cmd(fleet, to), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        proc.wait(delay)
+        return False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        return True
+
+
+def _complete(fleet: FleetProcs, to: str) -> float:
+    t0 = time.monotonic()
+    done = subprocess.run(
+        _migrate_cmd(fleet, to), env=_env(), capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return time.monotonic() - t0
+
+
+async def _run(tmp_path: Path, rounds: int, seed: int) -> None:
+    rnd = random.Random(seed)
+    with fleet_procs(tmp_path, shards=2, relays=2, all_on_first=True) as fleet:
+        fillers = _queues_in_range(FILLERS, seed=1, prefix="f")
+        async with aiohttp.ClientSession() as http:
+            for q in fillers:
+                async with http.post(
+                    fleet.urls[0] + q.path("messages"), data=b"filler", headers={"Idempotency-Key": q.name}
+                ) as resp:
+                    assert resp.status == 201
+        work = Workload(
+            fleet.urls, _queues_in_range(8, seed=2, prefix="q"), producers=4, seed=seed, max_wait_s=2.0
+        )
+        await work.start()
+        src, tgt = "a", "b"
+        killed = 0
+        delays: list[float] = []
+        try:
+            full = await asyncio.to_thread(_complete, fleet, tgt)  # one clean move: how long one takes
+            src, tgt = tgt, src
+            for _ in range(rounds):
+                await asyncio.sleep(0.3)
+                # python start-up takes a good part of a run: spread kills over all of it
+                delay = rnd.uniform(0.5, full * 0.9)
+                delays.append(round(delay, 2))
+                killed += await asyncio.to_thread(_killed_after, fleet, tgt, delay)
+                await asyncio.sleep(0.3)  # traffic meets whatever half-done state is left
+                await asyncio.to_thread(_complete, fleet, tgt)
+                assert fleet.shard_map().shard_for_slot(LO) == tgt
+                src, tgt = tgt, src
+        finally:
+            await work.stop()
+        verdict = work.history.check()
+        work.history.save(str(tmp_path / "history.jsonl"))
+        report(
+            "migration-sigkill-random",
+            verdict,
+            rounds=rounds,
+            killed_mid_run=killed,
+            clean_run_s=round(full, 2),
+            kill_delays_s=delays,
+        )
+        assert verdict.ok, f"{verdict.render()}\n{fleet.relay_logs()}"
+        assert killed >= rounds // 2, f"only {killed} of {rounds} kills landed mid-run"
+        assert not await final_placement_problems(fleet, list(range(LO, HI + 1)))
+        async with aiohttp.ClientSession() as http:
+            for q in fillers:
+                async with http.get(fleet.urls[0] + q.path("messages")) as resp:
+                    doc = await resp.json()
+                assert [m["seq"] for m in doc["messages"]] == [1], q.name
+
+
+@pytest.mark.timeout(400)
+async def test_migration_sigkilled_at_random_points_under_load(tmp_path: Path) -> None:
+    await _run(tmp_path, rounds=5, seed=int(os.environ.get("RELAY_FAULTS_SEED", "17")))
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(7200)
+async def test_migration_sigkilled_soak(tmp_path: Path, soak_seconds: float) -> None:
+    await _run(tmp_path, rounds=max(5, int(soak_seconds / 10)), seed=int(time.time()))
