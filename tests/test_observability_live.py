@@ -150,18 +150,19 @@ class Prometheus:
         return result
 
 
-@pytest.fixture
-def prometheus(fleet: Fleet, tmp_path: Path) -> Iterator[Prometheus]:
+@contextlib.contextmanager
+def run_prometheus(tmp_path: Path, targets: list[str]) -> Iterator[Prometheus]:
+    """/usr/bin/prometheus on a free port: 1 s scrapes of `targets` (host:port), the chart's
+    rendered rules evaluated every second."""
     groups = rendered_rule_groups()
     for rule in alert_rules(groups):
         if rule["alert"] == FAST_ALERT:
             rule["for"] = "2s"
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
-    target = fleet.url.removeprefix("http://")
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
         "rule_files": [str(tmp_path / "rules.yaml")],
-        "scrape_configs": [{"job_name": "relayfleet-relay", "static_configs": [{"targets": [target]}]}],
+        "scrape_configs": [{"job_name": "relayfleet", "static_configs": [{"targets": targets}]}],
     }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
@@ -194,6 +195,12 @@ def prometheus(fleet: Fleet, tmp_path: Path) -> Iterator[Prometheus]:
         yield prom
     finally:
         proc.stop()
+
+
+@pytest.fixture
+def prometheus(fleet: Fleet, tmp_path: Path) -> Iterator[Prometheus]:
+    with run_prometheus(tmp_path, [fleet.url.removeprefix("http://")]) as prom:
+        yield prom
 
 
 def recipient(i: int) -> bytes:

@@ -1,0 +1,85 @@
+"""The operator's side of the dashboard and rules, against the real operator: it runs on the
+kwok cluster (tests/k8s_cluster.py) and joins a second shard with an automatic rebalance, while
+a real Prometheus scrapes its /metrics with the chart's rendered rules. Every dashboard query
+and alert expression over `relayfleet_operator_*` series is then evaluated; each dashboard
+query returns data, except those over relayfleet_operator_errors_total, which has a series
+only once an error happened (none does in a healthy run: asserted)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from relay.localredis import LocalRedis
+from tests.k8s_cluster import KubeCluster
+from tests.test_observability import (
+    alert_rules,
+    dashboard_queries,
+    metric_names,
+    promql,
+    rendered_rule_groups,
+)
+from tests.test_observability_live import pytestmark as live_marks
+from tests.test_observability_live import run_prometheus, wait_until
+from tests.test_operator_k8s import (  # noqa: F401  (fixtures used by name)
+    Operator,
+    apply,
+    external,
+    kwok_ns,
+    operator,
+    rebalance_phase,
+    redis_servers,
+    shard_map,
+    wait_for,
+)
+
+pytestmark = [*live_marks[:2]]
+
+ERRORS = "relayfleet_operator_errors_total"
+
+
+def operator_only(expr: str) -> bool:
+    names = metric_names(expr)
+    return bool(names) and all(n.startswith("relayfleet_operator_") for n in names)
+
+
+def test_operator_queries_against_a_real_prometheus(
+    kwok_cluster: KubeCluster,
+    kwok_ns: str,  # noqa: F811
+    operator: Operator,  # noqa: F811
+    redis_servers: Callable[[], LocalRedis],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    ns = kwok_ns
+    servers = {"a": redis_servers(), "b": redis_servers()}
+    operator.start()
+    with run_prometheus(tmp_path, [f"127.0.0.1:{operator.metrics_port}"]) as prom:
+        apply(kwok_cluster, ns, external("a", servers["a"], weight=300))
+        wait_for("a in the map", lambda: (m := shard_map(kwok_cluster, ns)) and "a" in m.shards)
+        apply(kwok_cluster, ns, external("b", servers["b"], autoRebalance=True))
+        wait_for(
+            "the join rebalance", lambda: rebalance_phase(kwok_cluster, ns, "b-join") == "Ready", timeout=120
+        )
+        wait_until(
+            "slots moved, scraped",
+            lambda: prom.query("min(count_over_time(relayfleet_operator_bytes_moved_total[1h])) > 2"),
+            20,
+        )
+
+        checked, empty = 0, []
+        for dashboard, title, expr in dashboard_queries():
+            if not operator_only(expr):
+                continue
+            checked += 1
+            rows = prom.query(promql(expr))
+            if not rows and ERRORS not in expr:
+                empty.append(f"{dashboard} / {title}: {expr}")
+        assert empty == []
+        assert checked >= 6
+        assert prom.query(f"count({ERRORS})") == []  # a healthy run: no error series at all
+
+        for rule in alert_rules(rendered_rule_groups()):
+            if operator_only(rule["expr"]):
+                prom.query(rule["expr"])  # parses and evaluates against real operator series
+        firing = [a for a in prom.get("/api/v1/alerts")["alerts"] if a["state"] == "firing"]
+        assert firing == []
