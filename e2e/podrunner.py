@@ -119,6 +119,7 @@ class Container:
     started_at: str = ""
     exit_code: int | None = None
     last_probe: float = 0.0
+    restart_at: float = 0.0
 
 
 @dataclass
@@ -433,6 +434,9 @@ class Runner:
     # --- rewriting the container's view of the world -------------------------------------
 
     def rewrite_path(self, value: str, pod: RunPod) -> str:
+        for quote in ('"', "'"):
+            if len(value) > 1 and value[0] == quote and value.endswith(quote):
+                return quote + self.rewrite_path(value[1:-1], pod) + quote
         table = {**IMAGE_PATHS, **pod.mounts}
         for prefix in sorted(table, key=len, reverse=True):
             for lead in ("", "="):
@@ -448,10 +452,9 @@ class Runner:
     def rewrite_text(self, text: str, pod: RunPod) -> str:
         """Paths inside mounted config files (redis.conf's dir and include lines)."""
         out = []
-        for line in text.splitlines(keepends=True):
-            words = line.split(" ")
-            out.append(" ".join(self.rewrite_path(w, pod) for w in words))
-        return "".join(out)
+        for line in text.splitlines():
+            out.append(" ".join(self.rewrite_path(w, pod) for w in line.split(" ")))
+        return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
     def rewrite(self, value: str, pod: RunPod, ports: dict[str, int]) -> str:
         if value in ports and value.isdigit():
@@ -580,7 +583,12 @@ class Runner:
 
     def supervise(self, pod: RunPod) -> None:
         c = pod.container
-        if c is None or c.proc is None or pod.phase != "Running" or pod.deleting_since:
+        if c is None or pod.phase != "Running" or pod.deleting_since:
+            return
+        if c.proc is None:
+            if c.restart_at and time.monotonic() >= c.restart_at:
+                c.restart_at = 0.0
+                self.spawn(pod)
             return
         code = c.proc.poll()
         if code is not None:
@@ -589,10 +597,10 @@ class Runner:
             policy = pod.spec.get("restartPolicy", "Always")
             if policy == "Always" or (policy == "OnFailure" and code != 0):
                 c.restarts += 1
-                time.sleep(min(5.0, 0.5 * c.restarts))
-                self.spawn(pod)
+                c.restart_at = time.monotonic() + min(5.0, 0.5 * c.restarts)  # a kubelet's back-off
             else:
                 pod.phase = "Succeeded" if code == 0 else "Failed"
+            c.proc = None
             return
         if time.monotonic() - c.last_probe >= PROBE_S:
             c.last_probe = time.monotonic()
@@ -656,6 +664,8 @@ class Runner:
                     "finishedAt": stamp,
                 }
             }
+        elif c is not None and c.proc is None:
+            state = {"waiting": {"reason": "CrashLoopBackOff", "message": f"exited {c.exit_code}"}}
         elif c is not None:
             state = {"running": {"startedAt": c.started_at}}
         else:

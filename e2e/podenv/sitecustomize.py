@@ -44,5 +44,22 @@ def _getaddrinfo(host: Any, port: Any, family: int = 0, type: int = 0, proto: in
     return _original(host, port, family, type, proto, flags)
 
 
+def _without_uvloop() -> None:
+    """uvloop resolves names inside libuv, past socket.getaddrinfo: under the runner, processes
+    that would run on uvloop run on asyncio's own loop instead."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    import asyncio
+
+    def run(main: Any, *, debug: bool | None = None, **_: Any) -> Any:
+        return asyncio.run(main, debug=debug)
+
+    uvloop.run = run  # type: ignore[assignment]
+    uvloop.new_event_loop = asyncio.new_event_loop
+
+
 if _FILE:
     socket.getaddrinfo = _getaddrinfo
+    _without_uvloop()
