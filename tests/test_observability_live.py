@@ -67,7 +67,8 @@ class Proc:
     lines: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
 
     def _pump(self) -> None:
         assert self.popen.stdout is not None
@@ -93,7 +94,8 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(5)
-        if self.popen.stdout is not None:
+        self._reader.join(10)  # EOF once the process (and its children holding the pipe) ended
+        if self.popen.stdout is not None and not self._reader.is_alive():
             self.popen.stdout.close()
 
 
