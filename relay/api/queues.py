@@ -71,8 +71,14 @@ async def enqueue(request: web.Request) -> web.Response:
     outcome = await c.service.enqueue(recipient, channel, payload, key)
     if (err := enqueue_error(outcome)) is not None:
         raise err
-    duplicate = outcome.kind == "duplicate"
-    return json_response({"seq": outcome.seq, "duplicate": duplicate}, 200 if duplicate else 201)
+    # exactly what orjson writes for {"seq": n, "duplicate": b}, shaped directly
+    if outcome.kind == "duplicate":
+        return _json_bytes(b'{"seq":%d,"duplicate":true}' % outcome.seq, 200)
+    return _json_bytes(b'{"seq":%d,"duplicate":false}' % outcome.seq, 201)
+
+
+def _json_bytes(body: bytes, status: int) -> web.Response:
+    return web.Response(status=status, body=body, content_type="application/json")
 
 
 @routes.get("/v1/queues/{recipient}/messages")
