@@ -1,0 +1,141 @@
+"""The Spark jobs' side of the dashboard and rules: the real retention and rebalance jobs
+(`python -m spark_jobs.…`, as the CronJobs run them) push their run summaries to a real
+Pushgateway (Debian prometheus-pushgateway), which a real Prometheus scrapes with the chart's
+rendered rules. Every dashboard query over `relayfleet_spark_job_*` returns data; a failed
+retention run makes RelayfleetRetentionJobFailing's expression true while the last success
+timestamp is kept."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.spark_session import FleetFactory, Seed, recipient_on, seed
+from tests.test_observability import (
+    ROOT,
+    alert_rules,
+    dashboard_queries,
+    metric_names,
+    promql,
+    rendered_rule_groups,
+)
+from tests.test_observability_live import Proc, free_port, run_prometheus, wait_until
+from tests.test_observability_live import pytestmark as live_marks
+
+PUSHGATEWAY = "/usr/bin/prometheus-pushgateway"
+
+pytestmark = [
+    *live_marks[:2],
+    pytest.mark.skipif(not os.path.exists(PUSHGATEWAY), reason="apt-get install prometheus-pushgateway"),
+    pytest.mark.timeout(400),
+]
+
+
+def spark_only(expr: str) -> bool:
+    names = metric_names(expr)
+    return bool(names) and all(n.startswith("relayfleet_spark_job_") for n in names)
+
+
+@pytest.fixture
+def pushgateway() -> Iterator[str]:
+    port = free_port()
+    proc = Proc(
+        subprocess.Popen(
+            [PUSHGATEWAY, f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(OSError), urllib.request.urlopen(url + "/-/ready", timeout=1) as resp:
+                if resp.status == 200:
+                    break
+            assert time.monotonic() < deadline, "\n".join(proc.lines)
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.stop()
+
+
+def run_job(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
+
+
+def test_spark_summaries_through_a_pushgateway(
+    redis_fleet: FleetFactory, pushgateway: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("pyspark", reason="the [spark] extra is not installed")
+    fleet = redis_fleet(["a", "b"])
+    rng = random.Random(7)
+    now = int(time.time() * 1000)
+    seeds = []
+    for shard in ("a", "b"):
+        for _ in range(3):
+            r = recipient_on(fleet, shard, rng)
+            seeds += [Seed(r, b"", b"p" * 10, now - 3 * 3_600_000 + i) for i in range(4)]
+    seed(fleet, seeds)
+    shard_map = tmp_path / "map.json"
+    shard_map.write_text(fleet.dumps())
+
+    common = ["--shard-map", str(shard_map), "--master", "local[2]", "--quiet", "--pushgateway", pushgateway]
+    ok = run_job("spark_jobs.retention", *common, "--max-age", "3600")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "retention: run summary {" in ok.stderr
+    assert '"messages_removed": 24.0' in ok.stderr
+    plan = run_job("spark_jobs.rebalance", *common, "--dry-run")
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert "cannot push" not in ok.stderr + plan.stderr
+
+    prom_dir = tmp_path / "prom"
+    prom_dir.mkdir()
+    with run_prometheus(prom_dir, [pushgateway.removeprefix("http://")]) as prom:
+        wait_until(
+            "summaries scraped",
+            lambda: len(prom.query("relayfleet_spark_job_success")) == 2,
+            20,
+        )
+        empty, checked = [], 0
+        for dashboard, title, expr in dashboard_queries():
+            if spark_only(expr):
+                checked += 1
+                if not prom.query(promql(expr)):
+                    empty.append(f"{dashboard} / {title}: {expr}")
+        assert empty == []
+        assert checked >= 6
+        removed = prom.query('max(relayfleet_spark_job_messages_removed{spark_job="retention"})')
+        assert float(removed[0]["value"][1]) == 24
+        for rule in alert_rules(rendered_rule_groups()):
+            if spark_only(rule["expr"]):
+                assert prom.query(rule["expr"]) == [], rule["alert"]  # a healthy run: quiet
+
+        # A failed run (a shard map that does not parse) is pushed as such; the last success stays.
+        shard_map.write_text("{not json")
+        failed = run_job("spark_jobs.retention", *common)
+        assert failed.returncode != 0
+        assert '"ok": false' in failed.stderr
+        failing = next(
+            r for r in alert_rules(rendered_rule_groups()) if r["alert"] == "RelayfleetRetentionJobFailing"
+        )
+        wait_until("failure scraped", lambda: prom.query(failing["expr"]), 20)
+        assert prom.query('relayfleet_spark_job_last_success_timestamp_seconds{spark_job="retention"}')
