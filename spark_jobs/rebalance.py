@@ -226,7 +226,7 @@ def _run(argv: Sequence[str] | None, run: RunSummary) -> int:
     started = time.monotonic()
     try:
         args = _parser().parse_args(argv)
-        run.pushgateway = args.pushgateway
+        run.pushgateway, run.active = args.pushgateway, True
         shard_map = load_shard_map(args.shard_map, args.shard_map_configmap)
         weights = resolve_weights(args, shard_map)
         shard_map = with_credentials(shard_map, args.credentials_dir)

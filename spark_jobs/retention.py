@@ -274,7 +274,7 @@ def _run(argv: Sequence[str] | None, run: RunSummary) -> int:
     started = time.monotonic()
     try:
         args = _parser().parse_args(argv)
-        run.pushgateway = args.pushgateway
+        run.pushgateway, run.active = args.pushgateway, True
         for flag, value in (("--max-age", args.max_age), ("--max-messages", args.max_messages)):
             if value is not None and value < 1:
                 raise UsageError(f"{flag} must be >= 1")

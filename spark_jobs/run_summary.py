@@ -29,10 +29,13 @@ class RunSummary:
     pushgateway: str | None = None
     figures: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
+    active: bool = False  # set once the arguments parsed: --help and usage errors are no runs
 
     def finish(self, exit_code: int) -> None:
         """Log the summary; push it if configured. A push failure is logged, never raised:
         the job's own result must not change because monitoring is down."""
+        if not self.active:
+            return
         ok = exit_code == 0
         duration = time.monotonic() - self.started
         line = {"job": self.job, "ok": ok, "exitCode": exit_code, "durationSeconds": round(duration, 3)}

@@ -302,3 +302,14 @@ def test_alert_rules_unit(tmp_path: Path) -> None:
         [PROMTOOL, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_run_summary_push_failure_is_logged_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
+    from spark_jobs.run_summary import RunSummary
+
+    RunSummary("retention", pushgateway="http://127.0.0.1:1", active=True).finish(0)
+    err = capsys.readouterr().err
+    assert 'retention: run summary {"durationSeconds"' in err
+    assert "retention: cannot push the run summary to http://127.0.0.1:1" in err
+    RunSummary("retention", pushgateway="http://127.0.0.1:1").finish(0)  # --help: no run, no output
+    assert capsys.readouterr().err == ""
