@@ -30,10 +30,9 @@ RATE_WINDOW = "30s"
 _NAME = re.compile(r"\brelayfleet_[a-z0-9_]+\b")
 
 # Series that a local fleet cannot produce: the operator runs only against Kubernetes, and the
-# Spark jobs' summaries reach Prometheus through a Pushgateway. Their expressions are checked by
-# promtool (syntax), by Prometheus (evaluates without error), by name against the real
-# registries (tests/test_observability.py::test_every_metric_name_exists) and by promtool rule
-# unit tests with synthetic series (tests/test_observability.py::test_alert_rules_unit).
+# Spark jobs' summaries reach Prometheus through a Pushgateway. Here their names are checked
+# against the real registries and their alerts by promtool rule unit tests; with data, by
+# tests/test_observability_operator.py and tests/test_observability_spark.py.
 NOT_LOCAL = ("relayfleet_operator_", "relayfleet_spark_job_")
 
 

@@ -6,8 +6,8 @@ shard's redis-server makes RelayfleetShardRedisDown fire.
 Only one thing differs from the chart: RelayfleetShardRedisDown's `for` is cut from 1m to 2s so
 the test stays bounded; its expression is the chart's, unchanged. Expressions over operator and
 Spark-job series (which a local fleet does not produce) are evaluated too but not required to
-return data: tests/test_observability.py checks their names against the real registries and
-their alerts with promtool rule unit tests.
+return data here: tests/test_observability_operator.py (the real operator) and
+tests/test_observability_spark.py (the real jobs through a Pushgateway) give them data.
 """
 
 from __future__ import annotations
