@@ -312,3 +312,37 @@ def test_run_summary_push_failure_is_logged_not_raised(capsys: pytest.CaptureFix
     assert "retention: cannot push the run summary to http://127.0.0.1:1" in err
     RunSummary("retention", pushgateway="http://127.0.0.1:1").finish(0)  # --help: no run, no output
     assert capsys.readouterr().err == ""
+
+
+def _render(*args: str) -> list[dict[str, Any]]:
+    helm = helm_binary()
+    assert helm is not None
+    sets = ",".join(
+        f"metrics.{k}.enabled=true" for k in ("serviceMonitor", "prometheusRule", "grafanaDashboard")
+    )
+    proc = subprocess.run(
+        [helm, "template", "r", str(CHART), "--set", sets, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+@needs_helm
+def test_monitoring_objects_need_the_monitoring_api() -> None:
+    kinds = [d["kind"] for d in _render()]
+    assert "ServiceMonitor" not in kinds
+    assert "PrometheusRule" not in kinds
+    docs = _render("--api-versions", "monitoring.coreos.com/v1")
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert sorted(m["metadata"]["name"] for m in monitors) == ["r-relayfleet-operator", "r-relayfleet-relays"]
+    assert [d["kind"] for d in docs].count("PrometheusRule") == 1
+    (dash,) = [d for d in docs if d["kind"] == "ConfigMap" and "dashboard" in d["metadata"]["name"]]
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dash["data"]["relayfleet.json"])["uid"] == "relayfleet-overview"
+    off = _render(
+        "--api-versions", "monitoring.coreos.com/v1", "--set", "metrics.prometheusRule.enabled=false"
+    )
+    assert "PrometheusRule" not in [d["kind"] for d in off]
