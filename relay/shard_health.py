@@ -3,7 +3,7 @@
 Two cadences, both cheap:
 - health (every RELAYFLEET_SHARD_HEALTH_INTERVAL s, default 5): PING plus INFO memory
   and persistence of every shard: two round trips per shard.
-- load (at most every RELAYFLEET_SHARD_STATS_INTERVAL s, default 20, and only when
+- load (at most every RELAYFLEET_SHARD_STATS_INTERVAL s, default 30, and only when
   /metrics was scraped since the last read, so an unscraped relay costs the shards
   nothing): per slot the map gives the shard, HMGET of its stats hash, GET of its state
   and SCARD of its queue index, pipelined 256 slots per round trip.
@@ -238,6 +238,6 @@ def setup(app: web.Application) -> None:
     app[MONITOR] = ShardHealth(
         app[CTX].service.fleet,
         _interval("RELAYFLEET_SHARD_HEALTH_INTERVAL", 5.0),
-        _interval("RELAYFLEET_SHARD_STATS_INTERVAL", 20.0),
+        _interval("RELAYFLEET_SHARD_STATS_INTERVAL", 30.0),
     )
     app.cleanup_ctx.append(_lifecycle)
