@@ -70,7 +70,8 @@ async def _wakeup_latency(http: aiohttp.ClientSession, url: str, q: QueueSpec) -
     assert status == 201
     status, got, _h, _t = await poll
     latency = time.monotonic() - t0
-    assert status == 200 and got["messages"], got
+    assert status == 200, got
+    assert got["messages"], got
     assert latency < 3.0, f"long-poll woke after {latency:.2f}s: the wakeup subscriber did not recover"
     return latency
 

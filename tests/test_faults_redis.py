@@ -96,7 +96,8 @@ def _queues_losing(verdict: Verdict, kinds: tuple[str, ...]) -> set[str]:
 @pytest.mark.parametrize("appendfsync", ["always", "everysec"])
 async def test_redis_process_sigkilled_loses_nothing(tmp_path: Path, appendfsync: str) -> None:
     """A killed redis-server process (not the machine) loses nothing with either policy:
-    everysec has already write()n each command to the AOF before it answers."""
+    everysec has already write()n each command to the AOF before it answers. With
+    everysec the restart still changes every written queue's epoch (see check_boot)."""
     kills = 2
     redis = LocalRedis(binary=DEBIAN_REDIS, appendfsync=appendfsync, dir=str(tmp_path / "redis")).start()
     relays = await _with_relays(tmp_path, redis)
@@ -122,7 +123,12 @@ async def test_redis_process_sigkilled_loses_nothing(tmp_path: Path, appendfsync
             redis_away_s_max=round(max(away), 2),
             retryable_503=verdict.counts.get("retryable_503", 0),
         )
-        assert verdict.ok, verdict.render()  # includes: no epoch change on any queue
+        if appendfsync == "always":
+            assert verdict.ok, verdict.render()  # includes: no epoch change on any queue
+        else:
+            # everysec cannot tell a clean restart from a lost tail: epochs change, and
+            # that must be the only thing the history shows (nothing lost, no dup, order kept)
+            assert set(verdict.by_kind()) <= {"epoch"}, verdict.render()
         assert verdict.counts["retryable_503"] > 0
     finally:
         for r in relays:
@@ -135,7 +141,11 @@ async def _read_all(http: aiohttp.ClientSession, url: str, q: QueueSpec) -> tupl
     out: list[tuple[int, str]] = []
     extra: dict[str, object] = {"limit": 1000}
     while True:
-        status, doc, _h, _t = await call(http, "GET", url + _q(q.path("messages"), extra))
+        for _ in range(100):  # right after a restart the relay may still be reconnecting
+            status, doc, _h, _t = await call(http, "GET", url + _q(q.path("messages"), extra))
+            if status != 503:
+                break
+            await asyncio.sleep(0.1)
         assert status == 200, doc
         out += delivered_items(doc)
         if not doc["messages"]:
@@ -217,15 +227,11 @@ async def test_everysec_lost_tail_is_measured_and_must_change_epoch(tmp_path: Pa
         )
         assert lost, "the simulated lost tail should have held acknowledged messages"
         assert window <= 1.1, f"lost messages acknowledged up to {window:.2f}s before the crash"
-        assert all(after[q] == before[q] for q in before), "reads right after the restart keep the epoch"
-        # The contract: a queue whose history was lost must show a new epoch. Not yet true
-        # (see docs/reliability.md, "Lost AOF tail"): the tail takes the seq counter back,
-        # so the next enqueue reuses an acknowledged seq under the same epoch.
-        if damaged - flagged:
-            pytest.xfail(
-                f"{len(damaged - flagged)} queue(s) lost history without an epoch change, {reused} seq(s) "
-                "reused (known gap: per-shard boot id proposed in docs/reliability.md)"
-            )
+        # The contract: a queue whose history was lost shows a new epoch (already on the
+        # first read after the restart), and no seq is handed out twice.
+        assert damaged == flagged, f"{len(damaged - flagged)} queue(s) lost history silently"
+        assert all(after[q] != before[q] for q in damaged), "the first read after the restart"
+        assert reused == 0, f"{reused} acknowledged seq(s) handed out again"
     finally:
         sampler.stop()
         stop_relay(relay)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from relay.fleet.sharding import slot_of
 
 PREFIX = "rf"
+# The Redis run the relays last saw ("<run_id>:<ms>"); the scripts read it by this literal name.
+SHARD_BOOT = f"{PREFIX}:boot"
 
 
 def b64(data: bytes) -> str:

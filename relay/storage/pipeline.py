@@ -17,7 +17,9 @@ from typing import Any, cast
 import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import parse_url
+from redis.exceptions import RedisError
 
+from relay.storage.boot import mark_boot
 from relay.storage.scripts import ALL, Script
 
 
@@ -290,7 +292,13 @@ class ScriptBatcher:
             hello.append(encode_command("AUTH", *(() if not user else (user,)), opts["password"]))
         if opts.get("db"):
             hello.append(encode_command("SELECT", int(opts["db"])))
-        # a new connection often means a restarted Redis: load the scripts up front
+        # a new connection often means a restarted Redis: record the run (lost-tail
+        # detection, relay/storage/boot.py) before any script can run, then load them
+        try:
+            await mark_boot(self._client)
+        except (RedisError, OSError) as exc:
+            conn.abort("handshake failed")
+            raise StoreUnavailable(f"handshake failed: {type(exc).__name__}") from None
         items = [(cmd, _watched(loop.create_future())) for cmd in hello] + _script_loads()
         conn.send(_Batch(items, may_reload=False), self._connect_timeout)
         self._inflight += 1  # _batch_done balances it

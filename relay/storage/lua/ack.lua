@@ -5,6 +5,7 @@
 -- Returns {'ok', removed} | fence reply
 local f = fence(KEYS[1])
 if f then return f end
+check_boot(KEYS[2])
 local removed, bytes = 0, 0
 if ARGV[1] == 'upto' then
   local upto = tonumber(ARGV[2])

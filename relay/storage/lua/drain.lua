@@ -5,6 +5,7 @@
 -- Returns {'ok', epoch, last_assigned_seq, entries, more (0|1)} | fence reply
 local f = fence(KEYS[1])
 if f then return f end
+check_boot(KEYS[2])
 ensure_epoch(KEYS[2], KEYS[5], ARGV[2], ARGV[3], ARGV[4])
 local meta = redis.call('HMGET', KEYS[2], 'epoch', 'seq', 'bytes')
 local entries = redis.call('XRANGE', KEYS[3], '-', '+', 'COUNT', tonumber(ARGV[1]))

@@ -6,6 +6,7 @@
 -- Returns {'ok', epoch, last_assigned_seq, entries} | fence reply
 local f = fence(KEYS[1])
 if f then return f end
+check_boot(KEYS[2])
 local epoch = ensure_epoch(KEYS[2], KEYS[4], ARGV[3], ARGV[4], ARGV[5])
 local meta = {epoch, redis.call('HGET', KEYS[2], 'seq')}
 local from = '-'

@@ -5,6 +5,7 @@
 -- Returns {'ok', count, bytes, epoch, last_assigned_seq, oldest_ms|'', newest_ms|''} | fence reply
 local f = fence(KEYS[1])
 if f then return f end
+check_boot(KEYS[2])
 ensure_epoch(KEYS[2], KEYS[4], ARGV[1], ARGV[2], ARGV[3])
 local meta = redis.call('HMGET', KEYS[2], 'epoch', 'seq', 'bytes')
 local count = redis.call('XLEN', KEYS[3])

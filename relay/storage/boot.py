@@ -1,0 +1,55 @@
+"""Recording each Redis run in the shard, so the scripts can tell a lost AOF tail.
+
+With ``appendfsync everysec`` a machine crash can lose the last second of writes,
+seq counters included; the queue would then hand out acknowledged seqs again under
+the same epoch. On every new connection (a restarted Redis always means one), before
+it loads the scripts, the relay records the current run as ``<run_id>:<start ms>`` in
+``rf:boot``, once per run, so no script runs on a new run before the mark. The
+scripts give a queue whose last enqueue is older than that instant a new epoch and
+jump its seq counter (see lua/_prelude.lua, check_boot). Under ``appendfsync always``
+nothing acknowledged can be lost, so the key is removed and the check is off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from relay.storage import keys as K
+
+# Set once per Redis run. The instant is the run's start (Redis clock, from its uptime),
+# not when a relay first connected: queues migrated in from another shard keep their
+# last-enqueue time, and only writes older than this Redis process look suspect.
+# Uptime is whole seconds, so the start rounds late: a write in a run's first second
+# may get a needless new epoch, never a missed one.
+_MARK = """
+local info = redis.call('INFO', 'server')
+local run_id = string.match(info, 'run_id:(%x+)')
+local cur = redis.call('GET', KEYS[1])
+if cur and string.sub(cur, 1, #run_id + 1) == run_id .. ':' then return cur end
+local up = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local v = run_id .. ':' .. (now - up * 1000)
+redis.call('SET', KEYS[1], v)
+return v
+"""
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def mark_boot(client: aioredis.Redis) -> None:
+    """Record the current Redis run (or remove the mark under appendfsync always)."""
+    try:
+        conf = await client.config_get("appendfsync")
+        policy = next((_text(v) for k, v in conf.items() if _text(k) == "appendfsync"), "")
+    except ResponseError:
+        policy = ""  # CONFIG refused (managed Redis): assume a tail can be lost
+    if policy == "always":
+        await client.delete(K.SHARD_BOOT)
+        return
+    await client.eval(_MARK, 1, K.SHARD_BOOT)
