@@ -40,7 +40,8 @@ class RunSummary:
         duration = time.monotonic() - self.started
         line = {"job": self.job, "ok": ok, "exitCode": exit_code, "durationSeconds": round(duration, 3)}
         line.update(self.figures)
-        print(f"{self.job}: run summary {json.dumps(line, sort_keys=True)}", file=sys.stderr)
+        if exit_code != 2:  # bad arguments answer with exactly one line (the CLI contract)
+            print(f"{self.job}: run summary {json.dumps(line, sort_keys=True)}", file=sys.stderr)
         gateway = self.pushgateway or os.environ.get(PUSHGATEWAY_ENV) or None
         if not gateway:
             return
