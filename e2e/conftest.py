@@ -11,9 +11,11 @@ a namespace with the chart installed, and a way to reach Services from the test 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -56,9 +58,11 @@ def _helm(cluster: KubeCluster) -> str:
 
 
 @pytest.fixture(scope="module")
-def e2e(kwok_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+def e2e(kwok_cluster: KubeCluster, request: pytest.FixtureRequest) -> Iterator[Env]:
     cluster = kwok_cluster
-    workdir = tmp_path_factory.mktemp("e2e")
+    # Not pytest's tmp_path: concurrent pytest runs rotate those away, logs included.
+    workdir = Path(tempfile.mkdtemp(prefix="relayfleet-e2e-"))
+    failed_before = request.session.testsfailed
     ns = f"rf-e2e-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", ns)
     runner: subprocess.Popen[bytes] | None = None
@@ -103,6 +107,10 @@ def e2e(kwok_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> 
             )
         for node in tainted:
             cluster.kubectl("taint", "node", node, f"{TAINT}:NoSchedule-", check=False)
+        if request.session.testsfailed == failed_before:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"--- e2e logs kept in {workdir}")
 
 
 def _start_runner(cluster: KubeCluster, ns: str, workdir: Path) -> tuple[subprocess.Popen[bytes], list[str]]:

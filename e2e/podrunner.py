@@ -120,6 +120,7 @@ class Container:
     exit_code: int | None = None
     last_probe: float = 0.0
     restart_at: float = 0.0
+    failures: int = 0
 
 
 @dataclass
@@ -605,7 +606,16 @@ class Runner:
         if time.monotonic() - c.last_probe >= PROBE_S:
             c.last_probe = time.monotonic()
             probe = pod.spec["containers"][0].get("readinessProbe")
-            c.ready = True if probe is None else self.probe(probe, c)
+            if probe is None:
+                c.ready = True
+            elif self.probe(probe, c):
+                c.failures = 0
+                c.ready = True
+            else:
+                # As a kubelet: ready until failureThreshold probes in a row fail.
+                c.failures += 1
+                if not c.ready or c.failures >= int(probe.get("failureThreshold", 3)):
+                    c.ready = False
 
     def probe(self, probe: Obj, c: Container) -> bool:
         try:

@@ -95,7 +95,12 @@ class Workload:
     ) -> tuple[float, float, int, dict[str, Any], bool]:
         t0 = time.monotonic()
         try:
-            async with session.request(method, self.base_url() + path, data=body, headers=headers) as resp:
+            base = self.base_url()
+        except LookupError:  # no ready endpoint at this moment: nothing sent
+            self.connect_failures += 1
+            return t0, time.monotonic(), NOT_SENT, {}, False
+        try:
+            async with session.request(method, base + path, data=body, headers=headers) as resp:
                 doc = await resp.json(content_type=None) if resp.content_length != 0 else {}
                 return t0, time.monotonic(), resp.status, doc or {}, "Retry-After" in resp.headers
         except aiohttp.ClientConnectorError:
