@@ -122,6 +122,7 @@ async def test_redis_process_sigkilled_loses_nothing(tmp_path: Path, appendfsync
             kills=kills,
             redis_away_s_max=round(max(away), 2),
             retryable_503=verdict.counts.get("retryable_503", 0),
+            epoch_changes_expected=verdict.by_kind().get("epoch", 0),
         )
         if appendfsync == "always":
             assert verdict.ok, verdict.render()  # includes: no epoch change on any queue

@@ -22,7 +22,7 @@ from relay.api.auth import parse_header
 from relay.api.errors import ApiError
 from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
 from relay.localredis import LocalRedis
-from tests.test_faults_support import start_relay, stop_relay
+from tests.test_faults_support import report, start_relay, stop_relay
 from tests.test_migration_harness import DEBIAN_REDIS, RelayProc
 
 pytestmark = [pytest.mark.faults]
@@ -167,7 +167,7 @@ def test_http_fuzz_reached_the_handlers() -> None:
         pytest.skip("the HTTP fuzz test did not run")
     assert SEEN.get(2, 0) > 0, SEEN
     assert SEEN.get(4, 0) > 0, SEEN
-    print(f"FAULTS fuzz-http: status_classes={SEEN}")
+    report("fuzz-http", None, examples=sum(SEEN.values()), status_classes=dict(sorted(SEEN.items())))
 
 
 @FUZZ
