@@ -24,6 +24,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 
 from relay.history import Verdict
 from relay.localredis import LocalRedis
@@ -305,3 +306,31 @@ async def test_maxmemory_answers_507_and_keeps_what_was_stored(tmp_path: Path) -
         for r in relays:
             stop_relay(r)
         redis.stop()
+
+
+async def test_lost_meta_hash_gives_the_next_write_a_new_epoch(tmp_path: Path) -> None:
+    """A queue whose keys are all gone (a replaced or emptied Redis) answers with a new
+    epoch; the new history may start again at seq 1 because the epoch tells clients."""
+    from relay.storage import keys as K
+
+    redis_server = LocalRedis(binary=DEBIAN_REDIS, dir=str(tmp_path / "redis")).start()
+    relay = (await _with_relays(tmp_path, redis_server, 1))[0]
+    q = make_queues(1, seed=71)[0]
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for i in range(3):
+                status, doc, _h, _t = await call(http, "POST", relay.url + q.path("messages"), b"m%d" % i)
+                assert status == 201, doc
+            _items, first = await _read_all(http, relay.url, q)
+            await client.delete(*K.queue_keys(q.recipient, q.channel).all_keys())
+            status, doc, _h, _t = await call(http, "POST", relay.url + q.path("messages"), b"again")
+            assert status == 201, doc
+            items, second = await _read_all(http, relay.url, q)
+        assert second != first
+        assert [i for _s, i in items] == ["again"]
+        report("redis-meta-lost", None, epoch_changed=second != first, seq_after=items[0][0])
+    finally:
+        await client.aclose()
+        stop_relay(relay)
+        redis_server.stop()
