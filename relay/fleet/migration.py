@@ -215,7 +215,7 @@ class _Shard:
                 raise self.fail(what, exc) from None
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
                 try:
-                    for script in (scripts.SLOT_STATE, scripts.SLOT_DROP):
+                    for script in (scripts.SLOT_STATE, scripts.SLOT_DROP, scripts.IMPORT_STAMP):
                         await self.client.script_load(script.source)
                 except (RedisError, OSError) as exc:
                     raise self.fail("loading the migration scripts", exc) from None
@@ -294,6 +294,14 @@ class _Shard:
             for s, members in zip(chunk, replies[len(chunk) :], strict=True):
                 out[s] = sorted(_s(m) for m in members)
         return out
+
+    async def stamp_imports(self, qids: Mapping[int, Sequence[str]]) -> None:
+        """Copied queues count as written on this Redis run (see lua/import_stamp.lua)."""
+        metas = [K.queue_keys_for_id(s, q).meta for s, qs in qids.items() for q in qs]
+        for chunk in _chunks(metas, 512):
+            await self.run(
+                "stamping imported queues", [_evalsha(scripts.IMPORT_STAMP, (m,), ()) for m in chunk]
+            )
 
     async def members(self, slots: Sequence[int]) -> dict[int, list[str]]:
         out: dict[int, list[str]] = {}
@@ -526,6 +534,7 @@ class _Migration:
             qids = await src.fence("fencing (migrating)", batch, "migrating", ("", "migrating"))
             _crash_point("fenced")
             await self.copy(src, tgt, batch, qids)
+            await tgt.stamp_imports(qids)
         except BaseException:
             await asyncio.shield(self.rollback(src, tgt, batch))
             raise

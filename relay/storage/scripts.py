@@ -35,3 +35,4 @@ ALL: tuple[Script, ...] = (ENQUEUE, READ, DRAIN, ACK, STATUS, NONCE, TRIM)
 # Migration steps (relay.fleet.migration); relays never run them, so not in ALL.
 SLOT_STATE = _load("slot_state", _PRELUDE)
 SLOT_DROP = _load("slot_drop", _PRELUDE)
+IMPORT_STAMP = _load("import_stamp", _PRELUDE)

@@ -40,22 +40,25 @@ end
 
 -- Lost-tail detection. With appendfsync everysec a machine crash can lose the last
 -- second of writes, seq counter included; the relay then records this Redis run in
--- 'rf:boot' ("<run_id>:<start ms>", see relay/storage/boot.py). A queue
--- whose last enqueue ('w', Redis clock) is older than this run may have lost writes:
--- it gets a new epoch, and its seq counter jumps past anything that could have been
--- handed out and lost, so no seq is ever reused and a stale ack deletes nothing new.
+-- 'rf:boot' ("<run_id>:<start ms>", see relay/storage/boot.py) before any script
+-- runs on it. Every enqueue stamps the queue with the run that wrote it ('r'). A
+-- queue last written by an earlier run may have lost writes: it gets a new epoch, and
+-- its seq counter jumps past anything that could have been handed out and lost, so no
+-- seq is ever reused and a stale ack deletes nothing new. Run ids, not clocks: a queue
+-- copied in by a migration is re-stamped for this run (lua/import_stamp.lua).
 -- Undeclared key: fine on a standalone shard (a Redis Cluster shard needs another way).
 local SEQ_JUMP = 1000000
-local function redis_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function boot_run()
+  local boot = redis.call('GET', 'rf:boot')
+  if not boot then return nil end
+  return string.match(boot, '^([^:]+):')
 end
 local function check_boot(meta_key)
-  local boot = redis.call('GET', 'rf:boot')
-  if not boot then return end
-  local w = redis.call('HGET', meta_key, 'w')
-  if not w or tonumber(w) >= tonumber(string.match(boot, ':(%d+)$') or '0') then return end
+  local run = boot_run()
+  if not run then return end
+  local r = redis.call('HGET', meta_key, 'r')
+  if not r or r == run then return end
   local seq = tonumber(redis.call('HGET', meta_key, 'seq') or '0') + SEQ_JUMP
-  local epoch = string.sub(redis.sha1hex(boot .. meta_key), 1, 16)
-  redis.call('HSET', meta_key, 'epoch', epoch, 'seq', seq, 'w', redis_ms())
+  local epoch = string.sub(redis.sha1hex(run .. meta_key), 1, 16)
+  redis.call('HSET', meta_key, 'epoch', epoch, 'seq', seq, 'r', run)
 end

@@ -47,7 +47,9 @@ if redis.call('XLEN', KEYS[3]) + 1 > tonumber(ARGV[8]) then return {'full', 'mes
 if held + size > tonumber(ARGV[9]) then return {'full', 'bytes'} end
 local seq = (tonumber(meta[1]) or 0) + 1
 redis.call('XADD', KEYS[3], seq .. '-0', 'p', ARGV[1], 't', now, 'm', ARGV[5], 'n', size)
-redis.call('HSET', KEYS[2], 'seq', seq, 'bytes', held + size, 'w', redis_ms())
+redis.call('HSET', KEYS[2], 'seq', seq, 'bytes', held + size)
+local run = boot_run()
+if run then redis.call('HSET', KEYS[2], 'r', run) end
 redis.call('ZADD', KEYS[6], now, seq)
 redis.call('PEXPIRE', KEYS[6], window)
 if ikey ~= '' then
