@@ -249,7 +249,16 @@ def helm(*args: str) -> str:
 
 
 def render(*sets: str, include_crds: bool = True) -> list[dict[str, Any]]:
-    args = ["template", "relayfleet", str(CHART), "--namespace", "relay"]
+    # as on a cluster running the Prometheus operator, so monitoring objects render too
+    args = [
+        "template",
+        "relayfleet",
+        str(CHART),
+        "--namespace",
+        "relay",
+        "--api-versions",
+        "monitoring.coreos.com/v1",
+    ]
     if include_crds:
         args.append("--include-crds")
     for s in sets:
