@@ -99,7 +99,17 @@ async def test_redis_process_sigkilled_loses_nothing(tmp_path: Path, appendfsync
     """A killed redis-server process (not the machine) loses nothing with either policy:
     everysec has already write()n each command to the AOF before it answers. With
     everysec the restart still changes every written queue's epoch (see check_boot)."""
-    kills = 2
+    await _redis_kills(tmp_path, appendfsync, 2)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(7200)
+@pytest.mark.parametrize("appendfsync", ["always", "everysec"])
+async def test_redis_process_sigkilled_soak(tmp_path: Path, appendfsync: str, soak_seconds: float) -> None:
+    await _redis_kills(tmp_path, appendfsync, max(2, int(soak_seconds / 2.5)))
+
+
+async def _redis_kills(tmp_path: Path, appendfsync: str, kills: int) -> None:
     redis = LocalRedis(binary=DEBIAN_REDIS, appendfsync=appendfsync, dir=str(tmp_path / "redis")).start()
     relays = await _with_relays(tmp_path, redis)
     try:
