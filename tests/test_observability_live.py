@@ -72,8 +72,11 @@ class Proc:
 
     def _pump(self) -> None:
         assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.lines.append(line.rstrip("\n"))
+        try:
+            for line in self.popen.stdout:
+                self.lines.append(line.rstrip("\n"))
+        except (ValueError, OSError):
+            pass  # the pipe was closed under us at teardown: nothing more to read
 
     def wait_for(self, needle: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout
