@@ -88,13 +88,20 @@ def install_crds(cluster: KubeCluster) -> None:
     if key in _crds_in:
         return
     cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-    cluster.kubectl(
-        "wait",
-        "--for=condition=Established",
-        "crd/relayshards.relayfleet.dev",
-        "crd/relayrebalances.relayfleet.dev",
-        "--timeout=60s",
-    )
+    # `kubectl wait` can answer NotFound at once while a fresh CRD is still being
+    # registered; retry briefly instead of failing the whole module
+    for attempt in range(20):
+        done = cluster.kubectl(
+            "wait",
+            "--for=condition=Established",
+            "crd/relayshards.relayfleet.dev",
+            "crd/relayrebalances.relayfleet.dev",
+            "--timeout=60s",
+            check=attempt == 19,
+        )
+        if done.returncode == 0:
+            break
+        time.sleep(0.5)
     _crds_in.add(key)
 
 
