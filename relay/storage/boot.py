@@ -5,8 +5,8 @@ seq counters included; the queue would then hand out acknowledged seqs again und
 the same epoch. On every new connection (a restarted Redis always means one), before
 it loads the scripts, the relay records the current run as ``<run_id>:<start ms>`` in
 ``rf:boot``, once per run, so no script runs on a new run before the mark. The
-scripts give a queue whose last enqueue is older than that instant a new epoch and
-jump its seq counter (see lua/_prelude.lua, check_boot). Under ``appendfsync always``
+scripts give a queue last written by an earlier run a new epoch and jump its seq
+counter (see lua/_prelude.lua, check_boot). Under ``appendfsync always``
 nothing acknowledged can be lost, so the key is removed and the check is off.
 """
 
@@ -19,11 +19,8 @@ from redis.exceptions import ResponseError
 
 from relay.storage import keys as K
 
-# Set once per Redis run. The instant is the run's start (Redis clock, from its uptime),
-# not when a relay first connected: queues migrated in from another shard keep their
-# last-enqueue time, and only writes older than this Redis process look suspect.
-# Uptime is whole seconds, so the start rounds late: a write in a run's first second
-# may get a needless new epoch, never a missed one.
+# Set once per Redis run (the scripts compare run ids; the start instant, from Redis's
+# uptime, is there for people reading the key).
 _MARK = """
 local info = redis.call('INFO', 'server')
 local run_id = string.match(info, 'run_id:(%x+)')
