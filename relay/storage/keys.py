@@ -74,12 +74,12 @@ class QueueKeys:
 
 
 # Hot queues are looked up on every request; the names never change, so cache them.
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=8192)
 def queue_id(recipient: bytes, channel: bytes) -> str:
     return f"{b64(recipient)}.{b64(channel)}"
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=8192)
 def queue_keys_for_id(slot: int, qid: str) -> QueueKeys:
     base = f"{slot_tag(slot)}:q:{qid}"
     return QueueKeys(

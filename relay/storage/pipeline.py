@@ -34,20 +34,10 @@ class StoreRejected(Exception):
 Arg = bytes | str | int
 _Item = tuple[bytes, "asyncio.Future[Any]"]  # one encoded command, its caller's future
 
-# Bulk-string encodings of repeated str arguments (key names, queue ids); bounded.
-_BULK_CACHE: dict[str, bytes] = {}
-_BULK_CACHE_MAX = 1 << 16
-
 
 def _bulk_str(value: str) -> bytes:
-    cached = _BULK_CACHE.get(value)
-    if cached is None:
-        raw = value.encode()
-        cached = b"$%d\r\n%b\r\n" % (len(raw), raw)
-        if len(_BULK_CACHE) >= _BULK_CACHE_MAX:
-            _BULK_CACHE.clear()
-        _BULK_CACHE[value] = cached
-    return cached
+    raw = value.encode()
+    return b"$%d\r\n%b\r\n" % (len(raw), raw)
 
 
 def encode_command(*args: Arg) -> bytes:
@@ -67,8 +57,10 @@ def _bulk(a: Arg) -> bytes:
 
 
 _HEADS: dict[tuple[str, int], bytes] = {}
-# EVALSHA head plus the encoded key names, per (script, keys) of a hot queue; bounded.
+# EVALSHA head plus the encoded key names of hot queues (enqueue only: a cache entry
+# per idle long-poll would cost ~1 KiB each); bounded, cleared when full.
 _KEY_SEGMENTS: dict[tuple[str, tuple[str, ...]], bytes] = {}
+_KEY_SEGMENTS_MAX = 8192
 
 
 def _evalsha_head(script: Script, nkeys: int) -> bytes:
@@ -191,13 +183,16 @@ class ScriptBatcher:
         for script in ALL:
             await self._client.script_load(script.source)
 
-    def call(self, script: Script, keys: tuple[str, ...], args: tuple[Arg, ...]) -> asyncio.Future[Any]:
-        head = _KEY_SEGMENTS.get((script.sha, keys))
+    def call(
+        self, script: Script, keys: tuple[str, ...], args: tuple[Arg, ...], cache_keys: bool = False
+    ) -> asyncio.Future[Any]:
+        head = _KEY_SEGMENTS.get((script.sha, keys)) if cache_keys else None
         if head is None:
             head = _evalsha_head(script, len(keys)) + b"".join([_bulk_str(k) for k in keys])
-            if len(_KEY_SEGMENTS) >= _BULK_CACHE_MAX:
-                _KEY_SEGMENTS.clear()
-            _KEY_SEGMENTS[(script.sha, keys)] = head
+            if cache_keys:
+                if len(_KEY_SEGMENTS) >= _KEY_SEGMENTS_MAX:
+                    _KEY_SEGMENTS.clear()
+                _KEY_SEGMENTS[(script.sha, keys)] = head
         parts = [b"*%d\r\n" % (3 + len(keys) + len(args)), head]
         for a in args:
             parts.append(_bulk(a))

@@ -212,6 +212,7 @@ class ShardStore:
                     q.wake,
                     new_epoch(),
                 ),
+                cache_keys=True,
             )
         )
         tag = reply[0]
