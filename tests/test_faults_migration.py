@@ -2,7 +2,8 @@
 
 tests/test_migration_crash.py kills the migrator at each named step (a test hook);
 this one kills the real process with SIGKILL after a random delay, wherever it is
-(mid-MIGRATE chunk, between fence and listing, mid-publish...), then runs it again to
+(mid-MIGRATE chunk, between fence and listing, mid-publish...; half the rounds count
+the delay from the moment the source is fenced), then runs it again to
 completion. Each time: the rerun finishes the move, and at the end the recorded
 history holds every guarantee and no shard keeps stray keys or fences.
 """
@@ -20,8 +21,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import redis
 
 from relay.fleet.migration import CRASH_ENV
+from relay.storage import keys as K
 from tests.test_faults_support import report
 from tests.test_migration_crash import FILLERS, HI, LO, _queues_in_range
 from tests.test_migration_harness import FleetProcs, Workload, final_placement_problems, fleet_procs
@@ -48,11 +51,19 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != CRASH_ENV}
 
 
-def _killed_after(fleet: FleetProcs, to: str, delay: float) -> bool:
-    """Start a migration, SIGKILL it after `delay` s; True if it was still running."""
+def _killed_after(fleet: FleetProcs, to: str, delay: float, src: str | None = None) -> bool:
+    """Start a migration, SIGKILL it `delay` s after it starts (or, with `src`, after it
+    has fenced the source); True if it was still running when killed."""
     proc = subprocess.Popen(
         _migrate_cmd(fleet, to), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
+    if src is not None:  # wait for the fence: from here on every moment is mid-protocol
+        client = redis.Redis.from_url(fleet.servers[src].url)
+        try:
+            while proc.poll() is None and client.get(K.slot_state(LO)) is None:
+                time.sleep(0.002)
+        finally:
+            client.close()
     try:
         proc.wait(delay)
         return False
@@ -91,12 +102,16 @@ async def _run(tmp_path: Path, rounds: int, seed: int) -> None:
         try:
             full = await asyncio.to_thread(_complete, fleet, tgt)  # one clean move: how long one takes
             src, tgt = tgt, src
-            for _ in range(rounds):
+            for n in range(rounds):
                 await asyncio.sleep(0.3)
-                # python start-up takes a good part of a run: spread kills over all of it
-                delay = rnd.uniform(0.3, full * 0.95)
-                delays.append(round(delay, 2))
-                killed += await asyncio.to_thread(_killed_after, fleet, tgt, delay)
+                # odd rounds: any moment of the run (start-up included); even rounds: a
+                # moment after the fence, when the protocol is under way
+                after_fence = n % 2 == 0
+                delay = rnd.uniform(0.0, 0.08) if after_fence else rnd.uniform(0.2, full)
+                delays.append(round(delay, 3))
+                killed += await asyncio.to_thread(
+                    _killed_after, fleet, tgt, delay, src if after_fence else None
+                )
                 await asyncio.sleep(0.3)  # traffic meets whatever half-done state is left
                 await asyncio.to_thread(_complete, fleet, tgt)
                 assert fleet.shard_map().shard_for_slot(LO) == tgt
