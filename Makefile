@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PIP_CACHE_DIR ?= $(HOME)/.cache/relayfleet/pip
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck control-plane chart-crds bench bench-quick soak clean venv venv-dev
+.PHONY: run test lint typecheck control-plane chart-crds bench bench-quick faults soak clean venv venv-dev
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,9 @@ bench: venv-dev
 
 bench-quick: venv-dev
 	$(VENV)/bin/relayfleet bench --quick
+
+faults: venv-dev
+	$(PY) -m pytest -m faults
 
 soak: venv-dev
 	$(PY) -m pytest -m soak --soak
