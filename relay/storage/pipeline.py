@@ -294,6 +294,9 @@ class ScriptBatcher:
         except (RedisError, OSError) as exc:
             conn.abort("handshake failed")
             raise StoreUnavailable(f"handshake failed: {type(exc).__name__}") from None
+        except BaseException:  # connect timeout (cancelled): never leave the socket open
+            conn.abort("handshake timed out")
+            raise
         items = [(cmd, _watched(loop.create_future())) for cmd in hello] + _script_loads()
         conn.send(_Batch(items, may_reload=False), self._connect_timeout)
         self._inflight += 1  # _batch_done balances it
@@ -302,6 +305,9 @@ class ScriptBatcher:
         except (StoreUnavailable, StoreRejected) as exc:
             conn.abort("handshake failed")
             raise StoreUnavailable(f"handshake failed: {exc}") from None
+        except BaseException:  # connect timeout (cancelled): never leave the socket open
+            conn.abort("handshake timed out")
+            raise
         return conn
 
     def _spawn(self, coro: Any) -> asyncio.Task[None]:

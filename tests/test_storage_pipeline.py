@@ -1,0 +1,107 @@
+"""The raw RESP batcher against a real redis-server: what redis-py used to give us for free."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from relay.localredis import LocalRedis
+from relay.storage import keys as K
+from relay.storage.pipeline import ScriptBatcher, StoreUnavailable
+from relay.storage.scripts import STATUS
+from relay.storage.store import QueueLimits, ShardStore
+
+REDIS = "/usr/bin/redis-server"
+
+
+@pytest.fixture
+async def secured() -> AsyncIterator[LocalRedis]:
+    server = LocalRedis(binary=REDIS, password="pw-test").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def queue() -> K.QueueKeys:
+    return K.queue_keys(os.urandom(32), b"")
+
+
+async def test_password_url_noscript_and_many_in_flight(secured: LocalRedis) -> None:
+    store = ShardStore("t", secured.url, QueueLimits(rate_count=10**6))
+    await store.start()
+    try:
+        q = queue()
+        assert (await store.enqueue(q, b"a", 1000)).seq == 1
+        await store.client.script_flush()  # Redis forgets the scripts: load once, resend once
+        outcomes = await asyncio.gather(*(store.enqueue(q, b"m%d" % i, 1001) for i in range(300)))
+        assert sorted(o.seq for o in outcomes) == list(range(2, 302))
+        read = await store.read(q, None, 1000)
+        assert [m.payload for m in read.messages][:2] == [b"a", b"m0"]
+        assert read.last_seq == 301
+    finally:
+        await store.close()
+
+
+async def test_wrong_password_is_unavailable(secured: LocalRedis) -> None:
+    store = ShardStore("t", secured.url.replace("pw-test", "wrong"), QueueLimits())
+    try:
+        with pytest.raises(StoreUnavailable):
+            await store.enqueue(queue(), b"x", 1)
+    finally:
+        await store.close()
+
+
+async def test_restart_fails_fast_then_reconnects() -> None:
+    server = LocalRedis(binary=REDIS).start()
+    store = ShardStore("t", server.url, QueueLimits())
+    try:
+        await store.start()
+        q = queue()
+        await store.enqueue(q, b"before", 1)
+        server.stop()
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await store.enqueue(q, b"during", 2)
+        assert time.monotonic() - started < 2.5
+        server.start()
+        for _ in range(50):  # the first calls may still meet the old connection
+            try:
+                await store.enqueue(q, b"after", 3)
+                break
+            except StoreUnavailable:
+                await asyncio.sleep(0.1)
+        assert (await store.status(q)).count >= 1
+    finally:
+        await store.close()
+        server.stop()
+
+
+async def test_silent_link_times_out() -> None:
+    """A peer that accepts and never answers must not hang callers past the reply timeout."""
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1 << 20)
+        await asyncio.sleep(30)
+
+    server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    url = f"redis://127.0.0.1:{port}/0"
+    client = aioredis.Redis.from_url(url)
+    batcher = ScriptBatcher(client, url, connect_timeout=0.5, reply_timeout=0.5)
+    try:
+        q = queue()
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await batcher.call(STATUS, (q.state, q.meta, q.msgs, q.index), (q.qid, "e", 1))
+        assert time.monotonic() - started < 2.0
+    finally:
+        await batcher.close()
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
