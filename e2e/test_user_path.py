@@ -155,8 +155,7 @@ def test_third_shard_and_an_approved_rebalance(e2e: Env) -> None:
         "apiVersion": "relayfleet.dev/v1alpha1",
         "kind": "RelayRebalance",
         "metadata": {"name": "scale-out"},
-        # One move at a time: with concurrency 2 the second move never finished in runs here.
-        "spec": {"fleet": FLEET, "mode": "weight", "concurrency": 1},
+        "spec": {"fleet": FLEET, "mode": "weight"},
     }
     e2e.kubectl("apply", "-f", "-", input=json.dumps(rebalance))
     wait_for("proposal ready", lambda: phase(e2e, "rrebalance", "scale-out") == "ProposalReady", timeout=60)
