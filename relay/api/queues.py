@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from typing import Any
@@ -68,7 +69,9 @@ async def enqueue(request: web.Request) -> web.Response:
     key = params.idempotency_key(request)
     c.auth.verify_enqueue(request)
     payload = await params.payload(request, c.settings.max_payload)
-    outcome = await c.service.enqueue(recipient, channel, payload, key)
+    # shielded: the app cancels handlers whose client left (for long-polls); a stored
+    # message must still get its bookkeeping (metrics, push notification)
+    outcome = await asyncio.shield(c.service.enqueue(recipient, channel, payload, key))
     if (err := enqueue_error(outcome)) is not None:
         raise err
     # exactly what orjson writes for {"seq": n, "duplicate": b}, shaped directly
@@ -134,7 +137,7 @@ async def ack(request: web.Request) -> web.Response:
     doc, raw = await params.json_body(request, 1 << 20)
     await c.auth.verify(request, recipient, raw)
     up_to, seqs = parse_ack(doc)
-    removed = await c.service.ack(recipient, channel, up_to, seqs)
+    removed = await asyncio.shield(c.service.ack(recipient, channel, up_to, seqs))
     return json_response({"removed": removed})
 
 
