@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PIP_CACHE_DIR ?= $(HOME)/.cache/relayfleet/pip
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck control-plane chart-crds bench bench-quick faults soak clean venv venv-dev
+.PHONY: run test lint typecheck control-plane chart-crds bench bench-quick e2e e2e-kind faults soak clean venv venv-dev
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,14 @@ bench: venv-dev
 
 bench-quick: venv-dev
 	$(VENV)/bin/relayfleet bench --quick
+
+## e2e: the end-to-end suite on the kwok control plane (pods as local processes, test-only runner)
+e2e: venv-dev control-plane
+	$(PY) -m pytest e2e $(PYTEST_ARGS)
+
+## e2e-kind: the same suite on kind with the real images (needs Docker, kind, kubectl, helm)
+e2e-kind: venv-dev
+	bash e2e/kind/run.sh
 
 faults: venv-dev
 	$(PY) -m pytest -m faults
