@@ -42,6 +42,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.watching.server_timeout = 270
     settings.watching.client_timeout = 300
     settings.execution.max_workers = 8
+    # The namespaces to serve are given explicitly (or all of them) and the chart installs
+    # the CRDs first: no dynamic scanning, which would need cluster-wide list on namespaces
+    # that least-privilege RBAC does not grant (kopf retried ~60 s on the 403 at start-up).
+    settings.scanning.disabled = True
     kube = memo.get("kube")
     if not isinstance(kube, Kube):  # started by kopf directly, not through main.run
         kube = Kube.from_config(os.environ.get("RELAYFLEET_OPERATOR_KUBECONFIG"))
