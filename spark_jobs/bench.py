@@ -115,9 +115,7 @@ def _seed_shard(
         try:
             for i in range(0, len(jobs), 4000):
                 chunk = jobs[i : i + 4000]
-                outs = await asyncio.gather(
-                    *(store.enqueue(K.queue_keys(r, b""), p, t) for r, p, t in chunk)
-                )
+                outs = await asyncio.gather(*(store.enqueue(K.queue_keys(r, b""), p, t) for r, p, t in chunk))
                 stored += sum(1 for o in outs if o.kind == "stored")
         finally:
             await store.close()

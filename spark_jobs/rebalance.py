@@ -14,7 +14,6 @@ JSON on stdout; otherwise it becomes a RelayRebalance proposal
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,7 +29,7 @@ from spark_jobs.planning import (
     plan,
     resolve_weights,
 )
-from spark_jobs.run_summary import PUSHGATEWAY_ENV, RunSummary
+from spark_jobs.run_summary import RunSummary, add_job_args, run_job
 from spark_jobs.shard_io import (
     GROUP,
     VERSION,
@@ -203,23 +202,12 @@ def _parser() -> ArgParser:
     p.add_argument("--namespace", help="where the RelayRebalance goes (default: the ConfigMap's)")
     p.add_argument("--auto-approve", action="store_true", help="set spec.autoApprove on the proposal")
     p.add_argument("--output", metavar="FILE", help="also write the JSON plan to FILE")
-    p.add_argument("--task-slots", type=int, default=1024, metavar="N", help="slots per Spark task")
-    p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument(
-        "--pushgateway",
-        default=os.environ.get(PUSHGATEWAY_ENV),
-        metavar="URL",
-        help=f"push the run summary to this Prometheus Pushgateway (env {PUSHGATEWAY_ENV})",
-    )
+    add_job_args(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    run = RunSummary("rebalance")
-    code = _run(argv, run)
-    run.finish(code)
-    return code
+    return run_job("rebalance", _run, argv)
 
 
 def _run(argv: Sequence[str] | None, run: RunSummary) -> int:

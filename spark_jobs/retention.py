@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relay.storage.maintenance import MaintenanceError, ShardMaintenance, TrimPolicy
-from spark_jobs.run_summary import PUSHGATEWAY_ENV, RunSummary
+from spark_jobs.run_summary import RunSummary, add_job_args, run_job
 from spark_jobs.shard_io import (
     CREDENTIALS_ENV,
     ArgParser,
@@ -251,23 +251,12 @@ def _parser() -> ArgParser:
     idle.add_argument("--idle", type=int, metavar="SECONDS", help="delete empty queues idle this long")
     idle.add_argument("--keep-empty", action="store_true", help="never delete empty queues")
     p.add_argument("--report", metavar="PATH", help="JSON lines, or Parquet when PATH ends in .parquet")
-    p.add_argument("--task-slots", type=int, default=1024, metavar="N", help="slots per Spark task")
-    p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument(
-        "--pushgateway",
-        default=os.environ.get(PUSHGATEWAY_ENV),
-        metavar="URL",
-        help=f"push the run summary to this Prometheus Pushgateway (env {PUSHGATEWAY_ENV})",
-    )
+    add_job_args(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    run = RunSummary("retention")
-    code = _run(argv, run)
-    run.finish(code)
-    return code
+    return run_job("retention", _run, argv)
 
 
 def _run(argv: Sequence[str] | None, run: RunSummary) -> int:

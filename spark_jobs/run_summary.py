@@ -12,10 +12,12 @@ Batch jobs end before any scrape could reach them, hence the push. Metrics pushe
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Gauge, pushadd_to_gateway
@@ -72,3 +74,26 @@ class RunSummary:
         for name, value in self.figures.items():
             gauge(f"relayfleet_spark_job_{name}", f"{name} in the last successful run", value)
         return reg
+
+
+def add_job_args(p: argparse.ArgumentParser) -> None:
+    """The flags every Spark job takes: task size, master, progress, Pushgateway."""
+    p.add_argument("--task-slots", type=int, default=1024, metavar="N", help="slots per Spark task")
+    p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument(
+        "--pushgateway",
+        default=os.environ.get(PUSHGATEWAY_ENV),
+        metavar="URL",
+        help=f"push the run summary to this Prometheus Pushgateway (env {PUSHGATEWAY_ENV})",
+    )
+
+
+def run_job(
+    job: str, body: Callable[[Sequence[str] | None, RunSummary], int], argv: Sequence[str] | None
+) -> int:
+    """Run a job's body and always finish its run summary with the exit code."""
+    run = RunSummary(job)
+    code = body(argv, run)
+    run.finish(code)
+    return code
