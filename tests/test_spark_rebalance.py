@@ -120,6 +120,7 @@ def test_rebalance_plan_applied_keeps_every_message(spark: SparkSession, redis_f
     # as its migration would finish); then every message is where the map says
     with redis.Redis.from_url(fleet.shards["a"]) as r:
         r.delete(K.slot_state(pinned))
+
     async def publish(new_map: ShardMap) -> ShardMap:
         return new_map
 
