@@ -82,6 +82,7 @@ def test_managed_shard_children_and_owner_refs() -> None:
     assert _kinds(objs) == [
         ("ConfigMap", "relayfleet-a-redis-config"),
         ("Service", "relayfleet-a-redis"),
+        ("NetworkPolicy", "relayfleet-a-redis"),
         ("StatefulSet", "relayfleet-a-redis"),
         ("Service", "relayfleet-a-relay"),
         ("PodDisruptionBudget", "relayfleet-a-relay"),

@@ -203,15 +203,31 @@ def _network_policies() -> list[dict[str, Any]]:
     return [o for o in objs if o.get("kind") == "NetworkPolicy"]
 
 
-@pytest.mark.xfail(strict=True, reason="no NetworkPolicy is built yet: proposed in docs/reliability.md")
-def test_only_relay_pods_may_reach_shard_redis() -> None:
+def test_only_the_fleets_own_parts_may_reach_shard_redis() -> None:
+    """Ingress to a managed shard's Redis: its fleet's relays, the fleet's other Redis
+    servers (MIGRATE connects server to server), the operator (migrations) and pods that
+    carry the redis-client label (Spark drivers/executors, labelled by the chart) — only
+    on the Redis port, and nothing else."""
     policies = _network_policies()
     assert policies, "no NetworkPolicy for shard Redis"
     redis_sel = builders.redis_statefulset(MANAGED)["spec"]["selector"]["matchLabels"]
     covering = [p for p in policies if redis_sel.items() >= p["spec"]["podSelector"]["matchLabels"].items()]
     assert covering
+    allowed = {
+        (("app.kubernetes.io/component", "relay"), ("relayfleet.dev/fleet", "main")),
+        (("app.kubernetes.io/component", "redis"), ("relayfleet.dev/fleet", "main")),
+        (("relayfleet.dev/redis-client", "true"),),
+        (("app.kubernetes.io/component", "operator"), ("app.kubernetes.io/name", "relayfleet")),
+    }
     for p in covering:
         assert p["spec"]["policyTypes"] == ["Ingress"]
         for rule in p["spec"]["ingress"]:
+            assert rule["ports"] == [{"protocol": "TCP", "port": 6379}]
             for peer in rule["from"]:
-                assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "relay"
+                assert "ipBlock" not in peer
+                labels = tuple(sorted(peer["podSelector"]["matchLabels"].items()))
+                assert labels in allowed, peer
+    # the chart labels the Spark pods it runs, driver and executors
+    chart = (ROOT / "charts/relayfleet/templates/spark-cronjobs.yaml").read_text()
+    assert 'relayfleet.dev/redis-client: "true"' in chart
+    assert "spark.kubernetes.executor.label.relayfleet.dev/redis-client=true" in chart

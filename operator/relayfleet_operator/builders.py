@@ -367,6 +367,38 @@ def redis_headless_service(shard: ShardSpec) -> Obj:
     }
 
 
+LABEL_REDIS_CLIENT = "relayfleet.dev/redis-client"
+
+
+def redis_network_policy(shard: ShardSpec) -> Obj:
+    """Only the fleet's own parts may reach a managed shard's Redis port: its relays, the
+    other shards' Redis (MIGRATE connects server to server), the operator (migrations) and
+    pods that carry the redis-client label (the Spark jobs' driver and executors)."""
+    fleet = shard.fleet
+    peers: list[Obj] = [
+        {"podSelector": {"matchLabels": {LABEL_FLEET: fleet, LABEL_COMPONENT: "relay"}}},
+        {"podSelector": {"matchLabels": {LABEL_FLEET: fleet, LABEL_COMPONENT: "redis"}}},
+        {"podSelector": {"matchLabels": {LABEL_REDIS_CLIENT: "true"}}},
+        {
+            # the operator may run in another namespace (watchAllNamespaces)
+            "namespaceSelector": {},
+            "podSelector": {
+                "matchLabels": {"app.kubernetes.io/name": "relayfleet", LABEL_COMPONENT: "operator"}
+            },
+        },
+    ]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(redis_name(shard.name), shard, "redis"),
+        "spec": {
+            "podSelector": {"matchLabels": {LABEL_SHARD: shard.name, LABEL_COMPONENT: "redis"}},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": REDIS_PORT}]}],
+        },
+    }
+
+
 def _managed(shard: ShardSpec) -> ManagedRedis:
     if not isinstance(shard.redis, ManagedRedis):
         raise ValueError(f"RelayShard {shard.name} uses external Redis: no Redis objects to build")
@@ -467,7 +499,13 @@ def shard_children(shard: ShardSpec) -> list[Obj]:
     objs = [relay_service(shard), relay_pdb(shard), relay_deployment(shard)]
     if isinstance(shard.redis, ExternalRedis):
         return objs
-    return [redis_config_map(shard), redis_headless_service(shard), redis_statefulset(shard), *objs]
+    return [
+        redis_config_map(shard),
+        redis_headless_service(shard),
+        redis_network_policy(shard),
+        redis_statefulset(shard),
+        *objs,
+    ]
 
 
 # --- fleet-wide objects ----------------------------------------------------------------------

@@ -31,6 +31,7 @@ _PLURALS: dict[str, str] = {
     "Deployment": "deployments",
     "StatefulSet": "statefulsets",
     "PodDisruptionBudget": "poddisruptionbudgets",
+    "NetworkPolicy": "networkpolicies",
     "Role": "roles",
     "RoleBinding": "rolebindings",
     "RelayShard": "relayshards",
