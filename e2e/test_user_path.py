@@ -123,6 +123,14 @@ def test_chart_installs_and_operator_becomes_available(e2e: Env) -> None:
 def test_two_shards_become_ready_and_messages_flow(e2e: Env) -> None:
     # The second shard joins with no slots; autoRebalance hands it its share at once.
     e2e.kubectl("apply", "-f", "-", input=shard("a"))
+
+    def a_holds_all() -> bool:
+        m = shard_map(e2e)
+        return m is not None and slots_of(m).get("a") == SLOT_COUNT
+
+    # The first shard of a fleet takes every slot. b is applied once a holds them, so
+    # which shard comes first does not hang on the order the operator sees the two.
+    wait_for("shard a holds every slot", a_holds_all, timeout=150)
     e2e.kubectl("apply", "-f", "-", input=shard("b", autoRebalance=True))
     wait_for("shard a Ready", lambda: phase(e2e, "rshard", "a") == "Ready", timeout=150)
     wait_for("shard b Ready", lambda: phase(e2e, "rshard", "b") == "Ready", timeout=150)
@@ -184,7 +192,7 @@ def test_deleted_shard_drains_away(e2e: Env) -> None:
     assert m is not None
     assert sum(slots_of(m).values()) == SLOT_COUNT
     assert set(m.shards) == {"b", "c"}
-    wait_for("relay of a gone", lambda: e2e.get("deployment", "relayfleet-a-relay") is None, timeout=60)
+    wait_for("relay of a gone", lambda: e2e.get("deployment", "relayfleet-a-relay") is None, timeout=150)
     before = workload.stored
     wait_for("messages stored after the scale-in", lambda: workload.stored > before + 10, timeout=60)
 
