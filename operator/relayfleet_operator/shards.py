@@ -230,6 +230,16 @@ async def drain(ctx: fleet.Context, body: Mapping[str, Any]) -> None:
         )
         await fleet.set_credentials(ctx.kube, shard.namespace, shard.fleet, shard.name, None, [])
     notify(body, "LeftFleet", f"left fleet {shard.fleet}" + ("" if left else "; it was the last shard"))
+    await _delete_children(ctx, shard)
+
+
+async def _delete_children(ctx: fleet.Context, shard: ShardSpec) -> None:
+    """Remove the shard's own objects once its slots are gone, newest first, instead of
+    leaving them to the garbage collector: they go before the finalizer is released, on
+    clusters whose garbage collector is slow or stalled too. Claims (data) are kept."""
+    for obj in reversed(builders.shard_children(shard)):
+        meta = obj["metadata"]
+        await ctx.kube.delete(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
 
 
 async def _last_shard(
