@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from relayfleet_operator.executor import MoveFailed, Outcome, run_moves
+from relayfleet_operator.fleet import founder
 from relayfleet_operator.planning import (
     Move,
     PlanError,
@@ -98,6 +99,27 @@ def test_validate_moves_rejects_bad_proposals() -> None:
     with pytest.raises(PlanError, match="bad slot range"):
         move_from_json({"slots": "9-2", "from": "a", "to": "b"})
     assert move_from_json({"slots": "7", "from": "a", "to": "b", "bytes": 5}) == Move(7, 7, "a", "b", 5)
+
+
+# --- founding a fleet -----------------------------------------------------------------------------
+
+
+def member(name: str, created: str, **meta: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": "ns", "creationTimestamp": created, **meta},
+        "spec": {"fleet": "f", "redis": {"external": {"url": "redis://x/0"}}},
+    }
+
+
+def test_founder_is_the_oldest_valid_shard_whatever_the_handling_order() -> None:
+    same = "2026-01-01T00:00:00Z"
+    assert founder([member("b", same), member("a", same)]) == "a"  # same second: by name
+    older = [member("z", "2025-12-31T23:59:59Z"), member("a", same)]
+    assert founder(older) == founder(list(reversed(older))) == "z"
+    leaving = member("z", "2025-01-01T00:00:00Z", deletionTimestamp=same)
+    invalid = member("Bad_Name", "2020-01-01T00:00:00Z")
+    assert founder([leaving, invalid, member("m", same)]) == "m"
+    assert founder([]) is None
 
 
 # --- status ---------------------------------------------------------------------------------------

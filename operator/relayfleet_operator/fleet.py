@@ -78,6 +78,23 @@ def deleting(obj: Mapping[str, Any]) -> bool:
     return bool((obj.get("metadata") or {}).get("deletionTimestamp"))
 
 
+def founder(objs: Sequence[Mapping[str, Any]]) -> str | None:
+    """The shard that founds a fleet (gets all 16384 slots when no map exists yet): the oldest
+    valid, non-deleting RelayShard, ties broken by name. Deterministic, so shards applied
+    together found the same fleet whatever order the operator happens to handle them in."""
+    candidates = []
+    for obj in objs:
+        if deleting(obj):
+            continue
+        try:
+            spec = parse_shard(obj)
+        except SpecError:
+            continue
+        created = str((obj.get("metadata") or {}).get("creationTimestamp") or "")
+        candidates.append((created, spec.name))
+    return min(candidates)[1] if candidates else None
+
+
 def weights_of(objs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     """Weights of the shards that may hold slots (valid and not being deleted)."""
     out: dict[str, int] = {}

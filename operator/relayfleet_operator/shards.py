@@ -106,13 +106,16 @@ async def reconcile(ctx: fleet.Context, body: Mapping[str, Any], *, announce: bo
                 await ctx.kube.apply(obj)
             await fleet.set_credentials(ctx.kube, shard.namespace, shard.fleet, shard.name, url, owners)
             public = builders.strip_credentials(url)
+            founder = fleet.founder(members)
+
+            def join(m: ShardMap | None) -> ShardMap | None:
+                if m is None and founder not in (None, shard.name):
+                    return None  # the founder creates the map; this shard joins it afterwards
+                return builders.join_shard_map(m, shard.fleet, shard.name, public)
+
             before, _ = await fleet.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
             after, written = await fleet.update_shard_map(
-                ctx.kube,
-                shard.namespace,
-                shard.fleet,
-                lambda m: builders.join_shard_map(m, shard.fleet, shard.name, public),
-                owners,
+                ctx.kube, shard.namespace, shard.fleet, join, owners
             )
         if written and after is not None:
             joined = before is None or shard.name not in before.shards
@@ -139,6 +142,11 @@ async def reconcile(ctx: fleet.Context, body: Mapping[str, Any], *, announce: bo
         raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from None
     status = shard_status(shard, previous, seen)
     await write_status(ctx, body, status)
+    if after is None:
+        # Not in a map yet: the fleet's founder has not written it. Come back soon rather
+        # than at the next resync, so a fleet applied in one go forms within seconds.
+        metrics.RECONCILES.labels("RelayShard", "waiting").inc()
+        raise kopf.TemporaryError(f"waiting for shard {founder} to found fleet {shard.fleet}", delay=2)
     if announce:
         notify(body, "Reconciled", f"children applied; phase {status['phase']}")
     elif previous.get("phase") != status["phase"]:
