@@ -53,12 +53,16 @@ local function boot_run()
   if not boot then return nil end
   return string.match(boot, '^([^:]+):')
 end
+-- Returns the run a write must stamp on the queue (nil when the stamp is already there or
+-- no boot is recorded), so a writer reads rf:boot and the stamp once.
 local function check_boot(meta_key)
   local run = boot_run()
-  if not run then return end
+  if not run then return nil end
   local r = redis.call('HGET', meta_key, 'r')
-  if not r or r == run then return end
+  if r == run then return nil end
+  if not r then return run end
   local seq = tonumber(redis.call('HGET', meta_key, 'seq') or '0') + SEQ_JUMP
   local epoch = string.sub(redis.sha1hex(run .. meta_key), 1, 16)
   redis.call('HSET', meta_key, 'epoch', epoch, 'seq', seq, 'r', run)
+  return nil
 end

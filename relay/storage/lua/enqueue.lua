@@ -23,7 +23,7 @@ if redis.call('HSETNX', KEYS[2], 'epoch', ARGV[13]) == 1 then
   redis.call('HSET', KEYS[2], 'created', now)
   redis.call('SADD', KEYS[7], ARGV[11])
 end
-check_boot(KEYS[2])
+local stamp = check_boot(KEYS[2])
 local ikey = ARGV[3]
 if ikey ~= '' then
   local prev = redis.call('HGET', KEYS[4], ikey)
@@ -48,8 +48,7 @@ if held + size > tonumber(ARGV[9]) then return {'full', 'bytes'} end
 local seq = (tonumber(meta[1]) or 0) + 1
 redis.call('XADD', KEYS[3], seq .. '-0', 'p', ARGV[1], 't', now, 'm', ARGV[5], 'n', size)
 redis.call('HSET', KEYS[2], 'seq', seq, 'bytes', held + size)
-local run = boot_run()
-if run then redis.call('HSET', KEYS[2], 'r', run) end
+if stamp then redis.call('HSET', KEYS[2], 'r', stamp) end
 redis.call('ZADD', KEYS[6], now, seq)
 redis.call('PEXPIRE', KEYS[6], window)
 if ikey ~= '' then
