@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from relay import metrics
 from relay.fleet.routing import Fleet, Route
@@ -18,6 +18,7 @@ from relay.storage.store import (
     SlotMoved,
     StatusResult,
     StoreUnavailable,
+    enqueue_outcome,
 )
 
 T = TypeVar("T")
@@ -55,32 +56,52 @@ class QueueService:
         self.on_stored: OnStored | None = None
         self.closing = False
         self._waiters = 0
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- plumbing ------------------------------------------------------------
     async def call(self, recipient: bytes, channel: bytes, op: Callable[[Route], Awaitable[T]]) -> T:
         """Run `op` on the queue's shard, retrying MOVED and fenced slots within the deadline."""
+        deadline = asyncio.get_running_loop().time() + self.settings.request_deadline_s
+        route = self.fleet.route(recipient, channel)
+        try:
+            return await op(route)
+        except (SlotMoved, SlotMigrating, StoreUnavailable) as exc:
+            return await self._retry(recipient, channel, op, route, deadline, exc)
+
+    async def _retry(
+        self,
+        recipient: bytes,
+        channel: bytes,
+        op: Callable[[Route], Awaitable[T]],
+        route: Route,
+        deadline: float,
+        exc: Exception,
+    ) -> T:
+        """What `call` does once an attempt on `route` failed with `exc`: retry or give up."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.request_deadline_s
         delay = 0.005
         while True:
+            if isinstance(exc, StoreUnavailable):
+                metrics.REDIS_ERRORS.labels(route.store.name, "unavailable").inc()
+                raise Unavailable("shard unavailable") from exc
+            if isinstance(exc, SlotMoved):
+                metrics.RETRIES.labels("moved").inc()
+                moved_on = await self.fleet.refresh()
+                reason = "slot moved; shard map not yet updated"
+            else:
+                metrics.RETRIES.labels("migrating").inc()
+                moved_on = False
+                reason = "slot is being migrated"
+            if not moved_on:
+                if loop.time() + delay > deadline:
+                    raise Unavailable(reason)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.1)
             route = self.fleet.route(recipient, channel)
             try:
                 return await op(route)
-            except SlotMoved:
-                metrics.RETRIES.labels("moved").inc()
-                if await self.fleet.refresh():
-                    continue
-                reason = "slot moved; shard map not yet updated"
-            except SlotMigrating:
-                metrics.RETRIES.labels("migrating").inc()
-                reason = "slot is being migrated"
-            except StoreUnavailable as exc:
-                metrics.REDIS_ERRORS.labels(route.store.name, "unavailable").inc()
-                raise Unavailable("shard unavailable") from exc
-            if loop.time() + delay > deadline:
-                raise Unavailable(reason)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            except (SlotMoved, SlotMigrating, StoreUnavailable) as again:
+                exc = again
 
     async def _wait_for(
         self,
@@ -125,27 +146,55 @@ class QueueService:
         message_id: str = "",
         any_payload_is_duplicate: bool = False,
     ) -> EnqueueOutcome:
+        return await self.enqueue_future(
+            recipient, channel, payload, idempotency_key, message_id, any_payload_is_duplicate
+        )
+
+    def enqueue_future(
+        self,
+        recipient: bytes,
+        channel: bytes,
+        payload: bytes,
+        idempotency_key: str = "",
+        message_id: str = "",
+        any_payload_is_duplicate: bool = False,
+    ) -> asyncio.Future[EnqueueOutcome]:
+        """Send an enqueue; the returned future gets its outcome.
+
+        The bookkeeping of a stored message (metrics, `on_stored`) runs in the reply's
+        callback, so it happens even when the awaiting handler was cancelled because its
+        client left, without a task per request (a shielded task was ~9 % of enqueue CPU).
+        Fenced or moved slots and a lost shard continue as `call` would, in a task.
+        """
         digest = (
             "*"
             if any_payload_is_duplicate
             else (hashlib.sha256(payload).hexdigest() if idempotency_key else "")
         )
         ts = now_ms()
-        outcome = await self.call(
-            recipient,
-            channel,
-            lambda r: r.store.enqueue(r.keys, payload, ts, idempotency_key, digest, message_id),
-        )
-        if outcome.kind == "stored":
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[EnqueueOutcome] = loop.create_future()
+        route = self.fleet.route(recipient, channel)
+        job = _Enqueue(self, done, route, loop.time() + self.settings.request_deadline_s)
+        job.recipient, job.channel, job.payload, job.ts = recipient, channel, payload, ts
+        job.idempotency_key, job.digest, job.message_id = idempotency_key, digest, message_id
+        route.store.enqueue_send(
+            route.keys, payload, ts, idempotency_key, digest, message_id
+        ).add_done_callback(job.replied)
+        return done
+
+    def _stored(self, recipient: bytes, channel: bytes, size: int, outcome: EnqueueOutcome) -> None:
+        """Metrics and hooks for an enqueue Redis has answered."""
+        kind = outcome.kind
+        if kind == "stored":
             _ENQUEUED.inc()
-            _ENQUEUED_BYTES.inc(len(payload))
+            _ENQUEUED_BYTES.inc(size)
             if self.on_stored is not None:
                 self.on_stored(recipient, channel, outcome.seq, outcome.subscribers)
-        elif outcome.kind == "duplicate":
+        elif kind == "duplicate":
             _DUPLICATE.inc()
-        elif outcome.kind == "rate_limited":
+        elif kind == "rate_limited":
             metrics.RATE_LIMITED.inc()
-        return outcome
 
     async def read(
         self, recipient: bytes, channel: bytes, from_seq: int | None, limit: int, wait_s: float
@@ -193,6 +242,90 @@ class QueueService:
 
     def waiting_count(self) -> int:
         return self._waiters
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._tasks.discard)
+
+
+class _Enqueue:
+    """One enqueue between sending and its outcome (see QueueService.enqueue_future)."""
+
+    __slots__ = (
+        "channel",
+        "deadline",
+        "digest",
+        "done",
+        "idempotency_key",
+        "message_id",
+        "payload",
+        "recipient",
+        "route",
+        "service",
+        "ts",
+    )
+
+    recipient: bytes
+    channel: bytes
+    payload: bytes
+    ts: int
+    idempotency_key: str
+    digest: str
+    message_id: str
+
+    def __init__(
+        self, service: QueueService, done: asyncio.Future[EnqueueOutcome], route: Route, deadline: float
+    ) -> None:
+        self.service = service
+        self.done = done
+        self.route = route  # of the first attempt; a retry routes afresh
+        self.deadline = deadline
+
+    def replied(self, sent: asyncio.Future[Any]) -> None:
+        try:
+            outcome = enqueue_outcome(sent.result())
+        except (SlotMoved, SlotMigrating, StoreUnavailable) as exc:
+            self.service._spawn(self.retry(exc))
+            return
+        except BaseException as exc:  # handed to the caller, as an awaited call would raise it
+            self.fail(exc)
+            return
+        self.finish(outcome)
+
+    def finish(self, outcome: EnqueueOutcome) -> None:
+        try:
+            self.service._stored(self.recipient, self.channel, len(self.payload), outcome)
+        except Exception as exc:
+            self.fail(exc)
+            return
+        if not self.done.done():  # cancelled when the handler was
+            self.done.set_result(outcome)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.done.done():
+            return
+        if isinstance(exc, asyncio.CancelledError):
+            self.done.cancel()
+        else:
+            self.done.set_exception(exc)
+
+    def attempt(self, route: Route) -> Awaitable[EnqueueOutcome]:
+        return route.store.enqueue(
+            route.keys, self.payload, self.ts, self.idempotency_key, self.digest, self.message_id
+        )
+
+    async def retry(self, exc: Exception) -> None:
+        try:
+            outcome = await self.service._retry(
+                self.recipient, self.channel, self.attempt, self.route, self.deadline, exc
+            )
+        except BaseException as err:
+            self.fail(err)
+            if not isinstance(err, Exception):
+                raise
+            return
+        self.finish(outcome)
 
 
 def _count(op: str, result: ReadResult) -> None:

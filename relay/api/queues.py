@@ -69,9 +69,9 @@ async def enqueue(request: web.Request) -> web.Response:
     key = params.idempotency_key(request)
     c.auth.verify_enqueue(request)
     payload = await params.payload(request, c.settings.max_payload)
-    # shielded: the app cancels handlers whose client left (for long-polls); a stored
-    # message must still get its bookkeeping (metrics, push notification)
-    outcome = await asyncio.shield(c.service.enqueue(recipient, channel, payload, key))
+    # the app cancels handlers whose client left (for long-polls); the bookkeeping of a
+    # stored message (metrics, push notification) runs on Redis's reply, not in this handler
+    outcome = await c.service.enqueue_future(recipient, channel, payload, key)
     if (err := enqueue_error(outcome)) is not None:
         raise err
     # exactly what orjson writes for {"seq": n, "duplicate": b}, shaped directly

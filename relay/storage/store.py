@@ -28,6 +28,7 @@ __all__ = [
     "StatusResult",
     "StoreRejected",
     "StoreUnavailable",
+    "enqueue_outcome",
 ]
 
 
@@ -150,6 +151,21 @@ def _messages(entries: list[Any]) -> list[Message]:
     return out
 
 
+def enqueue_outcome(raw: Any) -> EnqueueOutcome:
+    """What enqueue.lua answered; SlotMoved / SlotMigrating for a fenced slot."""
+    reply = _check(raw)
+    tag = reply[0]
+    if tag == b"ok":
+        return EnqueueOutcome("stored", seq=int(reply[1]), subscribers=int(reply[2]))
+    if tag == b"dup":
+        return EnqueueOutcome("duplicate", seq=int(reply[1]))
+    if tag == b"conflict":
+        return EnqueueOutcome("conflict", seq=int(reply[1]))
+    if tag == b"rate":
+        return EnqueueOutcome("rate_limited", retry_after_ms=int(reply[1]))
+    return EnqueueOutcome("full", reason=_s(reply[1]))
+
+
 class ShardStore:
     """Queue operations against one Redis shard, coalesced into pipelines."""
 
@@ -192,39 +208,40 @@ class ShardStore:
         digest: str = "",
         message_id: str = "",
     ) -> EnqueueOutcome:
+        return enqueue_outcome(await self.enqueue_send(q, payload, now_ms, idem_key, digest, message_id))
+
+    def enqueue_send(
+        self,
+        q: K.QueueKeys,
+        payload: bytes,
+        now_ms: int,
+        idem_key: str = "",
+        digest: str = "",
+        message_id: str = "",
+    ) -> asyncio.Future[Any]:
+        """Queue the enqueue script for the next pipeline; the future holds Redis's raw
+        reply, which `enqueue_outcome` reads. No coroutine: the hot path awaits nothing here."""
         lim = self.limits
-        reply = _check(
-            await self._batcher.call(
-                scripts.ENQUEUE,
-                (q.state, q.meta, q.msgs, q.idem, q.idemx, q.rate, q.index, q.stats),
-                (
-                    payload,
-                    now_ms,
-                    idem_key,
-                    digest,
-                    message_id,
-                    lim.rate_count,
-                    lim.rate_window_ms,
-                    lim.max_messages,
-                    lim.max_bytes,
-                    lim.retention_ms,
-                    q.qid,
-                    q.wake,
-                    new_epoch(),
-                ),
-                cache_keys=True,
-            )
+        return self._batcher.call(
+            scripts.ENQUEUE,
+            (q.state, q.meta, q.msgs, q.idem, q.idemx, q.rate, q.index, q.stats),
+            (
+                payload,
+                now_ms,
+                idem_key,
+                digest,
+                message_id,
+                lim.rate_count,
+                lim.rate_window_ms,
+                lim.max_messages,
+                lim.max_bytes,
+                lim.retention_ms,
+                q.qid,
+                q.wake,
+                new_epoch(),
+            ),
+            cache_keys=True,
         )
-        tag = reply[0]
-        if tag == b"ok":
-            return EnqueueOutcome("stored", seq=int(reply[1]), subscribers=int(reply[2]))
-        if tag == b"dup":
-            return EnqueueOutcome("duplicate", seq=int(reply[1]))
-        if tag == b"conflict":
-            return EnqueueOutcome("conflict", seq=int(reply[1]))
-        if tag == b"rate":
-            return EnqueueOutcome("rate_limited", retry_after_ms=int(reply[1]))
-        return EnqueueOutcome("full", reason=_s(reply[1]))
 
     async def read(self, q: K.QueueKeys, from_seq: int | None, limit: int) -> ReadResult:
         reply = _check(
