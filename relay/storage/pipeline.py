@@ -35,7 +35,7 @@ Arg = bytes | str | int
 _Item = tuple[bytes, "asyncio.Future[Any]"]  # one encoded command, its caller's future
 
 
-def _bulk_str(value: str) -> bytes:
+def bulk_str(value: str) -> bytes:
     raw = value.encode()
     return b"$%d\r\n%b\r\n" % (len(raw), raw)
 
@@ -43,32 +43,36 @@ def _bulk_str(value: str) -> bytes:
 def encode_command(*args: Arg) -> bytes:
     parts = [b"*%d\r\n" % len(args)]
     for a in args:
-        parts.append(_bulk(a))
+        parts.append(bulk(a))
     return b"".join(parts)
 
 
-def _bulk(a: Arg) -> bytes:
+def bulk(a: Arg) -> bytes:
     if isinstance(a, bytes):
         return b"$%d\r\n%b\r\n" % (len(a), a)
     if isinstance(a, str):
-        return _bulk_str(a)
+        return bulk_str(a)
     raw = b"%d" % a
     return b"$%d\r\n%b\r\n" % (len(raw), raw)
 
 
 _HEADS: dict[tuple[str, int], bytes] = {}
-# EVALSHA head plus the encoded key names of hot queues (enqueue only: a cache entry
-# per idle long-poll would cost ~1 KiB each); bounded, cleared when full.
-_KEY_SEGMENTS: dict[tuple[str, tuple[str, ...]], bytes] = {}
-_KEY_SEGMENTS_MAX = 8192
 
 
 def _evalsha_head(script: Script, nkeys: int) -> bytes:
     """EVALSHA, the script's SHA and the key count, encoded once per script shape."""
     head = _HEADS.get((script.sha, nkeys))
     if head is None:
-        head = _HEADS[(script.sha, nkeys)] = _bulk_str("EVALSHA") + _bulk_str(script.sha) + _bulk(nkeys)
+        head = _HEADS[(script.sha, nkeys)] = bulk_str("EVALSHA") + bulk_str(script.sha) + bulk(nkeys)
     return head
+
+
+def encode_evalsha(script: Script, keys: tuple[str, ...], args: tuple[Arg, ...]) -> bytes:
+    """EVALSHA of `script` as RESP; parts of it may be cached by callers (see ShardStore)."""
+    parts = [b"*%d\r\n" % (3 + len(keys) + len(args)), _evalsha_head(script, len(keys))]
+    parts += [bulk_str(k) for k in keys]
+    parts += [bulk(a) for a in args]
+    return b"".join(parts)
 
 
 def _classify(reply: hiredis.ReplyError) -> Exception:
@@ -183,21 +187,13 @@ class ScriptBatcher:
         for script in ALL:
             await self._client.script_load(script.source)
 
-    def call(
-        self, script: Script, keys: tuple[str, ...], args: tuple[Arg, ...], cache_keys: bool = False
-    ) -> asyncio.Future[Any]:
-        head = _KEY_SEGMENTS.get((script.sha, keys)) if cache_keys else None
-        if head is None:
-            head = _evalsha_head(script, len(keys)) + b"".join([_bulk_str(k) for k in keys])
-            if cache_keys:
-                if len(_KEY_SEGMENTS) >= _KEY_SEGMENTS_MAX:
-                    _KEY_SEGMENTS.clear()
-                _KEY_SEGMENTS[(script.sha, keys)] = head
-        parts = [b"*%d\r\n" % (3 + len(keys) + len(args)), head]
-        for a in args:
-            parts.append(_bulk(a))
+    def call(self, script: Script, keys: tuple[str, ...], args: tuple[Arg, ...]) -> asyncio.Future[Any]:
+        return self.submit(encode_evalsha(script, keys, args))
+
+    def submit(self, command: bytes) -> asyncio.Future[Any]:
+        """Send one RESP-encoded command with the next pipeline; the future gets its reply."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.append((b"".join(parts), fut))
+        self._pending.append((command, fut))
         self._kick()
         return fut
 

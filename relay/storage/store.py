@@ -14,7 +14,14 @@ from redis.exceptions import RedisError
 
 from relay.storage import keys as K
 from relay.storage import scripts
-from relay.storage.pipeline import ScriptBatcher, StoreRejected, StoreUnavailable
+from relay.storage.pipeline import (
+    ScriptBatcher,
+    StoreRejected,
+    StoreUnavailable,
+    bulk,
+    bulk_str,
+    encode_evalsha,
+)
 from relay.storage.wakeups import NOTICE_PREFIX
 
 __all__ = [
@@ -86,6 +93,10 @@ class StatusResult:
     oldest_ms: int | None
     newest_ms: int | None
 
+
+_ENQUEUE_ARGS = 13
+_ENQUEUE_PARTS_MAX = 8192
+_EMPTY_BULK = b"$0\r\n\r\n"
 
 _EPOCH_PREFIX = os.urandom(5).hex()
 _epoch_counter = itertools.count()
@@ -182,6 +193,9 @@ class ShardStore:
             health_check_interval=0,
         )
         self._batcher = ScriptBatcher(self.client, url)
+        # per hot queue, the encoded parts of its enqueue command that never change (enqueue
+        # only: an entry per idle long-poll would cost ~1 KiB each); bounded, cleared when full
+        self._enqueue_parts: dict[str, tuple[bytes, bytes]] = {}
 
     async def start(self) -> None:
         try:
@@ -221,27 +235,39 @@ class ShardStore:
     ) -> asyncio.Future[Any]:
         """Queue the enqueue script for the next pipeline; the future holds Redis's raw
         reply, which `enqueue_outcome` reads. No coroutine: the hot path awaits nothing here."""
-        lim = self.limits
-        return self._batcher.call(
-            scripts.ENQUEUE,
-            (q.state, q.meta, q.msgs, q.idem, q.idemx, q.rate, q.index, q.stats),
-            (
+        parts = self._enqueue_parts.get(q.qid)
+        if parts is None:
+            parts = self._encode_enqueue_parts(q)
+        # ARGV: payload, now, idempotency key, digest, messageId, five limits, qid, wake, epoch
+        return self._batcher.submit(
+            b"%b$%d\r\n%b\r\n%b%b%b%b%b%b"
+            % (
+                parts[0],
+                len(payload),
                 payload,
-                now_ms,
-                idem_key,
-                digest,
-                message_id,
-                lim.rate_count,
-                lim.rate_window_ms,
-                lim.max_messages,
-                lim.max_bytes,
-                lim.retention_ms,
-                q.qid,
-                q.wake,
-                new_epoch(),
-            ),
-            cache_keys=True,
+                bulk(now_ms),
+                bulk_str(idem_key) if idem_key else _EMPTY_BULK,
+                bulk_str(digest) if digest else _EMPTY_BULK,
+                bulk_str(message_id) if message_id else _EMPTY_BULK,
+                parts[1],
+                bulk_str(new_epoch()),
+            )
         )
+
+    def _encode_enqueue_parts(self, q: K.QueueKeys) -> tuple[bytes, bytes]:
+        """The queue's fixed parts of an enqueue command: up to the payload, limits to wake."""
+        keys = (q.state, q.meta, q.msgs, q.idem, q.idemx, q.rate, q.index, q.stats)
+        lim = self.limits
+        fixed = (lim.rate_count, lim.rate_window_ms, lim.max_messages, lim.max_bytes, lim.retention_ms)
+        head = encode_evalsha(scripts.ENQUEUE, keys, ())
+        parts = (
+            b"*%d\r\n%b" % (3 + len(keys) + _ENQUEUE_ARGS, head[head.index(b"\r\n") + 2 :]),
+            b"".join([bulk(a) for a in (*fixed, q.qid, q.wake)]),
+        )
+        if len(self._enqueue_parts) >= _ENQUEUE_PARTS_MAX:
+            self._enqueue_parts.clear()
+        self._enqueue_parts[q.qid] = parts
+        return parts
 
     async def read(self, q: K.QueueKeys, from_seq: int | None, limit: int) -> ReadResult:
         reply = _check(
