@@ -201,14 +201,7 @@ def kube_apiserver(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[KubeCluster]:
     """A bare etcd + kube-apiserver (or the external cluster)."""
-    external = external_kubeconfig(request.config)
-    if external is not None:
-        yield _external_cluster(external)
-        return
-    bin_dir = control_plane_bin_dir()
-    workdir = tmp_path_factory.mktemp("kube-apiserver")
-    with _bare_apiserver(bin_dir, workdir) as cluster:
-        yield cluster
+    yield from _cluster(request, tmp_path_factory, "kube-apiserver", _bare_apiserver)
 
 
 @pytest.fixture(scope="session")
@@ -216,13 +209,22 @@ def kwok_cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[KubeCluster]:
     """A kwokctl binary-runtime cluster with fake nodes (or the external cluster)."""
+    yield from _cluster(request, tmp_path_factory, "kwok", _kwok)
+
+
+def _cluster(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    start: Callable[[Path, Path], contextlib.AbstractContextManager[KubeCluster]],
+) -> Iterator[KubeCluster]:
+    """The external cluster if one is given, else `start(bin_dir, workdir)` with the pinned binaries."""
     external = external_kubeconfig(request.config)
     if external is not None:
         yield _external_cluster(external)
         return
     bin_dir = control_plane_bin_dir()
-    workdir = tmp_path_factory.mktemp("kwok")
-    with _kwok(bin_dir, workdir) as cluster:
+    with start(bin_dir, tmp_path_factory.mktemp(name)) as cluster:
         yield cluster
 
 
@@ -252,7 +254,7 @@ def _bare_apiserver(bin_dir: Path, workdir: Path) -> Iterator[KubeCluster]:
     kubeconfig.chmod(0o600)
 
     with contextlib.ExitStack() as stack:
-        etcd = stack.enter_context(
+        stack.enter_context(
             _process(
                 "etcd",
                 [
@@ -267,11 +269,12 @@ def _bare_apiserver(bin_dir: Path, workdir: Path) -> Iterator[KubeCluster]:
                     "--unsafe-no-fsync",
                     "--log-level=warn",
                 ],
-                workdir / "etcd.log",
+                workdir,
+                lambda: _http_ok(f"http://127.0.0.1:{etcd_client}/health", None),
             )
         )
-        _wait_for(etcd, lambda: _http_ok(f"http://127.0.0.1:{etcd_client}/health", None))
-        apiserver = stack.enter_context(
+        context = pki.client_ssl_context()
+        stack.enter_context(
             _process(
                 "kube-apiserver",
                 [
@@ -293,11 +296,10 @@ def _bare_apiserver(bin_dir: Path, workdir: Path) -> Iterator[KubeCluster]:
                     f"--cert-dir={workdir / 'certs'}",
                     "--v=0",
                 ],
-                workdir / "kube-apiserver.log",
+                workdir,
+                lambda: _http_ok(f"{server}/readyz", context),
             )
         )
-        context = pki.client_ssl_context()
-        _wait_for(apiserver, lambda: _http_ok(f"{server}/readyz", context))
         yield KubeCluster(kubeconfig=kubeconfig, server=server, bin_dir=bin_dir)
 
 
@@ -325,29 +327,36 @@ def _make_pki(directory: Path) -> _Pki:
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "relayfleet-test-ca")])
-    ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before)
-        .not_valid_after(not_after)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
+
+    def issued(name: x509.Name, key: ec.EllipticCurvePrivateKey, ca: bool) -> x509.CertificateBuilder:
+        """A certificate the test CA issues: a CA one signs certificates, a leaf one does not."""
+        return (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(not_before)
+            .not_valid_after(not_after)
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=ca,
+                    crl_sign=ca,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
         )
+
+    ca_cert = (
+        issued(ca_name, ca_key, ca=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
@@ -357,28 +366,7 @@ def _make_pki(directory: Path) -> _Pki:
     ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         key = ec.generate_private_key(ec.SECP256R1())
         builder = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(ca_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(not_before)
-            .not_valid_after(not_after)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
+            issued(name, key, ca=False)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
@@ -591,8 +579,9 @@ class _Proc:
 
 
 @contextlib.contextmanager
-def _process(name: str, argv: list[str], log_path: Path) -> Iterator[_Proc]:
-    """Start a process logging to log_path; stop it by pid on exit."""
+def _process(name: str, argv: list[str], workdir: Path, ready: Callable[[], bool]) -> Iterator[_Proc]:
+    """Start a process logging to workdir/NAME.log, wait until it is ready; stop it by pid on exit."""
+    log_path = workdir / f"{name}.log"
     log: IO[bytes] = log_path.open("wb")
     try:
         popen = subprocess.Popen(
@@ -602,7 +591,9 @@ def _process(name: str, argv: list[str], log_path: Path) -> Iterator[_Proc]:
         log.close()
         raise
     try:
-        yield _Proc(name, popen, log_path)
+        proc = _Proc(name, popen, log_path)
+        _wait_for(proc, ready)
+        yield proc
     finally:
         try:
             if popen.poll() is None:

@@ -15,47 +15,34 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import aiohttp
 import pytest
 import redis
 
-from relay.fleet.migration import CRASH_ENV
 from relay.storage import keys as K
 from tests.test_faults_support import report
-from tests.test_migration_crash import FILLERS, HI, LO, _queues_in_range
-from tests.test_migration_harness import FleetProcs, Workload, final_placement_problems, fleet_procs
+from tests.test_migration_crash import (
+    HI,
+    LO,
+    check_fillers,
+    migrate,
+    migrate_argv,
+    migrate_env,
+    moving_workload,
+    post_fillers,
+)
+from tests.test_migration_harness import FleetProcs, final_placement_problems, fleet_procs
 
 pytestmark = [pytest.mark.faults]
-
-
-def _migrate_cmd(fleet: FleetProcs, to: str) -> list[str]:
-    return [
-        sys.executable,
-        "-c",
-        "import sys; from relay.cli import main; sys.exit(main(sys.argv[1:]))",
-        "migrate",
-        "--shard-map",
-        fleet.map_path,
-        "--slots",
-        f"{LO}-{HI}",
-        "--to",
-        to,
-    ]
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != CRASH_ENV}
 
 
 def _killed_after(fleet: FleetProcs, to: str, delay: float, src: str | None = None) -> bool:
     """Start a migration, SIGKILL it `delay` s after it starts (or, with `src`, after it
     has fenced the source); True if it was still running when killed."""
     proc = subprocess.Popen(
-        _migrate_cmd(fleet, to), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        migrate_argv(fleet, to), env=migrate_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     if src is not None:  # wait for the fence: from here on every moment is mid-protocol
         client = redis.Redis.from_url(fleet.servers[src].url)
@@ -75,9 +62,7 @@ def _killed_after(fleet: FleetProcs, to: str, delay: float, src: str | None = No
 
 def _complete(fleet: FleetProcs, to: str) -> float:
     t0 = time.monotonic()
-    done = subprocess.run(
-        _migrate_cmd(fleet, to), env=_env(), capture_output=True, text=True, timeout=120, check=False
-    )
+    done = migrate(fleet, to)
     assert done.returncode == 0, done.stderr[-2000:]
     return time.monotonic() - t0
 
@@ -85,16 +70,8 @@ def _complete(fleet: FleetProcs, to: str) -> float:
 async def _run(tmp_path: Path, rounds: int, seed: int) -> None:
     rnd = random.Random(seed)
     with fleet_procs(tmp_path, shards=2, relays=2, all_on_first=True) as fleet:
-        fillers = _queues_in_range(FILLERS, seed=1, prefix="f")
-        async with aiohttp.ClientSession() as http:
-            for q in fillers:
-                async with http.post(
-                    fleet.urls[0] + q.path("messages"), data=b"filler", headers={"Idempotency-Key": q.name}
-                ) as resp:
-                    assert resp.status == 201
-        work = Workload(
-            fleet.urls, _queues_in_range(8, seed=2, prefix="q"), producers=4, seed=seed, max_wait_s=2.0
-        )
+        fillers = await post_fillers(fleet)
+        work = moving_workload(fleet, seed)
         await work.start()
         src, tgt = "a", "b"
         killed = 0
@@ -131,11 +108,7 @@ async def _run(tmp_path: Path, rounds: int, seed: int) -> None:
         assert verdict.ok, f"{verdict.render()}\n{fleet.relay_logs()}"
         assert killed >= 2, f"only {killed} of {rounds} kills landed mid-run"
         assert not await final_placement_problems(fleet, list(range(LO, HI + 1)))
-        async with aiohttp.ClientSession() as http:
-            for q in fillers:
-                async with http.get(fleet.urls[0] + q.path("messages")) as resp:
-                    doc = await resp.json()
-                assert [m["seq"] for m in doc["messages"]] == [1], q.name
+        await check_fillers(fleet, fillers)
 
 
 @pytest.mark.timeout(400)

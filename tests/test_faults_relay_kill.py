@@ -11,38 +11,31 @@ read+ack, since a drain whose answer dies with the process has removed its messa
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.test_faults_support import report
-from tests.test_migration_harness import FleetProcs, RelayProc, Workload, fleet_procs, make_queues, wait_ready
+from tests.test_migration_harness import (
+    FleetProcs,
+    Workload,
+    fleet_procs,
+    make_queues,
+    stop_relays,
+    wait_ready,
+)
 
 pytestmark = [pytest.mark.faults]
 
 
 def _restart(fleet: FleetProcs, i: int) -> float:
     """SIGKILL relay i, start it again on its port; seconds until it is ready."""
-    old = fleet.relays[i]
-    old.proc.send_signal(signal.SIGKILL)
-    old.proc.wait(10)
+    stop_relays([fleet.relays[i]], signal.SIGKILL)
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "relay", "--shard-map", fleet.map_path, "--port", str(old.port)]
-    with open(old.log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [*cmd, "--auth", "none"],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "RELAY_FLEET": "test", "RELAY_LOG_LEVEL": "WARNING"},
-        )
-    fleet.relays[i] = RelayProc(old.port, proc, old.log_path)
+    fleet.relays[i] = fleet.start_relay(port=fleet.relays[i].port)
     wait_ready(fleet.relays[i])
     return time.monotonic() - t0
 

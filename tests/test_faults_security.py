@@ -13,9 +13,6 @@
 from __future__ import annotations
 
 import base64
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +24,11 @@ from relayfleet_operator import builders
 from relayfleet_operator.spec import parse_shard
 
 from relay.api.auth import keypair, sign_headers
-from relay.localredis import LocalRedis, free_port
+from relay.localredis import LocalRedis
 from tests.test_builders import MANAGED, shard_body
-from tests.test_crds import HELM
+from tests.test_crds import HELM, helm
 from tests.test_faults_support import stop_relay
-from tests.test_migration_harness import DEBIAN_REDIS, RelayProc, wait_ready
+from tests.test_migration_harness import DEBIAN_REDIS, RelayProc, spawn_relay, wait_ready
 
 pytestmark = [pytest.mark.faults]
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,17 +44,7 @@ def _snapshot(client: redis.Redis) -> dict[bytes, bytes | None]:
 
 def _start_signed_relay(workdir: Path, redis_url: str) -> RelayProc:
     """A relay with signatures on (the default; start_relay passes --auth none), logging at DEBUG."""
-    log_path = workdir / "relay-auth.log"
-    port = free_port()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "relay", "--redis-url", redis_url, "--port", str(port)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "RELAY_FLEET": "test", "RELAY_LOG_LEVEL": "DEBUG"},
-        )
-    return RelayProc(port, proc, log_path)
+    return spawn_relay(["--redis-url", redis_url], workdir, {"RELAY_LOG_LEVEL": "DEBUG"}, signed=True)
 
 
 async def test_queues_and_inboxes_need_their_capability_and_nothing_secret_is_logged(
@@ -170,13 +157,7 @@ def test_relay_redis_and_operator_pods_are_non_root_and_read_only() -> None:
     _check_pod("redis", builders.redis_statefulset(MANAGED)["spec"]["template"]["spec"])
     if HELM is None:
         pytest.skip("helm not built")
-    rendered = subprocess.run(
-        [HELM, "template", "relayfleet", str(ROOT / "charts" / "relayfleet")],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
+    rendered = helm("template", "relayfleet", str(ROOT / "charts" / "relayfleet"))
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     deployments = [d for d in docs if d["kind"] == "Deployment"]
     assert deployments

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,23 +12,12 @@ from typing import Any
 import aiohttp
 
 from relay.history import Verdict
-from relay.localredis import free_port
-from tests.test_migration_harness import RelayProc, wait_ready
+from tests.test_migration_harness import RelayProc, spawn_relay, stop_relays, wait_ready
 
 
 def start_relay(workdir: Path, redis_url: str, env: dict[str, str] | None = None, port: int = 0) -> RelayProc:
     """`python -m relay --redis-url URL --auth none` as a subprocess, ready when returned."""
-    port = port or free_port()
-    log_path = workdir / f"relay-{port}.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "relay", "--redis-url", redis_url, "--port", str(port), "--auth", "none"],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "RELAY_FLEET": "test", "RELAY_LOG_LEVEL": "WARNING", **(env or {})},
-        )
-    relay = RelayProc(port, proc, log_path)
+    relay = spawn_relay(["--redis-url", redis_url], workdir, env, port)
     try:
         wait_ready(relay)
     except BaseException:
@@ -40,13 +27,7 @@ def start_relay(workdir: Path, redis_url: str, env: dict[str, str] | None = None
 
 
 def stop_relay(relay: RelayProc, sig: int = signal.SIGTERM) -> None:
-    if relay.proc.poll() is None:
-        relay.proc.send_signal(sig)
-    try:
-        relay.proc.wait(15)
-    except subprocess.TimeoutExpired:
-        relay.proc.kill()
-        relay.proc.wait(5)
+    stop_relays([relay], sig)
 
 
 async def call(

@@ -53,6 +53,12 @@ class Shards:
     def map(self) -> ShardMap:
         return load_file(self.path)
 
+    def set_states(self, slot: int, **states: str) -> None:
+        """Set the slot's state by hand on the named shards, in the order given."""
+        for name, value in states.items():
+            with self.r(name) as c:
+                c.set(K.slot_state(slot), value)
+
     def state(self, name: str, slot: int) -> str | None:
         with self.r(name) as c:
             v = c.get(K.slot_state(slot))
@@ -241,9 +247,8 @@ async def _complete_and_check(
 
 async def test_resume_after_fence(shards: Shards) -> None:
     slot, recipients = await _one_slot(shards)
-    with shards.r("a") as a, shards.r("b") as b:
-        b.set(K.slot_state(slot), "importing")
-        a.set(K.slot_state(slot), "migrating")
+    shards.set_states(slot, b="importing", a="migrating")
+    with shards.r("b") as b:
         b.set(K.queue_keys(recipients[0], b"").msgs, "garbage from a dead attempt")
         b.sadd(K.slot_index(slot), "phantom.queue")
         b.hset(K.queue_keys_for_id(slot, "phantom.queue").meta, "seq", 99)
@@ -253,39 +258,24 @@ async def test_resume_after_fence(shards: Shards) -> None:
         assert not b.sismember(K.slot_index(slot), "phantom.queue")
 
 
-async def test_resume_after_copy_before_flip(shards: Shards) -> None:
-    slot, recipients = await _one_slot(shards)
-    with shards.r("a") as a, shards.r("b") as b:
-        b.set(K.slot_state(slot), "importing")
-        a.set(K.slot_state(slot), "migrating")
-    _copy_slot(shards, slot, "a", "b")
-    await _complete_and_check(shards, slot, recipients)
+# The rows after the fence: (source and target states, whether the map already names b); b
+# holds a copy of the slot in each.
+CRASHED_AFTER_THE_COPY = {
+    "copied-before-flip": ({"b": "importing", "a": "migrating"}, False),
+    "mid-flip": ({"b": "importing", "a": "moved b 2"}, False),
+    "flipped-before-publish": ({"a": "moved b 2"}, False),
+    "published-before-cleanup": ({"a": "moved b 2"}, True),
+}
 
 
-async def test_resume_mid_flip(shards: Shards) -> None:
-    slot, recipients = await _one_slot(shards)
-    _copy_slot(shards, slot, "a", "b")
-    with shards.r("a") as a, shards.r("b") as b:
-        b.set(K.slot_state(slot), "importing")
-        a.set(K.slot_state(slot), "moved b 2")
-    await _complete_and_check(shards, slot, recipients)
-
-
-async def test_resume_after_flip_before_publish(shards: Shards) -> None:
+@pytest.mark.parametrize(("states", "published"), CRASHED_AFTER_THE_COPY.values(), ids=CRASHED_AFTER_THE_COPY)
+async def test_resume_after_the_copy(shards: Shards, states: dict[str, str], published: bool) -> None:
     slot, recipients = await _one_slot(shards)
     _copy_slot(shards, slot, "a", "b")
-    with shards.r("a") as a:
-        a.set(K.slot_state(slot), "moved b 2")
-    assert shards.map().shard_for_slot(slot) == "a"
-    await _complete_and_check(shards, slot, recipients)
-
-
-async def test_resume_after_publish_before_cleanup(shards: Shards) -> None:
-    slot, recipients = await _one_slot(shards)
-    _copy_slot(shards, slot, "a", "b")
-    with shards.r("a") as a:
-        a.set(K.slot_state(slot), "moved b 2")
-    write_map_file(shards.path, shards.map().with_slots([slot], "b"))
+    shards.set_states(slot, **states)
+    if published:
+        write_map_file(shards.path, shards.map().with_slots([slot], "b"))
+    assert shards.map().shard_for_slot(slot) == ("b" if published else "a")
     await _complete_and_check(shards, slot, recipients)
 
 
@@ -293,9 +283,7 @@ async def test_abandoned_import_elsewhere_is_emptied(shards: Shards) -> None:
     """A dead migration to c left c 'importing' with a partial copy; now the slot goes to b."""
     slot, recipients = await _one_slot(shards)
     _copy_slot(shards, slot, "a", "c")
-    with shards.r("a") as a, shards.r("c") as c:
-        c.set(K.slot_state(slot), "importing")
-        a.set(K.slot_state(slot), "migrating")
+    shards.set_states(slot, c="importing", a="migrating")
     await _complete_and_check(shards, slot, recipients)
     assert shards.slot_keys("c", slot) == []
     assert (shards.state("c", slot) or "").startswith("moved a ")
@@ -306,9 +294,7 @@ async def test_moving_back_to_a_shard_whose_move_away_stopped_before_its_flip(sh
     slot, _ = await _one_slot(shards)
     await migrate_slots(shards.map(), [slot], "b", file_publisher(shards.path))
     _copy_slot(shards, slot, "b", "c")
-    with shards.r("b") as b, shards.r("c") as c:
-        c.set(K.slot_state(slot), "importing")
-        b.set(K.slot_state(slot), "migrating")
+    shards.set_states(slot, c="importing", b="migrating")
     report = await migrate_slots(shards.map(), [slot], "b", file_publisher(shards.path))
     assert report.slots_resumed == 1
     assert shards.state("b", slot) is None
@@ -319,12 +305,10 @@ async def test_moving_back_to_a_shard_whose_move_away_stopped_before_its_flip(sh
 
 async def test_inconsistent_states_are_refused_clearly(shards: Shards) -> None:
     slot, _ = await _one_slot(shards)
-    with shards.r("a") as a:
-        a.set(K.slot_state(slot), "importing")  # the map says a owns it, yet a only imports it
+    shards.set_states(slot, a="importing")  # the map says a owns it, yet a only imports it
     with pytest.raises(MigrationError, match="the shard map names a but a is only importing"):
         await migrate_slots(shards.map(), [slot], "b", file_publisher(shards.path))
-    with shards.r("a") as a:
-        a.set(K.slot_state(slot), "moved zz 4")
+    shards.set_states(slot, a="moved zz 4")
     with pytest.raises(MigrationError, match="leads nowhere"):
         await migrate_slots(shards.map(), [slot], "b", file_publisher(shards.path))
 

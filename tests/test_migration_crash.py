@@ -49,23 +49,66 @@ def _queues_in_range(n: int, seed: int, prefix: str) -> list[QueueSpec]:
     return out
 
 
-def _migrate(fleet: FleetProcs, to: str, crash_at: str | None) -> subprocess.CompletedProcess[str]:
+# `relayfleet ARGS` with this interpreter: relay.cli has no __main__ block, `python -m relay` runs `relay`
+CLI = (sys.executable, "-c", "import sys; from relay.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def migrate_argv(fleet: FleetProcs, to: str) -> list[str]:
+    """`relayfleet migrate` of the slots LO-HI to shard `to`."""
+    return [*CLI, "migrate", "--shard-map", fleet.map_path, "--slots", f"{LO}-{HI}", "--to", to]
+
+
+def migrate_env(crash_at: str | None = None) -> dict[str, str]:
+    """This environment, the crash hook set to `crash_at` or left out."""
     env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}
     if crash_at:
         env[CRASH_ENV] = crash_at
-    cmd = [
-        sys.executable,
-        "-c",
-        "import sys; from relay.cli import main; sys.exit(main(sys.argv[1:]))",
-        "migrate",
-        "--shard-map",
-        fleet.map_path,
-        "--slots",
-        f"{LO}-{HI}",
-        "--to",
-        to,
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
+    return env
+
+
+def migrate(fleet: FleetProcs, to: str, crash_at: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        migrate_argv(fleet, to),
+        env=migrate_env(crash_at),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+FILLER = "{} filler"  # a filler queue's one message, by queue name
+
+
+async def post_fillers(fleet: FleetProcs) -> list[QueueSpec]:
+    """FILLERS queues in LO-HI holding one message each, posted through the first relay."""
+    fillers = _queues_in_range(FILLERS, seed=1, prefix="f")
+    async with aiohttp.ClientSession() as http:
+        for q in fillers:
+            async with http.post(
+                fleet.urls[0] + q.path("messages"),
+                data=FILLER.format(q.name).encode(),
+                headers={"Idempotency-Key": q.name},
+            ) as resp:
+                assert resp.status == 201
+    return fillers
+
+
+async def check_fillers(fleet: FleetProcs, fillers: list[QueueSpec]) -> None:
+    """Every filler message is still there, exactly once, with its seq and payload."""
+    async with aiohttp.ClientSession() as http:
+        for q in fillers:
+            async with http.get(fleet.urls[0] + q.path("messages")) as resp:
+                doc = await resp.json()
+            assert [m["seq"] for m in doc["messages"]] == [1], q.name
+            assert doc["messages"][0]["payload"] == b64(FILLER.format(q.name).encode())
+
+
+def moving_workload(fleet: FleetProcs, seed: int) -> Workload:
+    """Traffic on 8 queues in LO-HI, the range the tests move."""
+    return Workload(
+        fleet.urls, _queues_in_range(8, seed=2, prefix="q"), producers=4, seed=seed, max_wait_s=2.0
+    )
 
 
 async def _states(fleet: FleetProcs, slot: int) -> dict[str, str | None]:
@@ -108,30 +151,20 @@ EXPECTED = {
 async def test_migration_killed_at_every_step_resumes_and_loses_nothing(tmp_path: Path) -> None:
     assert set(EXPECTED) == set(STEPS)
     with fleet_procs(tmp_path, shards=2, relays=1, all_on_first=True) as fleet:
-        fillers = _queues_in_range(FILLERS, seed=1, prefix="f")
-        async with aiohttp.ClientSession() as http:
-            for q in fillers:
-                async with http.post(
-                    fleet.urls[0] + q.path("messages"),
-                    data=f"{q.name} filler".encode(),
-                    headers={"Idempotency-Key": q.name},
-                ) as resp:
-                    assert resp.status == 201
-        work = Workload(
-            fleet.urls, _queues_in_range(8, seed=2, prefix="q"), producers=4, seed=3, max_wait_s=2.0
-        )
+        fillers = await post_fillers(fleet)
+        work = moving_workload(fleet, seed=3)
         await work.start()
         src, tgt = "a", "b"
         try:
             for step in STEPS:
                 await asyncio.sleep(0.5)
-                crashed = await asyncio.to_thread(_migrate, fleet, tgt, step)
+                crashed = await asyncio.to_thread(migrate, fleet, tgt, step)
                 assert crashed.returncode == CRASH_EXIT, f"{step}: {crashed.stderr[-2000:]}"
                 shape, published = EXPECTED[step]
                 assert _shape(await _states(fleet, LO), src, tgt) == shape, step
                 assert (fleet.shard_map().shard_for_slot(LO) == tgt) is published, step
                 await asyncio.sleep(0.3)  # traffic meets the half-done state
-                rerun = await asyncio.to_thread(_migrate, fleet, tgt, None)
+                rerun = await asyncio.to_thread(migrate, fleet, tgt)
                 assert rerun.returncode == 0, f"{step}: rerun failed: {rerun.stderr[-2000:]}"
                 m = re.search(r"already there: (\d+), resumed from an earlier run: (\d+)", rerun.stdout)
                 assert m is not None, rerun.stdout
@@ -154,26 +187,15 @@ async def test_migration_killed_at_every_step_resumes_and_loses_nothing(tmp_path
         assert verdict.ok, f"{verdict.render()}\n{fleet.relay_logs()}"
         assert verdict.counts["messages_acknowledged"] > 100
         assert not await final_placement_problems(fleet, list(range(LO, HI + 1)))
-        # every filler message is still there, exactly once, with its seq and payload
-        async with aiohttp.ClientSession() as http:
-            for q in fillers:
-                async with http.get(fleet.urls[0] + q.path("messages")) as resp:
-                    doc = await resp.json()
-                assert [m["seq"] for m in doc["messages"]] == [1], q.name
-                assert doc["messages"][0]["payload"] == b64(f"{q.name} filler".encode())
+        await check_fillers(fleet, fillers)
 
 
 async def test_migrate_cli_rejects_bad_arguments(tmp_path: Path) -> None:
     with fleet_procs(tmp_path, shards=2, relays=0) as fleet:
 
         def run(*args: str) -> subprocess.CompletedProcess[str]:
-            cmd = [
-                sys.executable,
-                "-c",
-                "import sys; from relay.cli import main; sys.exit(main(sys.argv[1:]))",
-            ]
             return subprocess.run(
-                [*cmd, "migrate", *args], capture_output=True, text=True, timeout=60, check=False
+                [*CLI, "migrate", *args], capture_output=True, text=True, timeout=60, check=False
             )
 
         bad = run("--shard-map", fleet.map_path, "--slots", "9-3", "--to", "b")

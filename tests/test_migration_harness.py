@@ -1,7 +1,9 @@
 """A real fleet for migration tests: redis-server shards, relay processes, a recording workload.
 
 `FleetProcs` starts Debian redis-server processes, writes the shard-map file and starts
-`python -m relay --shard-map FILE --port P --auth none` subprocesses (stopped by pid).
+`python -m relay --shard-map FILE --port P --auth none` subprocesses (stopped by pid);
+`spawn_relay`, `wait_ready` and `stop_relays` run such relay processes for other tests too,
+on a map file, a ConfigMap or a single Redis URL.
 `Workload` drives producers (uniquely numbered payloads, Idempotency-Key retries),
 read+ack consumers, drain consumers and long-polls through every relay, recording each
 response into a `relay.history.History`, and finally reads every queue to its end.
@@ -66,8 +68,10 @@ class FleetProcs:
         self.servers: dict[str, LocalRedis] = {}
         self.relays: list[RelayProc] = []
         self.map_path = str(workdir / "shardmap.json")
+        self.env: dict[str, str] = {}  # extra environment of every relay
 
     def start(self, env: dict[str, str] | None = None) -> FleetProcs:
+        self.env = dict(env or {})
         try:
             for name in SHARD_NAMES[: self.n_shards]:
                 self.servers[name] = LocalRedis(
@@ -81,7 +85,7 @@ class FleetProcs:
                 shard_map = even_split("test", urls)
             write_map_file(self.map_path, shard_map)
             for _ in range(self.n_relays):
-                self.relays.append(self._start_relay(env or {}))
+                self.relays.append(self.start_relay())
             for r in self.relays:
                 wait_ready(r)
         except BaseException:
@@ -89,28 +93,9 @@ class FleetProcs:
             raise
         return self
 
-    def _start_relay(self, env: dict[str, str]) -> RelayProc:
-        port = free_port()
-        log_path = self.workdir / f"relay-{port}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "relay",
-                    "--shard-map",
-                    self.map_path,
-                    "--port",
-                    str(port),
-                    "--auth",
-                    "none",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "RELAY_FLEET": "test", "RELAY_LOG_LEVEL": "WARNING", **env},
-            )
-        return RelayProc(port, proc, log_path)
+    def start_relay(self, port: int = 0) -> RelayProc:
+        """One more relay on the fleet's map file (on `port`, to restart one); not waited for."""
+        return spawn_relay(["--shard-map", self.map_path], self.workdir, self.env, port)
 
     @property
     def urls(self) -> list[str]:
@@ -120,22 +105,59 @@ class FleetProcs:
         return load_file(self.map_path)
 
     def stop(self) -> None:
-        for r in self.relays:
-            if r.proc.poll() is None:
-                r.proc.send_signal(signal.SIGTERM)
-        for r in self.relays:
-            try:
-                r.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                r.proc.kill()
-                r.proc.wait(5)
+        stop_relays(self.relays)
         for s in self.servers.values():
             s.stop()
 
     def relay_logs(self) -> str:
-        return "\n".join(
-            f"--- {r.log_path.name}\n{r.log_path.read_text(errors='replace')[-4000:]}" for r in self.relays
+        return relay_logs(self.relays)
+
+
+def spawn_relay(
+    source: Sequence[str],
+    workdir: Path,
+    env: dict[str, str] | None = None,
+    port: int = 0,
+    signed: bool = False,
+) -> RelayProc:
+    """`python -m relay SOURCE --port P --auth none` (with `signed`, the default ed25519) as a
+    subprocess, SOURCE being `--shard-map FILE`, `--shard-map-configmap NS/NAME` or
+    `--redis-url URL`. It logs to workdir/relay-P.log, appended so a restart on the same port
+    keeps the earlier lines. Not waited for: see wait_ready."""
+    port = port or free_port()
+    argv = [sys.executable, "-m", "relay", *source, "--port", str(port)]
+    if not signed:
+        argv += ["--auth", "none"]
+    log_path = workdir / f"relay-{port}.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "RELAY_FLEET": "test", "RELAY_LOG_LEVEL": "WARNING", **(env or {})},
         )
+    return RelayProc(port, proc, log_path)
+
+
+def stop_relays(relays: Sequence[RelayProc], sig: int = signal.SIGTERM) -> None:
+    """Signal every relay still running at once, then wait for each (SIGKILL after 15 s)."""
+    for r in relays:
+        if r.proc.poll() is None:
+            r.proc.send_signal(sig)
+    for r in relays:
+        try:
+            r.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            r.proc.kill()
+            r.proc.wait(5)
+
+
+def relay_logs(relays: Sequence[RelayProc]) -> str:
+    """The end of each relay's log, for a failing assertion's message."""
+    return "\n".join(
+        f"--- {r.log_path.name}\n{r.log_path.read_text(errors='replace')[-4000:]}" for r in relays
+    )
 
 
 def wait_ready(relay: RelayProc, timeout: float = 30.0) -> None:

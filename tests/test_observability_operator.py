@@ -7,11 +7,12 @@ only once an error happened (none does in a healthy run: asserted)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
-from relay.localredis import LocalRedis
-from tests.k8s_cluster import KubeCluster
+from tests.operator_support import (
+    KwokFleet,
+    kwok_fleet_fixture,  # noqa: F401  (the kwok_fleet fixture)
+)
 from tests.test_observability import (
     alert_rules,
     dashboard_queries,
@@ -21,17 +22,6 @@ from tests.test_observability import (
 )
 from tests.test_observability_live import pytestmark as live_marks
 from tests.test_observability_live import run_prometheus, wait_until
-from tests.test_operator_k8s import (  # noqa: F401  (fixtures used by name)
-    Operator,
-    apply,
-    external,
-    kwok_ns,
-    operator,
-    rebalance_phase,
-    redis_servers,
-    shard_map,
-    wait_for,
-)
 
 pytestmark = [*live_marks[:2]]
 
@@ -43,23 +33,12 @@ def operator_only(expr: str) -> bool:
     return bool(names) and all(n.startswith("relayfleet_operator_") for n in names)
 
 
-def test_operator_queries_against_a_real_prometheus(
-    kwok_cluster: KubeCluster,
-    kwok_ns: str,  # noqa: F811
-    operator: Operator,  # noqa: F811
-    redis_servers: Callable[[], LocalRedis],  # noqa: F811
-    tmp_path: Path,
-) -> None:
-    ns = kwok_ns
-    servers = {"a": redis_servers(), "b": redis_servers()}
-    operator.start()
-    with run_prometheus(tmp_path, [f"127.0.0.1:{operator.metrics_port}"]) as prom:
-        apply(kwok_cluster, ns, external("a", servers["a"], weight=300))
-        wait_for("a in the map", lambda: (m := shard_map(kwok_cluster, ns)) and "a" in m.shards)
-        apply(kwok_cluster, ns, external("b", servers["b"], autoRebalance=True))
-        wait_for(
-            "the join rebalance", lambda: rebalance_phase(kwok_cluster, ns, "b-join") == "Ready", timeout=120
-        )
+def test_operator_queries_against_a_real_prometheus(kwok_fleet: KwokFleet, tmp_path: Path) -> None:
+    fleet = kwok_fleet
+    fleet.redis("a", "b")
+    fleet.operator.start()
+    with run_prometheus(tmp_path, [f"127.0.0.1:{fleet.operator.metrics_port}"]) as prom:
+        fleet.auto_rebalanced_join()
         wait_until(
             "slots moved, scraped",
             lambda: prom.query("min(count_over_time(relayfleet_operator_bytes_moved_total[1h])) > 2"),

@@ -4,7 +4,6 @@ shared library and publishes only its own slots; the data and statistics probes 
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -14,7 +13,7 @@ from relayfleet_operator.planning import Move
 from relay.fleet.sharding import ShardMap, SlotRange
 from relay.localredis import LocalRedis
 from relay.storage import keys as K
-from relay.storage.store import QueueLimits, ShardStore
+from tests.operator_support import PAYLOAD_BYTES, enqueue_messages, read_queue, read_queues, recipients_on
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 
@@ -32,60 +31,28 @@ def two_shards() -> Iterator[ShardMap]:
         b.stop()
 
 
-def recipients_in(lo: int, hi: int, n: int) -> list[bytes]:
-    rng = random.Random(5)
-    out: list[bytes] = []
-    while len(out) < n:
-        r = rng.randbytes(32)
-        if lo <= K.queue_keys(r, b"").slot <= hi:
-            out.append(r)
-    return out
-
-
-async def seed(url: str, recipients: Sequence[bytes], per_queue: int) -> None:
-    store = ShardStore("a", url, QueueLimits(rate_count=10**9))
-    await store.start()
-    try:
-        for r in recipients:
-            for i in range(per_queue):
-                out = await store.enqueue(K.queue_keys(r, b""), f"m{i}".encode() * 10, 1_800_000_000_000 + i)
-                assert out.kind == "stored"
-    finally:
-        await store.close()
-
-
-async def read_all(url: str, recipient: bytes) -> list[tuple[int, bytes]]:
-    store = ShardStore("x", url, QueueLimits())
-    await store.start()
-    try:
-        res = await store.read(K.queue_keys(recipient, b""), None, 1000)
-        return [(m.seq, m.payload) for m in res.messages]
-    finally:
-        await store.close()
-
-
 async def test_probes_see_data_and_bytes(two_shards: ShardMap) -> None:
     url_a, url_b = two_shards.shards["a"], two_shards.shards["b"]
     assert await migration.ping(url_a)
     assert not await migration.ping("redis://127.0.0.1:1/0", limit_s=0.5)
     assert not await migration.holds_data(url_a, range(16384))
-    (r,) = recipients_in(0, 8191, 1)
-    await seed(url_a, [r], 3)
+    (r,) = recipients_on(range(0, 8192), 1, seed=5)
+    await enqueue_messages(url_a, [r], 3)
     slot = K.queue_keys(r, b"").slot
     assert await migration.holds_data(url_a, range(16384))
     assert not await migration.holds_data(url_a, [s for s in range(16384) if s != slot])
     stats = await migration.slot_bytes(url_a, [slot])
     assert stats[slot][0] == 3
-    assert stats[slot][1] == 3 * 20
+    assert stats[slot][1] == 3 * PAYLOAD_BYTES
     (est,) = await migration.estimate([Move(slot, slot, "a", "b")], {"a": url_a, "b": url_b})
-    assert (est.messages, est.bytes) == (3, 60)
+    assert (est.messages, est.bytes) == (3, 3 * PAYLOAD_BYTES)
 
 
 async def test_migrate_range_moves_data_and_publishes_only_its_slots(two_shards: ShardMap) -> None:
     url_a, url_b = two_shards.shards["a"], two_shards.shards["b"]
-    recipients = recipients_in(8192, 16383, 20)
-    await seed(url_a, recipients, 4)
-    before = {r: await read_all(url_a, r) for r in recipients}
+    recipients = recipients_on(range(8192, 16384), 20, seed=5)
+    await enqueue_messages(url_a, recipients, 4)
+    before = await read_queues(url_a, recipients)
     published: list[tuple[list[int], str]] = []
     current = two_shards
 
@@ -98,11 +65,11 @@ async def test_migrate_range_moves_data_and_publishes_only_its_slots(two_shards:
     move = Move(8192, 16383, "a", "b")
     result = await migration.migrate_range(two_shards, move, {"a": url_a, "b": url_b}, publish)
     assert result.keys > 0
-    assert result.bytes == 20 * 4 * 20
+    assert result.bytes == 20 * 4 * PAYLOAD_BYTES
     assert current.slot_counts() == {"a": 8192, "b": 8192}
     assert all(target == "b" and all(8192 <= s <= 16383 for s in slots) for slots, target in published)
     for r in recipients:
-        assert await read_all(url_b, r) == before[r]
+        assert await read_queue(url_b, r) == before[r]
     assert not await migration.holds_data(url_a, range(8192, 16384))
     # Running the same move again (a restarted operator) finds it done and changes nothing.
     again = await migration.migrate_range(current, move, {"a": url_a, "b": url_b}, publish)

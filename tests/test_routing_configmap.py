@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,9 +21,9 @@ from kubernetes import client
 from relay.fleet.configmap import KEY, ConfigMapSource, configmap_name, configmap_publisher, configmap_reader
 from relay.fleet.migration import MapConflict, migrate_slots
 from relay.fleet.sharding import ShardMap, ShardMapError, even_split, slot_of
-from relay.localredis import LocalRedis, free_port
+from relay.localredis import LocalRedis
 from tests.k8s_cluster import KubeCluster
-from tests.test_migration_harness import DEBIAN_REDIS, RelayProc, b64, wait_ready
+from tests.test_migration_harness import DEBIAN_REDIS, b64, spawn_relay, stop_relays, wait_ready
 
 pytestmark = pytest.mark.k8s
 
@@ -102,28 +100,6 @@ async def test_missing_configmap_is_a_clear_error(kubeconfig: str) -> None:
         await source()
 
 
-def _start_relay(configmap: str, kubeconfig: str, log_path: Path) -> RelayProc:
-    port = free_port()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "relay",
-                "--shard-map-configmap",
-                configmap,
-                "--port",
-                str(port),
-                "--auth",
-                "none",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "KUBECONFIG": kubeconfig},
-        )
-    return RelayProc(port, proc, log_path)
-
-
 @pytest.fixture
 def two_redis(tmp_path: Path) -> Iterator[dict[str, LocalRedis]]:
     servers = {n: LocalRedis(binary=DEBIAN_REDIS, dir=str(tmp_path / n)).start() for n in ("a", "b")}
@@ -140,8 +116,7 @@ async def test_relay_follows_a_migration_published_to_the_configmap(
     publish = configmap_publisher(NS, cm_name, kubeconfig=kubeconfig)
     shard_map = even_split("test", {n: s.url for n, s in two_redis.items()})
     await publish(shard_map)
-    relay = _start_relay(f"{NS}/{cm_name}", kubeconfig, tmp_path / "relay.log")
-    proc = relay.proc
+    relay = spawn_relay(["--shard-map-configmap", f"{NS}/{cm_name}"], tmp_path, {"KUBECONFIG": kubeconfig})
     try:
         await asyncio.to_thread(wait_ready, relay)
         recipient = next(r for r in (os.urandom(32) for _ in range(1000)) if shard_map.shard_for(r) == "a")
@@ -161,5 +136,4 @@ async def test_relay_follows_a_migration_published_to_the_configmap(
                 text = await resp.text()
             assert f"relayfleet_shard_map_epoch {float(report.map_epoch)}" in text
     finally:
-        proc.terminate()
-        proc.wait(15)
+        stop_relays([relay])
