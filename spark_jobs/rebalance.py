@@ -13,14 +13,16 @@ JSON on stdout; otherwise it becomes a RelayRebalance proposal
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from relay.storage.maintenance import MaintenanceError
+from relay.fleet.sharding import ShardMap
 from spark_jobs.planning import (
     Plan,
     PlanningError,
@@ -29,7 +31,7 @@ from spark_jobs.planning import (
     plan,
     resolve_weights,
 )
-from spark_jobs.run_summary import RunSummary, add_job_args, run_job
+from spark_jobs.run_summary import JobInput, RunSummary, add_job_args, run_job
 from spark_jobs.shard_io import (
     GROUP,
     VERSION,
@@ -37,7 +39,6 @@ from spark_jobs.shard_io import (
     JobError,
     SlotTask,
     UsageError,
-    failure_line,
     kube_api,
     load_shard_map,
     now_ms,
@@ -60,7 +61,7 @@ def collect_slot_stats(
     spark: SparkSession, tasks: Sequence[SlotTask], at_ms: int, progress: bool = False
 ) -> list[dict[str, Any]]:
     """Every task's per-slot statistics rows, read in parallel Spark tasks."""
-    from spark_jobs.session import Progress
+    from spark_jobs.session import Progress, collect
 
     sc = spark.sparkContext
     done = sc.accumulator(0)
@@ -70,16 +71,18 @@ def collect_slot_stats(
         done.add(1)
         return rows
 
+    def sample() -> str:
+        return f"{done.value}/{len(tasks)} tasks read"
+
     rdd = sc.parallelize(list(tasks), max(1, len(tasks))).flatMap(read)
-    if not progress:
-        return rdd.collect()
-    with Progress("rebalance", lambda: f"{done.value}/{len(tasks)} tasks read"):
-        return rdd.collect()
+    return collect(rdd, Progress("rebalance", sample) if progress else None)
 
 
 def slot_frame(spark: SparkSession, rows: Iterable[Mapping[str, Any]]) -> DataFrame:
     """Slot statistics rows as a DataFrame with a fixed schema."""
     from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
+
+    from spark_jobs.session import rows_frame
 
     schema = StructType(
         [
@@ -92,8 +95,7 @@ def slot_frame(spark: SparkSession, rows: Iterable[Mapping[str, Any]]) -> DataFr
             StructField("queues", LongType(), False),
         ]
     )
-    names = schema.fieldNames()
-    return spark.createDataFrame([tuple(r[n] for n in names) for r in rows], schema)
+    return rows_frame(spark, schema, rows)
 
 
 def shard_totals(slots: DataFrame) -> DataFrame:
@@ -207,80 +209,54 @@ def _parser() -> ArgParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_job("rebalance", _run, argv)
+    # a plan the options make impossible (tolerance, weights) is bad input, during the run too
+    return run_job("rebalance", argv, _parser(), _prepare, bad_input=(PlanningError,))
 
 
-def _run(argv: Sequence[str] | None, run: RunSummary) -> int:
-    started = time.monotonic()
-    try:
-        args = _parser().parse_args(argv)
-        run.pushgateway, run.active = args.pushgateway, True
-        shard_map = load_shard_map(args.shard_map, args.shard_map_configmap)
-        weights = resolve_weights(args, shard_map)
-        shard_map = with_credentials(shard_map, args.credentials_dir)
-        tasks = split_tasks(shard_map, args.task_slots)
-        namespace = None if args.dry_run else _namespace(args)
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
-    except (UsageError, PlanningError) as exc:
-        print(f"rebalance: {exc}", file=sys.stderr)
-        return 2
-    except JobError as exc:
-        print(f"rebalance: {exc}", file=sys.stderr)
-        return 1
+def _prepare(args: argparse.Namespace) -> JobInput:
+    """Read the shard map and the weights; where the proposal goes."""
+    shard_map = load_shard_map(args.shard_map, args.shard_map_configmap)
+    weights = resolve_weights(args, shard_map)
+    shard_map = with_credentials(shard_map, args.credentials_dir)
+    tasks = split_tasks(shard_map, args.task_slots)
+    namespace = None if args.dry_run else _namespace(args)
+    return JobInput(shard_map, tasks, partial(_propose, args, shard_map, tasks, weights, namespace))
 
-    from spark_jobs.session import get_session, owns_session
 
-    try:
-        stop_after = owns_session()
-        spark = get_session("relayfleet-rebalance", args.master)
-    except Exception as exc:  # the JVM could not start: say why in one line
-        print(f"rebalance: cannot start Spark: {exc}", file=sys.stderr)
-        return 1
-    try:
-        print(
-            f"rebalance: fleet {shard_map.fleet} (map epoch {shard_map.epoch}), "
-            f"{len(shard_map.shards)} shards, {len(tasks)} tasks",
-            file=sys.stderr,
-        )
-        rows = collect_slot_stats(spark, tasks, now_ms(), progress=not args.quiet)
-        result = plan(shard_map, loads_from(slot_frame(spark, rows)), weights, args.metric, args.tolerance)
-        print(result.table(), file=sys.stderr)
-        summary = result.to_json()
-        run.figures.update(
-            slots_proposed=float(summary["slotsMoved"]),
-            bytes_proposed=float(summary["bytesMoved"]),
-            max_over_mean_before=float(summary["maxOverMean"]["before"]),
-            max_over_mean_after=float(summary["maxOverMean"]["after"]),
-        )
-        doc = json.dumps(result.to_json(), indent=2)
-        if args.output:
-            try:
-                Path(args.output).write_text(doc + "\n", "utf-8")
-            except OSError as exc:
-                raise JobError(f"cannot write {args.output}: {exc.strerror or exc}") from None
-        if args.dry_run:
-            print(doc)
-        elif not result.moves:
-            print("rebalance: nothing to propose: the fleet is balanced", file=sys.stderr)
-        else:
-            assert namespace is not None
-            print(f"rebalance: {submit_proposal(result, namespace, args.auto_approve)}", file=sys.stderr)
-        print(f"rebalance: done in {time.monotonic() - started:.1f}s", file=sys.stderr)
-        return 0
-    except PlanningError as exc:
-        print(f"rebalance: {exc}", file=sys.stderr)
-        return 2
-    except (JobError, MaintenanceError) as exc:
-        print(f"rebalance: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:
-        # a task failure reaches the driver as a Py4J/Spark error holding the task's traceback
-        print(f"rebalance: failed: {failure_line(exc)}", file=sys.stderr)
-        return 1
-    finally:
-        if stop_after:
-            spark.stop()
+def _propose(
+    args: argparse.Namespace,
+    shard_map: ShardMap,
+    tasks: Sequence[SlotTask],
+    weights: Mapping[str, float],
+    namespace: str | None,
+    spark: SparkSession,
+    run: RunSummary,
+) -> None:
+    """The Spark part: scan, plan, then the JSON plan or the RelayRebalance proposal."""
+    rows = collect_slot_stats(spark, tasks, now_ms(), progress=not args.quiet)
+    result = plan(shard_map, loads_from(slot_frame(spark, rows)), weights, args.metric, args.tolerance)
+    print(result.table(), file=sys.stderr)
+    summary = result.to_json()
+    run.figures.update(
+        slots_proposed=float(summary["slotsMoved"]),
+        bytes_proposed=float(summary["bytesMoved"]),
+        max_over_mean_before=float(summary["maxOverMean"]["before"]),
+        max_over_mean_after=float(summary["maxOverMean"]["after"]),
+    )
+    doc = json.dumps(result.to_json(), indent=2)
+    if args.output:
+        try:
+            Path(args.output).write_text(doc + "\n", "utf-8")
+        except OSError as exc:
+            raise JobError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    if args.dry_run:
+        print(doc)
+    elif not result.moves:
+        print("rebalance: nothing to propose: the fleet is balanced", file=sys.stderr)
+    else:
+        assert namespace is not None
+        print(f"rebalance: {submit_proposal(result, namespace, args.auto_approve)}", file=sys.stderr)
+    print(f"rebalance: done in {time.monotonic() - run.started:.1f}s", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -15,24 +15,25 @@ the task rows into a per-shard report (a DataFrame), writes it as JSON lines
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from relay.storage.maintenance import MaintenanceError, ShardMaintenance, TrimPolicy
-from spark_jobs.run_summary import RunSummary, add_job_args, run_job
+from relay.storage.maintenance import ShardMaintenance, TrimPolicy
+from spark_jobs.run_summary import JobInput, RunSummary, add_job_args, run_job
 from spark_jobs.shard_io import (
     CREDENTIALS_ENV,
     ArgParser,
     JobError,
     SlotTask,
     UsageError,
-    failure_line,
     fleet_shard_specs,
     load_shard_map,
     now_ms,
@@ -48,17 +49,16 @@ if TYPE_CHECKING:
 DEFAULT_MAX_AGE_S = 7 * 86400  # RelayShard retention.maxAge default
 DEFAULT_MAX_MESSAGES = 10000  # RelayShard retention.maxMessages default
 
-REPORT_COLUMNS = (
-    "shard",
-    "tasks",
+# what each task counts; the report sums them per shard
+COUNT_COLUMNS = (
     "slots_scanned",
     "slots_skipped",
     "queues_scanned",
     "messages_removed",
     "bytes_removed",
     "queues_deleted",
-    "duration_s",
 )
+REPORT_COLUMNS = ("shard", "tasks", *COUNT_COLUMNS, "duration_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +116,7 @@ def run_sweep(
     progress: bool = False,
 ) -> list[dict[str, Any]]:
     """Run every task as a Spark task (one partition each); the task rows."""
-    from spark_jobs.session import Progress
+    from spark_jobs.session import Progress, collect
 
     sc = spark.sparkContext
     done = sc.accumulator(0)
@@ -129,39 +129,29 @@ def run_sweep(
         removed.add(row["messages_removed"])
         return row
 
+    def sample() -> str:
+        return f"{done.value}/{len(work)} tasks, {removed.value} messages removed"
+
     rdd = sc.parallelize(work, max(1, len(work))).map(run)
-    if not progress:
-        return rdd.collect()
-    total = len(work)
-    with Progress("retention", lambda: f"{done.value}/{total} tasks, {removed.value} messages removed"):
-        return rdd.collect()
+    return collect(rdd, Progress("retention", sample) if progress else None)
 
 
 def report_frame(spark: SparkSession, rows: Iterable[Mapping[str, Any]]) -> DataFrame:
     """Task rows as a DataFrame with a fixed schema."""
     from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
 
+    from spark_jobs.session import rows_frame
+
     schema = StructType(
         [
             StructField("shard", StringType(), False),
             StructField("start", LongType(), False),
             StructField("end", LongType(), False),
-            *(
-                StructField(c, LongType(), False)
-                for c in (
-                    "slots_scanned",
-                    "slots_skipped",
-                    "queues_scanned",
-                    "messages_removed",
-                    "bytes_removed",
-                    "queues_deleted",
-                )
-            ),
+            *(StructField(c, LongType(), False) for c in COUNT_COLUMNS),
             StructField("duration_s", DoubleType(), False),
         ]
     )
-    names = schema.fieldNames()
-    return spark.createDataFrame([tuple(r[n] for n in names) for r in rows], schema)
+    return rows_frame(spark, schema, rows)
 
 
 def per_shard(tasks: DataFrame) -> DataFrame:
@@ -172,17 +162,7 @@ def per_shard(tasks: DataFrame) -> DataFrame:
         tasks.groupBy("shard")
         .agg(
             F.count(F.lit(1)).alias("tasks"),
-            *(
-                F.sum(c).alias(c)
-                for c in (
-                    "slots_scanned",
-                    "slots_skipped",
-                    "queues_scanned",
-                    "messages_removed",
-                    "bytes_removed",
-                    "queues_deleted",
-                )
-            ),
+            *(F.sum(c).alias(c) for c in COUNT_COLUMNS),
             F.round(F.sum("duration_s"), 3).alias("duration_s"),
         )
         .select(*REPORT_COLUMNS)
@@ -256,85 +236,59 @@ def _parser() -> ArgParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_job("retention", _run, argv)
+    return run_job("retention", argv, _parser(), _prepare)
 
 
-def _run(argv: Sequence[str] | None, run: RunSummary) -> int:
-    started = time.monotonic()
-    try:
-        args = _parser().parse_args(argv)
-        run.pushgateway, run.active = args.pushgateway, True
-        for flag, value in (("--max-age", args.max_age), ("--max-messages", args.max_messages)):
-            if value is not None and value < 1:
-                raise UsageError(f"{flag} must be >= 1")
-        if args.idle is not None and args.idle < 0:
-            raise UsageError("--idle must be >= 0")
-        shard_map = with_credentials(
-            load_shard_map(args.shard_map, args.shard_map_configmap), args.credentials_dir
+def _prepare(args: argparse.Namespace) -> JobInput:
+    """Check the options, read the shard map and each shard's policy."""
+    for flag, value in (("--max-age", args.max_age), ("--max-messages", args.max_messages)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1")
+    if args.idle is not None and args.idle < 0:
+        raise UsageError("--idle must be >= 0")
+    shard_map = with_credentials(
+        load_shard_map(args.shard_map, args.shard_map_configmap), args.credentials_dir
+    )
+    tasks = split_tasks(shard_map, args.task_slots)
+    specs = None
+    if args.shard_map_configmap:
+        namespace, _ = split_ns_name(args.shard_map_configmap, "--shard-map-configmap")
+        specs = fleet_shard_specs(namespace, shard_map.fleet)
+    cli = RetentionPolicy(
+        max_age_s=args.max_age if args.max_age is not None else DEFAULT_MAX_AGE_S,
+        max_messages=args.max_messages if args.max_messages is not None else DEFAULT_MAX_MESSAGES,
+        idle_s=None if args.keep_empty else args.idle,
+    )
+    overrides = {
+        name
+        for name, given in (
+            ("max_age", args.max_age is not None),
+            ("max_messages", args.max_messages is not None),
+            ("idle", args.idle is not None or args.keep_empty),
         )
-        tasks = split_tasks(shard_map, args.task_slots)
-        specs = None
-        if args.shard_map_configmap:
-            namespace, _ = split_ns_name(args.shard_map_configmap, "--shard-map-configmap")
-            specs = fleet_shard_specs(namespace, shard_map.fleet)
-        cli = RetentionPolicy(
-            max_age_s=args.max_age if args.max_age is not None else DEFAULT_MAX_AGE_S,
-            max_messages=args.max_messages if args.max_messages is not None else DEFAULT_MAX_MESSAGES,
-            idle_s=None if args.keep_empty else args.idle,
-        )
-        overrides = {
-            name
-            for name, given in (
-                ("max_age", args.max_age is not None),
-                ("max_messages", args.max_messages is not None),
-                ("idle", args.idle is not None or args.keep_empty),
-            )
-            if given
-        }
-        policies = policies_for(shard_map.shards, cli, overrides, specs)
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
-    except UsageError as exc:
-        print(f"retention: {exc}", file=sys.stderr)
-        return 2
-    except JobError as exc:
-        print(f"retention: {exc}", file=sys.stderr)
-        return 1
+        if given
+    }
+    policies = policies_for(shard_map.shards, cli, overrides, specs)
+    return JobInput(shard_map, tasks, partial(_sweep, args, tasks, policies))
 
-    from spark_jobs.session import get_session, owns_session
 
-    try:
-        stop_after = owns_session()
-        spark = get_session("relayfleet-retention", args.master)
-    except Exception as exc:  # the JVM could not start: say why in one line
-        print(f"retention: cannot start Spark: {exc}", file=sys.stderr)
-        return 1
-    try:
-        print(
-            f"retention: fleet {shard_map.fleet} (map epoch {shard_map.epoch}), "
-            f"{len(shard_map.shards)} shards, {len(tasks)} tasks",
-            file=sys.stderr,
-        )
-        rows = run_sweep(spark, tasks, policies, now_ms(), progress=not args.quiet)
-        report = per_shard(report_frame(spark, rows))
-        shard_rows = [r.asDict() for r in report.collect()]
-        if args.report:
-            write_report(report, args.report)
-        for r in shard_rows:
-            print(json.dumps(r))
-        print(summary(shard_rows, time.monotonic() - started), file=sys.stderr)
-        run.figures.update({c: float(sum(int(r[c]) for r in shard_rows)) for c in REPORT_COLUMNS[1:-1]})
-        return 0
-    except (JobError, MaintenanceError) as exc:
-        print(f"retention: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:
-        # a task failure reaches the driver as a Py4J/Spark error holding the task's traceback
-        print(f"retention: failed: {failure_line(exc)}", file=sys.stderr)
-        return 1
-    finally:
-        if stop_after:
-            spark.stop()
+def _sweep(
+    args: argparse.Namespace,
+    tasks: Sequence[SlotTask],
+    policies: Mapping[str, RetentionPolicy],
+    spark: SparkSession,
+    run: RunSummary,
+) -> None:
+    """The Spark part: sweep, per-shard report, summary."""
+    rows = run_sweep(spark, tasks, policies, now_ms(), progress=not args.quiet)
+    report = per_shard(report_frame(spark, rows))
+    shard_rows = [r.asDict() for r in report.collect()]
+    if args.report:
+        write_report(report, args.report)
+    for r in shard_rows:
+        print(json.dumps(r))
+    print(summary(shard_rows, time.monotonic() - run.started), file=sys.stderr)
+    run.figures.update({c: float(sum(int(r[c]) for r in shard_rows)) for c in REPORT_COLUMNS[1:-1]})
 
 
 if __name__ == "__main__":

@@ -1,5 +1,11 @@
-"""The run summary of a Spark job: always logged as one JSON line, and pushed to a
-Prometheus Pushgateway when one is configured (--pushgateway or RELAYFLEET_PUSHGATEWAY).
+"""A Spark job's run: the driver flow both jobs share (`run_job`) and its run summary.
+
+`run_job` parses the flags, lets the job read and check its inputs, starts Spark,
+runs the job's Spark part and turns every outcome into the CLI contract (docs/spark.md):
+exit status 0 ok, 2 bad input, 1 failure, each error one line on stderr.
+
+The run summary is always logged as one JSON line, and pushed to a Prometheus
+Pushgateway when one is configured (--pushgateway or RELAYFLEET_PUSHGATEWAY).
 
 Batch jobs end before any scrape could reach them, hence the push. Metrics pushed
 (grouping key job=relayfleet_<job>, so each job keeps its own series):
@@ -19,8 +25,17 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge, pushadd_to_gateway
+
+from relay.fleet.sharding import ShardMap
+from relay.storage.maintenance import MaintenanceError
+from spark_jobs.session import get_session, owns_session
+from spark_jobs.shard_io import JobError, SlotTask, UsageError, failure_line
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 PUSHGATEWAY_ENV = "RELAYFLEET_PUSHGATEWAY"
 
@@ -89,11 +104,80 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class JobInput:
+    """What a job read and checked before Spark starts, and its Spark part."""
+
+    shard_map: ShardMap
+    tasks: Sequence[SlotTask]
+    work: Callable[[SparkSession, RunSummary], None]  # raises on failure; figures go to the summary
+
+
 def run_job(
-    job: str, body: Callable[[Sequence[str] | None, RunSummary], int], argv: Sequence[str] | None
+    job: str,
+    argv: Sequence[str] | None,
+    parser: argparse.ArgumentParser,
+    prepare: Callable[[argparse.Namespace], JobInput],
+    bad_input: tuple[type[Exception], ...] = (),
 ) -> int:
-    """Run a job's body and always finish its run summary with the exit code."""
+    """Run a job and always finish its run summary with the exit code.
+
+    `prepare` raises UsageError (exit 2) or JobError (exit 1) before any Spark
+    starts; `bad_input` are the job's further exceptions that mean exit 2, before
+    or during the Spark part."""
     run = RunSummary(job)
-    code = body(argv, run)
+    code = _drive(job, argv, parser, prepare, bad_input, run)
     run.finish(code)
     return code
+
+
+def _drive(
+    job: str,
+    argv: Sequence[str] | None,
+    parser: argparse.ArgumentParser,
+    prepare: Callable[[argparse.Namespace], JobInput],
+    bad_input: tuple[type[Exception], ...],
+    run: RunSummary,
+) -> int:
+    usage: tuple[type[Exception], ...] = (UsageError, *bad_input)
+    reading: tuple[type[Exception], ...] = (*usage, JobError)
+    working: tuple[type[Exception], ...] = (*bad_input, JobError, MaintenanceError)
+    try:
+        args = parser.parse_args(argv)
+        run.pushgateway, run.active = args.pushgateway, True
+        job_input = prepare(args)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except reading as exc:
+        return _error_line(job, exc, usage)
+
+    try:
+        stop_after = owns_session()
+        spark = get_session(f"relayfleet-{job}", args.master)
+    except Exception as exc:  # the JVM could not start: say why in one line
+        print(f"{job}: cannot start Spark: {exc}", file=sys.stderr)
+        return 1
+    try:
+        shard_map, tasks = job_input.shard_map, job_input.tasks
+        print(
+            f"{job}: fleet {shard_map.fleet} (map epoch {shard_map.epoch}), "
+            f"{len(shard_map.shards)} shards, {len(tasks)} tasks",
+            file=sys.stderr,
+        )
+        job_input.work(spark, run)
+        return 0
+    except working as exc:
+        return _error_line(job, exc, bad_input)
+    except Exception as exc:
+        # a task failure reaches the driver as a Py4J/Spark error holding the task's traceback
+        print(f"{job}: failed: {failure_line(exc)}", file=sys.stderr)
+        return 1
+    finally:
+        if stop_after:
+            spark.stop()
+
+
+def _error_line(job: str, exc: Exception, usage: tuple[type[Exception], ...]) -> int:
+    """The error's one line on stderr; its exit status: 2 for bad input, else 1."""
+    print(f"{job}: {exc}", file=sys.stderr)
+    return 2 if isinstance(exc, usage) else 1

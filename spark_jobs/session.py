@@ -1,4 +1,6 @@
-"""The SparkSession the jobs run in, and progress output while a job runs.
+"""The SparkSession the jobs run in, and the driver-side Spark plumbing both jobs
+use: collecting their tasks' rows (with progress output) and turning rows into a
+DataFrame.
 
 Under spark-submit (the CronJob pod: `--master k8s://...`, client mode) the
 master and executor settings come from spark-submit; run as a plain
@@ -12,13 +14,17 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark import RDD
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.types import StructType
+
+T = TypeVar("T")
 
 _ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -120,3 +126,17 @@ class Progress:
     def _run(self) -> None:
         while not self._stop.wait(self._every):
             self._line()
+
+
+def collect(rdd: RDD[T], progress: Progress | None = None) -> list[T]:
+    """Run the tasks and gather their rows, printing `progress` lines meanwhile."""
+    if progress is None:
+        return rdd.collect()
+    with progress:
+        return rdd.collect()
+
+
+def rows_frame(spark: SparkSession, schema: StructType, rows: Iterable[Mapping[str, Any]]) -> DataFrame:
+    """Plain rows (dicts) as a DataFrame with a fixed schema."""
+    names = schema.fieldNames()
+    return spark.createDataFrame([tuple(r[n] for n in names) for r in rows], schema)

@@ -183,6 +183,27 @@ def test_rebalance_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert rebalance.main(["--shard-map", str(path), "--shard-map-configmap", "ns/x"]) == 2
 
 
+def test_rebalance_errors_during_the_run(
+    spark: SparkSession, redis_fleet: FleetFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Errors after Spark started keep the contract: a plan the options forbid is bad
+    input (2), an unwritable output a failure (1); each is one line, no traceback."""
+    fleet = redis_fleet(["a", "b"])
+    path = tmp_path / "map.json"
+    path.write_text(fleet.dumps())
+    common = ["--shard-map", str(path), "--dry-run", "--quiet", "--task-slots", "8192"]
+    assert rebalance.main([*common, "--tolerance", "50"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "rebalance: tolerance must be within 0..10, got 50.0"
+    assert "run summary" not in err  # exit 2: the error is the job's last word
+    assert rebalance.main([*common, "--output", str(tmp_path / "missing" / "plan.json")]) == 1
+    err = capsys.readouterr().err
+    assert f"rebalance: cannot write {tmp_path / 'missing' / 'plan.json'}: No such file" in err
+    assert "Traceback" not in err
+    # the session is the test's: a failed run did not stop it either
+    assert spark.sparkContext._jsc is not None
+
+
 def test_unreachable_shard_fails_the_job(
     spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
