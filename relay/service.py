@@ -161,8 +161,8 @@ class QueueService:
     ) -> asyncio.Future[EnqueueOutcome]:
         """Send an enqueue; the returned future gets its outcome.
 
-        The bookkeeping of a stored message (metrics, `on_stored`) runs in the reply's
-        callback, so it happens even when the awaiting handler was cancelled because its
+        The bookkeeping of a stored message (metrics, `on_stored`) runs as Redis's reply
+        is read, so it happens even when the awaiting handler was cancelled because its
         client left, without a task per request (a shielded task was ~9 % of enqueue CPU).
         Fenced or moved slots and a lost shard continue as `call` would, in a task.
         """
@@ -178,9 +178,7 @@ class QueueService:
         job = _Enqueue(self, done, route, loop.time() + self.settings.request_deadline_s)
         job.recipient, job.channel, job.payload, job.ts = recipient, channel, payload, ts
         job.idempotency_key, job.digest, job.message_id = idempotency_key, digest, message_id
-        route.store.enqueue_send(
-            route.keys, payload, ts, idempotency_key, digest, message_id
-        ).add_done_callback(job.replied)
+        route.store.enqueue_to(job, route.keys, payload, ts, idempotency_key, digest, message_id)
         return done
 
     def _stored(self, recipient: bytes, channel: bytes, size: int, outcome: EnqueueOutcome) -> None:
@@ -250,15 +248,17 @@ class QueueService:
 
 
 class _Enqueue:
-    """One enqueue between sending and its outcome (see QueueService.enqueue_future)."""
+    """One enqueue from sending to its outcome (see QueueService.enqueue_future); the
+    pipeline hands it Redis's reply directly (it is the command's ReplySink)."""
 
     __slots__ = (
+        "answered",
         "channel",
         "deadline",
         "digest",
-        "done",
         "idempotency_key",
         "message_id",
+        "outcome",
         "payload",
         "recipient",
         "route",
@@ -275,23 +275,36 @@ class _Enqueue:
     message_id: str
 
     def __init__(
-        self, service: QueueService, done: asyncio.Future[EnqueueOutcome], route: Route, deadline: float
+        self, service: QueueService, outcome: asyncio.Future[EnqueueOutcome], route: Route, deadline: float
     ) -> None:
         self.service = service
-        self.done = done
+        self.outcome = outcome
         self.route = route  # of the first attempt; a retry routes afresh
         self.deadline = deadline
+        self.answered = False
 
-    def replied(self, sent: asyncio.Future[Any]) -> None:
+    # -- ReplySink: called by the pipeline once, with the reply or the failure --------
+    def done(self) -> bool:
+        return self.answered
+
+    def set_result(self, reply: Any, /) -> None:
+        self.answered = True
         try:
-            outcome = enqueue_outcome(sent.result())
-        except (SlotMoved, SlotMigrating, StoreUnavailable) as exc:
+            outcome = enqueue_outcome(reply)
+        except (SlotMoved, SlotMigrating) as exc:
             self.service._spawn(self.retry(exc))
             return
-        except BaseException as exc:  # handed to the caller, as an awaited call would raise it
+        except Exception as exc:  # handed to the caller, as an awaited call would raise it
             self.fail(exc)
             return
         self.finish(outcome)
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        self.answered = True
+        if isinstance(exception, StoreUnavailable):
+            self.service._spawn(self.retry(exception))
+        else:
+            self.fail(exception)
 
     def finish(self, outcome: EnqueueOutcome) -> None:
         try:
@@ -299,16 +312,16 @@ class _Enqueue:
         except Exception as exc:
             self.fail(exc)
             return
-        if not self.done.done():  # cancelled when the handler was
-            self.done.set_result(outcome)
+        if not self.outcome.done():  # cancelled when the handler was
+            self.outcome.set_result(outcome)
 
     def fail(self, exc: BaseException) -> None:
-        if self.done.done():
+        if self.outcome.done():
             return
         if isinstance(exc, asyncio.CancelledError):
-            self.done.cancel()
+            self.outcome.cancel()
         else:
-            self.done.set_exception(exc)
+            self.outcome.set_exception(exc)
 
     def attempt(self, route: Route) -> Awaitable[EnqueueOutcome]:
         return route.store.enqueue(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import hiredis
 import redis.asyncio as aioredis
@@ -32,7 +32,20 @@ class StoreRejected(Exception):
 
 
 Arg = bytes | str | int
-_Item = tuple[bytes, "asyncio.Future[Any]"]  # one encoded command, its caller's future
+
+
+class ReplySink(Protocol):
+    """Where one command's reply goes: an asyncio.Future, or an object that acts on the
+    reply at once (saves a future and a loop turn per command on hot paths)."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: Any, /) -> None: ...
+
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+
+_Item = tuple[bytes, ReplySink]  # one encoded command, where its reply goes
 
 
 def bulk_str(value: str) -> bytes:
@@ -123,15 +136,15 @@ class _Resp(asyncio.Protocol):
             batch = waiting[0]
             item = batch.items[batch.pos]
             batch.pos += 1
-            fut = item[1]
-            if not fut.done():
+            sink = item[1]
+            if not sink.done():
                 if isinstance(reply, hiredis.ReplyError):
                     if batch.may_reload and str(reply).startswith("NOSCRIPT"):
                         batch.retry.append(item)
                     else:
-                        fut.set_exception(_classify(reply))
+                        sink.set_exception(_classify(reply))
                 else:
-                    fut.set_result(reply)
+                    sink.set_result(reply)
             if batch.pos == len(batch.items):
                 waiting.popleft()
                 self.owner._batch_done(batch)
@@ -193,9 +206,13 @@ class ScriptBatcher:
     def submit(self, command: bytes) -> asyncio.Future[Any]:
         """Send one RESP-encoded command with the next pipeline; the future gets its reply."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.append((command, fut))
-        self._kick()
+        self.submit_to(command, fut)
         return fut
+
+    def submit_to(self, command: bytes, sink: ReplySink) -> None:
+        """As `submit`, the reply (or StoreUnavailable / StoreRejected) handed to `sink`."""
+        self._pending.append((command, sink))
+        self._kick()
 
     async def close(self) -> None:
         self._closed = True
@@ -248,7 +265,7 @@ class ScriptBatcher:
             _fail(items, StoreUnavailable("connection lost"))
             return
         self._inflight += 1
-        conn.send(_Batch(_script_loads() + items, may_reload=False), self._reply_timeout)
+        conn.send(_Batch([*_script_loads(), *items], may_reload=False), self._reply_timeout)
 
     async def _connect(self) -> None:
         try:
@@ -293,11 +310,11 @@ class ScriptBatcher:
         except BaseException:  # connect timeout (cancelled): never leave the socket open
             conn.abort("handshake timed out")
             raise
-        items = [(cmd, _watched(loop.create_future())) for cmd in hello] + _script_loads()
-        conn.send(_Batch(items, may_reload=False), self._connect_timeout)
+        handshake = [(cmd, _watched(loop.create_future())) for cmd in hello] + _script_loads()
+        conn.send(_Batch([*handshake], may_reload=False), self._connect_timeout)
         self._inflight += 1  # _batch_done balances it
         try:
-            await asyncio.gather(*[fut for _, fut in items])
+            await asyncio.gather(*[fut for _, fut in handshake])
         except (StoreUnavailable, StoreRejected) as exc:
             conn.abort("handshake failed")
             raise StoreUnavailable(f"handshake failed: {exc}") from None
@@ -313,10 +330,10 @@ class ScriptBatcher:
         return task
 
 
-def _script_loads() -> list[_Item]:
+def _script_loads() -> list[tuple[bytes, asyncio.Future[Any]]]:
     """SCRIPT LOAD of every script, each with a future nobody awaits (errors surface later)."""
     loop = asyncio.get_running_loop()
-    items: list[_Item] = []
+    items: list[tuple[bytes, asyncio.Future[Any]]] = []
     for script in ALL:
         items.append((encode_command("SCRIPT", "LOAD", script.source), _watched(loop.create_future())))
     return items
@@ -333,6 +350,6 @@ def _consume(fut: asyncio.Future[Any]) -> None:
 
 
 def _fail(items: list[_Item], exc: Exception) -> None:
-    for _, fut in items:
-        if not fut.done():
-            fut.set_exception(exc)
+    for _, sink in items:
+        if not sink.done():
+            sink.set_exception(exc)

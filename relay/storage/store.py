@@ -7,7 +7,7 @@ import itertools
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from relay.storage import keys as K
 from relay.storage import scripts
 from relay.storage.pipeline import (
+    ReplySink,
     ScriptBatcher,
     StoreRejected,
     StoreUnavailable,
@@ -67,8 +68,7 @@ class Message:
     message_id: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class EnqueueOutcome:
+class EnqueueOutcome(NamedTuple):  # a tuple: built on every enqueue, cheaper than a frozen dataclass
     kind: str  # stored | duplicate | conflict | rate_limited | full
     seq: int = 0
     retry_after_ms: int = 0
@@ -222,24 +222,27 @@ class ShardStore:
         digest: str = "",
         message_id: str = "",
     ) -> EnqueueOutcome:
-        return enqueue_outcome(await self.enqueue_send(q, payload, now_ms, idem_key, digest, message_id))
+        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.enqueue_to(reply, q, payload, now_ms, idem_key, digest, message_id)
+        return enqueue_outcome(await reply)
 
-    def enqueue_send(
+    def enqueue_to(
         self,
+        sink: ReplySink,
         q: K.QueueKeys,
         payload: bytes,
         now_ms: int,
         idem_key: str = "",
         digest: str = "",
         message_id: str = "",
-    ) -> asyncio.Future[Any]:
-        """Queue the enqueue script for the next pipeline; the future holds Redis's raw
-        reply, which `enqueue_outcome` reads. No coroutine: the hot path awaits nothing here."""
+    ) -> None:
+        """Queue the enqueue script for the next pipeline; Redis's raw reply goes to `sink`,
+        `enqueue_outcome` reads it. No coroutine: the hot path awaits nothing here."""
         parts = self._enqueue_parts.get(q.qid)
         if parts is None:
             parts = self._encode_enqueue_parts(q)
         # ARGV: payload, now, idempotency key, digest, messageId, five limits, qid, wake, epoch
-        return self._batcher.submit(
+        self._batcher.submit_to(
             b"%b$%d\r\n%b\r\n%b%b%b%b%b%b"
             % (
                 parts[0],
@@ -251,7 +254,8 @@ class ShardStore:
                 bulk_str(message_id) if message_id else _EMPTY_BULK,
                 parts[1],
                 bulk_str(new_epoch()),
-            )
+            ),
+            sink,
         )
 
     def _encode_enqueue_parts(self, q: K.QueueKeys) -> tuple[bytes, bytes]:
