@@ -56,8 +56,6 @@ def _error_for(exc: BaseException) -> web.Response:
 
 @web.middleware
 async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
-    resource = request.match_info.route.resource
-    route = resource.canonical if resource is not None else "unmatched"
     start = time.perf_counter()
     try:
         response = await handler(request)
@@ -68,23 +66,47 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
     status = response.status
     if status >= 400 and isinstance(response, web.Response) and response.body is not None:
         metrics.REJECTED.labels(_code_of(response)).inc()
-    method = request.method
-    counter = _REQUEST_COUNTERS.get((route, method, status))
+    series = _series(request)
+    counter = series.counters.get(status)
     if counter is None:
-        counter = _REQUEST_COUNTERS[(route, method, status)] = metrics.REQUESTS.labels(
-            route, method, str(status)
+        counter = series.counters[status] = metrics.loop_only(
+            metrics.REQUESTS.labels(series.route, series.method, str(status))
         )
     counter.inc()
-    timer = _REQUEST_TIMERS.get((route, method))
-    if timer is None:
-        timer = _REQUEST_TIMERS[(route, method)] = metrics.REQUEST_SECONDS.labels(route, method)
-    timer.observe(time.perf_counter() - start)
+    series.timer.observe(time.perf_counter() - start)
     return response
 
 
-# Label children per (route, method[, status]): bounded by the route table, resolved once.
-_REQUEST_COUNTERS: dict[tuple[str, str, int], Counter] = {}
-_REQUEST_TIMERS: dict[tuple[str, str], Histogram] = {}
+class _Series:
+    """A route's request metrics for one method: label children resolved once."""
+
+    __slots__ = ("counters", "method", "route", "timer")
+
+    def __init__(self, route: str, method: str) -> None:
+        self.route = route
+        self.method = method
+        self.counters: dict[int, Counter] = {}
+        self.timer: Histogram = metrics.loop_only(metrics.REQUEST_SECONDS.labels(route, method))
+
+
+# Per (route object, method): bounded by the route table. Unmatched requests get a new
+# route object each, so they are kept by label instead.
+_SERIES: dict[tuple[object, str], _Series] = {}
+
+
+def _series(request: web.Request) -> _Series:
+    route = request.match_info.route
+    key: tuple[object, str] = (route, request.method)
+    series = _SERIES.get(key)
+    if series is None:
+        resource = route.resource
+        label = resource.canonical if resource is not None else "unmatched"
+        if resource is None:
+            key = (label, request.method)
+            series = _SERIES.get(key)
+        if series is None:
+            series = _SERIES[key] = _Series(label, request.method)
+    return series
 
 
 def _code_of(response: web.Response) -> str:

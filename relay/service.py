@@ -40,9 +40,9 @@ class TooManyWaiters(Exception):
 
 
 # Label children resolved once: .labels() per request was visible in profiles.
-_ENQUEUED = metrics.MESSAGES.labels("enqueued")
-_ENQUEUED_BYTES = metrics.BYTES.labels("enqueued")
-_DUPLICATE = metrics.MESSAGES.labels("duplicate")
+_ENQUEUED = metrics.loop_only(metrics.MESSAGES.labels("enqueued"))
+_ENQUEUED_BYTES = metrics.loop_only(metrics.BYTES.labels("enqueued"))
+_DUPLICATE = metrics.loop_only(metrics.MESSAGES.labels("duplicate"))
 
 
 def now_ms() -> int:
