@@ -345,8 +345,11 @@ class KwokFleet:
         try:
             stop_relays(self.relays)
             self.operator.stop()
+            # shown when the test fails
             if self.operator.log.exists():
-                print(f"--- operator log (tail) ---\n{self.operator.tail(200)}")  # shown when the test fails
+                print(f"--- operator log (tail) ---\n{self.operator.tail(200)}")
+            if self.relays:
+                print(self.relay_logs())
             # Shards still holding the finalizer would keep the namespace: let them go.
             for name in self.cluster.kubectl(
                 "-n", self.ns, "get", "rshard", "-o", "name", check=False
