@@ -6,7 +6,10 @@ Two cadences, both cheap:
 - load (at most every RELAYFLEET_SHARD_STATS_INTERVAL s, default 30, and only when
   /metrics was scraped since the last read, so an unscraped relay costs the shards
   nothing): per slot the map gives the shard, HMGET of its stats hash, GET of its state
-  and SCARD of its queue index, pipelined 256 slots per round trip.
+  and SCARD of its queue index, pipelined 256 slots per round trip. Only the relay
+  holding the shard's stats lease (a key on the shard, 3 intervals long, renewed by each
+  read) does it: N relays sweep a shard once per interval, not N times, and the load
+  gauges of a shard come from one relay at a time (others drop theirs).
 
 Gauges carry a `shard` label only: shards are few, queues and slots never become labels.
 """
@@ -17,6 +20,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
@@ -141,10 +146,12 @@ async def read_load(store: ShardStore, slots: list[int], now_ms: int) -> ShardLo
 class ShardHealth:
     """The background loop of one relay process."""
 
-    def __init__(self, fleet: Fleet, health_s: float, stats_s: float) -> None:
+    def __init__(self, fleet: Fleet, health_s: float, stats_s: float, lease_s: float | None = None) -> None:
         self.fleet = fleet
         self.health_s = health_s
         self.stats_s = stats_s
+        self.lease_ms = int(1000 * (lease_s if lease_s is not None else max(1.0, 3 * stats_s)))
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         # Not at start-up: the first read waits for the first scrape (a relay nobody scrapes
         # never pays for it, and a starting relay serves traffic first).
         self._stats_at = time.monotonic() - stats_s
@@ -186,8 +193,11 @@ class ShardHealth:
         metrics.SHARD_PERSISTENCE_OK.labels(name).set(health["persistence_ok"])
         if not want_load:
             return
-        slots = self.fleet.map.slots_of(name)
         try:
+            if not await self._hold_lease(store):
+                self._drop(name, _LOAD_GAUGES)  # another relay exports this shard's load
+                return
+            slots = self.fleet.map.slots_of(name)
             load = await read_load(store, slots, int(time.time() * 1000))
         except (RedisError, OSError) as exc:
             log.warning("shard %s: reading slot statistics failed: %s", name, type(exc).__name__)
@@ -201,26 +211,47 @@ class ShardHealth:
         metrics.SHARD_STATS_TIMESTAMP.labels(name).set(time.time())
         metrics.SHARD_STATS_SECONDS.observe(time.perf_counter() - started)
 
+    async def _hold_lease(self, store: ShardStore) -> bool:
+        """Take the shard's stats lease, or renew it if this relay holds it already.
+        (Two commands, not atomic: at worst two relays both read one round.)"""
+        client = store.client
+        if await client.set(K.SHARD_STATS_LEASE, self.holder, nx=True, px=self.lease_ms):
+            return True
+        current = await client.get(K.SHARD_STATS_LEASE)
+        if isinstance(current, bytes) and current.decode("utf-8", "replace") == self.holder:
+            await client.pexpire(K.SHARD_STATS_LEASE, self.lease_ms)
+            return True
+        return False
+
+    @staticmethod
+    def _drop(shard: str, gauges: tuple[Any, ...]) -> None:
+        for gauge in gauges:
+            with contextlib.suppress(KeyError):
+                gauge.remove(shard)
+
     def _forget(self, current: set[str]) -> None:
         """Drop the series of shards that left the map, so they don't alert as stale."""
         for gone in self._known - current:
-            for gauge in (
-                metrics.SHARD_UP,
-                metrics.SHARD_MEMORY_USED,
-                metrics.SHARD_MEMORY_MAX,
-                metrics.SHARD_AOF_ENABLED,
-                metrics.SHARD_PERSISTENCE_OK,
-                metrics.SHARD_MESSAGES,
-                metrics.SHARD_BYTES,
-                metrics.SHARD_QUEUES,
-                metrics.SHARD_ENQUEUE_RATE,
-                metrics.SHARD_SLOTS,
-                metrics.SHARD_SLOTS_MIGRATING,
-                metrics.SHARD_STATS_TIMESTAMP,
-            ):
-                with contextlib.suppress(KeyError):
-                    gauge.remove(gone)
+            self._drop(gone, _HEALTH_GAUGES + _LOAD_GAUGES)
         self._known = current
+
+
+_HEALTH_GAUGES = (
+    metrics.SHARD_UP,
+    metrics.SHARD_MEMORY_USED,
+    metrics.SHARD_MEMORY_MAX,
+    metrics.SHARD_AOF_ENABLED,
+    metrics.SHARD_PERSISTENCE_OK,
+)
+_LOAD_GAUGES = (
+    metrics.SHARD_MESSAGES,
+    metrics.SHARD_BYTES,
+    metrics.SHARD_QUEUES,
+    metrics.SHARD_ENQUEUE_RATE,
+    metrics.SHARD_SLOTS,
+    metrics.SHARD_SLOTS_MIGRATING,
+    metrics.SHARD_STATS_TIMESTAMP,
+)
 
 
 MONITOR = web.AppKey("relayfleet_shard_health", ShardHealth)

@@ -77,3 +77,42 @@ async def test_totals_memory_and_down(redis_server: LocalRedis, relay: RunningRe
     redis_server.stop()
     await monitor.tick()
     assert gauge(metrics.SHARD_UP, shard) == 0
+
+
+LEASE_S = 3.0  # well above one sweep of 16384 slots on a loaded machine (~0.5 s)
+
+
+def exported(g: object, shard: str) -> bool:
+    return any(s.labels.get("shard") == shard for m in g.collect() for s in m.samples)  # type: ignore[attr-defined]
+
+
+async def test_one_relay_at_a_time_reads_a_shards_load(redis_server: LocalRedis, relay: RunningRelay) -> None:
+    (shard,) = relay.fleet.stores
+    await asyncio.wait_for(relay.app[MONITOR].first_round.wait(), 10)
+    async with relay.client() as c:
+        await c.enqueue(os.urandom(32), b"x" * 10)
+    first = ShardHealth(relay.fleet, health_s=1.0, stats_s=0.0, lease_s=LEASE_S)
+    second = ShardHealth(relay.fleet, health_s=1.0, stats_s=0.0, lease_s=LEASE_S)
+    await scrape(relay)
+    await first.tick()
+    assert gauge(metrics.SHARD_MESSAGES, shard) == 1
+    with redis.Redis.from_url(redis_server.url) as r:
+        assert r.get(K.SHARD_STATS_LEASE) == first.holder.encode()
+        assert 0 < r.pttl(K.SHARD_STATS_LEASE) <= LEASE_S * 1000
+
+    # The other relay does not sweep the shard while the lease is held, and drops its series.
+    await scrape(relay)
+    await second.tick()
+    assert not exported(metrics.SHARD_MESSAGES, shard)
+    assert gauge(metrics.SHARD_UP, shard) == 1  # health is every relay's own view
+
+    # The holder renews by reading; when it stops, the lease runs out and the other takes over.
+    await scrape(relay)
+    await first.tick()
+    assert gauge(metrics.SHARD_MESSAGES, shard) == 1
+    await asyncio.sleep(LEASE_S + 0.1)
+    await scrape(relay)
+    await second.tick()
+    assert gauge(metrics.SHARD_MESSAGES, shard) == 1
+    with redis.Redis.from_url(redis_server.url) as r:
+        assert r.get(K.SHARD_STATS_LEASE) == second.holder.encode()
