@@ -63,6 +63,7 @@ def observed(handler: Handler) -> Handler:
     registration instead: aiohttp builds a per-request middleware chain (and adds a
     current-app fixer) for any app with middlewares, which cost ~3 µs per enqueue.
     """
+    by_method: dict[str, _Series] = {}  # one route: its label children, resolved once
 
     async def observe(request: web.Request) -> web.StreamResponse:
         start = time.perf_counter()
@@ -75,13 +76,14 @@ def observed(handler: Handler) -> Handler:
         status = response.status
         if status >= 400 and isinstance(response, web.Response) and response.body is not None:
             metrics.REJECTED.labels(_code_of(response)).inc()
-        series = _series(request)
-        counter = series.counters.get(status)
-        if counter is None:
-            counter = series.counters[status] = metrics.loop_only(
-                metrics.REQUESTS.labels(series.route, series.method, str(status))
+        series = by_method.get(request.method)
+        if series is None:
+            resource = request.match_info.route.resource
+            label = (
+                "unmatched" if resource is None or isinstance(resource, _Unmatched) else resource.canonical
             )
-        counter.inc()
+            series = by_method[request.method] = _Series(label, request.method)
+        series.count(status)
         series.timer.observe(time.perf_counter() - start)
         return response
 
@@ -99,27 +101,13 @@ class _Series:
         self.counters: dict[int, Counter] = {}
         self.timer: Histogram = metrics.loop_only(metrics.REQUEST_SECONDS.labels(route, method))
 
-
-# Per (route object, method): bounded by the route table. Unmatched requests get a new
-# route object each, so they are kept by label instead.
-_SERIES: dict[tuple[object, str], _Series] = {}
-
-
-def _series(request: web.Request) -> _Series:
-    route = request.match_info.route
-    key: tuple[object, str] = (route, request.method)
-    series = _SERIES.get(key)
-    if series is None:
-        resource = route.resource
-        if resource is None or isinstance(resource, _Unmatched):
-            label = "unmatched"
-            key = (label, request.method)
-            series = _SERIES.get(key)
-        else:
-            label = resource.canonical
-        if series is None:
-            series = _SERIES[key] = _Series(label, request.method)
-    return series
+    def count(self, status: int) -> None:
+        counter = self.counters.get(status)
+        if counter is None:
+            counter = self.counters[status] = metrics.loop_only(
+                metrics.REQUESTS.labels(self.route, self.method, str(status))
+            )
+        counter.inc()
 
 
 class _Unmatched(web.AbstractResource):

@@ -99,6 +99,7 @@ _ENQUEUE_PARTS_MAX = 8192
 _EMPTY_BULK = b"$0\r\n\r\n"
 
 _EPOCH_PREFIX = os.urandom(5).hex()
+_EPOCH_PREFIX_BYTES = _EPOCH_PREFIX.encode()
 _epoch_counter = itertools.count()
 
 
@@ -108,16 +109,28 @@ def new_epoch() -> str:
     Only the call that creates a queue's meta keeps it, yet every call passes one,
     so urandom per call was measurable; re-seeded in forked children (see below).
     """
+    n = _epoch_number()
+    return f"{_EPOCH_PREFIX}{n:06x}"
+
+
+def _epoch_bulk() -> bytes:
+    """new_epoch() as a RESP bulk string (16 hex digits), for the enqueue command."""
+    n = _epoch_number()  # first: it may re-draw the prefix
+    return b"$16\r\n%b%06x\r\n" % (_EPOCH_PREFIX_BYTES, n)
+
+
+def _epoch_number() -> int:
     n = next(_epoch_counter)
     if n > 0xFFFFFF:  # same 16 hex digits as before; never reuse a value
         _reseed_epochs()
         n = next(_epoch_counter)
-    return f"{_EPOCH_PREFIX}{n:06x}"
+    return n
 
 
 def _reseed_epochs() -> None:
-    global _EPOCH_PREFIX, _epoch_counter
+    global _EPOCH_PREFIX, _EPOCH_PREFIX_BYTES, _epoch_counter
     _EPOCH_PREFIX = os.urandom(5).hex()
+    _EPOCH_PREFIX_BYTES = _EPOCH_PREFIX.encode()
     _epoch_counter = itertools.count()
 
 
@@ -241,19 +254,21 @@ class ShardStore:
         parts = self._enqueue_parts.get(q.qid)
         if parts is None:
             parts = self._encode_enqueue_parts(q)
+        now = b"%d" % now_ms
         # ARGV: payload, now, idempotency key, digest, messageId, five limits, qid, wake, epoch
         self._batcher.submit_to(
-            b"%b$%d\r\n%b\r\n%b%b%b%b%b%b"
+            b"%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b%b%b%b"
             % (
                 parts[0],
                 len(payload),
                 payload,
-                bulk(now_ms),
+                len(now),
+                now,
                 bulk_str(idem_key) if idem_key else _EMPTY_BULK,
                 bulk_str(digest) if digest else _EMPTY_BULK,
                 bulk_str(message_id) if message_id else _EMPTY_BULK,
                 parts[1],
-                bulk_str(new_epoch()),
+                _epoch_bulk(),
             ),
             sink,
         )
