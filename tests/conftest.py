@@ -20,7 +20,7 @@ from relay.localredis import LocalRedis
 from relay.settings import Settings
 
 pytest_plugins: list[str] = []
-for _plugin in ("tests.k8s_cluster", "tests.spark_session", "tests.soak_option"):
+for _plugin in ("tests.k8s_cluster", "tests.spark_session", "tests.soak_option", "tests.operator_support"):
     if os.path.exists(os.path.join(os.path.dirname(__file__), _plugin.split(".")[1] + ".py")):
         pytest_plugins.append(_plugin)
 

@@ -18,7 +18,6 @@ import pytest
 
 from tests.operator_support import (
     KwokFleet,
-    kwok_fleet_fixture,  # noqa: F401  (the kwok_fleet fixture)
     rebalance,
     wait_for,
 )

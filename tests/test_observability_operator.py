@@ -11,7 +11,6 @@ from pathlib import Path
 
 from tests.operator_support import (
     KwokFleet,
-    kwok_fleet_fixture,  # noqa: F401  (the kwok_fleet fixture)
 )
 from tests.test_observability import (
     alert_rules,

@@ -27,7 +27,6 @@ from tests.operator_support import (
     conditions,
     create,
     get,
-    kwok_fleet_fixture,  # noqa: F401  (the kwok_fleet fixture)
     namespace,
     rebalance,
     shard,
