@@ -9,6 +9,9 @@ Per run: wrk warm-up, then utime + stime of the server (and its Redis) from
 Run: python -m relay.bench.cpu [--tree LABEL=DIR ...] [--ceiling] [--rounds N]
 A tree is a directory holding a ``relay`` package (e.g. ``git archive HEAD relay |
 tar -x -C /tmp/base``); the relay is started from it with this interpreter.
+``--cpu-profile DIR`` runs each server under relay/bench/sampler.py (CPU-time
+samples; py-spy's wall-clock samples overstate writes that wake another process)
+and profiles one extra run per target, not counted in the figures.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -28,6 +32,7 @@ from relay.bench.scenarios import OCTET, recipient
 from relay.bench.targets import REPO, RedisServer, Target, relay_python, start_redis, wait_http
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+SAMPLER = Path(__file__).with_name("sampler.py")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -43,34 +48,40 @@ class Subject:
     target: Target
     redis: RedisServer
     runs: list[tuple[float, float, float]] = field(default_factory=list)  # µs/req, redis µs/req, req/s
+    samples: Path | None = None  # collapsed stacks written by the sampler on exit
 
     @property
     def pid(self) -> int:
         return self.target.children[0].pid
 
 
-async def _start(procs: Procs, label: str, tree: Path | None) -> Subject:
+async def _start(procs: Procs, label: str, tree: Path | None, sample_dir: Path | None) -> Subject:
     redis = await start_redis(procs, aof=True)
     port = free_port()
+    samples = sample_dir / f"{label}.collapsed.txt" if sample_dir else None
+    python = [relay_python()] + ([str(SAMPLER), str(samples)] if samples else [])
     if tree is None:  # the empty-handler ceiling
-        argv = [sys.executable, "-m", "relay.bench.ceiling", "--port", str(port)]
+        argv = [*python, "-m", "relay.bench.ceiling", "--port", str(port)]
         child: Child = procs.start(label, argv, cwd=REPO)
         kind = "aiohttp"
     else:
-        argv = [relay_python(), "-m", "relay", "--host", "127.0.0.1", "--port", str(port)]
+        argv = [*python, "-m", "relay", "--host", "127.0.0.1", "--port", str(port)]
         argv += ["--redis-url", redis.url, "--auth", "none"]
         # `-m` puts the working directory first on sys.path: the tree's relay package is used
         child = procs.start(label, argv, cwd=tree)
         kind = "relay"
     await wait_http(port, "/readyz", child)
-    return Subject(label, Target(label, kind, [port], [child]), redis)
+    return Subject(label, Target(label, kind, [port], [child]), redis, samples=samples)
+
+
+def _script(s: Subject, size: int) -> str:
+    # fresh recipients each run: no queue comes near the rate limit or its caps
+    paths = [s.target.enqueue_path(recipient()) for _ in range(wrk.pool_size(size, 4096))]
+    return wrk.lua_script("POST", paths, [], OCTET, filler_size=size)
 
 
 async def _measure(procs: Procs, s: Subject, size: int, conns: int, seconds: int, warmup: int) -> None:
-    # fresh recipients each run: no queue comes near the rate limit or its caps
-    pool = wrk.pool_size(size, 4096)
-    paths = [s.target.enqueue_path(recipient()) for _ in range(pool)]
-    script = wrk.lua_script("POST", paths, [], OCTET, filler_size=size)
+    script = _script(s, size)
     urls = s.target.urls()
     if warmup:
         await wrk.run(procs, urls, [script], conns, 1, warmup, "wrk-warmup")
@@ -98,14 +109,31 @@ def _subjects(args: argparse.Namespace) -> list[tuple[str, Path | None]]:
         subjects.append((label if eq else tree.name, tree))
     if args.ceiling:
         subjects.append(("aiohttp", None))
-    if args.profile:
-        Path(args.profile).mkdir(parents=True, exist_ok=True)
+    for d in (args.profile, args.cpu_profile):
+        if d:
+            Path(d).mkdir(parents=True, exist_ok=True)
     return subjects
+
+
+async def _cpu_profile(procs: Procs, s: Subject, args: argparse.Namespace) -> None:
+    assert s.samples is not None
+    script = _script(s, args.size)
+    await wrk.run(procs, s.target.urls(), [script], args.connections, 1, args.warmup or 1, "wrk-warmup")
+    os.kill(s.pid, signal.SIGUSR1)
+    await wrk.run(procs, s.target.urls(), [script], args.connections, 1, args.seconds)
+    os.kill(s.pid, signal.SIGUSR2)
+    procs.stop(s.target.children[0])  # the sampler writes its file on exit
+    total, text = profile.summarize(s.samples.read_text(), top=40)
+    s.samples.with_suffix("").with_suffix(".top.txt").write_text(text)
+    print(
+        f"{s.label}: {total} CPU samples, top frames in {s.samples.with_suffix('').with_suffix('.top.txt')}"
+    )
 
 
 async def run(args: argparse.Namespace, subjects: list[tuple[str, Path | None]]) -> int:
     with tempfile.TemporaryDirectory(prefix="relay-cpu-") as tmp, Procs(Path(tmp)) as procs:
-        started = [await _start(procs, label, tree) for label, tree in subjects]
+        sample_dir = Path(args.cpu_profile) if args.cpu_profile else None
+        started = [await _start(procs, label, tree, sample_dir) for label, tree in subjects]
         await asyncio.sleep(args.settle)  # startup work (shard-health round) is not measured
         for _ in range(args.rounds):
             for s in started:
@@ -114,12 +142,13 @@ async def run(args: argparse.Namespace, subjects: list[tuple[str, Path | None]])
             out = Path(args.profile)
             for s in started:
                 async with profile.recording(procs, s.pid, out, s.label, args.seconds) as prof:
-                    paths = [
-                        s.target.enqueue_path(recipient()) for _ in range(wrk.pool_size(args.size, 4096))
-                    ]
-                    script = wrk.lua_script("POST", paths, [], OCTET, filler_size=args.size)
-                    await wrk.run(procs, s.target.urls(), [script], args.connections, 1, args.seconds)
+                    await wrk.run(
+                        procs, s.target.urls(), [_script(s, args.size)], args.connections, 1, args.seconds
+                    )
                 print(f"{s.label}: {prof.samples} samples, top frames in {prof.text}")
+        for s in started:
+            if s.samples is not None:
+                await _cpu_profile(procs, s, args)
     print(f"\n{args.size} B enqueue, wrk -t1 -c{args.connections}, {args.seconds} s runs")
     print("| server | CPU µs per enqueue (runs) | median | Redis µs per enqueue | req/s |")
     print("|---|---|---|---|---|")
@@ -143,6 +172,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--size", type=int, default=256)
     p.add_argument("--connections", type=int, default=64)
     p.add_argument("--profile", metavar="DIR", help="then one py-spy run per target (not counted)")
+    p.add_argument("--cpu-profile", metavar="DIR", help="then one CPU-time sampled run per target")
     args = p.parse_args(argv)
     try:
         return asyncio.run(run(args, _subjects(args)))
