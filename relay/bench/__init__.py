@@ -1,6 +1,7 @@
 """Side-by-side benchmarks: the relay against redis-benchmark, an aiohttp ceiling and nginx + nchan.
 
 Entry point: :func:`main` (``relayfleet bench [--quick]`` / ``python -m relay.bench``).
+CPU per enqueue across source trees: ``python -m relay.bench.cpu`` (relay/bench/cpu.py).
 """
 
 from __future__ import annotations
