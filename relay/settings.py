@@ -8,6 +8,16 @@ from dataclasses import dataclass, field
 from relay.storage.store import QueueLimits
 
 
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise SystemExit(f"relayfleet: {name} must be a number, got {raw!r}") from None
+
+
 def env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -38,6 +48,15 @@ class Settings:
     push_webhook: str | None = None
     shutdown_grace_s: float = 10.0
     live_queue_max: int = 256  # unacked frames in flight per WebSocket before we stop reading ahead
+    # A body must arrive within this long, or a slow sender (slowloris) holds a handler forever.
+    body_timeout_s: float = field(default_factory=lambda: env_float("RELAY_BODY_TIMEOUT_S", 30.0))
+    # Shard health (INFO) every this many seconds; slot statistics at most this often, after a scrape.
+    shard_health_interval_s: float = field(
+        default_factory=lambda: max(0.2, env_float("RELAYFLEET_SHARD_HEALTH_INTERVAL", 5.0))
+    )
+    shard_stats_interval_s: float = field(
+        default_factory=lambda: max(0.2, env_float("RELAYFLEET_SHARD_STATS_INTERVAL", 30.0))
+    )
 
     @property
     def fleet_name(self) -> str:

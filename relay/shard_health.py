@@ -48,16 +48,6 @@ _STAT_FIELDS = ("msgs", "bytes", "wstart", "wcur", "wprev")
 _PROBE_TIMEOUT_S = 3.0
 
 
-def _interval(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        log.warning("%s=%r is not a number; using %s", name, raw, default)
-        return default
-    return max(0.2, value)
-
-
 class _ScrapeMarker(Collector):
     """Notes when /metrics was last rendered; exports nothing."""
 
@@ -266,9 +256,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def setup(app: web.Application) -> None:
+    settings = app[CTX].settings
     app[MONITOR] = ShardHealth(
-        app[CTX].service.fleet,
-        _interval("RELAYFLEET_SHARD_HEALTH_INTERVAL", 5.0),
-        _interval("RELAYFLEET_SHARD_STATS_INTERVAL", 30.0),
+        app[CTX].service.fleet, settings.shard_health_interval_s, settings.shard_stats_interval_s
     )
     app.cleanup_ctx.append(_lifecycle)

@@ -9,6 +9,7 @@ import time
 
 import aiohttp
 import pytest
+import redis
 
 from relay.api.params import b64encode
 from relay.client import RelayClient, RelayError
@@ -255,6 +256,7 @@ async def test_unknown_route_and_method_are_json(relay: RunningRelay, http: aioh
     async with http.delete(relay.base_url + qpath(rkey())) as resp:
         assert resp.status == 405
         assert (await resp.json())["code"] == "method_not_allowed"
+        assert {"GET", "POST"} <= {m.strip() for m in resp.headers["Allow"].split(",")}
 
 
 async def test_channels_are_isolated(relay: RunningRelay) -> None:
@@ -419,6 +421,41 @@ async def test_health_ready_metrics(relay: RunningRelay, http: aiohttp.ClientSes
     ):
         assert name in text
     assert 'op="enqueued"' in text
+
+
+def counter(text: str, series: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def test_enqueue_whose_client_left_is_stored_and_counted(
+    redis_server: LocalRedis, relay: RunningRelay, http: aiohttp.ClientSession
+) -> None:
+    """The client gives up while Redis holds the write: the message is stored anyway (a
+    retry with the same Idempotency-Key finds it), and it is counted once."""
+    series = 'relayfleet_messages_total{op="enqueued"}'
+
+    async def enqueued() -> float:
+        async with http.get(relay.base_url + "/metrics") as resp:
+            return counter(await resp.text(), series)
+
+    r = rkey()
+    before = await enqueued()
+    with redis.Redis.from_url(redis_server.url) as admin:
+        admin.execute_command("CLIENT", "PAUSE", "700", "WRITE")  # scripts wait, reads don't
+        with pytest.raises(TimeoutError):
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as gone:
+                await gone.post(relay.base_url + qpath(r), data=b"left", headers={"Idempotency-Key": "k1"})
+    await asyncio.sleep(1.0)  # the pause (0.7 s) is over and the script ran
+    assert await enqueued() == before + 1
+    async with relay.client() as c:
+        assert [m.payload for m in (await c.read(r)).messages] == [b"left"]
+    async with http.post(relay.base_url + qpath(r), data=b"left", headers={"Idempotency-Key": "k1"}) as resp:
+        assert resp.status == 200
+        assert (await resp.json()) == {"seq": 1, "duplicate": True}
+    assert await enqueued() == before + 1
 
 
 async def test_redis_down_gives_503_and_recovers(redis_server: LocalRedis, relay: RunningRelay) -> None:

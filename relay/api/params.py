@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import binascii
-import os
 import re
 from datetime import UTC, datetime
 from typing import Any
@@ -19,8 +18,6 @@ _B64URL = re.compile(r"^[A-Za-z0-9_-]*$")
 _PRINTABLE = re.compile(r"^[\x20-\x7e]{1,128}$")
 RECIPIENT_BYTES = 32
 MAX_CHANNEL_BYTES = 64
-# A body must arrive within this long, or a slow sender (slowloris) holds a handler forever.
-BODY_TIMEOUT_S = float(os.environ.get("RELAY_BODY_TIMEOUT_S", "30"))
 
 
 _FROM_URLSAFE = bytes.maketrans(b"-_", b"+/")
@@ -144,14 +141,18 @@ async def raw_body(request: web.Request, cap: int) -> bytes:
         if len(body) > cap:
             raise _too_large(cap)
         return body
+    # Imported here: the context module imports this one (through auth).
+    from relay.api.context import CTX
+
+    timeout_s = request.app[CTX].settings.body_timeout_s
     try:
-        async with asyncio.timeout(BODY_TIMEOUT_S):
+        async with asyncio.timeout(timeout_s):
             return await _read_capped(request, cap)
     except TimeoutError:
         raise ApiError(
             408,
             "body_timeout",
-            f"request body not received within {BODY_TIMEOUT_S:g} s",
+            f"request body not received within {timeout_s:g} s",
             {"Connection": "close"},
         ) from None
 
