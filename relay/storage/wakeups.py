@@ -42,24 +42,40 @@ _MAX_NOTICES = 64
 
 
 class Waiter:
-    __slots__ = ("_chan", "_event", "_hub", "notices", "woken_at_ms")
+    # Lean on purpose: 10,000s of idle long-polls each hold one. A bare future with a timer
+    # handle instead of an Event + wait_for (which wraps each wait in a Task), and the notice
+    # queue only for the waiters that get notices (live connections).
+    __slots__ = ("_chan", "_flag", "_fut", "_hub", "_notices", "woken_at_ms")
 
     def __init__(self, hub: WakeupHub, chan: _Channel) -> None:
         self._hub = hub
         self._chan = chan
-        self._event = asyncio.Event()
+        self._flag = False  # woken since the last wait returned
+        self._fut: asyncio.Future[None] | None = None
+        self._notices: collections.deque[bytes] | None = None
         self.woken_at_ms: int | None = None  # enqueue time of the message that woke us
-        # notice payloads (prefix stripped) in publish order; the newest are kept
-        self.notices: collections.deque[bytes] = collections.deque(maxlen=_MAX_NOTICES)
+
+    @property
+    def notices(self) -> collections.deque[bytes]:
+        """Notice payloads (prefix stripped) in publish order; the newest are kept."""
+        if self._notices is None:
+            self._notices = collections.deque(maxlen=_MAX_NOTICES)
+        return self._notices
+
+    def _set(self) -> None:
+        self._flag = True
+        fut = self._fut
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def notice(self, data: bytes) -> None:
         self.notices.append(data)
-        self._event.set()
+        self._set()
 
     def wake(self, enqueued_ms: int | None) -> None:
         if enqueued_ms is not None and self.woken_at_ms is None:
             self.woken_at_ms = enqueued_ms
-        self._event.set()
+        self._set()
 
     async def ready(self, timeout: float) -> bool:
         """Wait until the channel is subscribed (False: hub down, caller polls)."""
@@ -76,15 +92,27 @@ class Waiter:
             return False
         if not self._hub.healthy:
             timeout = min(timeout, _POLL_FALLBACK_S)
-        try:
-            await asyncio.wait_for(self._event.wait(), timeout)
-        except TimeoutError:
-            return not self._hub.healthy  # polling mode: treat the tick as a hint
-        self._event.clear()
+        if not self._flag:
+            loop = asyncio.get_running_loop()
+            fut = self._fut = loop.create_future()
+            timer = loop.call_later(timeout, _expire, fut)
+            try:
+                await fut
+            finally:
+                timer.cancel()
+                self._fut = None
+            if not self._flag:
+                return not self._hub.healthy  # polling mode: treat the tick as a hint
+        self._flag = False
         return True
 
     def close(self) -> None:
         self._hub._unregister(self)
+
+
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 @dataclass
