@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import functools
-from dataclasses import dataclass
 
 from relay.fleet.sharding import slot_of
 
@@ -58,22 +57,72 @@ def slot_key_pattern(slot: int) -> str:
 QUEUE_SUFFIXES = ("meta", "msgs", "idem", "idemx", "rate")
 
 
-@dataclass(frozen=True, slots=True)
 class QueueKeys:
-    slot: int
-    qid: str
-    meta: str  # hash: seq, epoch, bytes, created
-    msgs: str  # stream: id = "<seq>-0", fields p (payload), t (received ms), m (messageId)
-    idem: str  # hash: idempotency key -> "<seq>:<digest>"
-    idemx: str  # sorted set: idempotency key -> expiry ms
-    rate: str  # sorted set: seq -> enqueue time ms (sliding window)
-    wake: str  # pub/sub channel announcing new messages of this queue
-    state: str
-    index: str
-    stats: str
+    """One queue's key names. Only the common prefix is stored and each name is built on
+    access: tens of thousands of idle long-polls each pin one (through the cache below), and
+    eleven stored strings made that ~1 KiB a queue. The enqueue hot path encodes the names
+    once per queue itself (storage/store.py)."""
+
+    __slots__ = ("_base", "qid", "slot")
+
+    def __init__(self, slot: int, qid: str) -> None:
+        self.slot = slot
+        self.qid = qid
+        self._base = f"{slot_tag(slot)}:q:{qid}"
+
+    def __repr__(self) -> str:
+        return f"QueueKeys(slot={self.slot}, qid={self.qid!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, QueueKeys) and (self.slot, self.qid) == (other.slot, other.qid)
+
+    def __hash__(self) -> int:
+        return hash((self.slot, self.qid))
+
+    @property
+    def meta(self) -> str:
+        """Hash: seq, epoch, bytes, created."""
+        return self._base + ":meta"
+
+    @property
+    def msgs(self) -> str:
+        """Stream: id = "<seq>-0", fields p (payload), t (received ms), m (messageId), n (size)."""
+        return self._base + ":msgs"
+
+    @property
+    def idem(self) -> str:
+        """Hash: idempotency key -> "<seq>:<digest>"."""
+        return self._base + ":idem"
+
+    @property
+    def idemx(self) -> str:
+        """Sorted set: idempotency key -> expiry ms."""
+        return self._base + ":idemx"
+
+    @property
+    def rate(self) -> str:
+        """Sorted set: seq -> enqueue time ms (sliding window)."""
+        return self._base + ":rate"
+
+    @property
+    def wake(self) -> str:
+        """Pub/sub channel announcing new messages of this queue."""
+        return self._base + ":wake"
+
+    @property
+    def state(self) -> str:
+        return slot_state(self.slot)
+
+    @property
+    def index(self) -> str:
+        return slot_index(self.slot)
+
+    @property
+    def stats(self) -> str:
+        return slot_stats(self.slot)
 
     def all_keys(self) -> tuple[str, ...]:
-        return (self.meta, self.msgs, self.idem, self.idemx, self.rate)
+        return tuple(self._base + ":" + suffix for suffix in QUEUE_SUFFIXES)
 
 
 # Hot queues are looked up on every request; the names never change, so cache them.
@@ -84,20 +133,7 @@ def queue_id(recipient: bytes, channel: bytes) -> str:
 
 @functools.lru_cache(maxsize=8192)
 def queue_keys_for_id(slot: int, qid: str) -> QueueKeys:
-    base = f"{slot_tag(slot)}:q:{qid}"
-    return QueueKeys(
-        slot=slot,
-        qid=qid,
-        meta=f"{base}:meta",
-        msgs=f"{base}:msgs",
-        idem=f"{base}:idem",
-        idemx=f"{base}:idemx",
-        rate=f"{base}:rate",
-        wake=f"{base}:wake",
-        state=slot_state(slot),
-        index=slot_index(slot),
-        stats=slot_stats(slot),
-    )
+    return QueueKeys(slot, qid)
 
 
 def queue_keys(recipient: bytes, channel: bytes) -> QueueKeys:
