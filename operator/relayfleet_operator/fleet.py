@@ -11,7 +11,7 @@ import asyncio
 import base64
 import contextlib
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,35 +78,31 @@ def deleting(obj: Mapping[str, Any]) -> bool:
     return bool((obj.get("metadata") or {}).get("deletionTimestamp"))
 
 
-def founder(objs: Sequence[Mapping[str, Any]]) -> str | None:
-    """The shard that founds a fleet (gets all 16384 slots when no map exists yet): the oldest
-    valid, non-deleting RelayShard, ties broken by name. Deterministic, so shards applied
-    together found the same fleet whatever order the operator happens to handle them in."""
-    candidates = []
+def _staying(objs: Sequence[Mapping[str, Any]]) -> Iterator[tuple[Mapping[str, Any], ShardSpec]]:
+    """The shards that may hold slots: valid and not being deleted, with their objects."""
     for obj in objs:
         if deleting(obj):
             continue
         try:
-            spec = parse_shard(obj)
+            yield obj, parse_shard(obj)
         except SpecError:
             continue
-        created = str((obj.get("metadata") or {}).get("creationTimestamp") or "")
-        candidates.append((created, spec.name))
+
+
+def founder(objs: Sequence[Mapping[str, Any]]) -> str | None:
+    """The shard that founds a fleet (gets all 16384 slots when no map exists yet): the oldest
+    staying RelayShard, ties broken by name. Deterministic, so shards applied together found
+    the same fleet whatever order the operator happens to handle them in."""
+    candidates = [
+        (str((obj.get("metadata") or {}).get("creationTimestamp") or ""), spec.name)
+        for obj, spec in _staying(objs)
+    ]
     return min(candidates)[1] if candidates else None
 
 
 def weights_of(objs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     """Weights of the shards that may hold slots (valid and not being deleted)."""
-    out: dict[str, int] = {}
-    for obj in objs:
-        if deleting(obj):
-            continue
-        try:
-            spec = parse_shard(obj)
-        except SpecError:
-            continue
-        out[spec.name] = spec.weight
-    return out
+    return {spec.name: spec.weight for _, spec in _staying(objs)}
 
 
 # --- URLs and credentials --------------------------------------------------------------------
