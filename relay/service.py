@@ -137,20 +137,7 @@ class QueueService:
             metrics.WAITERS.dec()
 
     # -- operations ------------------------------------------------------------
-    async def enqueue(
-        self,
-        recipient: bytes,
-        channel: bytes,
-        payload: bytes,
-        idempotency_key: str = "",
-        message_id: str = "",
-        any_payload_is_duplicate: bool = False,
-    ) -> EnqueueOutcome:
-        return await self.enqueue_future(
-            recipient, channel, payload, idempotency_key, message_id, any_payload_is_duplicate
-        )
-
-    def enqueue_future(
+    def enqueue(
         self,
         recipient: bytes,
         channel: bytes,
@@ -159,7 +146,7 @@ class QueueService:
         message_id: str = "",
         any_payload_is_duplicate: bool = False,
     ) -> asyncio.Future[EnqueueOutcome]:
-        """Send an enqueue; the returned future gets its outcome.
+        """Send an enqueue; the returned future (await it) gets its outcome.
 
         The bookkeeping of a stored message (metrics, `on_stored`) runs as Redis's reply
         is read, so it happens even when the awaiting handler was cancelled because its
@@ -248,7 +235,7 @@ class QueueService:
 
 
 class _Enqueue:
-    """One enqueue from sending to its outcome (see QueueService.enqueue_future); the
+    """One enqueue from sending to its outcome (see QueueService.enqueue); the
     pipeline hands it Redis's reply directly (it is the command's ReplySink)."""
 
     __slots__ = (

@@ -3,29 +3,31 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from relay.storage.store import QueueLimits
 
+T = TypeVar("T")
 
-def env_float(name: str, default: float) -> float:
+
+def _env(name: str, default: T, parse: Callable[[str], T], kind: str) -> T:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        return parse(raw)
     except ValueError:
-        raise SystemExit(f"relayfleet: {name} must be a number, got {raw!r}") from None
+        raise SystemExit(f"relayfleet: {name} must be {kind}, got {raw!r}") from None
+
+
+def env_float(name: str, default: float) -> float:
+    return _env(name, default, float, "a number")
 
 
 def env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise SystemExit(f"relayfleet: {name} must be an integer, got {raw!r}") from None
+    return _env(name, default, int, "an integer")
 
 
 @dataclass(frozen=True)

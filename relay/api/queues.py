@@ -71,7 +71,7 @@ async def enqueue(request: web.Request) -> web.Response:
     payload = await params.payload(request, c.settings.max_payload)
     # the app cancels handlers whose client left (for long-polls); the bookkeeping of a
     # stored message (metrics, push notification) runs on Redis's reply, not in this handler
-    outcome = await c.service.enqueue_future(recipient, channel, payload, key)
+    outcome = await c.service.enqueue(recipient, channel, payload, key)
     if (err := enqueue_error(outcome)) is not None:
         raise err
     # exactly what orjson writes for {"seq": n, "duplicate": b}, shaped directly

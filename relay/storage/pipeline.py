@@ -10,8 +10,10 @@ per-command packing and wrappers cost a fifth of the CPU of an enqueue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections import deque
+from collections.abc import Iterator
 from typing import Any, Protocol, cast
 
 import hiredis
@@ -302,25 +304,13 @@ class ScriptBatcher:
             hello.append(encode_command("SELECT", int(opts["db"])))
         # a new connection often means a restarted Redis: record the run (lost-tail
         # detection, relay/storage/boot.py) before any script can run, then load them
-        try:
+        with _handshake(conn):
             await mark_boot(self._client)
-        except (RedisError, OSError) as exc:
-            conn.abort("handshake failed")
-            raise StoreUnavailable(f"handshake failed: {type(exc).__name__}") from None
-        except BaseException:  # connect timeout (cancelled): never leave the socket open
-            conn.abort("handshake timed out")
-            raise
         handshake = [(cmd, _watched(loop.create_future())) for cmd in hello] + _script_loads()
         conn.send(_Batch([*handshake], may_reload=False), self._connect_timeout)
         self._inflight += 1  # _batch_done balances it
-        try:
+        with _handshake(conn):
             await asyncio.gather(*[fut for _, fut in handshake])
-        except (StoreUnavailable, StoreRejected) as exc:
-            conn.abort("handshake failed")
-            raise StoreUnavailable(f"handshake failed: {exc}") from None
-        except BaseException:  # connect timeout (cancelled): never leave the socket open
-            conn.abort("handshake timed out")
-            raise
         return conn
 
     def _spawn(self, coro: Any) -> asyncio.Task[None]:
@@ -347,6 +337,23 @@ def _watched(fut: asyncio.Future[Any]) -> asyncio.Future[Any]:
 def _consume(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()  # retrieved, so asyncio does not log it
+
+
+@contextlib.contextmanager
+def _handshake(conn: _Resp) -> Iterator[None]:
+    """A failed handshake step aborts the new connection (never left open) and becomes
+    StoreUnavailable; a connect timeout (cancellation) aborts it and propagates."""
+    try:
+        yield
+    except (StoreUnavailable, StoreRejected) as exc:
+        conn.abort("handshake failed")
+        raise StoreUnavailable(f"handshake failed: {exc}") from None
+    except (RedisError, OSError) as exc:
+        conn.abort("handshake failed")
+        raise StoreUnavailable(f"handshake failed: {type(exc).__name__}") from None
+    except BaseException:
+        conn.abort("handshake timed out")
+        raise
 
 
 def _fail(items: list[_Item], exc: Exception) -> None:
