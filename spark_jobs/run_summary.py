@@ -47,6 +47,8 @@ class RunSummary:
     figures: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     active: bool = False  # set once the arguments parsed: --help and usage errors are no runs
+    # Bad input answers with exactly one line (the CLI contract): the summary is pushed, not logged.
+    quiet: bool = False
 
     def finish(self, exit_code: int) -> None:
         """Log the summary; push it if configured. A push failure is logged, never raised:
@@ -57,7 +59,7 @@ class RunSummary:
         duration = time.monotonic() - self.started
         line = {"job": self.job, "ok": ok, "exitCode": exit_code, "durationSeconds": round(duration, 3)}
         line.update(self.figures)
-        if exit_code != 2:  # bad arguments answer with exactly one line (the CLI contract)
+        if not self.quiet:
             print(f"{self.job}: run summary {json.dumps(line, sort_keys=True)}", file=sys.stderr)
         gateway = self.pushgateway or os.environ.get(PUSHGATEWAY_ENV) or None
         if not gateway:
@@ -149,7 +151,7 @@ def _drive(
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except reading as exc:
-        return _error_line(job, exc, usage)
+        return _error_line(job, exc, usage, run)
 
     try:
         stop_after = owns_session()
@@ -167,7 +169,7 @@ def _drive(
         job_input.work(spark, run)
         return 0
     except working as exc:
-        return _error_line(job, exc, bad_input)
+        return _error_line(job, exc, bad_input, run)
     except Exception as exc:
         # a task failure reaches the driver as a Py4J/Spark error holding the task's traceback
         print(f"{job}: failed: {failure_line(exc)}", file=sys.stderr)
@@ -177,7 +179,8 @@ def _drive(
             spark.stop()
 
 
-def _error_line(job: str, exc: Exception, usage: tuple[type[Exception], ...]) -> int:
+def _error_line(job: str, exc: Exception, usage: tuple[type[Exception], ...], run: RunSummary) -> int:
     """The error's one line on stderr; its exit status: 2 for bad input, else 1."""
     print(f"{job}: {exc}", file=sys.stderr)
-    return 2 if isinstance(exc, usage) else 1
+    run.quiet = isinstance(exc, usage)
+    return 2 if run.quiet else 1
