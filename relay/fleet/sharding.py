@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 SLOT_COUNT = 16384
 
@@ -43,7 +44,7 @@ class SlotRange:
 class ShardMap:
     fleet: str
     epoch: int
-    shards: Mapping[str, str]  # shard name -> redis URL
+    shards: Mapping[str, str]  # shard name -> redis URL, or a Sentinel target's URL (see below)
     ranges: tuple[SlotRange, ...]
     _starts: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
@@ -80,7 +81,7 @@ class ShardMap:
         return {
             "fleet": self.fleet,
             "epoch": self.epoch,
-            "shards": {name: {"redis": url} for name, url in self.shards.items()},
+            "shards": {name: shard_entry(url) for name, url in self.shards.items()},
             "slots": [[r.start, r.end, r.shard] for r in self.ranges],
         }
 
@@ -132,9 +133,14 @@ def parse_shard_map(doc: object) -> ShardMap:
         raise ShardMapError("'shards' must be a non-empty object")
     shards: dict[str, str] = {}
     for name, spec in raw_shards.items():
+        if isinstance(spec, dict) and "sentinels" in spec:
+            shards[name] = SentinelTarget.from_entry(spec, f"shard {name!r}").url()
+            continue
         if not isinstance(spec, dict) or not isinstance(spec.get("redis"), str) or not spec["redis"]:
-            raise ShardMapError(f"shard {name!r} needs a 'redis' URL string")
-        if not spec["redis"].startswith(("redis://", "rediss://", "unix://")):
+            raise ShardMapError(f"shard {name!r} needs a 'redis' URL string or 'sentinels' and 'service'")
+        if spec["redis"].startswith(SENTINEL_SCHEME + "://"):
+            parse_sentinel_url(spec["redis"], f"shard {name!r}")
+        elif not spec["redis"].startswith(("redis://", "rediss://", "unix://")):
             raise ShardMapError(f"shard {name!r} has an unsupported redis URL scheme")
         shards[name] = spec["redis"]
     raw_slots = doc.get("slots")
@@ -186,3 +192,146 @@ def parse_slot_spec(spec: str) -> list[int]:
             raise ShardMapError(f"bad slot range {part!r}: must be within 0-16383 and A <= B")
         slots.update(range(a, b + 1))
     return sorted(slots)
+
+
+# -- Sentinel-managed shards -------------------------------------------------------
+#
+# A shard entry may name a Sentinel-managed primary instead of one URL (DESIGN §4):
+#   {"sentinels": ["10.0.0.7:26379", ...], "service": "shard-a", "password": "..."?,
+#    "minReplicas": 1?, "username": "..."?, "db": 0?, "sentinelPassword": "..."?}
+# Everything that passes shard addresses around (credentials files, the operator's map
+# edits, migration, Spark) keeps handling one string per shard, so such an entry is held
+# as a URL of its own scheme:
+#   redis+sentinel://[user:password@]host:port,host:port/service?db=0&minReplicas=1
+# and written back as the entry it came from. Only code that opens connections reads it.
+
+SENTINEL_SCHEME = "redis+sentinel"
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    password: str | None = None  # the data nodes' (primary and replicas)
+    username: str | None = None
+    db: int = 0
+    min_replicas: int = 0  # >= 1: writes answered only after WAIT confirms this many replicas
+    sentinel_password: str | None = None  # when the Sentinels themselves require AUTH
+
+    @classmethod
+    def from_entry(cls, spec: Mapping[str, Any], where: str) -> SentinelTarget:
+        known = {"sentinels", "service", "password", "username", "db", "minReplicas", "sentinelPassword"}
+        if unknown := sorted(set(spec) - known):
+            raise ShardMapError(f"{where} has unknown field(s) {', '.join(map(repr, unknown))}")
+        raw = spec.get("sentinels")
+        if not isinstance(raw, list) or not raw or not all(isinstance(a, str) for a in raw):
+            raise ShardMapError(f"{where}: 'sentinels' must be a non-empty list of 'host:port' strings")
+        sentinels = tuple(_host_port(a, f"{where}: sentinel {a!r}") for a in raw)
+        service = spec.get("service")
+        if not isinstance(service, str) or not service or any(c in service for c in "/?#@, "):
+            raise ShardMapError(f"{where}: 'service' must be a Sentinel master name (no / ? # @ , or space)")
+        texts: dict[str, str | None] = {}
+        for key in ("password", "username", "sentinelPassword"):
+            value = spec.get(key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ShardMapError(f"{where}: {key!r} must be a non-empty string")
+            texts[key] = value
+        db = _int(spec.get("db", 0), f"{where}: 'db'")
+        min_replicas = _int(spec.get("minReplicas", 0), f"{where}: 'minReplicas'")
+        if db < 0 or not 0 <= min_replicas <= 16:
+            raise ShardMapError(f"{where}: 'db' must be >= 0 and 'minReplicas' within 0..16")
+        return cls(
+            sentinels,
+            service,
+            texts["password"],
+            texts["username"],
+            db,
+            min_replicas,
+            texts["sentinelPassword"],
+        )
+
+    def entry(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"sentinels": [_join_host_port(h, p) for h, p in self.sentinels]}
+        out["service"] = self.service
+        if self.password is not None:
+            out["password"] = self.password
+        if self.username is not None:
+            out["username"] = self.username
+        if self.db:
+            out["db"] = self.db
+        if self.min_replicas:
+            out["minReplicas"] = self.min_replicas
+        if self.sentinel_password is not None:
+            out["sentinelPassword"] = self.sentinel_password
+        return out
+
+    def url(self) -> str:
+        auth = ""
+        if self.password is not None:
+            user = quote(self.username, safe="") if self.username else ""
+            auth = f"{user}:{quote(self.password, safe='')}@"
+        hosts = ",".join(_join_host_port(h, p) for h, p in self.sentinels)
+        query = [f"db={self.db}"] if self.db else []
+        if self.min_replicas:
+            query.append(f"minReplicas={self.min_replicas}")
+        if self.sentinel_password is not None:
+            query.append(f"sentinelPassword={quote(self.sentinel_password, safe='')}")
+        return f"{SENTINEL_SCHEME}://{auth}{hosts}/{self.service}" + ("?" + "&".join(query) if query else "")
+
+    def redacted(self) -> str:
+        """For log lines and errors: where, never the password."""
+        return f"sentinel {self.service} via " + ",".join(_join_host_port(h, p) for h, p in self.sentinels)
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.startswith(SENTINEL_SCHEME + "://")
+
+
+def parse_sentinel_url(url: str, where: str = "sentinel URL") -> SentinelTarget:
+    parts = urlsplit(url)
+    if parts.scheme != SENTINEL_SCHEME:
+        raise ShardMapError(f"{where}: not a {SENTINEL_SCHEME}:// URL")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    spec: dict[str, Any] = {"sentinels": hosts.split(",") if hosts else [], "service": parts.path.lstrip("/")}
+    if userinfo:
+        user, _, password = userinfo.partition(":")
+        if user:
+            spec["username"] = unquote(user)
+        if password:
+            spec["password"] = unquote(password)
+    for key, values in parse_qs(parts.query, keep_blank_values=True).items():
+        value = values[-1]
+        if key in ("db", "minReplicas"):
+            if not value.isdigit():
+                raise ShardMapError(f"{where}: {key} must be a whole number")
+            spec[key] = int(value)
+        elif key == "sentinelPassword":
+            spec[key] = value  # parse_qs has unquoted it
+        else:
+            raise ShardMapError(f"{where}: unknown parameter {key!r}")
+    return SentinelTarget.from_entry(spec, where)
+
+
+def shard_entry(url: str) -> dict[str, Any]:
+    """A shard's entry in the map's JSON: {"redis": url}, or the Sentinel fields."""
+    if is_sentinel_url(url):
+        return parse_sentinel_url(url).entry()
+    return {"redis": url}
+
+
+def min_replicas_of(url: str) -> int:
+    """How many replicas must confirm a write on this shard (0: answer without waiting)."""
+    return parse_sentinel_url(url).min_replicas if is_sentinel_url(url) else 0
+
+
+def _host_port(text: str, where: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ShardMapError(f"{where} must be host:port")
+    return host, int(port)
+
+
+def _join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
