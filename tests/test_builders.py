@@ -326,3 +326,125 @@ def test_generated_redis_conf_runs_on_real_redis(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+# --- replicas, Sentinels, backups -------------------------------------------------------------
+
+REPLICATED = parse_shard(shard_body("r", redis={"managed": {"replicas": 2, "minReplicas": 1}}))
+
+
+def test_replicas_and_min_replicas_parse_and_are_checked() -> None:
+    assert isinstance(MANAGED.redis, ManagedRedis)
+    assert (MANAGED.redis.replicas, MANAGED.redis.min_replicas, MANAGED.redis.sentinel) == (0, 0, False)
+    assert isinstance(REPLICATED.redis, ManagedRedis)
+    assert (REPLICATED.redis.replicas, REPLICATED.redis.min_replicas, REPLICATED.redis.sentinel) == (
+        2,
+        1,
+        True,
+    )
+    with pytest.raises(SpecError, match="minReplicas must not exceed"):
+        parse_shard(shard_body(redis={"managed": {"replicas": 1, "minReplicas": 2}}))
+    with pytest.raises(SpecError, match="replicas must be between 0 and 2"):
+        parse_shard(shard_body(redis={"managed": {"replicas": 3}}))
+
+
+def test_unreplicated_shard_objects_are_unchanged() -> None:
+    """replicas: 0 builds exactly the single-node StatefulSet (no restart on upgrade)."""
+    sts = builders.redis_statefulset(MANAGED)
+    assert sts["spec"]["replicas"] == 1
+    pod = sts["spec"]["template"]["spec"]
+    assert "affinity" not in pod
+    assert pod["containers"][0]["command"] == ["redis-server", "/etc/redis/redis.conf"]
+    assert builders.redis_ha_objects(MANAGED) == []
+
+
+def test_replicated_shard_builds_sentinels_pdbs_and_spread() -> None:
+    objs = builders.shard_children(REPLICATED)
+    kinds = _kinds(objs)
+    for wanted in [
+        ("ConfigMap", "relayfleet-r-redis-ha"),
+        ("Service", "relayfleet-r-sentinel"),
+        ("NetworkPolicy", "relayfleet-r-sentinel"),
+        ("PodDisruptionBudget", "relayfleet-r-redis"),
+        ("PodDisruptionBudget", "relayfleet-r-sentinel"),
+        ("StatefulSet", "relayfleet-r-sentinel"),
+        ("StatefulSet", "relayfleet-r-redis"),
+    ]:
+        assert wanted in kinds
+    # the scripts' ConfigMap exists before the StatefulSets that mount it
+    assert kinds.index(("ConfigMap", "relayfleet-r-redis-ha")) < kinds.index(
+        ("StatefulSet", "relayfleet-r-redis")
+    )
+    sts = builders.redis_statefulset(REPLICATED)
+    assert sts["spec"]["replicas"] == 3
+    pod = sts["spec"]["template"]["spec"]
+    terms = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert {t["podAffinityTerm"]["topologyKey"] for t in terms} == {
+        "kubernetes.io/hostname",
+        "topology.kubernetes.io/zone",
+    }
+    container = pod["containers"][0]
+    assert container["command"] == ["sh", "/scripts/start-redis.sh"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PRIMARY0"] == "relayfleet-r-redis-0.relayfleet-r-redis.ns1.svc"
+    assert env["ANNOUNCE"] == "$(POD_NAME).relayfleet-r-redis.ns1.svc"
+    assert env["MASTER_NAME"] == "r"
+    assert env["SENTINELS"].split() == builders.sentinel_addresses(REPLICATED)
+    assert len(env["SENTINELS"].split()) == 3
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sh", "/scripts/pre-stop-redis.sh"]
+    sentinel = builders.sentinel_statefulset(REPLICATED)
+    assert sentinel["spec"]["replicas"] == 3
+    senv = {e["name"]: e.get("value") for e in sentinel["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert senv["QUORUM"] == "2"
+    assert senv["ANNOUNCE"] == "$(POD_NAME).relayfleet-r-sentinel.ns1.svc"
+    for pdb in (builders.redis_pdb(REPLICATED), builders.sentinel_pdb(REPLICATED)):
+        assert pdb["spec"]["maxUnavailable"] == 1
+    # Sentinels may reach the Redis port; the Sentinel port admits the same parties
+    peers = builders.redis_network_policy(REPLICATED)["spec"]["ingress"][0]["from"]
+    assert {
+        "podSelector": {"matchLabels": {"relayfleet.dev/fleet": "main", builders.LABEL_COMPONENT: "sentinel"}}
+    } in peers
+    spol = builders.sentinel_network_policy(REPLICATED)
+    assert spol["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 26379}]
+    assert spol["spec"]["podSelector"]["matchLabels"][builders.LABEL_COMPONENT] == "sentinel"
+
+
+def test_retired_children_after_replicas_back_to_zero_and_no_backup() -> None:
+    groups = builders.retired_children(MANAGED)
+    names = [(kind, name) for group in groups for _, kind, name in group]
+    assert names[0] == ("StatefulSet", "relayfleet-a-sentinel")
+    assert ("CronJob", "relayfleet-a-backup") in names
+    assert ("PersistentVolumeClaim", "relayfleet-a-backup") not in names
+    backed = parse_shard(shard_body("r", redis={"managed": {"replicas": 1}}, backup={}))
+    assert builders.retired_children(backed) == []
+
+
+def test_backup_cronjob_and_claim() -> None:
+    shard = parse_shard(
+        shard_body(
+            "r",
+            redis={"managed": {"replicas": 1}},
+            backup={
+                "schedule": "5 */2 * * *",
+                "keep": 7,
+                "storage": {"size": "5Gi", "storageClassName": "slow"},
+            },
+        )
+    )
+    claim, cron = builders.backup_objects(shard)
+    assert claim["kind"] == "PersistentVolumeClaim"
+    assert "ownerReferences" not in claim["metadata"]  # backups outlive the shard
+    assert claim["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    assert claim["spec"]["storageClassName"] == "slow"
+    assert cron["spec"]["schedule"] == "5 */2 * * *"
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    pod = cron["spec"]["jobTemplate"]["spec"]["template"]
+    assert pod["metadata"]["labels"][builders.LABEL_REDIS_CLIENT] == "true"
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[:2] == ["backup", "--redis-url-file"]
+    assert args[args.index("--keep") + 1] == "7"
+    assert args.count("--sentinel") == 3
+    assert args[args.index("--service") + 1] == "r"
+    assert builders.backup_objects(MANAGED) == []
+    with pytest.raises(SpecError, match="cron schedule"):
+        parse_shard(shard_body(backup={"schedule": "hourly"}))

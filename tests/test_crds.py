@@ -187,8 +187,20 @@ def builder_objects() -> list[dict[str, Any]]:
             "spec": {"fleet": "main", "redis": {"external": {"url": "redis://r:6379/0"}}},
         }
     )
-    owners = [managed, external]
+    replicated = parse_shard(
+        {
+            **body,
+            "metadata": {**body["metadata"], "name": "c"},
+            "spec": {
+                "fleet": "main",
+                "redis": {"managed": {"replicas": 2, "minReplicas": 1}},
+                "backup": {"schedule": "5 * * * *", "keep": 3},
+            },
+        }
+    )
+    owners = [managed, external, replicated]
     objs = builders.shard_children(managed) + builders.shard_children(external)
+    objs += builders.shard_children(replicated)
     objs.append(builders.redis_password_secret(managed, "pw"))
     objs += builders.fleet_objects("ns", "main", owners)
     objs.append(builders.credentials_secret("ns", "main", {"a": "redis://:pw@h:6379/0"}, owners))

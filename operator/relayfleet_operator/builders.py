@@ -14,9 +14,11 @@ from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, ShardMapError, SlotRange, parse_shard_map
+from relayfleet_operator.redis_scripts import START_REDIS, START_SENTINEL
 from relayfleet_operator.spec import (
     API_VERSION,
     SHARD_KIND,
+    Backup,
     ExternalRedis,
     ManagedRedis,
     Resources,
@@ -33,6 +35,11 @@ CONFIG_HASH = "relayfleet.dev/config-hash"
 SHARDMAP_KEY = "shardmap.json"
 RELAY_PORT = 8080
 REDIS_PORT = 6379
+SENTINEL_PORT = 26379
+SENTINELS_PER_SHARD = 3
+SENTINEL_QUORUM = 2
+SENTINEL_DOWN_AFTER_MS = 5000
+SENTINEL_FAILOVER_TIMEOUT_MS = 30000
 RELAY_UID = 10001
 REDIS_UID = 999  # the uid of the `redis` user in the official images
 CREDENTIALS_DIR = "/etc/relayfleet/credentials"
@@ -51,6 +58,19 @@ def redis_name(shard: str) -> str:
 
 def redis_config_name(shard: str) -> str:
     return f"relayfleet-{shard}-redis-config"
+
+
+def sentinel_name(shard: str) -> str:
+    return f"relayfleet-{shard}-sentinel"
+
+
+def redis_ha_name(shard: str) -> str:
+    """ConfigMap holding the start-up scripts of a replicated shard."""
+    return f"relayfleet-{shard}-redis-ha"
+
+
+def backup_name(shard: str) -> str:
+    return f"relayfleet-{shard}-backup"
 
 
 def shardmap_name(fleet: str) -> str:
@@ -372,12 +392,14 @@ LABEL_REDIS_CLIENT = "relayfleet.dev/redis-client"
 
 def redis_network_policy(shard: ShardSpec) -> Obj:
     """Only the fleet's own parts may reach a managed shard's Redis port: its relays, the
-    other shards' Redis (MIGRATE connects server to server), the operator (migrations) and
-    pods that carry the redis-client label (the Spark jobs' driver and executors)."""
+    other shards' Redis (MIGRATE connects server to server), the shard's Sentinels, the operator
+    (migrations) and pods that carry the redis-client label (the Spark jobs' driver and
+    executors, the backup job)."""
     fleet = shard.fleet
     peers: list[Obj] = [
         {"podSelector": {"matchLabels": {LABEL_FLEET: fleet, LABEL_COMPONENT: "relay"}}},
         {"podSelector": {"matchLabels": {LABEL_FLEET: fleet, LABEL_COMPONENT: "redis"}}},
+        {"podSelector": {"matchLabels": {LABEL_FLEET: fleet, LABEL_COMPONENT: "sentinel"}}},
         {"podSelector": {"matchLabels": {LABEL_REDIS_CLIENT: "true"}}},
         {
             # the operator may run in another namespace (watchAllNamespaces)
@@ -422,7 +444,7 @@ def redis_statefulset(shard: ShardSpec) -> Obj:
     if managed.storage_class:
         claim_spec["storageClassName"] = managed.storage_class
     ping = ["sh", "-c", "redis-cli -p 6379 ping | grep -q PONG"]
-    return {
+    sts: Obj = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": _meta(name, shard, "redis"),
@@ -488,6 +510,402 @@ def redis_statefulset(shard: ShardSpec) -> Obj:
             ],
         },
     }
+    return _replicated(shard, sts) if managed.sentinel else sts
+
+
+# --- replicated redis: replicas and Sentinels --------------------------------------------------
+#
+# One group of three Sentinels per shard (docs/design-decisions.md says why not per fleet):
+# it lives and dies with the shard, its config never changes when other shards come and go,
+# and a Sentinel group's trouble stays inside one shard.
+
+PRE_STOP_REDIS = r"""#!/bin/sh
+# Written by relayfleet-operator. Before a primary stops (rolling update, node drain) hand the
+# role to a replica, so writes pause for about a second instead of Sentinel's detection time.
+set -u
+role() { redis-cli -p "${REDIS_PORT:-6379}" role 2>/dev/null | head -1; }
+[ "$(role)" = "master" ] || exit 0
+asked=""
+for s in $SENTINELS; do
+  if env -u REDISCLI_AUTH timeout 3 redis-cli -h "${s%:*}" -p "${s##*:}" \
+      sentinel failover "$MASTER_NAME" 2>/dev/null | grep -q OK; then
+    asked=yes
+    break
+  fi
+done
+[ -n "$asked" ] || exit 0  # no replica can take over: just stop
+i=0
+while [ "$i" -lt 20 ]; do
+  [ "$(role)" = "slave" ] && exit 0
+  i=$((i + 1))
+  sleep 1
+done
+"""
+
+
+def sentinel_master_name(shard: ShardSpec) -> str:
+    """The name the shard's Sentinels monitor it under (the shard map's "service")."""
+    return shard.name
+
+
+def redis_pod_host(shard: ShardSpec, ordinal: int) -> str:
+    name = redis_name(shard.name)
+    return f"{name}-{ordinal}.{name}.{shard.namespace}.svc"
+
+
+def sentinel_addresses(shard: ShardSpec) -> list[str]:
+    name = sentinel_name(shard.name)
+    return [f"{name}-{i}.{name}.{shard.namespace}.svc:{SENTINEL_PORT}" for i in range(SENTINELS_PER_SHARD)]
+
+
+def _spread(selector: Mapping[str, str]) -> Obj:
+    """Preferred, not required, anti-affinity: spread over nodes and zones where there are
+    any, yet still schedule on a cluster smaller than the group."""
+    term = {"labelSelector": {"matchLabels": dict(selector)}}
+    return {
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 100, "podAffinityTerm": {**term, "topologyKey": "kubernetes.io/hostname"}},
+                {"weight": 50, "podAffinityTerm": {**term, "topologyKey": "topology.kubernetes.io/zone"}},
+            ]
+        }
+    }
+
+
+def _ha_env(shard: ShardSpec, service: str) -> list[Obj]:
+    """What the start-up scripts read (see redis_scripts.py); ANNOUNCE is the pod's DNS name."""
+    ns = shard.namespace
+    return [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "ANNOUNCE", "value": f"$(POD_NAME).{service}.{ns}.svc"},
+        {"name": "PRIMARY0", "value": redis_pod_host(shard, 0)},
+        {"name": "SENTINELS", "value": " ".join(sentinel_addresses(shard))},
+        {"name": "MASTER_NAME", "value": sentinel_master_name(shard)},
+    ]
+
+
+def _password_env(shard: ShardSpec) -> Obj:
+    return {
+        "name": "REDISCLI_AUTH",
+        "valueFrom": {"secretKeyRef": {"name": redis_name(shard.name), "key": "password"}},
+    }
+
+
+def _script_volumes() -> list[Obj]:
+    return [{"name": "run", "emptyDir": {"sizeLimit": "1Mi"}}]
+
+
+def _replicated(shard: ShardSpec, sts: Obj) -> Obj:
+    """The single-node StatefulSet turned into primary + replicas started by the script."""
+    managed = _managed(shard)
+    name = redis_name(shard.name)
+    spec = sts["spec"]
+    spec["replicas"] = 1 + managed.replicas
+    template = spec["template"]
+    template["metadata"]["annotations"][CONFIG_HASH] = config_hash(
+        redis_conf(managed.appendfsync, managed.maxmemory_bytes) + START_REDIS + PRE_STOP_REDIS
+    )
+    pod = template["spec"]
+    pod["affinity"] = _spread(spec["selector"]["matchLabels"])
+    container = pod["containers"][0]
+    container["command"] = ["sh", "/scripts/start-redis.sh"]
+    container["env"] = [*container["env"], *_ha_env(shard, name)]
+    container["lifecycle"] = {"preStop": {"exec": {"command": ["sh", "/scripts/pre-stop-redis.sh"]}}}
+    container["volumeMounts"] = [
+        *container["volumeMounts"],
+        {"name": "scripts", "mountPath": "/scripts", "readOnly": True},
+        {"name": "run", "mountPath": "/run/redis"},
+    ]
+    pod["volumes"] = [
+        *pod["volumes"],
+        {"name": "scripts", "configMap": {"name": redis_ha_name(shard.name), "defaultMode": 0o555}},
+        *_script_volumes(),
+    ]
+    return sts
+
+
+def redis_ha_config_map(shard: ShardSpec) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(redis_ha_name(shard.name), shard, "redis"),
+        "data": {
+            "start-redis.sh": START_REDIS,
+            "pre-stop-redis.sh": PRE_STOP_REDIS,
+            "start-sentinel.sh": START_SENTINEL,
+        },
+    }
+
+
+def sentinel_selector(shard: ShardSpec) -> dict[str, str]:
+    return {LABEL_SHARD: shard.name, LABEL_COMPONENT: "sentinel"}
+
+
+def sentinel_service(shard: ShardSpec) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(sentinel_name(shard.name), shard, "sentinel"),
+        "spec": {
+            "clusterIP": "None",
+            # Each Sentinel is addressed by its own pod name, also before it is Ready.
+            "publishNotReadyAddresses": True,
+            "selector": sentinel_selector(shard),
+            "ports": [
+                {"name": "sentinel", "port": SENTINEL_PORT, "targetPort": "sentinel", "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def sentinel_statefulset(shard: ShardSpec) -> Obj:
+    managed = _managed(shard)
+    name = sentinel_name(shard.name)
+    selector = sentinel_selector(shard)
+    ping = ["sh", "-c", f"env -u REDISCLI_AUTH redis-cli -p {SENTINEL_PORT} ping | grep -q PONG"]
+    env = [
+        _password_env(shard),
+        *_ha_env(shard, name),
+        {"name": "QUORUM", "value": str(SENTINEL_QUORUM)},
+        {"name": "DOWN_AFTER_MS", "value": str(SENTINEL_DOWN_AFTER_MS)},
+        {"name": "FAILOVER_TIMEOUT_MS", "value": str(SENTINEL_FAILOVER_TIMEOUT_MS)},
+        {"name": "MYID_SEED", "value": f"{shard.namespace}/$(POD_NAME)"},
+    ]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(name, shard, "sentinel"),
+        "spec": {
+            "serviceName": name,
+            "replicas": SENTINELS_PER_SHARD,
+            "selector": {"matchLabels": selector},
+            # Sentinels do not depend on each other's order; start all three at once.
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "template": {
+                "metadata": {
+                    "labels": {**labels(shard.fleet, shard.name, "sentinel"), **selector},
+                    "annotations": {CONFIG_HASH: config_hash(START_SENTINEL)},
+                },
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "securityContext": _pod_security(REDIS_UID),
+                    "terminationGracePeriodSeconds": 10,
+                    "affinity": _spread(selector),
+                    "containers": [
+                        {
+                            "name": "sentinel",
+                            "image": managed.image,
+                            "command": ["sh", "/scripts/start-sentinel.sh"],
+                            "env": env,
+                            "ports": [
+                                {"name": "sentinel", "containerPort": SENTINEL_PORT, "protocol": "TCP"}
+                            ],
+                            "readinessProbe": {"exec": {"command": ping}, "periodSeconds": 5},
+                            "livenessProbe": {
+                                "tcpSocket": {"port": "sentinel"},
+                                "periodSeconds": 10,
+                                "failureThreshold": 6,
+                            },
+                            "resources": {"requests": {"cpu": "20m", "memory": "32Mi"}},
+                            "securityContext": _container_security(),
+                            "volumeMounts": [
+                                {"name": "scripts", "mountPath": "/scripts", "readOnly": True},
+                                {"name": "run", "mountPath": "/run/sentinel"},
+                            ],
+                        }
+                    ],
+                    "volumes": [
+                        {
+                            "name": "scripts",
+                            "configMap": {"name": redis_ha_name(shard.name), "defaultMode": 0o555},
+                        },
+                        *_script_volumes(),
+                    ],
+                },
+            },
+        },
+    }
+
+
+def sentinel_network_policy(shard: ShardSpec) -> Obj:
+    """The Sentinel port: the same parties as the Redis port (relays and the migrator ask
+    it for the primary; the shard's Redis pods ask it at start-up)."""
+    policy = redis_network_policy(shard)
+    policy["metadata"] = _meta(sentinel_name(shard.name), shard, "sentinel")
+    policy["spec"]["podSelector"] = {"matchLabels": sentinel_selector(shard)}
+    policy["spec"]["ingress"][0]["ports"] = [{"protocol": "TCP", "port": SENTINEL_PORT}]
+    return policy
+
+
+def _pdb(name: str, shard: ShardSpec, component: str, selector: Mapping[str, str]) -> Obj:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(name, shard, component),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": dict(selector)}},
+    }
+
+
+def redis_pdb(shard: ShardSpec) -> Obj:
+    """One Redis node down at a time (a drain never takes the primary and its last replica)."""
+    return _pdb(redis_name(shard.name), shard, "redis", {LABEL_SHARD: shard.name, LABEL_COMPONENT: "redis"})
+
+
+def sentinel_pdb(shard: ShardSpec) -> Obj:
+    """Two of three Sentinels stay: the quorum and the failover majority both need two."""
+    return _pdb(sentinel_name(shard.name), shard, "sentinel", sentinel_selector(shard))
+
+
+def redis_ha_objects(shard: ShardSpec) -> list[Obj]:
+    """The extra objects of a shard with replicas (none without)."""
+    if not _managed(shard).sentinel:
+        return []
+    return [
+        redis_ha_config_map(shard),
+        sentinel_service(shard),
+        sentinel_network_policy(shard),
+        redis_pdb(shard),
+        sentinel_pdb(shard),
+        sentinel_statefulset(shard),
+    ]
+
+
+# --- backups ---------------------------------------------------------------------------------
+
+BACKUP_DIR = "/backups"
+
+
+def _backup_spec(shard: ShardSpec) -> Backup:
+    if shard.backup is None:
+        raise ValueError(f"RelayShard {shard.name} has no spec.backup")
+    return shard.backup
+
+
+def backup_claim(shard: ShardSpec) -> Obj:
+    """The claim the backups live on. No owner reference: deleting the shard keeps its
+    backups (they are what a restore needs after a mistake)."""
+    backup = _backup_spec(shard)
+    spec: Obj = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": backup.storage_size}},
+    }
+    if backup.storage_class:
+        spec["storageClassName"] = backup.storage_class
+    meta = _meta(backup_name(shard.name), shard, "backup")
+    del meta["ownerReferences"]
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
+
+
+def backup_cronjob(shard: ShardSpec) -> Obj:
+    """`relayfleet backup` on a schedule: a point-in-time snapshot of the shard's Redis (the
+    primary, found through the Sentinels when there are replicas) onto the claim."""
+    backup = _backup_spec(shard)
+    args = [
+        "backup",
+        "--redis-url-file",
+        f"{CREDENTIALS_DIR}/{shard.name}",
+        "--shard",
+        shard.name,
+        "--to",
+        BACKUP_DIR,
+        "--keep",
+        str(backup.keep),
+    ]
+    if isinstance(shard.redis, ManagedRedis) and shard.redis.sentinel:
+        for address in sentinel_addresses(shard):
+            args += ["--sentinel", address]
+        args += ["--service", sentinel_master_name(shard)]
+    pod_labels = {**labels(shard.fleet, shard.name, "backup"), LABEL_REDIS_CLIENT: "true"}
+    container: Obj = {
+        "name": "backup",
+        "image": shard.image,
+        "imagePullPolicy": shard.image_pull_policy,
+        "command": ["relayfleet"],
+        "args": args,
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True},
+            {"name": "backups", "mountPath": BACKUP_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "CronJob",
+        "metadata": _meta(backup_name(shard.name), shard, "backup"),
+        "spec": {
+            "schedule": backup.schedule,
+            "timeZone": "Etc/UTC",
+            "suspend": backup.suspend,
+            # One backup at a time: the claim is ReadWriteOnce and snapshots fork the primary.
+            "concurrencyPolicy": "Forbid",
+            "startingDeadlineSeconds": 600,
+            "successfulJobsHistoryLimit": 3,
+            "failedJobsHistoryLimit": 3,
+            "jobTemplate": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "backoffLimit": 2,
+                    "activeDeadlineSeconds": 3600,
+                    "template": {
+                        "metadata": {"labels": pod_labels},
+                        "spec": {
+                            "restartPolicy": "OnFailure",
+                            "automountServiceAccountToken": False,
+                            "securityContext": _pod_security(RELAY_UID),
+                            "containers": [container],
+                            "volumes": [
+                                {
+                                    "name": "credentials",
+                                    "secret": {
+                                        "secretName": credentials_name(shard.fleet),
+                                        "items": [{"key": shard.name, "path": shard.name}],
+                                    },
+                                },
+                                {
+                                    "name": "backups",
+                                    "persistentVolumeClaim": {"claimName": backup_name(shard.name)},
+                                },
+                                {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+                            ],
+                        },
+                    },
+                },
+            },
+        },
+    }
+
+
+def backup_objects(shard: ShardSpec) -> list[Obj]:
+    return [] if shard.backup is None else [backup_claim(shard), backup_cronjob(shard)]
+
+
+Ref = tuple[str, str, str]  # apiVersion, kind, name
+
+
+def retired_children(shard: ShardSpec) -> list[list[Ref]]:
+    """Optional children the spec no longer asks for, in groups whose first member tells
+    whether the group exists (one GET per group on a resync, not one DELETE per object):
+    the Sentinel objects after replicas went back to 0, the backup CronJob after spec.backup
+    was removed (its claim, holding the backups, stays)."""
+    out: list[list[Ref]] = []
+    if isinstance(shard.redis, ManagedRedis) and not shard.redis.sentinel:
+        sentinel = sentinel_name(shard.name)
+        out.append(
+            [
+                ("apps/v1", "StatefulSet", sentinel),
+                ("policy/v1", "PodDisruptionBudget", sentinel),
+                ("policy/v1", "PodDisruptionBudget", redis_name(shard.name)),
+                ("networking.k8s.io/v1", "NetworkPolicy", sentinel),
+                ("v1", "Service", sentinel),
+                ("v1", "ConfigMap", redis_ha_name(shard.name)),
+            ]
+        )
+    if shard.backup is None:
+        out.append([("batch/v1", "CronJob", backup_name(shard.name))])
+    return out
 
 
 # --- all of one shard ------------------------------------------------------------------------
@@ -503,7 +921,9 @@ def shard_children(shard: ShardSpec) -> list[Obj]:
         redis_config_map(shard),
         redis_headless_service(shard),
         redis_network_policy(shard),
+        *redis_ha_objects(shard),
         redis_statefulset(shard),
+        *backup_objects(shard),
         *objs,
     ]
 

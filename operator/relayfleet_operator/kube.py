@@ -32,6 +32,7 @@ _PLURALS: dict[str, str] = {
     "StatefulSet": "statefulsets",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "NetworkPolicy": "networkpolicies",
+    "CronJob": "cronjobs",
     "Role": "roles",
     "RoleBinding": "rolebindings",
     "RelayShard": "relayshards",

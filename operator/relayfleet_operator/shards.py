@@ -100,6 +100,10 @@ async def reconcile(ctx: fleet.Context, body: Mapping[str, Any], *, announce: bo
             url = await fleet.redis_url(ctx.kube, shard)
             for obj in builders.shard_children(shard):
                 await ctx.kube.apply(obj)
+            for group in builders.retired_children(shard):
+                if await ctx.kube.get(*group[0][:2], shard.namespace, group[0][2]) is not None:
+                    for api_version, kind, name in group:
+                        await ctx.kube.delete(api_version, kind, shard.namespace, name)
             members = await fleet.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
             owners = fleet.specs_of(members)
             for obj in builders.fleet_objects(shard.namespace, shard.fleet, owners):
@@ -246,6 +250,8 @@ async def _delete_children(ctx: fleet.Context, shard: ShardSpec) -> None:
     leaving them to the garbage collector: they go before the finalizer is released, on
     clusters whose garbage collector is slow or stalled too. Claims (data) are kept."""
     for obj in reversed(builders.shard_children(shard)):
+        if obj["kind"] == "PersistentVolumeClaim":
+            continue  # the backups outlive the shard
         meta = obj["metadata"]
         await ctx.kube.delete(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
 

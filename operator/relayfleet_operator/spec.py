@@ -54,6 +54,14 @@ class ManagedRedis:
     appendfsync: str = "everysec"
     maxmemory_bytes: int = 0
     resources: Resources = field(default_factory=default_redis_resources)
+    # Replicas besides the primary; above 0 the shard runs Sentinels too (see ha.py).
+    replicas: int = 0
+    # Writes wait (WAIT) for this many replicas; at most `replicas`.
+    min_replicas: int = 0
+
+    @property
+    def sentinel(self) -> bool:
+        return self.replicas > 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,17 @@ class ExternalRedis:
     url: str | None = None
     secret_name: str | None = None
     secret_key: str = "url"
+
+
+@dataclass(frozen=True)
+class Backup:
+    """spec.backup: a CronJob snapshots the shard's Redis onto a claim, keeping `keep`."""
+
+    schedule: str = "17 * * * *"
+    keep: int = 24
+    suspend: bool = False
+    storage_size: Quantity = "10Gi"
+    storage_class: str | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +113,7 @@ class ShardSpec:
     retention: Retention = Retention()
     limits: Limits = Limits()
     generation: int = 0
+    backup: Backup | None = None
 
     @property
     def managed(self) -> bool:
@@ -180,7 +200,13 @@ def _redis(spec: Mapping[str, Any]) -> ManagedRedis | ExternalRedis:
         quantity_bytes(size)  # validates
         res = _obj(m, "resources", "spec.redis.managed")
         storage_class = storage.get("storageClassName")
+        replicas = _int(m, "replicas", "spec.redis.managed", 0, 0, 2)
+        min_replicas = _int(m, "minReplicas", "spec.redis.managed", 0, 0, 2)
+        if min_replicas > replicas:
+            raise SpecError("spec.redis.managed.minReplicas must not exceed spec.redis.managed.replicas")
         return ManagedRedis(
+            replicas=replicas,
+            min_replicas=min_replicas,
             image=_str(m, "image", "spec.redis.managed", ManagedRedis.image),
             storage_size=size,
             storage_class=storage_class if isinstance(storage_class, str) and storage_class else None,
@@ -200,6 +226,29 @@ def _redis(spec: Mapping[str, Any]) -> ManagedRedis | ExternalRedis:
     return ExternalRedis(
         secret_name=_str(r, "name", "spec.redis.external.secretRef"),
         secret_key=_str(r, "key", "spec.redis.external.secretRef", "url"),
+    )
+
+
+def _backup(spec: Mapping[str, Any]) -> Backup | None:
+    if spec.get("backup") is None:
+        return None
+    b = _obj(spec, "backup", "spec")
+    schedule = _str(b, "schedule", "spec.backup", Backup.schedule)
+    if len(schedule.split()) != 5:
+        raise SpecError("spec.backup.schedule must be a cron schedule of 5 fields")
+    suspend = b.get("suspend", False)
+    if not isinstance(suspend, bool):
+        raise SpecError("spec.backup.suspend must be a boolean")
+    storage = _obj(b, "storage", "spec.backup")
+    size = storage.get("size", Backup.storage_size)
+    quantity_bytes(size)  # validates
+    storage_class = storage.get("storageClassName")
+    return Backup(
+        schedule=schedule,
+        keep=_int(b, "keep", "spec.backup", Backup.keep, 1, 1000),
+        suspend=suspend,
+        storage_size=size,
+        storage_class=storage_class if isinstance(storage_class, str) and storage_class else None,
     )
 
 
@@ -230,6 +279,7 @@ def parse_shard(body: Mapping[str, Any]) -> ShardSpec:
         generation=generation if isinstance(generation, int) else 0,
         fleet=fleet,
         redis=_redis(spec),
+        backup=_backup(spec),
         replicas=_int(spec, "replicas", "spec", 2, 0, 1000),
         weight=_int(spec, "weight", "spec", 100, 1, 10000),
         image=_str(spec, "image", "spec", DEFAULT_IMAGE),
