@@ -14,7 +14,7 @@ import redis
 from relayfleet_operator import builders
 from relayfleet_operator.spec import ExternalRedis, ManagedRedis, SpecError, parse_shard, quantity_bytes
 
-from relay.fleet.sharding import SLOT_COUNT, ShardMapError, parse_shard_map
+from relay.fleet.sharding import SLOT_COUNT, ShardMapError, parse_sentinel_url, parse_shard_map
 from relay.localredis import free_port
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
@@ -409,6 +409,24 @@ def test_replicated_shard_builds_sentinels_pdbs_and_spread() -> None:
     assert spol["spec"]["podSelector"]["matchLabels"][builders.LABEL_COMPONENT] == "sentinel"
 
 
+def test_replicated_shard_url_names_its_sentinels_and_the_map_holds_an_entry() -> None:
+    url = builders.managed_redis_url(REPLICATED, "pw-1")
+    target = parse_sentinel_url(url)
+    assert target.service == "r"
+    assert target.password == "pw-1"
+    assert target.min_replicas == 1
+    assert [f"{h}:{p}" for h, p in target.sentinels] == builders.sentinel_addresses(REPLICATED)
+    public = builders.strip_credentials(url)
+    assert "pw-1" not in public
+    doc = builders.initial_shard_map("main", "r", public).to_json()
+    assert doc["shards"]["r"] == {
+        "sentinels": builders.sentinel_addresses(REPLICATED),
+        "service": "r",
+        "minReplicas": 1,
+    }
+    assert builders.endpoint_of(url) == "sentinel r via " + ",".join(builders.sentinel_addresses(REPLICATED))
+
+
 def test_retired_children_after_replicas_back_to_zero_and_no_backup() -> None:
     groups = builders.retired_children(MANAGED)
     names = [(kind, name) for group in groups for _, kind, name in group]
@@ -443,8 +461,7 @@ def test_backup_cronjob_and_claim() -> None:
     args = pod["spec"]["containers"][0]["args"]
     assert args[:2] == ["backup", "--redis-url-file"]
     assert args[args.index("--keep") + 1] == "7"
-    assert args.count("--sentinel") == 3
-    assert args[args.index("--service") + 1] == "r"
+    assert args[args.index("--redis-url-file") + 1] == "/etc/relayfleet/credentials/r"
     assert builders.backup_objects(MANAGED) == []
     with pytest.raises(SpecError, match="cron schedule"):
         parse_shard(shard_body(backup={"schedule": "hourly"}))

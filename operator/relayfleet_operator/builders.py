@@ -13,7 +13,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from relay.fleet.sharding import SLOT_COUNT, ShardMap, ShardMapError, SlotRange, parse_shard_map
+from relay.fleet.sharding import (
+    SLOT_COUNT,
+    SentinelTarget,
+    ShardMap,
+    ShardMapError,
+    SlotRange,
+    is_sentinel_url,
+    parse_sentinel_url,
+    parse_shard_map,
+)
 from relayfleet_operator.redis_scripts import START_REDIS, START_SENTINEL
 from relayfleet_operator.spec import (
     API_VERSION,
@@ -178,7 +187,10 @@ def strip_credentials(url: str) -> str:
 
 
 def endpoint_of(url: str) -> str:
-    """host:port (or the socket path) of a Redis URL, without credentials."""
+    """host:port (or the socket path) of a Redis URL, without credentials; for a Sentinel
+    URL, the service and the Sentinels (the primary is in status.redis)."""
+    if is_sentinel_url(url):
+        return parse_sentinel_url(url).redacted()
     parts = urlsplit(url)
     if parts.scheme == "unix":
         return parts.path
@@ -193,9 +205,24 @@ def managed_redis_host(shard: ShardSpec) -> str:
 
 
 def managed_redis_url(shard: ShardSpec, password: str | None = None) -> str:
-    """URL of a managed shard's Redis; with the password only for the credentials Secret."""
+    """URL of a managed shard's Redis; with the password only for the credentials Secret.
+    With replicas it names the shard's Sentinels (a redis+sentinel:// URL, written into the
+    shard map as a Sentinel entry: relay/fleet/sharding.py)."""
+    managed = _managed(shard)
+    if managed.sentinel:
+        return SentinelTarget(
+            sentinels=tuple(_split_address(a) for a in sentinel_addresses(shard)),
+            service=sentinel_master_name(shard),
+            password=password or None,
+            min_replicas=managed.min_replicas,
+        ).url()
     auth = f":{quote(password, safe='')}@" if password else ""
     return f"redis://{auth}{managed_redis_host(shard)}:{REDIS_PORT}/0"
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
 
 
 # --- relay ----------------------------------------------------------------------------------
@@ -798,8 +825,9 @@ def backup_claim(shard: ShardSpec) -> Obj:
 
 
 def backup_cronjob(shard: ShardSpec) -> Obj:
-    """`relayfleet backup` on a schedule: a point-in-time snapshot of the shard's Redis (the
-    primary, found through the Sentinels when there are replicas) onto the claim."""
+    """`relayfleet backup` on a schedule: a point-in-time snapshot of the shard's Redis onto
+    the claim. The URL comes from the fleet's credentials Secret; for a shard with replicas
+    it names the Sentinels, and the backup is taken from the primary they name."""
     backup = _backup_spec(shard)
     args = [
         "backup",
@@ -812,10 +840,6 @@ def backup_cronjob(shard: ShardSpec) -> Obj:
         "--keep",
         str(backup.keep),
     ]
-    if isinstance(shard.redis, ManagedRedis) and shard.redis.sentinel:
-        for address in sentinel_addresses(shard):
-            args += ["--sentinel", address]
-        args += ["--service", sentinel_master_name(shard)]
     pod_labels = {**labels(shard.fleet, shard.name, "backup"), LABEL_REDIS_CLIENT: "true"}
     container: Obj = {
         "name": "backup",
