@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, Protocol, cast
 
 import hiredis
 import redis.asyncio as aioredis
-from redis.asyncio.connection import parse_url
 from redis.exceptions import RedisError
 
 from relay.storage.boot import mark_boot
+from relay.storage.connection import RedisConnectError, RedisTarget, open_protocol
 from relay.storage.scripts import ALL, Script
 
 
@@ -185,7 +184,7 @@ class ScriptBatcher:
         reply_timeout: float = 5.0,
     ) -> None:
         self._client = client  # loads scripts (start, NOSCRIPT); the hot path is raw
-        self._url = url
+        self._target = RedisTarget.from_url(url)  # the hot path's own connection (RESP, hiredis)
         self._max_inflight = max_inflight
         self._max_batch = max_batch
         self._connect_timeout = connect_timeout
@@ -286,27 +285,15 @@ class ScriptBatcher:
         self._kick()
 
     async def _open(self) -> _Resp:
-        opts = parse_url(self._url)
-        loop = asyncio.get_running_loop()
-        conn: _Resp
-        if "path" in opts:
-            _, conn = await loop.create_unix_connection(lambda: _Resp(self), opts["path"])
-        else:
-            tls = ssl.create_default_context() if self._url.startswith("rediss://") else None
-            _, conn = await loop.create_connection(
-                lambda: _Resp(self), opts.get("host", "localhost"), opts.get("port", 6379), ssl=tls
-            )
-        hello: list[bytes] = []
-        if opts.get("password"):
-            user = opts.get("username")
-            hello.append(encode_command("AUTH", *(() if not user else (user,)), opts["password"]))
-        if opts.get("db"):
-            hello.append(encode_command("SELECT", int(opts["db"])))
+        try:
+            _, conn = await open_protocol(self._target, lambda: _Resp(self), self._connect_timeout)
+        except RedisConnectError as exc:
+            raise StoreUnavailable(str(exc)) from None
         # a new connection often means a restarted Redis: record the run (lost-tail
         # detection, relay/storage/boot.py) before any script can run, then load them
         with _handshake(conn):
             await mark_boot(self._client)
-        handshake = [(cmd, _watched(loop.create_future())) for cmd in hello] + _script_loads()
+        handshake = _script_loads()
         conn.send(_Batch([*handshake], may_reload=False), self._connect_timeout)
         self._inflight += 1  # _batch_done balances it
         with _handshake(conn):

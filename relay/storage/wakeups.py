@@ -13,13 +13,13 @@ import asyncio
 import collections
 import contextlib
 import logging
-import ssl
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from urllib.parse import unquote, urlparse
 
 import hiredis
+
+from relay.storage.connection import RedisConnectError, RedisTarget, open_connection
 
 log = logging.getLogger("relay.wakeups")
 
@@ -127,6 +127,7 @@ class _Channel:
 class WakeupHub:
     def __init__(self, url: str, shard: str = "default") -> None:
         self.url = url
+        self.target = RedisTarget.from_url(url)
         self.shard = shard
         self._channels: dict[str, _Channel] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -195,36 +196,15 @@ class WakeupHub:
             self._writer.close()
             self._writer = None
 
-    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        u = urlparse(self.url)
-        if u.scheme == "unix":
-            reader, writer = await asyncio.open_unix_connection(u.path)
-        else:
-            ctx = ssl.create_default_context() if u.scheme == "rediss" else None
-            reader, writer = await asyncio.open_connection(u.hostname or "127.0.0.1", u.port or 6379, ssl=ctx)
-        if u.password:
-            auth = (unquote(u.username), unquote(u.password)) if u.username else (unquote(u.password),)
-            writer.write(_pack("AUTH", *auth))
-            await writer.drain()
-            rd = hiredis.Reader()
-            while (reply := rd.gets()) is False:
-                data = await reader.read(4096)
-                if not data:
-                    raise ConnectionError("closed during AUTH")
-                rd.feed(data)
-            if isinstance(reply, hiredis.ReplyError):
-                raise ConnectionError("AUTH failed")
-        return reader, writer
-
     async def _supervise(self) -> None:
         backoff = 0.05
         while True:
             try:
-                reader, writer = await asyncio.wait_for(self._open(), 3.0)
-            except (OSError, TimeoutError, ConnectionError) as exc:
-                log.warning(
-                    "wakeup subscriber for shard %s cannot connect: %s", self.shard, type(exc).__name__
-                )
+                reader, writer = await open_connection(self.target, 3.0)
+            except (OSError, TimeoutError) as exc:
+                # RedisConnectError's text names the step and the reason, never the credentials
+                reason = str(exc) if isinstance(exc, RedisConnectError) else type(exc).__name__
+                log.warning("wakeup subscriber for shard %s cannot connect: %s", self.shard, reason)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue

@@ -1,0 +1,106 @@
+"""relay/storage/connection.py: one URL parse and one login path for the hand-written RESP clients."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+
+import pytest
+
+from relay.localredis import LocalRedis
+from relay.storage.connection import (
+    RedisConnectError,
+    RedisTarget,
+    RedisURLError,
+    TlsOptions,
+    encode,
+    open_connection,
+)
+
+REDIS = "/usr/bin/redis-server"
+
+
+def test_plain_url_with_credentials_and_db() -> None:
+    t = RedisTarget.from_url("redis://app%40x:p%2Fw@db.example:6390/3")
+    assert (t.host, t.port, t.db, t.tls) == ("db.example", 6390, 3, None)
+    assert (t.username, t.password) == ("app@x", "p/w")
+    assert "p/w" not in repr(t)
+    assert t.address == "db.example:6390"
+
+
+def test_rediss_options_follow_redis_py_names_and_defaults() -> None:
+    assert RedisTarget.from_url("rediss://h").tls == TlsOptions()  # required + hostname checked
+    t = RedisTarget.from_url(
+        "rediss://h:6380/0?ssl_ca_certs=/ca.pem&ssl_certfile=/c.pem&ssl_keyfile=/k.pem"
+        "&ssl_cert_reqs=optional&ssl_check_hostname=false&socket_timeout=3"
+    )
+    assert t.tls == TlsOptions("/ca.pem", None, "/c.pem", "/k.pem", "optional", False)
+    unix = RedisTarget.from_url("unix:///run/redis.sock?db=2")
+    assert unix == RedisTarget(unix_path="/run/redis.sock", db=2)
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://h", "must start with"),
+        ("redis://h:notaport", "bad host or port"),
+        ("redis://h/x", "must be a number"),
+        ("redis://h?ssl_ca_certs=/ca.pem", "needs a rediss:// URL"),
+        ("rediss://h?ssl_ca_cert=/ca.pem", "unknown Redis URL option"),
+        ("rediss://h?ssl_cert_reqs=maybe", "required, optional or none"),
+        ("rediss://h?ssl_check_hostname=perhaps", "true or false"),
+        ("rediss://h?ssl_keyfile=/k.pem", "needs ssl_certfile"),
+    ],
+)
+def test_bad_urls_name_the_problem_not_the_secret(url: str, problem: str) -> None:
+    with pytest.raises(RedisURLError, match=problem) as err:
+        RedisTarget.from_url(url.replace("//h", "//u:s3cret@h"))
+    assert "s3cret" not in str(err.value)
+
+
+def test_missing_ca_file_is_a_clear_error() -> None:
+    with pytest.raises(RedisConnectError, match="does not exist"):
+        RedisTarget.from_url("rediss://h?ssl_ca_certs=/nonexistent/ca.pem").ssl_context()
+
+
+def test_no_verification_switches_hostname_check_off() -> None:
+    ctx = RedisTarget.from_url("rediss://h?ssl_cert_reqs=none").ssl_context()
+    assert ctx is not None
+    assert ctx.verify_mode == ssl.CERT_NONE
+    assert not ctx.check_hostname
+
+
+async def test_login_with_user_password_and_db_on_a_real_redis() -> None:
+    server = LocalRedis(binary=REDIS, password="pw-test").start()
+    try:
+        target = RedisTarget.from_url(f"redis://default:pw-test@127.0.0.1:{server.port}/5")
+        reader, writer = await open_connection(target, 2.0)
+        writer.write(encode("CLIENT", "INFO"))
+        info = await reader.readuntil(b"\n\r\n")
+        assert b" db=5 " in info
+        writer.close()
+        await writer.wait_closed()
+        wrong = RedisTarget.from_url(f"redis://default:nope@127.0.0.1:{server.port}/0")
+        with pytest.raises(RedisConnectError, match=r"AUTH on 127\.0\.0\.1:\d+ refused: WRONGPASS") as err:
+            await open_connection(wrong, 2.0)
+        assert "nope" not in str(err.value)
+        server.stop()
+        with pytest.raises(RedisConnectError, match=r"cannot connect to 127\.0\.0\.1"):
+            await open_connection(target, 2.0)
+    finally:
+        server.stop()
+
+
+async def test_connect_timeout_is_a_timeout() -> None:
+    # a listener that accepts and never answers: login waits for PONG until the deadline
+    accepted: list[asyncio.StreamWriter] = []
+    server = await asyncio.start_server(lambda r, w: accepted.append(w), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(TimeoutError):
+            await open_connection(RedisTarget.from_url(f"redis://127.0.0.1:{port}"), 0.3)
+    finally:
+        for w in accepted:
+            w.close()
+        server.close()
+        await server.wait_closed()
