@@ -60,6 +60,16 @@ PROBE_S = 1.0
 Obj = dict[str, Any]
 
 
+# JSON {image: source tree}: pods of those images run that tree's code (the upgrade test runs
+# the previous release's operator and relays from a `git archive` of it); others run ROOT's.
+TREES_ENV = "RELAYFLEET_PODRUNNER_TREES"
+
+
+def source_tree(image: str) -> Path:
+    trees = json.loads(os.environ.get(TREES_ENV) or "{}")
+    return Path(trees[image]) if image in trees else ROOT
+
+
 def now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -547,8 +557,14 @@ class Runner:
             **env,
             "RELAYFLEET_E2E_ADDRESSES": str(self.addresses),
         }
+        tree = source_tree(str(container.get("image") or ""))
         full["PYTHONPATH"] = os.pathsep.join(
-            [str(PODENV), str(ROOT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+            [
+                str(PODENV),
+                str(tree),
+                str(tree / "operator"),  # else the venv's editable install answers for the operator
+                *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p],
+            ]
         )
         kubeconfig = self.pod_kubeconfig(pod)
         if kubeconfig:

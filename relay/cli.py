@@ -126,7 +126,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _relay(args: argparse.Namespace) -> int:
     from relay.app import serve
     from relay.fleet import routing
-    from relay.settings import Settings, env_int, limits_from_env
+    from relay.settings import Settings, enqueue_tokens_from_env, env_int, env_secret, limits_from_env
 
     if args.redis_url:
         shard_map = routing.single_shard_map(args.redis_url, os.environ.get("RELAY_FLEET", "default"))
@@ -157,7 +157,7 @@ def _relay(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    tokens = tuple(t.strip() for t in (_env("RELAY_ENQUEUE_TOKENS", "") or "").split(",") if t.strip())
+    tokens = enqueue_tokens_from_env()
     settings = Settings(
         host=args.host,
         port=args.port,
@@ -166,7 +166,7 @@ def _relay(args: argparse.Namespace) -> int:
         max_payload=env_int("RELAY_MAX_PAYLOAD", 5_242_880),
         limits=limits_from_env(),
         max_waiters=env_int("RELAY_MAX_WAITERS", 20_000),
-        push_webhook=_env("RELAY_PUSH_WEBHOOK"),
+        push_webhook=env_secret("RELAY_PUSH_WEBHOOK"),
     )
     _run(serve(settings, shard_map, source, drain_delay_s=env_int("RELAY_SHUTDOWN_DELAY_SECONDS", 0)))
     return 0

@@ -22,6 +22,27 @@ def _env(name: str, default: T, parse: Callable[[str], T], kind: str) -> T:
         raise SystemExit(f"relayfleet: {name} must be {kind}, got {raw!r}") from None
 
 
+def env_secret(name: str) -> str | None:
+    """A secret from NAME_FILE (a mounted Secret; wins) or NAME. The error names the variable
+    and the path, never the content."""
+    path = os.environ.get(f"{name}_FILE")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read().strip() or None
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise SystemExit(f"relayfleet: {name}_FILE {path}: {reason}") from None
+    value = os.environ.get(name)
+    return (value.strip() or None) if value else None
+
+
+def enqueue_tokens_from_env() -> tuple[str, ...]:
+    """RELAY_ENQUEUE_TOKENS(_FILE): tokens separated by commas or newlines."""
+    raw = env_secret("RELAY_ENQUEUE_TOKENS") or ""
+    return tuple(t.strip() for t in raw.replace("\n", ",").split(",") if t.strip())
+
+
 def env_float(name: str, default: float) -> float:
     return _env(name, default, float, "a number")
 

@@ -30,7 +30,9 @@ from relayfleet_operator.spec import (
     Backup,
     ExternalRedis,
     ManagedRedis,
+    RelayConfig,
     Resources,
+    SecretKeyRef,
     ShardSpec,
 )
 
@@ -52,6 +54,7 @@ SENTINEL_FAILOVER_TIMEOUT_MS = 30000
 RELAY_UID = 10001
 REDIS_UID = 999  # the uid of the `redis` user in the official images
 CREDENTIALS_DIR = "/etc/relayfleet/credentials"
+RELAY_SECRETS_DIR = "/etc/relayfleet/secrets"
 
 
 # --- names -----------------------------------------------------------------------------------
@@ -241,12 +244,67 @@ def relay_env(shard: ShardSpec) -> list[Obj]:
         ("RELAY_RETENTION_SECONDS", retention.max_age_seconds),
         ("RELAY_REDIS_CREDENTIALS_DIR", CREDENTIALS_DIR),
     ]
+    relay = shard.relay
+    if relay.public_url:
+        pairs.append(("RELAY_PUBLIC_URL", relay.public_url))
+    # Secrets reach the relay as files (RELAY_*_FILE): never as values in the pod spec, so
+    # `kubectl get pod -o yaml` and env dumps show only a path.
+    pairs += [(f"{env}_FILE", path) for env, _, path in _relay_secret_files(relay)]
+    pairs += list(relay.env)
     return [{"name": k, "value": str(v)} for k, v in pairs]
+
+
+def _relay_secret_files(relay: RelayConfig) -> list[tuple[str, SecretKeyRef, str]]:
+    """(env name, Secret reference, file path) of each secret spec.relay mounts."""
+    refs = [
+        ("RELAY_ENQUEUE_TOKENS", "enqueue-tokens", relay.enqueue_tokens),
+        ("RELAY_PUSH_WEBHOOK", "push-webhook", relay.push_webhook),
+        ("RELAY_DIDCOMM_SEED", "didcomm-seed", relay.didcomm_seed),
+    ]
+    return [(env, ref, f"{RELAY_SECRETS_DIR}/{vol}/{vol}") for env, vol, ref in refs if ref is not None]
+
+
+def _relay_secret_volumes(relay: RelayConfig) -> tuple[list[Obj], list[Obj]]:
+    """One Secret volume per reference (only the referenced key, owner-readable), and its mount."""
+    volumes: list[Obj] = []
+    mounts: list[Obj] = []
+    for _, ref, path in _relay_secret_files(relay):
+        vol = path.rsplit("/", 2)[1]
+        volumes.append(
+            {
+                "name": vol,
+                "secret": {
+                    "secretName": ref.name,
+                    "items": [{"key": ref.key, "path": vol}],
+                    "defaultMode": 0o440,
+                },
+            }
+        )
+        mounts.append({"name": vol, "mountPath": f"{RELAY_SECRETS_DIR}/{vol}", "readOnly": True})
+    return volumes, mounts
+
+
+def _relay_pod_scheduling(relay: RelayConfig) -> Obj:
+    """spec.relay.podTemplate's scheduling fields, as pod spec fields (absent when unset)."""
+    t = relay.pod_template
+    out: Obj = {}
+    if t.affinity:
+        out["affinity"] = dict(t.affinity)
+    if t.tolerations:
+        out["tolerations"] = [dict(x) for x in t.tolerations]
+    if t.topology_spread_constraints:
+        out["topologySpreadConstraints"] = [dict(x) for x in t.topology_spread_constraints]
+    if t.node_selector:
+        out["nodeSelector"] = dict(t.node_selector)
+    if t.priority_class_name:
+        out["priorityClassName"] = t.priority_class_name
+    return out
 
 
 def relay_deployment(shard: ShardSpec) -> Obj:
     selector = relay_selector(shard.name)
     pod_labels = {**labels(shard.fleet, shard.name, "relay"), **selector}
+    secret_volumes, secret_mounts = _relay_secret_volumes(shard.relay)
     container: Obj = {
         "name": "relay",
         "image": shard.image,
@@ -278,6 +336,7 @@ def relay_deployment(shard: ShardSpec) -> Obj:
         "volumeMounts": [
             {"name": "credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
+            *secret_mounts,
         ],
     }
     return {
@@ -292,6 +351,7 @@ def relay_deployment(shard: ShardSpec) -> Obj:
                 "metadata": {
                     "labels": pod_labels,
                     "annotations": {
+                        **shard.relay.pod_template.annotations,
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(RELAY_PORT),
                         "prometheus.io/path": "/metrics",
@@ -309,7 +369,9 @@ def relay_deployment(shard: ShardSpec) -> Obj:
                             "secret": {"secretName": credentials_name(shard.fleet), "optional": True},
                         },
                         {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+                        *secret_volumes,
                     ],
+                    **_relay_pod_scheduling(shard.relay),
                 },
             },
         },

@@ -98,6 +98,65 @@ class Retention:
 
 
 @dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class PodTemplate:
+    """Scheduling controls and annotations copied onto the relay pods as given."""
+
+    affinity: Mapping[str, Any] | None = None
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    topology_spread_constraints: tuple[Mapping[str, Any], ...] = ()
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    priority_class_name: str | None = None
+    annotations: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """spec.relay: what the relay pods get beyond limits and retention."""
+
+    enqueue_tokens: SecretKeyRef | None = None
+    push_webhook: SecretKeyRef | None = None
+    didcomm_seed: SecretKeyRef | None = None
+    public_url: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    pod_template: PodTemplate = PodTemplate()
+
+
+# The operator sets these itself (or they carry secrets, which are mounted as files instead):
+# spec.relay.env may not name them. The CRD's CEL rule repeats this list.
+RESERVED_RELAY_ENV = frozenset(
+    {
+        "RELAY_FLEET",
+        "RELAY_HOST",
+        "RELAY_PORT",
+        "RELAY_REDIS_URL",
+        "RELAY_SHARD_MAP",
+        "RELAY_SHARD_MAP_CONFIGMAP",
+        "RELAY_REDIS_CREDENTIALS_DIR",
+        "RELAY_MAX_PAYLOAD",
+        "RELAY_RATE_LIMIT",
+        "RELAY_RATE_WINDOW_MS",
+        "RELAY_QUEUE_MAX_MESSAGES",
+        "RELAY_QUEUE_MAX_BYTES",
+        "RELAY_RETENTION_SECONDS",
+        "RELAY_PUBLIC_URL",
+        "RELAY_ENQUEUE_TOKENS",
+        "RELAY_ENQUEUE_TOKENS_FILE",
+        "RELAY_PUSH_WEBHOOK",
+        "RELAY_PUSH_WEBHOOK_FILE",
+        "RELAY_DIDCOMM_SEED",
+        "RELAY_DIDCOMM_SEED_FILE",
+    }
+)
+_RELAY_ENV_NAME = re.compile(r"^RELAY_[A-Z0-9_]{1,64}$")
+
+
+@dataclass(frozen=True)
 class ShardSpec:
     name: str
     namespace: str
@@ -112,6 +171,7 @@ class ShardSpec:
     resources: Resources = field(default_factory=default_relay_resources)
     retention: Retention = Retention()
     limits: Limits = Limits()
+    relay: RelayConfig = RelayConfig()
     generation: int = 0
     backup: Backup | None = None
 
@@ -252,6 +312,80 @@ def _backup(spec: Mapping[str, Any]) -> Backup | None:
     )
 
 
+def _secret_ref(parent: Mapping[str, Any], key: str, default_key: str) -> SecretKeyRef | None:
+    where = f"spec.relay.{key}"
+    if parent.get(key) is None:
+        return None
+    ref = _obj(parent, key, "spec.relay")
+    return SecretKeyRef(_str(ref, "name", where), _str(ref, "key", where, default_key))
+
+
+def _objects(parent: Mapping[str, Any], key: str, where: str) -> tuple[Mapping[str, Any], ...]:
+    value = parent.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+        raise SpecError(f"{where}.{key} must be a list of objects")
+    return tuple(value)
+
+
+def _string_map(parent: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
+    value = _obj(parent, key, where)
+    if not all(isinstance(v, str) for v in value.values()):
+        raise SpecError(f"{where}.{key} values must be strings")
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def _relay_env(relay: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    out: list[tuple[str, str]] = []
+    for item in _objects(relay, "env", "spec.relay"):
+        name, value = item.get("name"), item.get("value", "")
+        if not isinstance(name, str) or not _RELAY_ENV_NAME.match(name):
+            raise SpecError(f"spec.relay.env: {name!r} is not a RELAY_* variable name")
+        if name in RESERVED_RELAY_ENV:
+            raise SpecError(
+                f"spec.relay.env: {name} is set by the operator (or is a secret: use a secretRef)"
+            )
+        if not isinstance(value, str):
+            raise SpecError(f"spec.relay.env: the value of {name} must be a string")
+        if any(name == seen for seen, _ in out):
+            raise SpecError(f"spec.relay.env: {name} appears twice")
+        out.append((name, value))
+    return tuple(out)
+
+
+def _relay(spec: Mapping[str, Any]) -> RelayConfig:
+    relay = _obj(spec, "relay", "spec")
+    pod = _obj(relay, "podTemplate", "spec.relay")
+    where = "spec.relay.podTemplate"
+    public_url = relay.get("publicURL")
+    if public_url is not None and (
+        not isinstance(public_url, str) or not public_url.startswith(("https://", "http://"))
+    ):
+        raise SpecError("spec.relay.publicURL must be an http(s) URL")
+    affinity = pod.get("affinity")
+    if affinity is not None and not isinstance(affinity, Mapping):
+        raise SpecError(f"{where}.affinity must be an object")
+    priority = pod.get("priorityClassName")
+    if priority is not None and not isinstance(priority, str):
+        raise SpecError(f"{where}.priorityClassName must be a string")
+    return RelayConfig(
+        enqueue_tokens=_secret_ref(relay, "enqueueTokensSecretRef", "tokens"),
+        push_webhook=_secret_ref(relay, "pushWebhookSecretRef", "url"),
+        didcomm_seed=_secret_ref(relay, "didcommSeedSecretRef", "seed"),
+        public_url=public_url or None,
+        env=_relay_env(relay),
+        pod_template=PodTemplate(
+            affinity=affinity or None,
+            tolerations=_objects(pod, "tolerations", where),
+            topology_spread_constraints=_objects(pod, "topologySpreadConstraints", where),
+            node_selector=_string_map(pod, "nodeSelector", where),
+            priority_class_name=priority or None,
+            annotations=_string_map(pod, "annotations", where),
+        ),
+    )
+
+
 def parse_shard(body: Mapping[str, Any]) -> ShardSpec:
     """Build a ShardSpec from a RelayShard object (as a dict or kopf Body)."""
     meta = _obj(body, "metadata", "object")
@@ -297,4 +431,5 @@ def parse_shard(body: Mapping[str, Any]) -> ShardSpec:
             max_queue_messages=_int(limits, "maxQueueMessages", "spec.limits", 10000, 1, 100_000_000),
             max_queue_bytes=_int(limits, "maxQueueBytes", "spec.limits", 268435456, 1, 2**40),
         ),
+        relay=_relay(spec),
     )

@@ -1,0 +1,182 @@
+"""RelayShard spec.relay without an API server: parsing, the relay Deployment the builders make
+of it, and the relay reading its secrets from mounted files."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from relayfleet_operator import builders
+from relayfleet_operator.spec import RESERVED_RELAY_ENV, SpecError, parse_shard
+
+from relay.settings import enqueue_tokens_from_env, env_secret
+from tests.test_builders import shard_body
+from tests.test_crds import crd, schema_of
+
+FULL_RELAY: dict[str, Any] = {
+    "enqueueTokensSecretRef": {"name": "relay-tokens"},
+    "pushWebhookSecretRef": {"name": "push", "key": "endpoint"},
+    "didcommSeedSecretRef": {"name": "didcomm", "key": "seed"},
+    "publicURL": "https://relay.example.com",
+    "env": [{"name": "RELAY_MAX_WAITERS", "value": "5000"}, {"name": "RELAY_LOG_LEVEL", "value": "DEBUG"}],
+    "podTemplate": {
+        "affinity": {
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 100,
+                        "podAffinityTerm": {
+                            "topologyKey": "kubernetes.io/hostname",
+                            "labelSelector": {"matchLabels": {"relayfleet.dev/shard": "a"}},
+                        },
+                    }
+                ]
+            }
+        },
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "relay", "effect": "NoSchedule"}],
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {"relayfleet.dev/shard": "a"}},
+            }
+        ],
+        "nodeSelector": {"pool": "relays"},
+        "priorityClassName": "relay-critical",
+        "annotations": {"example.com/team": "messaging", "prometheus.io/port": "9"},
+    },
+}
+
+
+def full_deployment() -> dict[str, Any]:
+    return builders.relay_deployment(parse_shard(shard_body(relay=FULL_RELAY)))
+
+
+def test_without_spec_relay_the_pod_is_unchanged() -> None:
+    pod = builders.relay_deployment(parse_shard(shard_body()))["spec"]["template"]["spec"]
+    env = {e["name"] for e in pod["containers"][0]["env"]}
+    assert not env & {"RELAY_PUBLIC_URL", "RELAY_ENQUEUE_TOKENS_FILE", "RELAY_PUSH_WEBHOOK_FILE"}
+    assert {v["name"] for v in pod["volumes"]} == {"credentials", "tmp"}
+    assert not pod.keys() & {"affinity", "tolerations", "nodeSelector", "priorityClassName"}
+
+
+def test_secrets_are_mounted_files_never_env_values() -> None:
+    dep = full_deployment()
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    files = {
+        "RELAY_ENQUEUE_TOKENS_FILE": ("relay-tokens", "tokens"),
+        "RELAY_PUSH_WEBHOOK_FILE": ("push", "endpoint"),
+        "RELAY_DIDCOMM_SEED_FILE": ("didcomm", "seed"),
+    }
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    for name, (secret, key) in files.items():
+        path = env[name]["value"]
+        directory, filename = path.rsplit("/", 1)
+        mount = mounts[directory]
+        assert mount["readOnly"] is True
+        source = volumes[mount["name"]]["secret"]
+        assert source["secretName"] == secret
+        assert source["items"] == [{"key": key, "path": filename}]
+        assert source["defaultMode"] == 0o440
+    # No secretKeyRef env (it would put the value into the process environment) and no
+    # plain secret variables.
+    assert all("valueFrom" not in e for e in container["env"])
+    assert not env.keys() & {"RELAY_ENQUEUE_TOKENS", "RELAY_PUSH_WEBHOOK", "RELAY_DIDCOMM_SEED"}
+
+
+def test_public_url_extra_env_and_pod_template_reach_the_pod() -> None:
+    dep = full_deployment()
+    template = dep["spec"]["template"]
+    pod = template["spec"]
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    assert env["RELAY_PUBLIC_URL"] == "https://relay.example.com"
+    assert env["RELAY_MAX_WAITERS"] == "5000"
+    assert env["RELAY_LOG_LEVEL"] == "DEBUG"
+    assert env["RELAY_FLEET"] == "main"  # the operator's own still there
+    t = FULL_RELAY["podTemplate"]
+    assert pod["affinity"] == t["affinity"]
+    assert pod["tolerations"] == t["tolerations"]
+    assert pod["topologySpreadConstraints"] == t["topologySpreadConstraints"]
+    assert pod["nodeSelector"] == {"pool": "relays"}
+    assert pod["priorityClassName"] == "relay-critical"
+    annotations = template["metadata"]["annotations"]
+    assert annotations["example.com/team"] == "messaging"
+    assert annotations["prometheus.io/port"] == str(builders.RELAY_PORT)  # the operator's wins
+
+
+@pytest.mark.parametrize(
+    ("relay", "message"),
+    [
+        ({"env": [{"name": "PATH", "value": "/x"}]}, "not a RELAY_* variable name"),
+        ({"env": [{"name": "RELAY_FLEET", "value": "x"}]}, "RELAY_FLEET is set by the operator"),
+        ({"env": [{"name": "RELAY_ENQUEUE_TOKENS", "value": "t"}]}, "use a secretRef"),
+        (
+            {"env": [{"name": "RELAY_X", "value": "1"}, {"name": "RELAY_X", "value": "2"}]},
+            "RELAY_X appears twice",
+        ),
+        ({"publicURL": "relay.example.com"}, "publicURL must be an http(s) URL"),
+        ({"enqueueTokensSecretRef": {}}, "spec.relay.enqueueTokensSecretRef.name"),
+        ({"podTemplate": {"tolerations": "all"}}, "tolerations must be a list of objects"),
+        ({"podTemplate": {"nodeSelector": {"a": 1}}}, "nodeSelector values must be strings"),
+    ],
+)
+def test_bad_relay_specs_name_the_field(relay: dict[str, Any], message: str) -> None:
+    with pytest.raises(SpecError, match=re.escape(message)):
+        parse_shard(shard_body(relay=relay))
+
+
+def test_crd_reserved_env_list_matches_the_operator() -> None:
+    relay = schema_of(crd("relayshards.yaml"))["properties"]["spec"]["properties"]["relay"]
+    rule = relay["properties"]["env"]["items"]["x-kubernetes-validations"][0]["rule"]
+    listed = {part.strip(" '") for part in rule.split("[", 1)[1].split("]", 1)[0].split(",")}
+    assert listed == RESERVED_RELAY_ENV
+    # Every variable the builders set is reserved (so spec.relay.env cannot shadow it).
+    env = full_deployment()["spec"]["template"]["spec"]["containers"][0]["env"]
+    own = {e["name"] for e in env} - {e["name"] for e in FULL_RELAY["env"]}
+    assert own <= RESERVED_RELAY_ENV
+
+
+# --- the relay side: *_FILE variables --------------------------------------------------------
+
+
+def test_env_secret_prefers_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alpha\nbeta, gamma\n\n")
+    monkeypatch.setenv("RELAY_ENQUEUE_TOKENS", "inline")
+    assert enqueue_tokens_from_env() == ("inline",)
+    monkeypatch.setenv("RELAY_ENQUEUE_TOKENS_FILE", str(tokens))
+    assert enqueue_tokens_from_env() == ("alpha", "beta", "gamma")
+    hook = tmp_path / "hook"
+    hook.write_text("https://push.example/x?key=secret\n")
+    monkeypatch.setenv("RELAY_PUSH_WEBHOOK_FILE", str(hook))
+    assert env_secret("RELAY_PUSH_WEBHOOK") == "https://push.example/x?key=secret"
+    monkeypatch.delenv("RELAY_PUSH_WEBHOOK_FILE")
+    assert env_secret("RELAY_PUSH_WEBHOOK") is None
+
+
+def test_unreadable_secret_file_is_one_line_without_content(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    proc = subprocess.run(
+        [sys.executable, "-m", "relay", "--redis-url", "redis://127.0.0.1:1/0"],
+        env={
+            "PATH": "/usr/bin:/bin",
+            "RELAY_ENQUEUE_TOKENS_FILE": str(missing),
+            "PYTHONPATH": ":".join(sys.path),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert f"RELAY_ENQUEUE_TOKENS_FILE {missing}" in lines[0]
+    assert "Traceback" not in proc.stderr
