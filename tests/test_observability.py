@@ -88,8 +88,15 @@ def dashboard_queries() -> list[tuple[str, str, str]]:
     return out
 
 
+DASHBOARD_VARIABLES = ("namespace", "fleet", "shard", "pod")
+
+
 def promql(expr: str) -> str:
-    return expr.replace("$__rate_interval", RATE_WINDOW)
+    """The expression as Grafana sends it with every variable at All (`.*`)."""
+    expr = expr.replace("$__rate_interval", RATE_WINDOW)
+    for name in DASHBOARD_VARIABLES:
+        expr = expr.replace(f"${name}", ".*")
+    return expr
 
 
 def metric_names(expr: str) -> set[str]:
