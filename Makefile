@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PIP_CACHE_DIR ?= $(HOME)/.cache/relayfleet/pip
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck control-plane chart-crds bench bench-quick e2e e2e-kind faults soak clean venv venv-dev
+.PHONY: run test lint typecheck control-plane chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,11 @@ e2e-kind: venv-dev
 
 faults: venv-dev
 	$(PY) -m pytest -m faults
+
+## hostile: the attacker suite (tests/hostile) against `relayfleet relay` subprocesses on real
+## redis-server; `make test` runs it too (tests/ is the test path), this runs it on its own
+hostile: venv-dev
+	$(PY) -m pytest tests/hostile -m hostile $(PYTEST_ARGS)
 
 soak: venv-dev
 	$(PY) -m pytest -m soak --soak

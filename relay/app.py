@@ -11,17 +11,20 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from aiohttp import hdrs, web
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import Counter, Histogram
 from yarl import URL
 
-from relay import metrics
+from relay import logsafe, metrics
 from relay.api import health, queues
 from relay.api.auth import Authenticator
 from relay.api.context import CTX, Context
 from relay.api.errors import ApiError, error_response
 from relay.fleet.routing import Fleet, MapSource
 from relay.fleet.sharding import ShardMap
+from relay.memguard import MemoryGuard, ceiling_bytes
 from relay.service import QueueService, TooManyWaiters, Unavailable
+from relay.serving import describe_parse_error, make_runner, raise_nofile_limit
 from relay.settings import Settings
 from relay.storage.store import StoreRejected
 
@@ -47,17 +50,33 @@ def _error_for(exc: BaseException) -> web.Response:
         return error_response(503, "too_many_waiters", "too many waiting requests", {"Retry-After": "1"})
     if isinstance(exc, StoreRejected):
         return error_response(507, "storage_full", "the shard is out of memory; nothing was stored")
+    if isinstance(exc, RequestPayloadError):  # the parser refused the body mid-read (e.g. chunk size)
+        code, text = describe_parse_error(exc.__cause__)
+        return error_response(400, code, text, {"Connection": "close"})
     if isinstance(exc, web.HTTPException):
         code = _HTTP_CODES.get(exc.status, "http_error")
         return error_response(
             exc.status, code, exc.reason.lower(), {k: v for k, v in exc.headers.items() if k == "Allow"}
         )
-    log.error("unhandled %s in request handler", type(exc).__name__, exc_info=exc)
+    log.error("unhandled exception in a request handler: %s", logsafe.describe(exc))
     return error_response(500, "internal_error", "internal error")
 
 
-def observed(handler: Handler) -> Handler:
+MEMORY = web.AppKey("relayfleet_memory_guard", MemoryGuard)
+
+
+def _overloaded() -> web.Response:
+    return error_response(
+        503, "overloaded", "the relay is near its memory ceiling; retry later", {"Retry-After": "1"},
+        {"retryAfterMs": 1000},
+    )  # fmt: skip
+
+
+def observed(handler: Handler, guard: MemoryGuard | None = None) -> Handler:
     """`handler` answering every failure as a JSON error and counting the request.
+
+    With `guard`, new work is refused (503 overloaded) while the memory guard is over
+    its threshold: one attribute read per request.
 
     What an app middleware would do, wrapped around each route's handler at
     registration instead: aiohttp builds a per-request middleware chain (and adds a
@@ -67,8 +86,12 @@ def observed(handler: Handler) -> Handler:
 
     async def observe(request: web.Request) -> web.StreamResponse:
         start = time.perf_counter()
+        response: web.StreamResponse
         try:
-            response = await handler(request)
+            if guard is not None and guard.over:
+                response = _overloaded()
+            else:
+                response = await handler(request)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # every failure becomes a JSON error, never a traceback
@@ -183,13 +206,17 @@ def build_app(settings: Settings, fleet: Fleet) -> web.Application:
     service = QueueService(fleet, settings)
     context = Context(settings=settings, service=service, auth=Authenticator(settings, service))
     app[CTX] = context
-    _add_observed(app, queues.routes)  # first: the hottest routes are matched first
-    _add_observed(app, health.routes)
+    logsafe.install()
+    guard = app[MEMORY] = MemoryGuard(ceiling_bytes(settings.max_rss_mb))
+    app.on_startup.append(_start_guard)
+    app.on_cleanup.append(_stop_guard)
+    _add_observed(app, queues.routes, guard)  # first: the hottest routes are matched first
+    _add_observed(app, health.routes)  # health, readiness and metrics answer even when overloaded
     import importlib
 
     for name in EXTRA_ROUTE_MODULES:
         module = importlib.import_module(name)
-        _add_observed(app, module.routes)
+        _add_observed(app, module.routes, guard)
         setup = getattr(module, "setup", None)
         if setup is not None:
             setup(app)
@@ -197,12 +224,20 @@ def build_app(settings: Settings, fleet: Fleet) -> web.Application:
     return app
 
 
-def _add_observed(app: web.Application, routes: web.RouteTableDef) -> None:
+async def _start_guard(app: web.Application) -> None:
+    app[MEMORY].start()
+
+
+async def _stop_guard(app: web.Application) -> None:
+    app[MEMORY].stop()
+
+
+def _add_observed(app: web.Application, routes: web.RouteTableDef, guard: MemoryGuard | None = None) -> None:
     for definition in routes:
         if not isinstance(definition, web.RouteDef):
             raise TypeError(f"only handler routes are served, not {definition!r}")
         d = definition
-        web.RouteDef(d.method, d.path, observed(d.handler), d.kwargs).register(app.router)
+        web.RouteDef(d.method, d.path, observed(d.handler, guard), d.kwargs).register(app.router)
 
 
 async def start_fleet(shard_map: ShardMap, settings: Settings, source: MapSource | None) -> Fleet:
@@ -224,20 +259,24 @@ async def serve(
     settings: Settings, shard_map: ShardMap, source: MapSource | None, drain_delay_s: float = 0.0
 ) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
+    logsafe.install()
+    nofile = raise_nofile_limit()
     fleet = await start_fleet(shard_map, settings, source)
     app = build_app(settings, fleet)
     if settings.auth == "none":
         log.warning("authentication is disabled (--auth none): for local development only")
     # handler_cancellation: a long-poll whose client left unregisters at once, not when its wait ends
-    runner = web.AppRunner(
-        app, access_log=None, shutdown_timeout=settings.shutdown_grace_s, handler_cancellation=True
-    )
+    runner = make_runner(app, settings, shutdown_timeout=settings.shutdown_grace_s, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True, backlog=4096)
     await site.start()
     app[CTX].ready = True
     log.info(
-        "relay listening on http://%s:%d (shard map epoch %d)", settings.host, settings.port, shard_map.epoch
+        "relay listening on http://%s:%d (shard map epoch %d, open-files limit %d)",
+        settings.host,
+        settings.port,
+        shard_map.epoch,
+        nofile,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -140,6 +140,27 @@ SHARD_STATS_TIMESTAMP = Gauge(
     registry=REGISTRY,
 )
 
+HEADER_TIMEOUTS = Counter(
+    "relayfleet_header_timeouts_total",
+    "Connections closed for not sending complete request headers in time (RELAY_HEADER_TIMEOUT_S)",
+    registry=REGISTRY,
+)
+CONNECTIONS_SHED = Counter(
+    "relayfleet_connections_shed_total",
+    "Connections closed to stay under the connection cap (RELAY_MAX_CONNECTIONS)",
+    registry=REGISTRY,
+)
+RSS_BYTES = Gauge(
+    "relayfleet_process_rss_bytes",
+    "Resident memory of this relay process, as the memory guard sampled it",
+    registry=REGISTRY,
+)
+OVERLOADED = Gauge(
+    "relayfleet_overloaded",
+    "1 while the memory guard refuses new work (RSS near RELAY_MAX_RSS_MB)",
+    registry=REGISTRY,
+)
+
 # Retry reasons start at 0, so the dashboard's retry panel has series before the first move.
 for _reason in ("moved", "migrating"):
     RETRIES.labels(_reason)

@@ -81,6 +81,19 @@ class Settings:
         default_factory=lambda: max(0.2, env_float("RELAYFLEET_SHARD_STATS_INTERVAL", 30.0))
     )
 
+    # Hostile clients (DESIGN §3 "Hostile traffic"): see docs/reliability.md.
+    # Complete request headers within this long of connecting (or of a new request's first byte).
+    header_timeout_s: float = field(default_factory=lambda: env_float("RELAY_HEADER_TIMEOUT_S", 10.0))
+    # An idle keep-alive connection closes after this long.
+    keepalive_timeout_s: float = field(default_factory=lambda: env_float("RELAY_KEEPALIVE_TIMEOUT_S", 75.0))
+    # Open client connections at once; 0: the open-files limit minus a reserve of 128.
+    max_connections: int = field(default_factory=lambda: env_int("RELAY_MAX_CONNECTIONS", 0))
+    # Fan-out: recipients x payload bytes at most this, else 413 fanout_too_large.
+    max_fanout_bytes: int = field(default_factory=lambda: env_int("RELAY_MAX_FANOUT_BYTES", 32 << 20))
+    # Memory guard: refuse new work (503 overloaded) before RSS passes this many MiB;
+    # 0: the cgroup's memory limit when there is one, else no guard.
+    max_rss_mb: int = field(default_factory=lambda: env_int("RELAY_MAX_RSS_MB", 0))
+
     @property
     def fleet_name(self) -> str:
         return os.environ.get("RELAY_FLEET", "default")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import aiohttp
 import pytest
@@ -17,6 +18,7 @@ from relay.client import RelayClient
 from relay.fleet.routing import Fleet, single_shard_map
 from relay.fleet.sharding import ShardMap
 from relay.localredis import LocalRedis
+from relay.serving import make_runner
 from relay.settings import Settings
 
 pytest_plugins: list[str] = []
@@ -35,6 +37,17 @@ def redis_server() -> Iterator[LocalRedis]:
         yield server
     finally:
         server.stop()
+
+
+class RelayTestServer(TestServer):
+    """aiohttp's TestServer on the relay's own connection layer (relay.serving), as `serve` runs it."""
+
+    def __init__(self, app: web.Application, settings: Settings) -> None:
+        super().__init__(app, host="127.0.0.1")
+        self._settings = settings
+
+    async def _make_runner(self, **kwargs: Any) -> web.AppRunner:
+        return make_runner(self.app, self._settings, **kwargs)
 
 
 @dataclass
@@ -67,7 +80,7 @@ async def relay_factory() -> AsyncIterator[RelayFactory]:
         smap = shard_map or single_shard_map(redis_url or "")
         fleet = await start_fleet(smap, settings, None)
         app = build_app(settings, fleet)
-        server = TestServer(app, host="127.0.0.1")
+        server = RelayTestServer(app, settings)
         await server.start_server()
         app[CTX].ready = True
         relay = RunningRelay(str(server.make_url("")).rstrip("/"), app, fleet, server)

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from relay.api.errors import ApiError, bad_request
 from relay.settings import Settings
@@ -75,38 +75,44 @@ def channel_value(text: str) -> bytes:
     return raw
 
 
-def _int_param(request: web.Request, name: str, minimum: int) -> int | None:
+_DIGITS = re.compile(r"^[0-9]+$")
+_SECONDS_TEXT = re.compile(r"^(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)$")
+MAX_SEQ = 2**63 - 1  # a stream id's first part: no seq is ever above it
+
+
+def _int_param(request: web.Request, name: str, minimum: int, maximum: int) -> int | None:
+    """A query integer: `[0-9]+` only (no sign, space or underscore), clamped to `maximum`.
+
+    Digits past 19 are clamped without int(), which refuses over 4300 digits (a 500)."""
     raw = request.query.get(name)
     if raw is None or raw == "":
         return None
-    if not raw.isascii() or not raw.lstrip("-").isdigit() or len(raw) > 19:
-        raise bad_request(f"{name} must be an integer >= {minimum}")
-    value = int(raw)
+    if not _DIGITS.match(raw):
+        raise bad_request(f"{name} must be an integer >= {minimum} (digits only)")
+    digits = raw.lstrip("0") or "0"
+    value = maximum if len(digits) > 19 else min(int(digits), maximum)
     if value < minimum:
-        raise bad_request(f"{name} must be an integer >= {minimum}")
+        raise bad_request(f"{name} must be an integer >= {minimum} (digits only)")
     return value
 
 
 def from_seq(request: web.Request) -> int | None:
-    return _int_param(request, "fromSeq", 0)
+    return _int_param(request, "fromSeq", 0, MAX_SEQ)
 
 
 def limit(request: web.Request, settings: Settings) -> int:
-    value = _int_param(request, "limit", 1)
-    return settings.default_limit if value is None else min(value, settings.max_limit)
+    value = _int_param(request, "limit", 1, settings.max_limit)
+    return settings.default_limit if value is None else value
 
 
 def wait(request: web.Request, settings: Settings) -> float:
+    """Seconds, fractions allowed (`[0-9]+(.[0-9]*)?`), clamped to the maximum wait."""
     raw = request.query.get("wait")
     if raw is None or raw == "":
         return 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        raise bad_request("wait must be a number of seconds >= 0") from None
-    if value != value or value < 0:  # NaN or negative
-        raise bad_request("wait must be a number of seconds >= 0")
-    return min(value, settings.max_wait_s)
+    if not _SECONDS_TEXT.match(raw):
+        raise bad_request("wait must be a number of seconds >= 0 (digits and a decimal point only)")
+    return min(float(raw), settings.max_wait_s)  # a huge value is inf, clamped like any other
 
 
 def idempotency_key(request: web.Request) -> str:
@@ -133,6 +139,8 @@ async def payload(request: web.Request, cap: int) -> bytes:
 
 async def raw_body(request: web.Request, cap: int) -> bytes:
     """The whole body, refused with 413 once it is known to exceed `cap`."""
+    if hdrs.CONTENT_ENCODING in request.headers:
+        unsupported_encoding(request)
     declared = request.content_length
     if declared is not None and declared > cap:
         raise _too_large(cap)
@@ -166,6 +174,20 @@ async def _read_capped(request: web.Request, cap: int) -> bytes:
             raise _too_large(cap)
         chunks.append(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def unsupported_encoding(request: web.Request) -> None:
+    """415 for a body with any Content-Encoding but identity: ciphertext does not
+    compress, and a compressed body is an amplification vector. aiohttp's parser runs
+    with auto_decompress off (relay.serving), so nothing was ever inflated."""
+    if request.headers.getall(hdrs.CONTENT_ENCODING) == ["identity"]:
+        return
+    raise ApiError(
+        415,
+        "unsupported_encoding",
+        "request bodies must not be compressed (Content-Encoding other than identity)",
+        {"Connection": "close"},
+    )
 
 
 def _too_large(cap: int) -> ApiError:

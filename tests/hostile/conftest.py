@@ -1,0 +1,74 @@
+"""Fixtures of the attacker suite (`make hostile`, and part of `make test`).
+
+`hostile_relay`: one relay for the whole suite, started as users start it, with a
+short header timeout so slowloris tests finish quickly. `relay_with(env, nofile)`:
+a relay of its own for an attack that needs other settings (a memory ceiling, a
+small open-files limit). Every relay logs at DEBUG; tests grep it for planted secrets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import pytest
+
+from relay.localredis import LocalRedis
+from tests.hostile.harness import Relay, start_redis, start_relay
+
+HEADER_TIMEOUT_S = 2.0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.hostile)
+
+
+@pytest.fixture(scope="session")
+def hostile_redis() -> Iterator[LocalRedis]:
+    server = start_redis()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def hostile_relay(hostile_redis: LocalRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Relay]:
+    relay = start_relay(
+        hostile_redis,
+        tmp_path_factory.mktemp("hostile-relay"),
+        {"RELAY_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S)},
+    )
+    try:
+        yield relay
+    finally:
+        relay.stop()
+    # whatever every attack planted, none of it reached the log
+    relay.assert_log_clean()
+
+
+RelayWith = Callable[..., Relay]
+
+
+@pytest.fixture
+def relay_with(tmp_path: Path) -> Iterator[RelayWith]:
+    """Start a relay (and its own redis-server) with extra environment / an open-files limit."""
+    started: list[tuple[Relay, LocalRedis]] = []
+
+    def start(env: Mapping[str, str] | None = None, nofile: int | None = None) -> Relay:
+        redis = start_redis()
+        try:
+            relay = start_relay(redis, tmp_path / f"relay-{len(started)}", env, nofile)
+        except BaseException:
+            redis.stop()
+            raise
+        started.append((relay, redis))
+        return relay
+
+    yield start
+    for relay, redis in started:
+        relay.stop()
+        redis.stop()
