@@ -114,4 +114,4 @@ async def test_live_integer_attacks(hostile_relay: Relay, query: str) -> None:
         assert answer.status == 101, answer  # clamped: a live socket from past the end
     else:
         assert answer.status == 400, answer
-    assert answer.json()["code"] == "bad_request", answer
+        assert answer.json()["code"] == "bad_request", answer
