@@ -23,7 +23,7 @@ from relay.fleet.sharding import (
     parse_sentinel_url,
     parse_shard_map,
 )
-from relayfleet_operator.redis_scripts import START_REDIS, START_SENTINEL
+from relayfleet_operator.redis_scripts import PRE_STOP_REDIS, START_REDIS, START_SENTINEL
 from relayfleet_operator.spec import (
     API_VERSION,
     SHARD_KIND,
@@ -607,29 +607,6 @@ def redis_statefulset(shard: ShardSpec) -> Obj:
 # One group of three Sentinels per shard (docs/design-decisions.md says why not per fleet):
 # it lives and dies with the shard, its config never changes when other shards come and go,
 # and a Sentinel group's trouble stays inside one shard.
-
-PRE_STOP_REDIS = r"""#!/bin/sh
-# Written by relayfleet-operator. Before a primary stops (rolling update, node drain) hand the
-# role to a replica, so writes pause for about a second instead of Sentinel's detection time.
-set -u
-role() { redis-cli -p "${REDIS_PORT:-6379}" role 2>/dev/null | head -1; }
-[ "$(role)" = "master" ] || exit 0
-asked=""
-for s in $SENTINELS; do
-  if env -u REDISCLI_AUTH timeout 3 redis-cli -h "${s%:*}" -p "${s##*:}" \
-      sentinel failover "$MASTER_NAME" 2>/dev/null | grep -q OK; then
-    asked=yes
-    break
-  fi
-done
-[ -n "$asked" ] || exit 0  # no replica can take over: just stop
-i=0
-while [ "$i" -lt 20 ]; do
-  [ "$(role)" = "slave" ] && exit 0
-  i=$((i + 1))
-  sleep 1
-done
-"""
 
 
 def sentinel_master_name(shard: ShardSpec) -> str:

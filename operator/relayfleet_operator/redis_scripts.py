@@ -6,7 +6,8 @@ primary now; only when none answers (a brand-new shard, or every Sentinel lost a
 pod 0 the primary. Inputs are environment variables, so tests run the same text on loopback:
 
   ANNOUNCE       this node's address as others reach it (pod DNS name or 127.0.0.1)
-  PRIMARY0       address of pod 0 (the primary when no Sentinel knows one)
+  PRIMARY0       address of pod 0 (the primary when no Sentinel knows one); its port is
+                 PRIMARY0_PORT, default REDIS_PORT
   SENTINELS      space-separated host:port of every Sentinel of the shard
   MASTER_NAME    the name the Sentinels monitor the shard under
   REDISCLI_AUTH  the Redis password (also read by redis-cli itself)
@@ -52,7 +53,7 @@ set -eu
     + r"""
 ask_sentinels ""
 if [ -z "$primary" ]; then
-  primary="$PRIMARY0:$REDIS_PORT"
+  primary="$PRIMARY0:${PRIMARY0_PORT:-$REDIS_PORT}"
   echo "no Sentinel knows a primary yet: $primary leads"
 else
   echo "the Sentinels name $primary as the primary"
@@ -83,7 +84,7 @@ set -eu
     + _ASK_SENTINELS
     + r"""
 ask_sentinels "$ANNOUNCE:$SENTINEL_PORT"
-[ -n "$primary" ] || primary="$PRIMARY0:$REDIS_PORT"
+[ -n "$primary" ] || primary="$PRIMARY0:${PRIMARY0_PORT:-$REDIS_PORT}"
 echo "monitoring $MASTER_NAME at $primary"
 # Sentinel refuses a monitor line whose host does not resolve (pod 0 not created yet).
 tries=0
@@ -110,5 +111,55 @@ conf="$CONF_DIR/sentinel.conf"
   echo "sentinel parallel-syncs $MASTER_NAME 1"
 } > "$conf"
 exec redis-server "$conf" --sentinel
+"""
+)
+
+PRE_STOP_REDIS = (
+    r"""#!/bin/sh
+# Written by relayfleet-operator. Before a primary stops (rolling update, node drain) hand the
+# role to a replica, so writes pause for a moment instead of Sentinel's detection time.
+# Writes are paused here first and stay paused until the process ends: nothing is written
+# to this node after a replica took over (it would be lost when this node rejoins as one).
+set -u
+: "${REDIS_PORT:=6379}"
+here() { timeout 3 redis-cli -p "$REDIS_PORT" "$@" 2>/dev/null; }
+[ "$(here role | head -1)" = "master" ] || exit 0
+here info replication | grep -q '^connected_slaves:[1-9]' || exit 0  # nobody to hand over to
+here client pause 60000 write >/dev/null
+# let a replica catch up with the last writes (at most ~5 s)
+i=0
+while [ "$i" -lt 50 ]; do
+  info=$(here info replication | tr -d '\r')
+  top=$(printf '%s\n' "$info" | sed -n 's/^master_repl_offset://p')
+  printf '%s\n' "$info" | grep -q "state=online,offset=$top," && break
+  i=$((i + 1))
+  sleep 0.1
+done
+"""
+    + _ASK_SENTINELS
+    + r"""
+asked=""
+for s in $SENTINELS; do
+  if env -u REDISCLI_AUTH timeout 3 redis-cli -h "${s%:*}" -p "${s##*:}" \
+      sentinel failover "$MASTER_NAME" 2>/dev/null | grep -q OK; then
+    asked=yes
+    break
+  fi
+done
+if [ -z "$asked" ]; then
+  here client unpause >/dev/null  # no failover: keep serving until the process stops
+  exit 0
+fi
+# done once the Sentinels name another primary (at most ~20 s)
+i=0
+while [ "$i" -lt 200 ]; do
+  ask_sentinels ""
+  if [ -n "$primary" ] && [ "$primary" != "$ANNOUNCE:$REDIS_PORT" ]; then
+    echo "handed the primary role to $primary"
+    exit 0
+  fi
+  i=$((i + 1))
+  sleep 0.1
+done
 """
 )

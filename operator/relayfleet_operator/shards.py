@@ -15,8 +15,9 @@ from relay.fleet.sharding import ShardMap, ShardMapError
 from relayfleet_operator import builders, fleet, metrics, migration
 from relayfleet_operator.kube import KubeError
 from relayfleet_operator.planning import Move, PlanError, move_from_json, plan_drain
+from relayfleet_operator.replication import probe as probe_replication
 from relayfleet_operator.spec import API_VERSION, SHARD_KIND, ManagedRedis, ShardSpec, SpecError, parse_shard
-from relayfleet_operator.status import Observed, condition, shard_status
+from relayfleet_operator.status import Observed, condition, now_rfc3339, shard_status
 
 Obj = dict[str, Any]
 FORCE_DELETE = "relayfleet.dev/force-delete"
@@ -62,8 +63,11 @@ async def _observe(ctx: fleet.Context, shard: ShardSpec, url: str | None) -> Obs
     dep = await kube.get("apps/v1", "Deployment", shard.namespace, builders.relay_name(shard.name))
     sts = None
     reachable = None
+    replication = None
     if isinstance(shard.redis, ManagedRedis):
         sts = await kube.get("apps/v1", "StatefulSet", shard.namespace, builders.redis_name(shard.name))
+        if url is not None and sts is not None:
+            replication = await probe_replication(url, now_rfc3339())
     elif url is not None:
         reachable = await migration.ping(url)
     shard_map, _ = await fleet.read_shard_map(kube, shard.namespace, shard.fleet)
@@ -76,6 +80,7 @@ async def _observe(ctx: fleet.Context, shard: ShardSpec, url: str | None) -> Obs
         shard_map_epoch=shard_map.epoch if shard_map else None,
         in_shard_map=shard_map is not None and shard.name in shard_map.shards,
         migrating=ctx.moving.get((shard.namespace, shard.fleet)),
+        replication=replication,
     )
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relayfleet_operator.builders import selector_string
-from relayfleet_operator.spec import ShardSpec
+from relayfleet_operator.spec import ManagedRedis, ShardSpec
 
 Obj = dict[str, Any]
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Migrating")
@@ -87,6 +87,7 @@ class Observed:
     draining: bool = False
     blocked: str | None = None  # deletion refused, and why
     error: str | None = None  # the reconcile itself failed, and why
+    replication: Mapping[str, Any] | None = None  # managed Redis: status.redis (replication.py)
 
 
 def _int(obj: Mapping[str, Any] | None, *path: str) -> int:
@@ -142,6 +143,8 @@ def shard_status(
         degraded_reason, degraded_msg = "RedisUnreachable", redis_why
     elif stuck:
         degraded_reason, degraded_msg = "RolloutStuck", stuck
+    elif (why := _replication_trouble(spec, seen.replication)) is not None:
+        degraded_reason, degraded_msg = why
     degraded = bool(degraded_reason)
 
     progressing = not (relays_ready and redis_ready and seen.in_shard_map)
@@ -211,4 +214,23 @@ def shard_status(
         status["shardMapEpoch"] = seen.shard_map_epoch
     if seen.redis_endpoint is not None:
         status["redisEndpoint"] = seen.redis_endpoint
+    if seen.replication is not None:
+        status["redis"] = dict(seen.replication)
     return status
+
+
+def _replication_trouble(spec: ShardSpec, seen: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """A replicated shard that cannot take writes: no primary, or fewer replicas online than
+    minReplicas (every write would wait for a WAIT that cannot succeed)."""
+    redis = spec.redis
+    if seen is None or not isinstance(redis, ManagedRedis) or not redis.sentinel:
+        return None
+    if not seen.get("primary"):
+        return "RedisNoPrimary", str(seen.get("message") or "no primary is known")
+    online = sum(1 for r in seen.get("replicas") or () if r.get("state") == "online")
+    if online < redis.min_replicas:
+        return (
+            "ReplicasBelowMinimum",
+            f"{online} replicas online, minReplicas is {redis.min_replicas}: writes wait and then fail",
+        )
+    return None

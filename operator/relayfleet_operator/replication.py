@@ -1,0 +1,169 @@
+"""What a managed shard's replication looks like now: the primary and each replica's lag.
+
+`probe` asks every Sentinel of the shard which node is the primary (and counts the ones that
+answer), then reads INFO replication from that primary; for a shard without replicas it
+reads INFO replication from the one node. `replication_status` turns the answers into the
+RelayShard's status.redis, and is pure so tests can feed it INFO text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Mapping
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from relay.fleet.sharding import SentinelTarget, is_sentinel_url, parse_sentinel_url
+
+Obj = dict[str, Any]
+_TIMEOUT_S = 2.0
+
+
+def parse_info(text: str) -> dict[str, str]:
+    """INFO's `key:value` lines as a dict (section headers and blanks skipped)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#") or ":" not in line:
+            continue
+        key, _, value = line.partition(":")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _fields(value: object) -> dict[str, str]:
+    """`ip=10.0.0.1,port=6379,state=online,offset=9,lag=0` (or redis-py's dict of it)."""
+    if isinstance(value, Mapping):
+        return {str(k): str(v) for k, v in value.items()}
+    text = str(value or "")
+    return dict(part.partition("=")[::2] for part in text.split(",") if "=" in part)
+
+
+def _int(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def replication_status(
+    primary: str, info: Mapping[str, Any], sentinels_reachable: int | None, now: str
+) -> Obj:
+    """status.redis from the primary's INFO replication (parse_info's text form, or the
+    dict redis-py makes of it)."""
+    out: Obj = {"primary": primary, "observedAt": now}
+    if sentinels_reachable is not None:
+        out["sentinelsReachable"] = sentinels_reachable
+    role = info.get("role")
+    if role != "master":
+        out["message"] = f"{primary} reports role {role or 'unknown'}: a failover is under way"
+        return out
+    top = _int(info.get("master_repl_offset")) or 0
+    out["primaryOffset"] = top
+    replicas: list[Obj] = []
+    for i in range(_int(info.get("connected_slaves")) or 0):
+        f = _fields(info.get(f"slave{i}", ""))
+        host, port = f.get("ip", "?"), f.get("port", "?")
+        entry: Obj = {"address": f"{host}:{port}", "state": f.get("state", "unknown")}
+        offset = _int(f.get("offset"))
+        if offset is not None:
+            entry["offset"] = offset
+            entry["lagBytes"] = max(0, top - offset)
+        lag = _int(f.get("lag"))
+        if lag is not None:
+            entry["lagSeconds"] = lag
+        replicas.append(entry)
+    out["replicas"] = replicas
+    return out
+
+
+async def _ask(target: SentinelTarget, host: str, port: int) -> tuple[bool, tuple[str, int] | None]:
+    """(whether the Sentinel answered, the primary it names if any)."""
+    client = aioredis.Redis(
+        host=host,
+        port=port,
+        password=target.sentinel_password,
+        socket_timeout=_TIMEOUT_S,
+        socket_connect_timeout=_TIMEOUT_S,
+    )
+    try:
+        reply = await asyncio.wait_for(client.sentinel_get_master_addr_by_name(target.service), _TIMEOUT_S)
+    except (RedisError, OSError, TimeoutError):
+        return False, None
+    finally:
+        await client.aclose()
+    if not isinstance(reply, list | tuple) or len(reply) != 2:
+        return True, None
+    name, number = reply
+    return True, ((name.decode() if isinstance(name, bytes) else str(name)), int(number))
+
+
+async def sentinel_primary(target: SentinelTarget) -> tuple[tuple[str, int] | None, int]:
+    """(the primary most Sentinels name, how many Sentinels answered at all)."""
+    answers = await asyncio.gather(*(_ask(target, h, p) for h, p in target.sentinels))
+    named = [primary for _, primary in answers if primary is not None]
+    reachable = sum(1 for answered, _ in answers if answered)
+    if not named:
+        return None, reachable
+    return collections.Counter(named).most_common(1)[0][0], reachable
+
+
+async def _info(host: str, port: int, password: str | None, username: str | None) -> dict[str, Any]:
+    client = aioredis.Redis(
+        host=host,
+        port=port,
+        username=username,
+        password=password,
+        socket_timeout=_TIMEOUT_S,
+        socket_connect_timeout=_TIMEOUT_S,
+    )
+    try:
+        return await _read_info(client)
+    finally:
+        await client.aclose()
+
+
+async def _read_info(client: aioredis.Redis) -> dict[str, Any]:
+    # redis-py parses INFO: slaveN lines arrive as dicts, which replication_status takes too.
+    return dict(await asyncio.wait_for(client.info("replication"), _TIMEOUT_S))
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def probe(url: str, now: str) -> Obj:
+    """status.redis for the shard at `url` (redis:// or redis+sentinel://); never raises:
+    what could not be seen is said in `message`."""
+    reachable: int | None = None
+    try:
+        if is_sentinel_url(url):
+            target = parse_sentinel_url(url)
+            found, reachable = await sentinel_primary(target)
+            if found is None:
+                why = "no Sentinel answers" if reachable == 0 else "no Sentinel names a primary"
+                return {"observedAt": now, "sentinelsReachable": reachable, "message": why}
+            host, port = found
+            info = await _info(host, port, target.password, target.username)
+        else:
+            client = aioredis.Redis.from_url(
+                url, socket_timeout=_TIMEOUT_S, socket_connect_timeout=_TIMEOUT_S
+            )
+            kwargs = client.connection_pool.connection_kwargs
+            host, port = str(kwargs.get("host", "localhost")), int(kwargs.get("port", 6379))
+            try:
+                info = await _read_info(client)
+            finally:
+                await client.aclose()
+    except (RedisError, OSError, TimeoutError, ValueError) as exc:
+        out: Obj = {"observedAt": now, "message": f"cannot read replication state: {type(exc).__name__}"}
+        if reachable is not None:
+            out["sentinelsReachable"] = reachable
+        return out
+    return replication_status(_join(host, port), info, reachable, now)
