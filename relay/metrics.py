@@ -56,6 +56,11 @@ RATE_LIMITED = Counter(
 )
 WAITERS = Gauge("relayfleet_waiters", "Long-polls currently waiting in this process", registry=REGISTRY)
 LIVE_CONNECTIONS = Gauge("relayfleet_live_connections", "Open live WebSocket connections", registry=REGISTRY)
+LIVE_DROPPED = Counter(
+    "relayfleet_live_dropped_total",
+    "Live WebSocket clients dropped because their socket accepted nothing for RELAY_LIVE_SEND_TIMEOUT_S",
+    registry=REGISTRY,
+)
 WAKEUP_SECONDS = Histogram(
     "relayfleet_wakeup_latency_seconds",
     "From the waking enqueue being stored to the waiter being answered",

@@ -17,6 +17,7 @@ from relay.storage.store import (
     SlotMigrating,
     SlotMoved,
     StatusResult,
+    StoreOutcomeUnknown,
     StoreUnavailable,
     enqueue_outcome,
 )
@@ -151,7 +152,10 @@ class QueueService:
         The bookkeeping of a stored message (metrics, `on_stored`) runs as Redis's reply
         is read, so it happens even when the awaiting handler was cancelled because its
         client left, without a task per request (a shielded task was ~9 % of enqueue CPU).
-        Fenced or moved slots and a lost shard continue as `call` would, in a task.
+        Fenced or moved slots and a lost shard continue as `call` would, in a task. An
+        attempt whose reply was lost (reply timeout, connection cut: Redis may have stored
+        it) is resent with its token until Redis says what it did (_Enqueue.resolve), so a
+        stored message is never answered 5xx and never stored twice by the relay.
         """
         digest = (
             "*"
@@ -165,7 +169,7 @@ class QueueService:
         job = _Enqueue(self, done, route, loop.time() + self.settings.request_deadline_s)
         job.recipient, job.channel, job.payload, job.ts = recipient, channel, payload, ts
         job.idempotency_key, job.digest, job.message_id = idempotency_key, digest, message_id
-        route.store.enqueue_to(job, route.keys, payload, ts, idempotency_key, digest, message_id)
+        job.token = route.store.enqueue_to(job, route.keys, payload, ts, idempotency_key, digest, message_id)
         return done
 
     def _stored(self, recipient: bytes, channel: bytes, size: int, outcome: EnqueueOutcome) -> None:
@@ -249,7 +253,9 @@ class _Enqueue:
         "payload",
         "recipient",
         "route",
+        "sent_at",
         "service",
+        "token",
         "ts",
     )
 
@@ -260,6 +266,7 @@ class _Enqueue:
     idempotency_key: str
     digest: str
     message_id: str
+    token: bytes  # the first attempt's (RESP-encoded), reused by resends
 
     def __init__(
         self, service: QueueService, outcome: asyncio.Future[EnqueueOutcome], route: Route, deadline: float
@@ -268,6 +275,7 @@ class _Enqueue:
         self.outcome = outcome
         self.route = route  # of the first attempt; a retry routes afresh
         self.deadline = deadline
+        self.sent_at = asyncio.get_running_loop().time()
         self.answered = False
 
     # -- ReplySink: called by the pipeline once, with the reply or the failure --------
@@ -288,7 +296,9 @@ class _Enqueue:
 
     def set_exception(self, exception: BaseException, /) -> None:
         self.answered = True
-        if isinstance(exception, StoreUnavailable):
+        if isinstance(exception, StoreOutcomeUnknown):
+            self.service._spawn(self.resolve())
+        elif isinstance(exception, StoreUnavailable):
             self.service._spawn(self.retry(exception))
         else:
             self.fail(exception)
@@ -312,8 +322,55 @@ class _Enqueue:
 
     def attempt(self, route: Route) -> Awaitable[EnqueueOutcome]:
         return route.store.enqueue(
-            route.keys, self.payload, self.ts, self.idempotency_key, self.digest, self.message_id
+            route.keys, self.payload, self.ts, self.idempotency_key, self.digest, self.message_id, self.token
         )
+
+    def resend(self, route: Route) -> Awaitable[EnqueueOutcome]:
+        """The same attempt again (same time and token), asking Redis whether it stored it."""
+        return route.store.enqueue(
+            route.keys,
+            self.payload,
+            self.ts,
+            self.idempotency_key,
+            self.digest,
+            self.message_id,
+            self.token,
+            resend=True,
+        )
+
+    async def resolve(self) -> None:
+        """The reply to a sent attempt was lost. Resend until Redis answers: with the
+        message's seq if the lost attempt stored it, else by storing it now. Redis can tell
+        only within the queue's rate window (enqueue.lua keeps "<seq>:<token>" there that
+        long), so resends stop there (or at the request deadline); after that the outcome
+        is unknown and the sender gets 503 (docs/reliability.md: use Idempotency-Key)."""
+        loop = asyncio.get_running_loop()
+        window_s = self.service.settings.limits.rate_window_ms / 1000
+        limit = min(self.deadline, self.sent_at + window_s - _RESOLVE_MARGIN_S)
+        delay = 0.01
+        try:
+            while True:
+                route = self.service.fleet.route(self.recipient, self.channel)
+                try:
+                    outcome = await self.resend(route)
+                except (SlotMoved, SlotMigrating) as exc:  # a migration copies the rate window too
+                    outcome = await self.service._retry(
+                        self.recipient, self.channel, self.resend, route, limit, exc
+                    )
+                except StoreUnavailable:
+                    metrics.RETRIES.labels("outcome_unknown").inc()
+                    if loop.time() + delay > limit:
+                        raise Unavailable("shard unavailable; the message may have been stored") from None
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.25)
+                    continue
+                break
+        except BaseException as err:
+            self.fail(err)
+            if not isinstance(err, Exception):
+                raise
+            return
+        self.finish(outcome)
 
     async def retry(self, exc: Exception) -> None:
         try:
@@ -326,6 +383,9 @@ class _Enqueue:
                 raise
             return
         self.finish(outcome)
+
+
+_RESOLVE_MARGIN_S = 1.0  # clock skew between relays and Redis's view of the rate window
 
 
 def _count(op: str, result: ReadResult) -> None:

@@ -71,6 +71,10 @@ class Settings:
     push_webhook: str | None = None
     shutdown_grace_s: float = 10.0
     live_queue_max: int = 256  # unacked frames in flight per WebSocket before we stop reading ahead
+    # A live client whose socket accepts nothing for this long is dropped (its frames held in memory).
+    live_send_timeout_s: float = field(
+        default_factory=lambda: max(0.1, env_float("RELAY_LIVE_SEND_TIMEOUT_S", 30.0))
+    )
     # A body must arrive within this long, or a slow sender (slowloris) holds a handler forever.
     body_timeout_s: float = field(default_factory=lambda: env_float("RELAY_BODY_TIMEOUT_S", 30.0))
     # Shard health (INFO) every this many seconds; slot statistics at most this often, after a scrape.
@@ -107,4 +111,7 @@ def limits_from_env() -> QueueLimits:
         max_messages=env_int("RELAY_QUEUE_MAX_MESSAGES", d.max_messages),
         max_bytes=env_int("RELAY_QUEUE_MAX_BYTES", d.max_bytes),
         retention_ms=env_int("RELAY_RETENTION_SECONDS", d.retention_ms // 1000) * 1000,
+        max_response_bytes=max(1, env_int("RELAY_MAX_RESPONSE_BYTES", d.max_response_bytes)),
+        write_timeout_s=max(0.05, env_float("RELAY_REDIS_WRITE_TIMEOUT_S", d.write_timeout_s)),
+        read_timeout_s=max(0.05, env_float("RELAY_REDIS_READ_TIMEOUT_S", d.read_timeout_s)),
     )

@@ -5,8 +5,15 @@ same signature as any GET), takes the queue over from an older connection of
 this process (closed with 4409), and then reads client frames (acks and Pickup
 2.0 messages) while a sender task streams. The sender registers its waiter
 before reading, keeps at most ``live_queue_max`` frames unacknowledged, reads
-Redis in small batches, and re-resolves the queue's route on every wake so it
-follows a slot migration. Nothing is deleted without an ack.
+Redis in small batches (at most READ_BATCH messages and the response byte budget),
+and re-resolves the queue's route on every wake so it follows a slot migration.
+Nothing is deleted without an ack.
+
+A slow consumer costs bounded memory: frames are written with back-pressure (each
+send waits for the socket to drain), the batch being sent is released message by
+message, and a client whose socket accepts nothing for RELAY_LIVE_SEND_TIMEOUT_S is
+dropped (connection aborted). Cleanup of the registry and the gauge runs however
+the connection ends.
 """
 
 from __future__ import annotations
@@ -45,12 +52,24 @@ NOTICE_CHECK_S = 0.5  # while not reading (window full, paused), look for takeov
 MAX_FRAME = 1 << 20  # client frames are acks and Pickup messages
 
 
+class SlowConsumer(Exception):
+    """The client's socket accepted nothing for live_send_timeout_s; the connection is aborted."""
+
+
 class LiveSession:
     """One live connection: the queue, the stream position and the unacked window."""
 
-    def __init__(self, c: Context, ws: web.WebSocketResponse, recipient: bytes, channel: bytes) -> None:
+    def __init__(
+        self,
+        c: Context,
+        ws: web.WebSocketResponse,
+        recipient: bytes,
+        channel: bytes,
+        transport: asyncio.Transport | None = None,
+    ) -> None:
         self.c = c
         self.ws = ws
+        self.transport = transport  # aborted to drop a consumer that stopped reading
         self.recipient = recipient
         self.channel = channel
         self.window = max(1, c.settings.live_queue_max)
@@ -93,8 +112,21 @@ class LiveSession:
 
     async def send(self, doc: dict[str, Any]) -> None:
         # uncompressed frames are written whole without yielding, so the sender
-        # task and replies to client frames never interleave inside a frame
-        await self.ws.send_str(orjson.dumps(doc).decode())
+        # task and replies to client frames never interleave inside a frame; the
+        # writer then waits for the socket to drain (back-pressure)
+        try:
+            async with asyncio.timeout(self.c.settings.live_send_timeout_s):
+                await self.ws.send_frame(orjson.dumps(doc), WSMsgType.TEXT)
+        except TimeoutError:
+            self.drop()
+            raise SlowConsumer() from None
+
+    def drop(self) -> None:
+        """Abort the connection: its unsent frames are freed, the client reconnects."""
+        if self.transport is not None and not self.transport.is_closing():
+            metrics.LIVE_DROPPED.inc()
+            log.warning("live consumer dropped: socket blocked for %ss", self.c.settings.live_send_timeout_s)
+            self.transport.abort()
 
     # -- sender ------------------------------------------------------------
     async def stream(self, from_seq: int | None) -> None:
@@ -126,9 +158,11 @@ class LiveSession:
                         epoch = result.epoch
                         continue
                     epoch = result.epoch
+                    got = len(result.messages)
+                    newest = result.messages[-1].seq if got else 0
                     next_seq = await self._send_batch(result, next_seq)
-                    if len(result.messages) == want:
-                        continue  # more backlog may be waiting
+                    if got == want or (got and newest < result.last_seq):
+                        continue  # more backlog may be waiting (limit or byte budget reached)
                     if not sent_empty:
                         await self.send({"type": "empty"})
                         sent_empty = True
@@ -141,13 +175,18 @@ class LiveSession:
                         break  # the queue moved to another shard: wait there
 
     async def _send_batch(self, result: ReadResult, next_seq: int | None) -> int:
-        for m in result.messages:
-            await self.send({"type": "message", **message_json(m)})
-            self.inflight.append(m.seq)
+        if not result.messages:
+            return next_seq if next_seq is not None else result.last_seq + 1
+        last = result.messages[-1].seq
+        pending = result.messages[::-1]
+        result.messages.clear()  # each payload is freed once its frame is written
+        while pending:
+            frame = {"type": "message", **message_json(pending.pop())}
+            await self.send(frame)
+            self.inflight.append(frame["seq"])
+            del frame
         self._update_room()
-        if result.messages:
-            return result.messages[-1].seq + 1
-        return next_seq if next_seq is not None else result.last_seq + 1
+        return last + 1
 
     async def _wait_for_room(self, waiter: Waiter) -> None:
         """Backpressure: with the window full, read nothing more until acks arrive."""
@@ -256,21 +295,28 @@ async def live(request: web.Request) -> web.StreamResponse:
         raise Unavailable("relay shutting down")
     await ws.prepare(request)
     key = (recipient, channel)
-    session = LiveSession(c, ws, recipient, channel)
+    session = LiveSession(c, ws, recipient, channel, request.transport)
     _take_over(c, key, session)
     metrics.LIVE_CONNECTIONS.inc()
     sender = asyncio.get_running_loop().create_task(session.stream(from_seq))
     try:
         await _receive(session, sender)
     finally:
+        # first the bookkeeping, with no await before it: it must run however the
+        # connection ended (the sender's error, the client gone, this handler cancelled)
         sender.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sender
         if c.live.by_queue.get(key) is ws:
             del c.live.by_queue[key]
         metrics.LIVE_CONNECTIONS.dec()
+        # then collect the sender's end (its errors were answered in _receive, or the
+        # client is gone) and close, neither of which may raise out of the handler
+        await asyncio.gather(sender, return_exceptions=True)
         if not ws.closed:
-            await ws.close()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(c.settings.live_send_timeout_s):
+                    await ws.close()
+            if not ws.closed:
+                session.drop()
     return ws
 
 
@@ -305,8 +351,8 @@ async def _receive(session: LiveSession, sender: asyncio.Task[None]) -> None:
             elif msg.type == WSMsgType.BINARY:
                 await session.send_error("bad_frame", "frames must be text (JSON)")
             reader = asyncio.ensure_future(ws.receive())
-    except ConnectionError:
-        return  # the peer went away while we answered
+    except (ConnectionError, SlowConsumer):
+        return  # the peer went away while we answered, or stopped reading
     except Exception as exc:  # never a traceback into the HTTP middleware after the upgrade
         log.error("live connection failed: %s", type(exc).__name__, exc_info=exc)
         await ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"internal error")
@@ -320,8 +366,8 @@ async def _receive(session: LiveSession, sender: asyncio.Task[None]) -> None:
 
 async def _sender_ended(session: LiveSession, sender: asyncio.Task[None]) -> None:
     exc = None if sender.cancelled() else sender.exception()
-    if exc is None or isinstance(exc, ConnectionError):
-        return  # shut down, or the peer went away mid-send
+    if exc is None or isinstance(exc, (ConnectionError, SlowConsumer)):
+        return  # shut down, the peer went away mid-send, or it was dropped
     if isinstance(exc, Unavailable):
         code, text = WSCloseCode.TRY_AGAIN_LATER, b"shard unavailable; reconnect"
     else:

@@ -28,6 +28,12 @@ class StoreUnavailable(Exception):
     """The shard's Redis did not answer; the caller answers 503 + Retry-After."""
 
 
+class StoreOutcomeUnknown(StoreUnavailable):
+    """The command was sent but its reply never came (timeout, connection lost): Redis
+    may have run it. A write must find out what happened before it answers (see
+    QueueService.enqueue); nothing here resends it."""
+
+
 class StoreRejected(Exception):
     """Redis refused the write (e.g. OOM under noeviction); the caller answers 507."""
 
@@ -150,11 +156,16 @@ class _Resp(asyncio.Protocol):
                 waiting.popleft()
                 self.owner._batch_done(batch)
 
-    def send(self, batch: _Batch, timeout: float) -> None:
+    def send(self, batch: _Batch, timeout: float | None = None) -> None:
+        """Write `batch`; without a reply in `timeout` (default: the batcher's for its size)
+        the connection is aborted and the batch's commands get StoreOutcomeUnknown."""
         assert self.transport is not None
+        data = b"".join([item[0] for item in batch.items])
+        if timeout is None:
+            timeout = self.owner.reply_timeout(len(data), len(batch.items))
         self.waiting.append(batch)
         batch.timer = asyncio.get_running_loop().call_later(timeout, self.abort, "timeout")
-        self.transport.write(b"".join([item[0] for item in batch.items]))
+        self.transport.write(data)
 
     def abort(self, reason: str) -> None:
         if self.transport is not None:
@@ -168,12 +179,28 @@ class _Resp(asyncio.Protocol):
         self.lost = True
         waiting, self.waiting = self.waiting, deque()
         for batch in waiting:
-            _fail(batch.items[batch.pos :] + batch.retry, StoreUnavailable(reason))
+            # written, no reply: Redis may have run them; NOSCRIPT retries did not run
+            _fail(batch.items[batch.pos :], StoreOutcomeUnknown(reason))
+            _fail(batch.retry, StoreUnavailable(reason))
             batch.retry = []
             self.owner._batch_done(batch)
 
 
+# Reply deadlines grow with the bytes a batch moves at this rate (a floor well under
+# loopback and LAN speed): a 5 MiB enqueue or an 8 MiB read gets its transfer time on top
+# of the base, a batch of small writes only the base.
+_MIN_BYTES_PER_S = 32 * 1024 * 1024
+
+
 class ScriptBatcher:
+    """One Redis connection of a shard and the pipeline feeding it.
+
+    A shard has two (relay/storage/store.py): a hot one for writes and small replies
+    and a bulk one for reads and drains, so a huge reply never sits in front of a small
+    write (DESIGN §3, hostile traffic). Each batch's reply deadline is `reply_timeout`
+    plus the transfer time of what it sends and of `reply_bytes` per command.
+    """
+
     def __init__(
         self,
         client: aioredis.Redis,
@@ -182,6 +209,7 @@ class ScriptBatcher:
         max_batch: int = 512,
         connect_timeout: float = 2.0,
         reply_timeout: float = 5.0,
+        reply_bytes: int = 0,
     ) -> None:
         self._client = client  # loads scripts (start, NOSCRIPT); the hot path is raw
         self._target = RedisTarget.from_url(url)  # the hot path's own connection (RESP, hiredis)
@@ -189,6 +217,7 @@ class ScriptBatcher:
         self._max_batch = max_batch
         self._connect_timeout = connect_timeout
         self._reply_timeout = reply_timeout
+        self._reply_bytes = reply_bytes
         self._pending: deque[_Item] = deque()
         self._inflight = 0
         self._scheduled = False
@@ -196,6 +225,10 @@ class ScriptBatcher:
         self._connecting: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+
+    def reply_timeout(self, sent_bytes: int, commands: int) -> float:
+        """Seconds a batch of `commands` sending `sent_bytes` may wait for its replies."""
+        return self._reply_timeout + (sent_bytes + commands * self._reply_bytes) / _MIN_BYTES_PER_S
 
     async def load_scripts(self) -> None:
         for script in ALL:
@@ -247,7 +280,7 @@ class ScriptBatcher:
             n = min(len(self._pending), self._max_batch)
             items = [self._pending.popleft() for _ in range(n)]
             self._inflight += 1
-            conn.send(_Batch(items, may_reload=True), self._reply_timeout)
+            conn.send(_Batch(items, may_reload=True))
 
     def _batch_done(self, batch: _Batch) -> None:
         if batch.timer is not None:
@@ -266,7 +299,7 @@ class ScriptBatcher:
             _fail(items, StoreUnavailable("connection lost"))
             return
         self._inflight += 1
-        conn.send(_Batch([*_script_loads(), *items], may_reload=False), self._reply_timeout)
+        conn.send(_Batch([*_script_loads(), *items], may_reload=False))
 
     async def _connect(self) -> None:
         try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -17,10 +16,12 @@ from relay.storage import scripts
 from relay.storage.pipeline import (
     ReplySink,
     ScriptBatcher,
+    StoreOutcomeUnknown,
     StoreRejected,
     StoreUnavailable,
     bulk,
     bulk_str,
+    encode_command,
     encode_evalsha,
 )
 from relay.storage.wakeups import NOTICE_PREFIX
@@ -34,6 +35,7 @@ __all__ = [
     "SlotMigrating",
     "SlotMoved",
     "StatusResult",
+    "StoreOutcomeUnknown",
     "StoreRejected",
     "StoreUnavailable",
     "enqueue_outcome",
@@ -58,6 +60,12 @@ class QueueLimits:
     max_messages: int = 10000
     max_bytes: int = 256 * 1024 * 1024
     retention_ms: int = 7 * 24 * 3600 * 1000
+    # a read, drain or live batch carries at most this many payload bytes (DESIGN §3)
+    max_response_bytes: int = 8 * 1024 * 1024
+    # reply deadlines per connection class (pipeline.ScriptBatcher.reply_timeout adds
+    # transfer time): writes and small replies; reads and drains
+    write_timeout_s: float = 2.0
+    read_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,27 +102,20 @@ class StatusResult:
     newest_ms: int | None
 
 
-_ENQUEUE_ARGS = 13
+_ENQUEUE_ARGS = 14
 _ENQUEUE_PARTS_MAX = 8192
 _EMPTY_BULK = b"$0\r\n\r\n"
+_RESEND = b"$1\r\n1\r\n"
 
 _EPOCH_PREFIX = os.urandom(5).hex()
 _EPOCH_PREFIX_BYTES = _EPOCH_PREFIX.encode()
 _epoch_counter = itertools.count()
 
 
-def new_epoch() -> str:
-    """A value no other call anywhere returns: random per process, then a counter.
-
-    Only the call that creates a queue's meta keeps it, yet every call passes one,
-    so urandom per call was measurable; re-seeded in forked children (see below).
-    """
-    n = _epoch_number()
-    return f"{_EPOCH_PREFIX}{n:06x}"
-
-
 def _epoch_bulk() -> bytes:
-    """new_epoch() as a RESP bulk string (16 hex digits), for the enqueue command."""
+    """A RESP bulk string (16 hex digits) no other call anywhere returns: random per process,
+    then a counter (urandom per call was measurable); re-seeded in forked children (see
+    below). Each enqueue attempt's token, kept as the epoch when a queue's meta was lost."""
     n = _epoch_number()  # first: it may re-draw the prefix
     return b"$16\r\n%b%06x\r\n" % (_EPOCH_PREFIX_BYTES, n)
 
@@ -135,10 +136,6 @@ def _reseed_epochs() -> None:
 
 
 os.register_at_fork(after_in_child=_reseed_epochs)
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def _s(value: Any) -> str:
@@ -205,7 +202,12 @@ class ShardStore:
             socket_timeout=5.0,
             health_check_interval=0,
         )
-        self._batcher = ScriptBatcher(self.client, url)
+        # hot: enqueue, ack, status, nonce, publish (small replies, short deadline);
+        # bulk: read and drain, whose replies reach max_response_bytes (DESIGN §3)
+        self._batcher = ScriptBatcher(self.client, url, reply_timeout=limits.write_timeout_s)
+        self._bulk = ScriptBatcher(
+            self.client, url, reply_timeout=limits.read_timeout_s, reply_bytes=limits.max_response_bytes
+        )
         # per hot queue, the encoded parts of its enqueue command that never change (enqueue
         # only: an entry per idle long-poll would cost ~1 KiB each); bounded, cleared when full
         self._enqueue_parts: dict[str, tuple[bytes, bytes]] = {}
@@ -218,6 +220,7 @@ class ShardStore:
 
     async def close(self) -> None:
         await self._batcher.close()
+        await self._bulk.close()
         await self.client.aclose()
 
     async def ping(self) -> bool:
@@ -234,9 +237,11 @@ class ShardStore:
         idem_key: str = "",
         digest: str = "",
         message_id: str = "",
+        token: bytes = b"",
+        resend: bool = False,
     ) -> EnqueueOutcome:
         reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.enqueue_to(reply, q, payload, now_ms, idem_key, digest, message_id)
+        self.enqueue_to(reply, q, payload, now_ms, idem_key, digest, message_id, token, resend)
         return enqueue_outcome(await reply)
 
     def enqueue_to(
@@ -248,16 +253,25 @@ class ShardStore:
         idem_key: str = "",
         digest: str = "",
         message_id: str = "",
-    ) -> None:
+        token: bytes = b"",
+        resend: bool = False,
+    ) -> bytes:
         """Queue the enqueue script for the next pipeline; Redis's raw reply goes to `sink`,
-        `enqueue_outcome` reads it. No coroutine: the hot path awaits nothing here."""
+        `enqueue_outcome` reads it. No coroutine: the hot path awaits nothing here.
+
+        Returns the attempt's token (RESP-encoded). When the reply is lost
+        (StoreOutcomeUnknown), enqueue again with the same `now_ms`, that token and
+        `resend`: Redis then answers the first attempt's seq if it stored the message.
+        """
         parts = self._enqueue_parts.get(q.qid)
         if parts is None:
             parts = self._encode_enqueue_parts(q)
         now = b"%d" % now_ms
-        # ARGV: payload, now, idempotency key, digest, messageId, five limits, qid, wake, epoch
+        token = token or _epoch_bulk()
+        # ARGV: payload, now, idempotency key, digest, messageId, five limits, qid, wake,
+        # token, resend flag
         self._batcher.submit_to(
-            b"%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b%b%b%b"
+            b"%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b%b%b%b%b"
             % (
                 parts[0],
                 len(payload),
@@ -268,10 +282,12 @@ class ShardStore:
                 bulk_str(digest) if digest else _EMPTY_BULK,
                 bulk_str(message_id) if message_id else _EMPTY_BULK,
                 parts[1],
-                _epoch_bulk(),
+                token,
+                _RESEND if resend else _EMPTY_BULK,
             ),
             sink,
         )
+        return token
 
     def _encode_enqueue_parts(self, q: K.QueueKeys) -> tuple[bytes, bytes]:
         """The queue's fixed parts of an enqueue command: up to the payload, limits to wake."""
@@ -289,21 +305,23 @@ class ShardStore:
         return parts
 
     async def read(self, q: K.QueueKeys, from_seq: int | None, limit: int) -> ReadResult:
+        """At most `limit` messages and max_response_bytes of payload (at least one message)."""
         reply = _check(
-            await self._batcher.call(
+            await self._bulk.call(
                 scripts.READ,
-                (q.state, q.meta, q.msgs, q.index),
-                ("" if from_seq is None else from_seq, limit, q.qid, new_epoch(), _now_ms()),
+                (q.state, q.meta, q.msgs, q.stats),
+                ("" if from_seq is None else from_seq, limit, self.limits.max_response_bytes, q.qid),
             )
         )
         return ReadResult(_messages(reply[3]), _s(reply[1]), int(reply[2]))
 
     async def drain(self, q: K.QueueKeys, limit: int) -> ReadResult:
+        """As `read` from the oldest, deleting exactly the messages returned."""
         reply = _check(
-            await self._batcher.call(
+            await self._bulk.call(
                 scripts.DRAIN,
-                (q.state, q.meta, q.msgs, q.stats, q.index),
-                (limit, q.qid, new_epoch(), _now_ms()),
+                (q.state, q.meta, q.msgs, q.stats),
+                (limit, self.limits.max_response_bytes, q.qid),
             )
         )
         return ReadResult(_messages(reply[3]), _s(reply[1]), int(reply[2]), more=bool(reply[4]))
@@ -323,11 +341,7 @@ class ShardStore:
         return int(reply[1])
 
     async def status(self, q: K.QueueKeys) -> StatusResult:
-        r = _check(
-            await self._batcher.call(
-                scripts.STATUS, (q.state, q.meta, q.msgs, q.index), (q.qid, new_epoch(), _now_ms())
-            )
-        )
+        r = _check(await self._batcher.call(scripts.STATUS, (q.state, q.meta, q.msgs, q.stats), (q.qid,)))
         return StatusResult(
             count=int(r[1]),
             bytes=int(r[2]),
@@ -338,11 +352,11 @@ class ShardStore:
         )
 
     async def publish_notice(self, channel: str, data: bytes) -> int:
-        """Publish a notice (not a message) on a wakeup channel; returns the subscriber count."""
-        try:
-            return int(await self.client.publish(channel, NOTICE_PREFIX + data))
-        except (RedisError, OSError) as exc:
-            raise StoreUnavailable(type(exc).__name__) from None
+        """Publish a notice (not a message) on a wakeup channel; returns the subscriber count.
+
+        Through the pipeline, not the pooled client: a burst of live connects announcing
+        at once must not exhaust a small connection pool (which answered them 1013)."""
+        return int(await self._batcher.submit(encode_command("PUBLISH", channel, NOTICE_PREFIX + data)))
 
     async def use_nonce(self, slot: int, member: str, now_ms: int, lifetime_ms: int) -> bool:
         """True when the nonce was unused (and is now recorded)."""

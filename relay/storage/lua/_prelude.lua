@@ -22,21 +22,49 @@ local function entry_bytes(entries)
   return total
 end
 
+-- Payload size of one XRANGE-style entry (field 'n').
+local function entry_size(e)
+  local f = e[2]
+  for i = 1, #f, 2 do
+    if f[i] == 'n' then return tonumber(f[i + 1]) end
+  end
+  return 0
+end
+
+-- Up to `limit` entries from stream id `from` whose payloads total at most `budget`
+-- bytes, and always at least one (the response budget, DESIGN §3). A queue holding no
+-- more than the budget (`held` bytes in `len` messages; most queues) is one XRANGE;
+-- otherwise the stream is read in chunks sized from the largest mean seen so far, so
+-- Redis copies little beyond what it answers and never answers more than the budget.
+local function read_budget(msgs_key, from, limit, budget, held, len)
+  if held <= budget then
+    return redis.call('XRANGE', msgs_key, from, '+', 'COUNT', limit)
+  end
+  local out, total = {}, 0
+  local mean = math.max(1, math.floor(held / math.max(1, len)))
+  while #out < limit do
+    local want = math.max(1, math.min(limit - #out, 64, math.floor((budget - total) / mean)))
+    local chunk = redis.call('XRANGE', msgs_key, from, '+', 'COUNT', want)
+    if #chunk == 0 then break end
+    for _, e in ipairs(chunk) do
+      local n = entry_size(e)
+      if #out > 0 and total + n > budget then return out end
+      out[#out + 1] = e
+      total = total + n
+      if n > mean then mean = n end
+      if #out >= limit then return out end
+    end
+    from = '(' .. chunk[#chunk][1]
+  end
+  return out
+end
+
 -- Keep the per-slot load statistics the Spark jobs read without touching payloads.
 local function slot_stats(stats_key, dmsgs, dbytes)
   if dmsgs ~= 0 then redis.call('HINCRBY', stats_key, 'msgs', dmsgs) end
   if dbytes ~= 0 then redis.call('HINCRBY', stats_key, 'bytes', dbytes) end
 end
 
--- A queue gets its epoch the first time anyone touches it, so every answer
--- carries one; a lost or reset history shows up as a different epoch.
-local function ensure_epoch(meta_key, index_key, qid, epoch, now)
-  local cur = redis.call('HGET', meta_key, 'epoch')
-  if cur then return cur end
-  redis.call('HSET', meta_key, 'epoch', epoch, 'created', now)
-  redis.call('SADD', index_key, qid)
-  return epoch
-end
 
 -- Lost-tail detection. With appendfsync everysec a machine crash can lose the last
 -- second of writes, seq counter included; the relay then records this Redis run in
@@ -65,4 +93,15 @@ local function check_boot(meta_key)
   local epoch = string.sub(redis.sha1hex(run .. meta_key), 1, 16)
   redis.call('HSET', meta_key, 'epoch', epoch, 'seq', seq, 'r', run)
   return nil
+end
+
+-- The epoch of a queue that has no keys (DESIGN §3: reads, status and inbox reads of
+-- a queue that does not exist create no Redis state). Every read answers the same
+-- value and the first enqueue stores it, so a client sees no change when the queue
+-- appears. It changes with the Redis run (a replaced Redis) and with the slot's 'qgen'
+-- (bumped by trim.lua whenever it deletes a queue), so a queue deleted and created
+-- again never repeats an epoch its earlier life used.
+local function pending_epoch(stats_key, qid)
+  local gen = redis.call('HGET', stats_key, 'qgen') or '0'
+  return string.sub(redis.sha1hex((boot_run() or '') .. ':' .. gen .. ':' .. qid), 1, 16)
 end

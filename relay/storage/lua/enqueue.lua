@@ -11,16 +11,36 @@
 -- ARGV[6] rate limit: messages per window   ARGV[7] rate window, ms
 -- ARGV[8] queue cap: messages        ARGV[9] queue cap: bytes
 -- ARGV[10] idempotency retention, ms ARGV[11] queue id (slot index member)
--- ARGV[12] wakeup channel            ARGV[13] epoch to use if the queue is new
+-- ARGV[12] wakeup channel
+-- ARGV[13] attempt token: unique per enqueue (kept across its resends); also the epoch
+--          of a queue whose meta was lost while its index entry stayed
+-- ARGV[14] '1' when this resends an attempt whose reply never came (its outcome is
+--          unknown): if that attempt stored the message, answer its seq instead
 -- Returns {'ok', seq, subscribers} | {'dup', seq} | {'conflict', seq}
 --       | {'rate', retry_after_ms} | {'full', reason} | fence reply
 local f = fence(KEYS[1])
 if f then return f end
 local now = tonumber(ARGV[2])
+if ARGV[14] == '1' then
+  -- the lost attempt ran with the same `now`: its rate-window entry "<seq>:<token>" is
+  -- scored `now` and stays for the rate window, within which the relay resends
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[6], now, now)) do
+    local sep = string.find(member, ':', 1, true)
+    if sep and string.sub(member, sep + 1) == ARGV[13] then
+      return {'ok', tonumber(string.sub(member, 1, sep - 1)), 0}
+    end
+  end
+end
 -- The first write must be one Redis refuses at maxmemory (HSETNX is): Redis only
 -- checks OOM before a script's first write, and a refused enqueue changes nothing.
 if redis.call('HSETNX', KEYS[2], 'epoch', ARGV[13]) == 1 then
-  redis.call('HSET', KEYS[2], 'created', now)
+  -- a new queue keeps the epoch reads already answered for it; one still in the index
+  -- lost its meta (its history), so it keeps the fresh token instead
+  if redis.call('SISMEMBER', KEYS[7], ARGV[11]) == 0 then
+    redis.call('HSET', KEYS[2], 'epoch', pending_epoch(KEYS[8], ARGV[11]), 'created', now)
+  else
+    redis.call('HSET', KEYS[2], 'created', now)
+  end
   redis.call('SADD', KEYS[7], ARGV[11])
 end
 local stamp = check_boot(KEYS[2])
@@ -49,7 +69,7 @@ local seq = (tonumber(meta[1]) or 0) + 1
 redis.call('XADD', KEYS[3], seq .. '-0', 'p', ARGV[1], 't', now, 'm', ARGV[5], 'n', size)
 redis.call('HSET', KEYS[2], 'seq', seq, 'bytes', held + size)
 if stamp then redis.call('HSET', KEYS[2], 'r', stamp) end
-redis.call('ZADD', KEYS[6], now, seq)
+redis.call('ZADD', KEYS[6], now, seq .. ':' .. ARGV[13])
 redis.call('PEXPIRE', KEYS[6], window)
 if ikey ~= '' then
   redis.call('HSET', KEYS[4], ikey, seq .. ':' .. ARGV[4])

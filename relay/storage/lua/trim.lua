@@ -24,6 +24,7 @@ local budget = tonumber(ARGV[6])
 -- An index entry whose queue has no keys left is stale: drop it.
 if redis.call('EXISTS', KEYS[2], KEYS[3], KEYS[4], KEYS[5]) == 0 then
   redis.call('SREM', KEYS[7], ARGV[5])
+  redis.call('HINCRBY', KEYS[8], 'qgen', 1)  -- its history is gone: never reuse its epoch
   return {'ok', 0, 0, 1, 0}
 end
 
@@ -121,6 +122,8 @@ if len == 0 and idle >= 0 then
   if now - since >= idle and more == 0 and redis.call('ZCARD', KEYS[5]) == 0 then
     redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
     redis.call('SREM', KEYS[7], ARGV[5])
+    -- a queue created again under this name must not get the epoch it had (prelude pending_epoch)
+    redis.call('HINCRBY', KEYS[8], 'qgen', 1)
     deleted = 1
   elseif mark then
     redis.call('HSET', KEYS[2], 'tseen', mark)
