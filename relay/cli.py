@@ -59,6 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     top = sub.add_parser("top", help="live figures of a fleet from its relays' /metrics")
     top.add_argument("urls", nargs="*", default=[_env("RELAY_URL", "http://127.0.0.1:8080")])
     top.add_argument("--once", action="store_true")
+    # --kube: find the relays through the Kubernetes API instead of URLs (see relay/top_kube.py)
+    top.add_argument(
+        "--kube", action="store_true", help="discover the fleet's relays through the Kubernetes API"
+    )
+    top.add_argument("--namespace", help="with --kube: the fleet's namespace (default: the kubeconfig's)")
+    top.add_argument("--fleet", help="with --kube: only this fleet (default: every fleet in the namespace)")
+    top.add_argument(
+        "--kubeconfig", default=_env("KUBECONFIG"), help="with --kube: kubeconfig (env KUBECONFIG)"
+    )
+    top.add_argument(
+        "--direct", action="store_true", help="with --kube: read pod IPs directly, not via the API proxy"
+    )
     return parser
 
 
@@ -119,7 +131,17 @@ def _dispatch(args: argparse.Namespace) -> int:
     if cmd == "top":
         from relay.top import top_main
 
-        return int(top_main(args.urls, once=args.once))
+        if not args.kube:
+            return int(top_main(args.urls, once=args.once))
+        from relay.top_kube import KubeDiscoveryError, KubeRelays, default_namespace
+
+        try:
+            ns = args.namespace or default_namespace(args.kubeconfig)
+            relays = KubeRelays(ns, args.fleet, direct=args.direct, kubeconfig=args.kubeconfig)
+            return int(top_main([], once=args.once, source=relays))
+        except KubeDiscoveryError as exc:
+            print(f"relayfleet top: {exc}", file=sys.stderr)
+            return 1
     raise AssertionError(cmd)
 
 

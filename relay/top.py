@@ -15,7 +15,7 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Protocol, TextIO
 from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -59,11 +59,20 @@ def check_url(url: str) -> str | None:
     return None
 
 
-def scrape(url: str) -> Scrape:
+Fetch = Callable[[str], str]
+
+
+def http_fetch(url: str) -> str:
+    """A relay's /metrics text, straight over HTTP."""
+    with urllib.request.urlopen(_metrics_url(url), timeout=_TIMEOUT_S) as resp:
+        text: str = resp.read().decode("utf-8", "replace")
+        return text
+
+
+def scrape(url: str, fetch: Fetch = http_fetch) -> Scrape:
     out = Scrape(url, at=time.monotonic())
     try:
-        with urllib.request.urlopen(_metrics_url(url), timeout=_TIMEOUT_S) as resp:
-            text = resp.read().decode("utf-8", "replace")
+        text = fetch(url)
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 out.samples[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
@@ -72,9 +81,19 @@ def scrape(url: str) -> Scrape:
     return out
 
 
-def scrape_all(urls: list[str]) -> list[Scrape]:
+def scrape_all(urls: list[str], fetch: Fetch = http_fetch) -> list[Scrape]:
+    if not urls:
+        return []
     with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
-        return list(pool.map(scrape, urls))
+        return list(pool.map(lambda u: scrape(u, fetch), urls))
+
+
+class RelaySource(Protocol):
+    """Where the relays are, asked again before every read (pods come and go): `--kube`."""
+
+    def urls(self) -> list[str]: ...
+
+    def fetch(self, url: str) -> str: ...
 
 
 def _rate(
@@ -216,20 +235,36 @@ def _shard_table(up: Iterable[Scrape]) -> list[str]:
     return out
 
 
-def top_main(urls: list[str], once: bool, out: TextIO | None = None, refresh_s: float = REFRESH_S) -> int:
+def top_main(
+    urls: list[str],
+    once: bool,
+    out: TextIO | None = None,
+    refresh_s: float = REFRESH_S,
+    source: RelaySource | None = None,
+) -> int:
     stream = out or sys.stdout
-    if not urls:
-        print("relayfleet top: give at least one relay URL", file=sys.stderr)
-        return 2
-    for url in urls:
-        if (problem := check_url(url)) is not None:
-            print(f"relayfleet top: {problem}", file=sys.stderr)
+    if source is None:
+        if not urls:
+            print("relayfleet top: give at least one relay URL", file=sys.stderr)
             return 2
+        for url in urls:
+            if (problem := check_url(url)) is not None:
+                print(f"relayfleet top: {problem}", file=sys.stderr)
+                return 2
+
+    def scrape_now() -> list[Scrape]:
+        if source is None:
+            return scrape_all(urls)
+        return scrape_all(source.urls(), source.fetch)
+
     try:
-        before = scrape_all(urls)
+        before = scrape_now()
         if once:
+            if not before:
+                print("relayfleet top: the Kubernetes API lists no relay", file=sys.stderr)
+                return 1
             time.sleep(1.0)
-            after = scrape_all(urls)
+            after = scrape_now()
             print(render(before, after), file=stream)
             if all(s.error for s in after):
                 print("relayfleet top: no relay answered", file=sys.stderr)
@@ -237,7 +272,7 @@ def top_main(urls: list[str], once: bool, out: TextIO | None = None, refresh_s: 
             return 0
         while True:
             time.sleep(refresh_s)
-            after = scrape_all(urls)
+            after = scrape_now()
             print("\x1b[H\x1b[2J" + render(before, after), file=stream, flush=True)
             before = after
     except KeyboardInterrupt:

@@ -72,6 +72,11 @@ def _core_api(kubeconfig: str | None) -> Any:
     return client.CoreV1Api(client.ApiClient(cfg))
 
 
+def kube_core_api(kubeconfig: str | None = None) -> Any:
+    """A CoreV1Api the way the relay finds its cluster (in-cluster, else a kubeconfig)."""
+    return _core_api(kubeconfig)
+
+
 def _parse(cm: Any, where: str) -> ShardMap:
     data = getattr(cm, "data", None) or {}
     text = data.get(KEY)
