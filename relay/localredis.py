@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -42,6 +43,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class RedisTls:
+    """A TLS-only server: its certificate, and the CA it checks client certificates against."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    auth_clients: str = "no"  # yes: every client must present a certificate of `ca_file`
+
+    def args(self, port: int) -> list[str]:
+        return [
+            "--port", "0",
+            "--tls-port", str(port),
+            "--tls-cert-file", self.cert_file,
+            "--tls-key-file", self.key_file,
+            "--tls-ca-cert-file", self.ca_file,
+            "--tls-auth-clients", self.auth_clients,
+            # MIGRATE from this server to another TLS shard goes over TLS, presenting this
+            # server's certificate (Redis uses the cluster setting for MIGRATE's connection)
+            "--tls-cluster", "yes",
+            "--tls-replication", "yes",
+        ]  # fmt: skip
+
+
 @dataclass
 class LocalRedis:
     port: int = 0
@@ -51,11 +76,14 @@ class LocalRedis:
     dir: str = ""
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     binary: str = ""
+    tls: RedisTls | None = None  # TLS only (no plaintext port) when set
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        if self.tls is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls.ca_file}"
 
     def start(self, timeout: float = 10.0) -> LocalRedis:
         if not self.port:
@@ -80,6 +108,8 @@ class LocalRedis:
             args += ["--maxmemory", self.maxmemory]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.tls is not None:
+            args += self.tls.args(self.port)  # the later --port 0 wins: TLS only
         self.proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
@@ -90,16 +120,26 @@ class LocalRedis:
                     f"redis-server exited with {self.proc.returncode}; see {self.dir}/redis.log"
                 )
             try:
-                with socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
-                    s.sendall(
-                        b"PING\r\n" if not self.password else f"AUTH {self.password}\r\nPING\r\n".encode()
-                    )
-                    reply = s.recv(256)
-                    if b"PONG" in reply or b"+OK" in reply:
-                        return self
+                if self._answers():
+                    return self
             except OSError:
                 time.sleep(0.02)
         raise RuntimeError(f"redis-server on port {self.port} did not start in {timeout}s")
+
+    def _answers(self) -> bool:
+        with socket.create_connection(("127.0.0.1", self.port), 0.2) as raw:
+            if self.tls is None:
+                return self._ping(raw)
+            ctx = ssl.create_default_context(cafile=self.tls.ca_file)
+            if self.tls.auth_clients == "yes":
+                ctx.load_cert_chain(self.tls.cert_file, self.tls.key_file)
+            with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as wrapped:
+                return self._ping(wrapped)
+
+    def _ping(self, s: socket.socket) -> bool:
+        s.sendall(b"PING\r\n" if not self.password else f"AUTH {self.password}\r\nPING\r\n".encode())
+        reply = s.recv(256)
+        return b"PONG" in reply or b"+OK" in reply
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:

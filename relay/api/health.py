@@ -36,7 +36,13 @@ async def readyz(request: web.Request) -> web.Response:
             503,
             "not_ready",
             "some shards are not answering",
-            extra={"shardsDown": down, "subscribersDown": subs_down},
+            extra={
+                "shardsDown": down,
+                "subscribersDown": subs_down,
+                # why, per shard: the failing step and reason (TLS verification, AUTH...), no URL
+                "reasons": {s.name: s.last_error for s, ok in zip(stores, answers, strict=True) if not ok}
+                | {name: fleet.hubs[name].last_error for name in subs_down if name not in down},
+            },
         )
     return json_response({"status": "ready", "shardMapEpoch": fleet.map.epoch, "shards": len(stores)})
 

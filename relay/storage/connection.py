@@ -297,7 +297,11 @@ class _Login(asyncio.Protocol):
         for label, _ in steps:
             reply = await self._replies.get()
             if isinstance(reply, RedisConnectError):
-                raise RedisConnectError(f"{label} on {target.address}: {reply}")
+                hint = ""
+                if target.tls is not None and target.tls.cert_file is None:
+                    # a server demanding a client certificate often just resets (TLS 1.3)
+                    hint = "; if the server requires a client certificate, set ssl_certfile and ssl_keyfile"
+                raise RedisConnectError(f"{label} on {target.address}: {reply}{hint}")
             if isinstance(reply, hiredis.ReplyError):
                 # Redis's own error text (WRONGPASS, NOAUTH, ERR DB index...) holds no secret
                 raise RedisConnectError(f"{label} on {target.address} refused: {str(reply)[:120]}")

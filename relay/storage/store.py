@@ -26,6 +26,8 @@ from relay.storage.pipeline import (
 )
 from relay.storage.wakeups import NOTICE_PREFIX
 
+_PING = encode_command("PING")
+
 __all__ = [
     "EnqueueOutcome",
     "Message",
@@ -208,6 +210,7 @@ class ShardStore:
         self._bulk = ScriptBatcher(
             self.client, url, reply_timeout=limits.read_timeout_s, reply_bytes=limits.max_response_bytes
         )
+        self.last_error = ""  # why the last ping failed, for /readyz (never the URL)
         # per hot queue, the encoded parts of its enqueue command that never change (enqueue
         # only: an entry per idle long-poll would cost ~1 KiB each); bounded, cleared when full
         self._enqueue_parts: dict[str, tuple[bytes, bytes]] = {}
@@ -224,10 +227,21 @@ class ShardStore:
         await self.client.aclose()
 
     async def ping(self) -> bool:
+        """PING over the hot path's own connection (so a TLS or login problem of that
+        connection shows); on failure `last_error` says why, without URL or secret."""
         try:
-            return bool(await asyncio.wait_for(self.client.ping(), 2.0))
-        except (RedisError, OSError, TimeoutError):
+            reply = await asyncio.wait_for(self._batcher.submit(_PING), 2.0)
+        except StoreUnavailable as exc:
+            self.last_error = str(exc) or "unavailable"
             return False
+        except StoreRejected:
+            self.last_error = "rejected"
+            return False
+        except TimeoutError:
+            self.last_error = "no answer within 2s"
+            return False
+        self.last_error = ""
+        return bool(reply == b"PONG")
 
     async def enqueue(
         self,

@@ -135,6 +135,7 @@ class WakeupHub:
         self._connected = asyncio.Event()
         self.healthy = False
         self.reconnects = 0
+        self.last_error = ""  # why the subscriber is down (no URL, no secret)
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self, wait_connected: float = 2.0) -> None:
@@ -204,15 +205,18 @@ class WakeupHub:
             except (OSError, TimeoutError) as exc:
                 # RedisConnectError's text names the step and the reason, never the credentials
                 reason = str(exc) if isinstance(exc, RedisConnectError) else type(exc).__name__
+                self.last_error = reason
                 log.warning("wakeup subscriber for shard %s cannot connect: %s", self.shard, reason)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
             backoff = 0.05
+            self.last_error = ""
             self._writer = writer
             try:
                 await self._session(reader)
             except (OSError, ConnectionError, TimeoutError) as exc:
+                self.last_error = f"connection lost: {type(exc).__name__}"
                 log.warning("wakeup subscriber for shard %s lost: %s", self.shard, type(exc).__name__)
             finally:
                 self.healthy = False
