@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # relayfleet: the relay (`relayfleet relay`) and the operator (`relayfleet operator`) in one image.
-# Build: docker build -t ghcr.io/relayfleet/relayfleet:0.1.0 .
+# Build: docker build -t ghcr.io/relayfleet/relayfleet:<version> . (make release builds both images with the pyproject version)
 # Multi-stage: compilers exist only in the build stage; the runtime stage gets the finished venv.
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 

@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PIP_CACHE_DIR ?= $(HOME)/.cache/relayfleet/pip
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck control-plane chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev
+.PHONY: release run test lint typecheck control-plane chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,14 @@ control-plane:
 
 chart-crds:
 	cp crds/*.yaml charts/relayfleet/crds/
+
+## release: wheel + sdist, the chart package, both images where a Docker daemon runs, all checked (dist/)
+release: venv-dev control-plane
+	bash hack/release.sh
+
+## version-sync: stamp pyproject.toml's version into the chart, the CRD and the operator
+version-sync:
+	$(PY) hack/version.py --sync
 
 bench: venv-dev
 	$(VENV)/bin/relayfleet bench

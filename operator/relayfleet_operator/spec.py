@@ -20,7 +20,7 @@ SHARD_PLURAL = "relayshards"
 REBALANCE_KIND = "RelayRebalance"
 REBALANCE_PLURAL = "relayrebalances"
 
-DEFAULT_IMAGE = "ghcr.io/relayfleet/relayfleet:0.1.0"
+DEFAULT_IMAGE = "ghcr.io/relayfleet/relayfleet:0.2.0"
 DEFAULT_REDIS_IMAGE = "redis:7.2"
 
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
