@@ -193,6 +193,7 @@ def _code_of(response: web.Response) -> str:
 EXTRA_ROUTE_MODULES: list[str] = [
     "relay.api.live",
     "relay.api.pickup",
+    "relay.api.didcomm",
     "relay.api.inbox",
     "relay.api.fanout",
     "relay.api.openapi",

@@ -217,3 +217,11 @@ def loop_only(child: M) -> M:
     if isinstance(buckets, list):
         buckets[:] = [unlocked(b) for b in buckets]
     return child
+
+
+DIDCOMM_MESSAGES = Counter(
+    "relayfleet_didcomm_messages_total",
+    "DIDComm messages the mediator handled, by message type (family/version/name) and result",
+    ["type", "result"],
+    registry=REGISTRY,
+)  # result: ok, problem (a problem-report or 4xx), undecryptable, unknown_connection, refused

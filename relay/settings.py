@@ -97,6 +97,13 @@ class Settings:
     # Memory guard: refuse new work (503 overloaded) before RSS passes this many MiB;
     # 0: the cgroup's memory limit when there is one, else no guard.
     max_rss_mb: int = field(default_factory=lambda: env_int("RELAY_MAX_RSS_MB", 0))
+    # The DIDComm mediator (relay/didcomm): off unless a seed file is given (a Secret mount; the
+    # same seed on every relay of a fleet makes them one mediator). The public URL is what
+    # agents reach the fleet at (invitation, DID document, mediate-grant endpoint).
+    didcomm_seed_file: str | None = field(
+        default_factory=lambda: os.environ.get("RELAY_DIDCOMM_SEED_FILE") or None
+    )
+    public_url: str | None = field(default_factory=lambda: os.environ.get("RELAY_PUBLIC_URL") or None)
 
     @property
     def fleet_name(self) -> str:

@@ -229,6 +229,39 @@ SCHEMAS: dict[str, Any] = {
         "required": ["results"],
         "properties": {"results": {"type": "array", "items": _ref("FanoutResult")}},
     },
+    "DidcommEnvelope": {
+        "type": "object",
+        "description": "DIDComm v1 encryption envelope (Aries RFC 0019)",
+        "required": ["protected", "iv", "ciphertext", "tag"],
+        "properties": {
+            "protected": {
+                "type": "string",
+                "description": "base64url JSON: enc, typ JWM/1.0, alg, recipients",
+            },
+            "iv": {"type": "string"},
+            "ciphertext": {"type": "string"},
+            "tag": {"type": "string"},
+        },
+    },
+    "DidcommInvitation": {
+        "type": "object",
+        "required": ["invitation", "invitation_url"],
+        "properties": {
+            "invitation": {
+                "type": "object",
+                "required": ["@type", "@id", "handshake_protocols", "services"],
+                "properties": {
+                    "@type": {"const": "https://didcomm.org/out-of-band/1.1/invitation"},
+                    "@id": {"type": "string"},
+                    "label": {"type": "string"},
+                    "accept": {"type": "array", "items": {"type": "string"}},
+                    "handshake_protocols": {"type": "array", "items": {"type": "string"}},
+                    "services": {"type": "array", "items": {"type": "object"}},
+                },
+            },
+            "invitation_url": {"type": "string", "format": "uri"},
+        },
+    },
     "PickupRequest": {
         "description": "a Pickup 2.0 message (RFC 0685), plaintext DIDComm JSON; ~transport is ignored",
         "type": "object",
@@ -486,6 +519,73 @@ PATHS: dict[str, Any] = {
                 "400": _E400,
                 "401": _E401,
                 "413": _E413,
+                "503": _E503,
+            },
+        }
+    },
+    "/v1/didcomm/invitation": {
+        "get": {
+            "operationId": "didcommInvitation",
+            "summary": "The fleet's DIDComm mediator invitation (Out-of-Band 1.1)",
+            "description": (
+                "Handshake protocols DID Exchange 1.1 and 1.0; services: RELAY_PUBLIC_URL + /v1/didcomm and "
+                "its WebSocket /v1/didcomm/ws; recipient key: the mediator's did:key. Every relay given the "
+                "same seed (RELAY_DIDCOMM_SEED_FILE) and public URL serves the same invitation."
+            ),
+            "responses": {
+                "200": _json(_ref("DidcommInvitation"), "the invitation and its ?oob= URL"),
+                "404": _error("didcomm_disabled: this relay has no mediator seed"),
+            },
+        }
+    },
+    "/v1/didcomm": {
+        "post": {
+            "operationId": "didcommInbound",
+            "summary": "A DIDComm v1 packed envelope for the mediator",
+            "description": (
+                "Authcrypt or Anoncrypt (RFC 0019) for the mediator's connection or routing key; "
+                "docs/protocols.md lists the protocols. A forward is queued for its registered recipient "
+                "key under the enqueue limits and rate limits, idempotent by its @id. The reply comes in "
+                "the response when the message asks for ~transport.return_route all; otherwise 202."
+            ),
+            "requestBody": {
+                "required": True,
+                "content": {
+                    t: {"schema": _ref("DidcommEnvelope")}
+                    for t in ("application/didcomm-envelope-enc", "application/ssi-agent-wire")
+                },
+            },
+            "responses": {
+                "200": {
+                    "description": "the reply, packed (Authcrypt) for the sender",
+                    "content": {"application/didcomm-envelope-enc": {"schema": _ref("DidcommEnvelope")}},
+                },
+                "202": {"description": "accepted; no reply (or none was asked for)"},
+                "400": _error("bad_envelope (undecryptable), bad_didcomm_message, bad_recipient, ..."),
+                "403": _error("unknown_connection: not authcrypted by a connection's key"),
+                "404": _error("unknown_recipient (a forward to an unregistered key) or didcomm_disabled"),
+                "409": _error("a forward @id reused for a different message"),
+                "413": _E413,
+                "415": _error("unsupported_media_type"),
+                "429": _E429,
+                "503": _E503,
+                "507": _E507,
+            },
+        }
+    },
+    "/v1/didcomm/ws": {
+        "get": {
+            "operationId": "didcommWebSocket",
+            "summary": "WebSocket carrying DIDComm v1 packed envelopes both ways",
+            "description": (
+                "Each frame (text or binary) is one packed envelope; return-routed replies come back on the "
+                "socket as binary frames. Pickup 2.0 live-delivery-change true makes the mediator send "
+                "delivery messages as forwards arrive; they are deleted only on messages-received."
+            ),
+            "responses": {
+                "101": {"description": "switching to WebSocket"},
+                "404": _error("didcomm_disabled"),
+                "426": _error("not a WebSocket upgrade request", {"Upgrade": {"schema": {"type": "string"}}}),
                 "503": _E503,
             },
         }

@@ -318,7 +318,7 @@ def _evalsha(script: Script, keys: Sequence[str], args: Sequence[str | int]) -> 
 
 def _slot_keys(slot: int) -> tuple[str, ...]:
     """Slot-level keys, the index last: deleting in this order leaves the index while anything remains."""
-    return (K.slot_stats(slot), K.slot_nonces(slot), K.slot_index(slot))
+    return (K.slot_stats(slot), K.slot_nonces(slot), K.slot_didcomm(slot), K.slot_index(slot))
 
 
 def _queue_keys(slot: int, qid: str) -> tuple[str, ...]:

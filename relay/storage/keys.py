@@ -138,3 +138,10 @@ def queue_keys_for_id(slot: int, qid: str) -> QueueKeys:
 
 def queue_keys(recipient: bytes, channel: bytes) -> QueueKeys:
     return queue_keys_for_id(slot_of(recipient, channel), queue_id(recipient, channel))
+
+
+def slot_didcomm(slot: int) -> str:
+    """Hash: the DIDComm mediator's records in this slot (relay/didcomm/records.py): 'c:<key>'
+    connection, 'r:<key>' keys the connection registered, 'k:<key>' the connection owning a
+    registered key. A slot-level key, so migration moves it with the slot's queues."""
+    return f"{slot_tag(slot)}:didcomm"

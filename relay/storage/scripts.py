@@ -29,8 +29,13 @@ ACK = _load("ack", _PRELUDE)
 STATUS = _load("status", _PRELUDE)
 NONCE = _load("nonce", _PRELUDE)
 TRIM = _load("trim", _PRELUDE)
+# The DIDComm mediator's records (relay/didcomm/records.py).
+DC_GET = _load("dc_get", _PRELUDE)
+DC_SET = _load("dc_set", _PRELUDE)
+DC_CLAIM = _load("dc_claim", _PRELUDE)
+DC_LIST = _load("dc_list", _PRELUDE)
 
-ALL: tuple[Script, ...] = (ENQUEUE, READ, DRAIN, ACK, STATUS, NONCE, TRIM)
+ALL: tuple[Script, ...] = (ENQUEUE, READ, DRAIN, ACK, STATUS, NONCE, TRIM, DC_GET, DC_SET, DC_CLAIM, DC_LIST)
 
 # Migration steps (relay.fleet.migration); relays never run them, so not in ALL.
 SLOT_STATE = _load("slot_state", _PRELUDE)

@@ -380,3 +380,24 @@ class ShardStore:
             )
         )
         return bool(r[1])
+
+    # -- the DIDComm mediator's records (one hash per slot; relay/didcomm/records.py) ----------
+    async def _records(self, script: scripts.Script, slot: int, args: tuple[str | int, ...]) -> list[Any]:
+        return _check(await self._batcher.call(script, (K.slot_state(slot), K.slot_didcomm(slot)), args))
+
+    async def record_get(self, slot: int, fields: tuple[str, ...]) -> list[bytes | None]:
+        return (await self._records(scripts.DC_GET, slot, fields))[1:]
+
+    async def record_set(
+        self, slot: int, pairs: tuple[tuple[str, str], ...], deletes: tuple[str, ...]
+    ) -> None:
+        await self._records(scripts.DC_SET, slot, (len(pairs), *(x for p in pairs for x in p), *deletes))
+
+    async def record_claim(self, slot: int, field: str, owner: str, add: bool) -> bool:
+        reply = await self._records(scripts.DC_CLAIM, slot, (field, owner, "add" if add else "remove"))
+        return bool(reply[1])
+
+    async def record_list(self, slot: int, field: str, add: bool, cap: int, members: tuple[str, ...]) -> bool:
+        """False when adding would pass `cap` (nothing added)."""
+        reply = await self._records(scripts.DC_LIST, slot, (field, "add" if add else "remove", cap, *members))
+        return bool(reply[0] == b"ok")

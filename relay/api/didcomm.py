@@ -1,0 +1,252 @@
+"""The DIDComm v1 mediator's endpoints: the invitation, packed envelopes over HTTP, and the
+WebSocket (return-routed replies, Pickup 2.0 live mode). Parse → relay.didcomm → respond.
+
+Logs and metrics name only the message type and the result: never a key, DID, label or
+payload. Without RELAY_DIDCOMM_SEED_FILE the mediator is off and these paths answer 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from relay import metrics
+from relay.api import params
+from relay.api.context import CTX, ctx
+from relay.api.errors import ApiError, json_response
+from relay.api.queues import enqueue_error
+from relay.didcomm import keys as dk
+from relay.didcomm.envelope import EnvelopeError
+from relay.didcomm.mediator import ForwardRefused, Mediator, MediatorError, Outcome, message_id
+from relay.didcomm.records import CHANNEL, Connection
+from relay.service import Unavailable
+
+log = logging.getLogger("relay.didcomm")
+
+routes = web.RouteTableDef()
+
+MEDIATOR = web.AppKey("relayfleet_didcomm_mediator", Mediator)
+CONTENT_TYPES = ("application/didcomm-envelope-enc", "application/ssi-agent-wire", "application/json")
+REPLY_TYPE = "application/didcomm-envelope-enc"
+HEARTBEAT_S = 20.0
+REREAD_S = 30.0  # live mode: a wakeup is a hint, re-read this often without one
+LIVE_WINDOW = 100  # live mode: messages delivered and not yet acknowledged, at most
+LIVE_BATCH = 20  # messages per live delivery message
+KEYS_POLL_S = 2.0  # live mode with no registered key yet: look again this often
+
+
+def envelope_cap(max_payload: int) -> int:
+    """A forward carries a whole packed message: its base64 and JSON around it."""
+    return max_payload * 4 // 3 + 65536
+
+
+def _count(mtype: str, result: str) -> None:
+    metrics.DIDCOMM_MESSAGES.labels(mtype, result).inc()
+
+
+def _mediator(request: web.Request) -> Mediator:
+    m = request.app.get(MEDIATOR)
+    if m is None:
+        raise ApiError(
+            404, "didcomm_disabled", "this relay has no DIDComm mediator (RELAY_DIDCOMM_SEED_FILE)"
+        )
+    return m
+
+
+@routes.get("/v1/didcomm/invitation")
+async def invitation(request: web.Request) -> web.Response:
+    m = _mediator(request)
+    return json_response({"invitation": m.invitation(), "invitation_url": m.invitation_url()})
+
+
+async def _handle(m: Mediator, raw: bytes, session: DidcommSocket | None) -> Outcome:
+    """Open and act on one envelope; errors as ApiError (the WebSocket turns them into frames)."""
+    try:
+        opened = m.open(raw)
+    except EnvelopeError as exc:
+        _count("envelope", "undecryptable")
+        raise ApiError(400, "bad_envelope", str(exc)) from None
+    try:
+        outcome = await m.handle(opened, session)
+    except MediatorError as exc:
+        _count("unknown" if exc.code == "unsupported_message_type" else "message", exc.code)
+        raise ApiError(exc.status, exc.code, exc.text) from None
+    except ForwardRefused as exc:
+        _count("routing/1.0/forward", "refused")
+        err = enqueue_error(exc.outcome)
+        raise err if err is not None else ApiError(503, "unavailable", "the forward was not stored") from None
+    _count(outcome.type, "ok")
+    return outcome
+
+
+@routes.post("/v1/didcomm")
+async def inbound(request: web.Request) -> web.Response:
+    c = ctx(request)
+    m = _mediator(request)
+    if request.content_type not in CONTENT_TYPES:
+        raise ApiError(
+            415, "unsupported_media_type", "send a packed DIDComm envelope (application/didcomm-envelope-enc)"
+        )
+    raw = await params.payload(request, envelope_cap(c.settings.max_payload))
+    outcome = await _handle(m, raw, None)
+    if outcome.reply is not None and outcome.return_route:
+        return web.Response(status=200, body=outcome.reply, content_type=REPLY_TYPE)
+    return web.Response(status=202)
+
+
+class DidcommSocket:
+    """One agent's WebSocket: replies to return-routed messages, and Pickup 2.0 live mode
+    (deliver as messages arrive, delete only on messages-received)."""
+
+    def __init__(self, m: Mediator, ws: web.WebSocketResponse) -> None:
+        self.m = m
+        self.ws = ws
+        self.live_conn: Connection | None = None
+        self.live_task: asyncio.Task[None] | None = None
+        self.inflight: set[str] = set()
+        self.poke = asyncio.Event()  # an ack or a keylist change: look again now
+
+    # -- mediator.LiveSession ---------------------------------------------------------
+    @property
+    def live(self) -> bool:
+        return self.live_conn is not None
+
+    def set_live(self, conn: Connection | None) -> None:
+        if self.live_task is not None:
+            self.live_task.cancel()
+            self.live_task = None
+        self.live_conn = conn
+        self.inflight.clear()
+        if conn is not None:
+            self.live_task = asyncio.get_running_loop().create_task(self._live(conn))
+
+    def acked(self, ids: Iterable[str]) -> None:
+        self.inflight.difference_update(ids)
+        self.poke.set()
+
+    # -- frames -------------------------------------------------------------------------
+    async def on_frame(self, raw: bytes) -> None:
+        try:
+            outcome = await _handle(self.m, raw, self)
+        except ApiError as exc:
+            await self.ws.send_json({"error": exc.text, "code": exc.code})
+            return
+        if outcome.type.startswith("coordinate-mediation/"):
+            self.poke.set()  # the keylist may have changed
+        if outcome.reply is not None and outcome.return_route:
+            await self.ws.send_bytes(outcome.reply)
+
+    # -- live mode ----------------------------------------------------------------------
+    async def _live(self, conn: Connection) -> None:
+        try:
+            while True:
+                await self._live_round(conn)
+        except asyncio.CancelledError:
+            raise
+        except ConnectionError:
+            return
+        except Unavailable:
+            await self.ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"shard unavailable; reconnect")
+        except Exception as exc:  # never a traceback into the socket; the type only
+            log.error("didcomm live delivery failed: %s", type(exc).__name__)
+            await self.ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"internal error")
+
+    async def _live_round(self, conn: Connection) -> None:
+        """Subscribe to every registered key's queue, then read, deliver what is new, wait."""
+        m = self.m
+        queues = await m.records.keys(conn)
+        if not queues:
+            self.poke.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.poke.wait(), KEYS_POLL_S)
+            return
+        fleet = m.service.fleet
+        with contextlib.ExitStack() as stack:
+            waiters = []
+            for key in queues:
+                route = fleet.route(key, CHANNEL)
+                waiters.append(stack.enter_context(route.hub.waiting(route.keys.wake)))
+            await asyncio.gather(*(w.ready(1.0) for w in waiters))  # subscribed before reading
+            self.poke.clear()
+            room = LIVE_WINDOW - len(self.inflight)
+            if room > 0:
+                held = await m.pending(queues, len(self.inflight) + min(room, LIVE_BATCH))
+                fresh = [(k, msg) for k, msg in held if message_id(k, msg.seq) not in self.inflight]
+                fresh = fresh[: min(room, LIVE_BATCH)]
+                if fresh:
+                    delivery = m.delivery(None, "https://didcomm.org/", fresh)
+                    await self.ws.send_bytes(m.pack_for(delivery, conn.key))
+                    self.inflight.update(message_id(k, msg.seq) for k, msg in fresh)
+                    _count("messagepickup/2.0/delivery", "live")
+                    return  # more may be waiting: read again at once
+            tasks = [asyncio.ensure_future(w.wait(REREAD_S)) for w in waiters]
+            tasks.append(asyncio.ensure_future(self.poke.wait()))
+            try:
+                await asyncio.wait(tasks, timeout=REREAD_S, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        self.set_live(None)
+
+
+@routes.get("/v1/didcomm/ws")
+async def websocket(request: web.Request) -> web.StreamResponse:
+    c = ctx(request)
+    m = _mediator(request)
+    ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=envelope_cap(c.settings.max_payload))
+    if not ws.can_prepare(request).ok:
+        raise ApiError(
+            426, "websocket_required", "this endpoint speaks WebSocket only", {"Upgrade": "websocket"}
+        )
+    if c.service.closing:
+        raise Unavailable("relay shutting down")
+    await ws.prepare(request)
+    session = DidcommSocket(m, ws)
+    metrics.LIVE_CONNECTIONS.inc()
+    try:
+        async for msg in ws:
+            if msg.type == WSMsgType.TEXT:
+                await session.on_frame(msg.data.encode())
+            elif msg.type == WSMsgType.BINARY:
+                await session.on_frame(msg.data)
+            else:
+                break
+    except ConnectionError:
+        pass
+    except Unavailable:
+        await ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"shard unavailable; reconnect")
+    except Exception as exc:  # after the upgrade nothing may reach the HTTP middleware
+        log.error("didcomm websocket failed: %s", type(exc).__name__)
+        await ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"internal error")
+    finally:
+        await session.close()
+        metrics.LIVE_CONNECTIONS.dec()
+        if not ws.closed:
+            await ws.close()
+    return ws
+
+
+def load_identity(seed_file: str, public_url: str) -> dk.Identity:
+    with open(seed_file, "rb") as fh:
+        seed = dk.read_seed(fh.read(4096))
+    return dk.Identity.from_seed(seed, public_url)
+
+
+def setup(app: web.Application) -> None:
+    c = app[CTX]
+    s = c.settings
+    if not s.didcomm_seed_file:
+        return
+    public = s.public_url or f"http://{s.host}:{s.port}"
+    try:
+        identity = load_identity(s.didcomm_seed_file, public)
+    except (OSError, dk.DidError) as exc:
+        raise SystemExit(f"relayfleet: RELAY_DIDCOMM_SEED_FILE: {exc}") from None
+    app[MEDIATOR] = Mediator(identity, c.service, s.max_payload)

@@ -1,0 +1,5 @@
+"""relayfleet as a DIDComm v1 mediator (DESIGN §3 "DIDComm mediator").
+
+keys (base58, did:key, did:peer, the fleet's identity) ← envelope (pack/unpack) ←
+records (connections and keylists in Redis) ← mediator (the protocols) ← relay.api.didcomm.
+"""

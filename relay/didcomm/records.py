@@ -1,0 +1,116 @@
+"""The mediator's state in Redis: connections, the keys each registered, who owns a key.
+
+Each record lives in the slot of the key it is about (the slot a queue of that key with
+the default channel has), in that slot's one DIDComm hash (storage/keys.slot_didcomm),
+so any relay finds it, migration moves it with the slot, and a forward's ownership check
+runs on the shard that then queues the message:
+
+- ``c:<agent key>``   the connection whose agent sends from that key (JSON)
+- ``r:<agent key>``   the recipient keys that connection registered (space-separated)
+- ``k:<recipient>``   the agent key of the connection that registered it
+Keys appear as unpadded base64url of the 32 raw bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from relay.didcomm.keys import b64decode_any, b64url
+from relay.service import QueueService
+
+MAX_KEYS_PER_CONNECTION = 1000
+CHANNEL = b""  # forwards are queued on the recipient key's default channel
+
+
+@dataclass(frozen=True)
+class Connection:
+    key: bytes  # the agent's verkey: the connection's id
+    did: str  # the agent's DID for this connection
+    label: str
+    mediation: bool  # mediate-grant sent
+    created_ms: int
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"did": self.did, "label": self.label, "mediation": self.mediation, "created": self.created_ms},
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, key: bytes, raw: bytes) -> Connection:
+        doc = json.loads(raw)
+        return cls(
+            key, str(doc["did"]), str(doc.get("label", "")), bool(doc["mediation"]), int(doc["created"])
+        )
+
+
+class Records:
+    def __init__(self, service: QueueService) -> None:
+        self.service = service
+
+    async def connection(self, key: bytes) -> Connection | None:
+        field = "c:" + b64url(key)
+        (raw,) = await self.service.call(key, CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,)))
+        return Connection.from_json(key, raw) if raw else None
+
+    async def save(self, conn: Connection) -> None:
+        pair = ("c:" + b64url(conn.key), conn.to_json())
+        await self.service.call(conn.key, CHANNEL, lambda r: r.store.record_set(r.keys.slot, (pair,), ()))
+
+    @staticmethod
+    def new(key: bytes, did: str, label: str) -> Connection:
+        return Connection(key, did, label, False, int(time.time() * 1000))
+
+    async def keys(self, conn: Connection) -> list[bytes]:
+        """The recipient keys the connection registered (its Pickup queues)."""
+        field = "r:" + b64url(conn.key)
+        (raw,) = await self.service.call(
+            conn.key, CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,))
+        )
+        return [b64decode_any(m) for m in raw.decode().split()] if raw else []
+
+    async def owner(self, recipient: bytes) -> bytes | None:
+        field = "k:" + b64url(recipient)
+        (raw,) = await self.service.call(
+            recipient, CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,))
+        )
+        return b64decode_any(raw.decode()) if raw else None
+
+    async def add_key(self, conn: Connection, recipient: bytes) -> str:
+        """keylist-update 'add': 'success', 'client_error' (another connection holds the key)
+        or 'server_error' (this connection holds MAX_KEYS_PER_CONNECTION already)."""
+        owner, member = b64url(conn.key), b64url(recipient)
+        claimed = await self.service.call(
+            recipient, CHANNEL, lambda r: r.store.record_claim(r.keys.slot, "k:" + member, owner, True)
+        )
+        if not claimed:
+            return "client_error"
+        listed = await self.service.call(
+            conn.key,
+            CHANNEL,
+            lambda r: r.store.record_list(
+                r.keys.slot, "r:" + owner, True, MAX_KEYS_PER_CONNECTION, (member,)
+            ),
+        )
+        if not listed:
+            await self.service.call(
+                recipient, CHANNEL, lambda r: r.store.record_claim(r.keys.slot, "k:" + member, owner, False)
+            )
+            return "server_error"
+        return "success"
+
+    async def remove_key(self, conn: Connection, recipient: bytes) -> str:
+        owner, member = b64url(conn.key), b64url(recipient)
+        await self.service.call(
+            conn.key,
+            CHANNEL,
+            lambda r: r.store.record_list(
+                r.keys.slot, "r:" + owner, False, MAX_KEYS_PER_CONNECTION, (member,)
+            ),
+        )
+        released = await self.service.call(
+            recipient, CHANNEL, lambda r: r.store.record_claim(r.keys.slot, "k:" + member, owner, False)
+        )
+        return "success" if released else "client_error"

@@ -1,0 +1,259 @@
+"""The DIDComm mediator end to end over real sockets and a real redis-server, with the PyNaCl
+test agent of tests/didcomm_agent.py: invitation → DID Exchange → mediation → keylist →
+forward from an anonymous sender → Pickup 2.0, over HTTP and the WebSocket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from relay.didcomm import keys as dk
+from relay.didcomm.envelope import pack
+from relay.localredis import LocalRedis
+from tests.conftest import RelayFactory, RunningRelay
+from tests.didcomm_agent import Agent, forward_envelope, inner_message, msg
+
+PUBLIC = "https://relay.example.test"
+
+
+@pytest.fixture
+def seed_file(tmp_path: Path) -> str:
+    path = tmp_path / "seed"
+    path.write_text(os.urandom(32).hex() + "\n")
+    return str(path)
+
+
+@pytest.fixture
+async def relay(redis_server: LocalRedis, relay_factory: RelayFactory, seed_file: str) -> RunningRelay:
+    return await relay_factory(redis_server.url, didcomm_seed_file=seed_file, public_url=PUBLIC)
+
+
+@pytest.fixture
+async def agent(relay: RunningRelay, http: aiohttp.ClientSession) -> Agent:
+    a = Agent(relay.base_url, http)
+    return a
+
+
+def routing_key(agent: Agent) -> bytes:
+    return dk.verkey_from(agent.grant["routing_keys"][0])
+
+
+async def mediated(agent: Agent) -> bytes:
+    """Connect, get mediation, register one fresh recipient key; returns that key."""
+    await agent.connect()
+    await agent.mediate()
+    key = dk.KeyPair.from_seed(os.urandom(32)).verkey
+    reply = await agent.register(key)
+    assert reply["updated"][0]["result"] == "success"
+    return key
+
+
+async def test_invitation_is_out_of_band_1_1_with_the_public_endpoint(relay: RunningRelay, http: Any) -> None:
+    async with http.get(relay.base_url + "/v1/didcomm/invitation") as r:
+        assert r.status == 200
+        body = await r.json()
+    inv = body["invitation"]
+    assert inv["@type"] == "https://didcomm.org/out-of-band/1.1/invitation"
+    assert "https://didcomm.org/didexchange/1.1" in inv["handshake_protocols"]
+    endpoints = [s["serviceEndpoint"] for s in inv["services"]]
+    assert endpoints == [PUBLIC + "/v1/didcomm", "wss://relay.example.test/v1/didcomm/ws"]
+    assert inv["services"][0]["recipientKeys"][0].startswith("did:key:z6Mk")
+    url = body["invitation_url"]
+    assert url.startswith(PUBLIC + "/v1/didcomm?oob=")
+    assert json.loads(dk.b64decode_any(url.split("oob=", 1)[1])) == inv
+
+
+async def test_did_exchange_response_is_signed_and_names_a_resolvable_did(agent: Agent) -> None:
+    response = await agent.connect()
+    assert response["@type"] == "https://didcomm.org/didexchange/1.1/response"
+    did = response["did"]
+    assert did.startswith("did:peer:2.Vz6Mk")
+    assert dk.keys_of_did(did) == [agent.mediator_key]
+    attach = response["did_rotate~attach"]
+    payload = attach["data"]["base64"]
+    assert dk.b64decode_any(payload).decode() == did
+    jws = attach["data"]["jws"]
+    signer = dk.verkey_from(jws["header"]["kid"])
+    assert signer == agent.mediator_key  # the invitation key signs the rotation
+    sig = dk.b64decode_any(jws["signature"])
+    assert dk.verify(signer, f"{jws['protected']}.{payload}".encode(), sig)
+    assert not dk.verify(signer, f"{jws['protected']}.{payload}x".encode(), sig)
+
+
+async def test_whole_flow_forward_then_pickup_over_http(agent: Agent, http: Any) -> None:
+    key = await mediated(agent)
+    assert agent.grant["endpoint"] == PUBLIC + "/v1/didcomm"
+    keylist = await agent.send(msg("coordinate-mediation/1.0/keylist-query"))
+    assert keylist is not None
+    assert keylist["keys"] == [{"recipient_key": dk.did_key(key)}]
+
+    inners = [inner_message(key, f"hello {i}") for i in range(3)]
+    for inner in inners:  # an anonymous sender: no connection, anoncrypt to the routing key
+        status, body = await agent.post(forward_envelope(routing_key(agent), key, inner))
+        assert (status, body) == (202, b"")
+
+    summary = await agent.send(msg("messagepickup/2.0/status-request"))
+    assert summary is not None
+    assert summary["message_count"] == 3
+    assert summary["live_delivery"] is False
+    delivery = await agent.send(msg("messagepickup/2.0/delivery-request", limit=10))
+    assert delivery is not None
+    assert delivery["@type"].endswith("/delivery")
+    got = [a["data"]["json"] for a in delivery["~attach"]]
+    assert got == inners  # in order, and exactly the packed messages the senders forwarded
+    again = await agent.send(msg("messagepickup/2.0/delivery-request", limit=10))
+    assert again is not None
+    assert len(again["~attach"]) == 3
+    ids = [a["@id"] for a in delivery["~attach"][:2]]
+    after = await agent.send(msg("messagepickup/2.0/messages-received", message_id_list=ids))
+    assert after is not None
+    assert after["message_count"] == 1
+    last = await agent.send(msg("messagepickup/2.0/delivery-request", limit=10))
+    assert last is not None
+    assert [a["data"]["json"] for a in last["~attach"]] == inners[2:]
+
+
+async def test_forward_with_the_same_id_is_stored_once(agent: Agent) -> None:
+    key = await mediated(agent)
+    inner = inner_message(key, "once")
+    for _ in range(2):
+        status, _ = await agent.post(forward_envelope(routing_key(agent), key, inner, fid="fwd-1"))
+        assert status == 202
+    status_doc = await agent.send(msg("messagepickup/2.0/status-request"))
+    assert status_doc is not None
+    assert status_doc["message_count"] == 1
+
+
+async def test_forward_obeys_the_queue_rate_limit(
+    redis_server: LocalRedis, relay_factory: RelayFactory, seed_file: str, http: Any
+) -> None:
+    from relay.storage.store import QueueLimits
+
+    relay = await relay_factory(
+        redis_server.url, didcomm_seed_file=seed_file, public_url=PUBLIC, limits=QueueLimits(rate_count=2)
+    )
+    agent = Agent(relay.base_url, http)
+    key = await mediated(agent)
+    codes = []
+    for i in range(3):
+        status, body = await agent.post(forward_envelope(routing_key(agent), key, inner_message(key, str(i))))
+        codes.append(status)
+    assert codes == [202, 202, 429]
+    assert json.loads(body)["code"] == "rate_limited"
+
+
+async def test_live_mode_on_the_websocket_delivers_and_waits_for_the_ack(
+    agent: Agent, relay: RunningRelay, http: Any
+) -> None:
+    key = await mediated(agent)
+    async with http.ws_connect(relay.base_url + "/v1/didcomm/ws") as ws:
+        change = msg("messagepickup/2.0/live-delivery-change", live_delivery=True)
+        change["~transport"] = {"return_route": "all"}
+        await ws.send_bytes(agent.packed(change))
+        status, _ = agent.open(await ws.receive_bytes(timeout=5))
+        assert status["live_delivery"] is True
+        assert status["message_count"] == 0
+
+        inner = inner_message(key, "live")
+        loop = asyncio.get_running_loop()
+        sent_at = loop.time()
+        assert (await agent.post(forward_envelope(routing_key(agent), key, inner)))[0] == 202
+        delivery, _ = agent.open(await ws.receive_bytes(timeout=5))
+        assert loop.time() - sent_at < 1.0
+        assert delivery["@type"] == "https://didcomm.org/messagepickup/2.0/delivery"
+        assert [a["data"]["json"] for a in delivery["~attach"]] == [inner]
+
+        # delivered but not acknowledged: still held
+        st = await agent.send(msg("messagepickup/2.0/status-request"))
+        assert st is not None
+        assert st["message_count"] == 1
+        ack = msg("messagepickup/2.0/messages-received", message_id_list=[delivery["~attach"][0]["@id"]])
+        ack["~transport"] = {"return_route": "all"}
+        await ws.send_bytes(agent.packed(ack))
+        after, _ = agent.open(await ws.receive_bytes(timeout=5))
+        assert after["message_count"] == 0
+
+
+async def test_trust_ping_and_discover_features(agent: Agent) -> None:
+    await agent.connect()
+    ping = msg("trust_ping/1.0/ping", response_requested=True)
+    pong = await agent.send(ping)
+    assert pong is not None
+    assert pong["@type"].endswith("trust_ping/1.0/ping_response")
+    assert pong["~thread"]["thid"] == ping["@id"]
+    disclose = await agent.send(
+        msg("discover-features/1.0/query", query="https://didcomm.org/messagepickup/*")
+    )
+    assert disclose is not None
+    assert [p["pid"] for p in disclose["protocols"]] == ["https://didcomm.org/messagepickup/2.0"]
+
+
+async def test_bad_inputs_are_4xx_json_and_store_nothing(
+    agent: Agent, relay: RunningRelay, redis_server: LocalRedis
+) -> None:
+    import redis
+
+    r = redis.Redis.from_url(redis_server.url, decode_responses=False)
+    before = {k for k in r.keys("*") if isinstance(k, bytes)}
+    stranger = dk.KeyPair.from_seed(os.urandom(32))
+    cases: list[tuple[bytes, int, str]] = [
+        (b"not json", 400, "bad_envelope"),
+        (
+            json.dumps({"protected": "x", "iv": "x", "ciphertext": "x", "tag": "x"}).encode(),
+            400,
+            "bad_envelope",
+        ),
+        # packed for somebody else
+        (pack(b"{}", [stranger.verkey], None), 400, "bad_envelope"),
+    ]
+    invitation_key = dk.verkey_from(
+        (await (await agent.http.get(relay.base_url + "/v1/didcomm/invitation")).json())["invitation"][
+            "services"
+        ][0]["recipientKeys"][0]
+    )
+    # a tampered envelope
+    good = json.loads(
+        pack(b'{"@type": "https://didcomm.org/trust_ping/1.0/ping"}', [invitation_key], stranger)
+    )
+    good["ciphertext"] = "A" + good["ciphertext"][1:]
+    cases.append((json.dumps(good).encode(), 400, "bad_envelope"))
+    # an unknown connection
+    cases.append(
+        (
+            pack(json.dumps(msg("trust_ping/1.0/ping")).encode(), [invitation_key], stranger),
+            403,
+            "unknown_connection",
+        )
+    )
+    # a forward to a key nobody registered
+    cases.append((forward_envelope(invitation_key, stranger.verkey, {"x": 1}), 404, "unknown_recipient"))
+    # not a DIDComm message inside
+    cases.append((pack(b"[1, 2]", [invitation_key], None), 400, "bad_didcomm_message"))
+    for body, status, code in cases:
+        got_status, got_body = await agent.post(body)
+        assert got_status == status, (code, got_body)
+        assert json.loads(got_body)["code"] == code
+    # a malformed protocol message on a real connection
+    await agent.connect()
+    status, body = await agent.post(agent.packed(msg("messagepickup/2.0/delivery-request", limit="ten")))
+    assert status == 400
+    assert json.loads(body)["code"] == "bad_didcomm_message"
+    # nothing but the agent's own connection record (and the relay's boot marker) was written
+    new = {k for k in r.keys("*") if isinstance(k, bytes)} - before - {b"rf:boot"}
+    assert len(new) == 1
+    assert new.pop().endswith(b":didcomm")
+
+
+async def test_without_a_seed_the_mediator_is_off(
+    redis_server: LocalRedis, relay_factory: RelayFactory, http: Any
+) -> None:
+    relay = await relay_factory(redis_server.url)
+    async with http.get(relay.base_url + "/v1/didcomm/invitation") as r:
+        assert r.status == 404
+        assert (await r.json())["code"] == "didcomm_disabled"
