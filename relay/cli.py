@@ -34,6 +34,20 @@ def _add_relay_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--shard-map-configmap", default=_env("RELAY_SHARD_MAP_CONFIGMAP"), metavar="NS/NAME")
     p.add_argument("--auth", choices=["ed25519", "none"], default=_env("RELAY_AUTH", "ed25519"))
     p.add_argument("--log-level", default=_env("RELAY_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--didcomm-seed-file",
+        default=_env("RELAY_DIDCOMM_SEED_FILE"),
+        metavar="FILE",
+        help="turn the DIDComm mediator on: its 32-byte seed (raw, hex or base64; a Secret mount, the "
+        "same for the whole fleet) [env RELAY_DIDCOMM_SEED_FILE]",
+    )
+    p.add_argument(
+        "--public-url",
+        default=_env("RELAY_PUBLIC_URL"),
+        metavar="URL",
+        help="the URL agents reach the fleet at, for the mediator's invitation and DID "
+        "(default http://HOST:PORT) [env RELAY_PUBLIC_URL]",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,6 +203,8 @@ def _relay(args: argparse.Namespace) -> int:
         limits=limits_from_env(),
         max_waiters=env_int("RELAY_MAX_WAITERS", 20_000),
         push_webhook=env_secret("RELAY_PUSH_WEBHOOK"),
+        didcomm_seed_file=args.didcomm_seed_file,
+        public_url=args.public_url,
     )
     _run(serve(settings, shard_map, source, drain_delay_s=env_int("RELAY_SHUTDOWN_DELAY_SECONDS", 0)))
     return 0

@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis
 
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import pack
@@ -257,3 +258,125 @@ async def test_without_a_seed_the_mediator_is_off(
     async with http.get(relay.base_url + "/v1/didcomm/invitation") as r:
         assert r.status == 404
         assert (await r.json())["code"] == "didcomm_disabled"
+
+
+async def test_slot_migration_moves_connections_keylists_and_queues(
+    tmp_path: Path, seed_file: str, http: Any
+) -> None:
+    """The connection's records and the registered key's records and queue move with their
+    slots to another shard; the agent carries on through the same relay without noticing."""
+    from aiohttp.test_utils import TestServer
+
+    from relay.app import build_app
+    from relay.fleet.migration import file_publisher, migrate_slots, write_map_file
+    from relay.fleet.routing import Fleet, file_source, load_file
+    from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, slot_of
+    from relay.settings import Settings
+    from relay.storage import keys as K
+
+    servers = {n: LocalRedis(binary="/usr/bin/redis-server", dir=str(tmp_path / n)) for n in ("a", "b")}
+    for s in servers.values():
+        s.start()
+    path = str(tmp_path / "map.json")
+    urls = {n: s.url for n, s in servers.items()}
+    write_map_file(path, ShardMap("t", 1, urls, (SlotRange(0, SLOT_COUNT - 1, "a"),)))
+    settings = Settings(auth="none", didcomm_seed_file=seed_file, public_url=PUBLIC)
+    fleet = Fleet(load_file(path), settings.limits)
+    await fleet.start(file_source(path), poll_s=3600)  # only a MOVED reply makes it reload
+    server = TestServer(build_app(settings, fleet), host="127.0.0.1")
+    await server.start_server()
+    try:
+        agent = Agent(str(server.make_url("")).rstrip("/"), http)
+        key = await mediated(agent)
+        inners = [inner_message(key, f"before {i}") for i in range(2)]
+        for inner in inners:
+            assert (await agent.post(forward_envelope(routing_key(agent), key, inner)))[0] == 202
+        slots = sorted({slot_of(agent.kp.verkey, b""), slot_of(key, b"")})
+        report = await migrate_slots(load_file(path), slots, "b", file_publisher(path))
+        assert report.slots_moved == len(slots)
+        ra, rb = (redis.Redis.from_url(servers[n].url) for n in ("a", "b"))
+        for slot in slots:
+            assert not ra.exists(K.slot_didcomm(slot))
+            assert rb.exists(K.slot_didcomm(slot))
+        keylist = await agent.send(msg("coordinate-mediation/1.0/keylist-query"))
+        assert keylist is not None
+        assert keylist["keys"] == [{"recipient_key": dk.did_key(key)}]
+        after = inner_message(key, "after")
+        assert (await agent.post(forward_envelope(routing_key(agent), key, after)))[0] == 202
+        delivery = await agent.send(msg("messagepickup/2.0/delivery-request", limit=10))
+        assert delivery is not None
+        assert [a["data"]["json"] for a in delivery["~attach"]] == [*inners, after]
+    finally:
+        await server.close()
+        await fleet.close()
+        for s in servers.values():
+            s.stop()
+
+
+async def test_a_did_peer_4_requester_connects(agent: Agent) -> None:
+    """Credo 0.6's default request DID: did:peer:4 long form, its document in the DID."""
+    agent.did = peer4_did(agent.kp)
+    response = await agent.connect()
+    assert response["did"].startswith("did:peer:2")
+    pong = await agent.send(msg("trust_ping/1.0/ping"))
+    assert pong is not None
+
+
+async def test_a_tampered_did_peer_4_is_refused(agent: Agent) -> None:
+    did = peer4_did(agent.kp)
+    agent.did = did[:-3] + ("abc" if not did.endswith("abc") else "abd")
+    with pytest.raises(AssertionError):
+        await agent.connect()
+
+
+def peer4_did(kp: dk.KeyPair) -> str:
+    """A did:peer:4 long form shaped as Credo builds one for a DIDComm v1 service."""
+    import hashlib
+
+    doc = {
+        "@context": ["https://w3id.org/did/v1"],
+        "verificationMethod": [
+            {"id": "#key-1", "type": "Ed25519VerificationKey2018", "publicKeyBase58": kp.b58},
+            {
+                "id": "#key-2",
+                "type": "X25519KeyAgreementKey2019",
+                "publicKeyBase58": dk.b58encode(kp.x_public),
+            },
+        ],
+        "service": [
+            {
+                "id": "#inline-0",
+                "serviceEndpoint": "didcomm:transport/queue",
+                "type": "did-communication",
+                "priority": 0,
+                "recipientKeys": ["#key-1"],
+                "accept": ["didcomm/aip1"],
+            }
+        ],
+        "authentication": ["#key-1"],
+        "keyAgreement": ["#key-2"],
+    }
+    encoded = "z" + dk.b58encode(dk.JSON_CODEC + json.dumps(doc).encode())
+    digest = "z" + dk.b58encode(dk.SHA256_MULTIHASH + hashlib.sha256(encoded.encode()).digest())
+    return f"did:peer:4{digest}:{encoded}"
+
+
+async def test_24_byte_nonces_metrics_and_websocket_errors(
+    agent: Agent, relay: RunningRelay, http: Any
+) -> None:
+    await agent.connect()
+    pong = await agent.send(msg("trust_ping/1.0/ping"), nonce_bytes=24)  # a libindy-era envelope
+    assert pong is not None
+    async with http.ws_connect(relay.base_url + "/v1/didcomm/ws") as ws:
+        await ws.send_bytes(b"garbage")
+        frame = await ws.receive_json(timeout=5)
+        assert frame["code"] == "bad_envelope"
+        ping = msg("trust_ping/1.0/ping")
+        ping["~transport"] = {"return_route": "all"}
+        await ws.send_str(agent.packed(ping).decode())  # text frames work too
+        reply, _ = agent.open(await ws.receive_bytes(timeout=5))
+        assert reply["~thread"]["thid"] == ping["@id"]
+    async with http.get(relay.base_url + "/metrics") as r:
+        text = await r.text()
+    assert 'relayfleet_didcomm_messages_total{result="ok",type="trust_ping/1.0/ping"}' in text
+    assert 'relayfleet_didcomm_messages_total{result="undecryptable",type="envelope"}' in text
