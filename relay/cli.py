@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument("--namespace", default=_env("RELAY_OPERATOR_NAMESPACE"))
     scope.add_argument("--all-namespaces", action="store_true")
     sub.add_parser("bench", help="side-by-side benchmarks: [--quick]")
+    sub.add_parser("backup", help="snapshot a shard's Redis into a backup directory (see backup --help)")
+    sub.add_parser("restore", help="restore a shard from a backup, with new epochs (see restore --help)")
     top = sub.add_parser("top", help="live figures of a fleet from its relays' /metrics")
     top.add_argument("urls", nargs="*", default=[_env("RELAY_URL", "http://127.0.0.1:8080")])
     top.add_argument("--once", action="store_true")
@@ -89,7 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Subcommands with a parser of their own get their arguments untouched.
-_PASSTHROUGH = {"bench": ("relay.bench", "main"), "plan": ("spark_jobs.planning", "plan_main")}
+_PASSTHROUGH = {
+    "bench": ("relay.bench", "main"),
+    "plan": ("spark_jobs.planning", "plan_main"),
+    "backup": ("relay.backup", "backup_main"),
+    "restore": ("relay.backup", "restore_main"),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

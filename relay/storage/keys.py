@@ -16,6 +16,9 @@ from relay.fleet.sharding import slot_of
 PREFIX = "rf"
 # The Redis run the relays last saw ("<run_id>:<ms>"); the scripts read it by this literal name.
 SHARD_BOOT = f"{PREFIX}:boot"
+# Where new queues' seqs start after a restore from a backup (see relay/backup.py); the
+# scripts read it by this literal name.
+SHARD_SEQ_FLOOR = f"{PREFIX}:seq-floor"
 # Which relay process reads this shard's slot statistics for the metrics (a lease, so a
 # fleet of N relays sweeps each shard once, not N times).
 SHARD_STATS_LEASE = f"{PREFIX}:stats-lease"

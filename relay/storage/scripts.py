@@ -41,3 +41,6 @@ ALL: tuple[Script, ...] = (ENQUEUE, READ, DRAIN, ACK, STATUS, NONCE, TRIM, DC_GE
 SLOT_STATE = _load("slot_state", _PRELUDE)
 SLOT_DROP = _load("slot_drop", _PRELUDE)
 IMPORT_STAMP = _load("import_stamp", _PRELUDE)
+
+# After `relayfleet restore` (relay.backup); relays never run it.
+RESTORE_EPOCH = _load("restore_epoch", _PRELUDE)

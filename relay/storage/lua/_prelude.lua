@@ -95,6 +95,14 @@ local function check_boot(meta_key)
   return nil
 end
 
+-- Where a new queue's seqs start. A shard restored from a backup (relayfleet restore,
+-- relay/backup.py) may have handed out seqs, after the backup's point, on queues the backup
+-- does not hold; the restore sets 'rf:seq-floor' above anything that could have been handed
+-- out, so a queue created afterwards never repeats one. Undeclared key, like 'rf:boot'.
+local function seq_floor()
+  return tonumber(redis.call('GET', 'rf:seq-floor') or '0') or 0
+end
+
 -- The epoch of a queue that has no keys (DESIGN §3: reads, status and inbox reads of
 -- a queue that does not exist create no Redis state). Every read answers the same
 -- value and the first enqueue stores it, so a client sees no change when the queue

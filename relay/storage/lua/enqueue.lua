@@ -65,7 +65,7 @@ local meta = redis.call('HMGET', KEYS[2], 'seq', 'bytes')
 local held = tonumber(meta[2]) or 0
 if redis.call('XLEN', KEYS[3]) + 1 > tonumber(ARGV[8]) then return {'full', 'messages'} end
 if held + size > tonumber(ARGV[9]) then return {'full', 'bytes'} end
-local seq = (tonumber(meta[1]) or 0) + 1
+local seq = (tonumber(meta[1]) or seq_floor()) + 1
 redis.call('XADD', KEYS[3], seq .. '-0', 'p', ARGV[1], 't', now, 'm', ARGV[5], 'n', size)
 redis.call('HSET', KEYS[2], 'seq', seq, 'bytes', held + size)
 if stamp then redis.call('HSET', KEYS[2], 'r', stamp) end
