@@ -128,6 +128,9 @@ class DidcommSocket:
         self.inflight.difference_update(ids)
         self.poke.set()
 
+    def in_flight(self) -> int:
+        return len(self.inflight)
+
     # -- frames -------------------------------------------------------------------------
     async def on_frame(self, raw: bytes) -> None:
         try:

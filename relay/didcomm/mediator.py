@@ -79,6 +79,10 @@ class LiveSession(Protocol):
 
     def acked(self, ids: Iterable[str]) -> None: ...
 
+    def in_flight(self) -> int:
+        """Messages delivered live and not yet acknowledged."""
+        ...
+
 
 @dataclass
 class Outcome:
@@ -391,10 +395,12 @@ class Mediator:
         return [wanted]
 
     async def status(
-        self, doc: dict[str, Any], prefix: str, queues: list[bytes], live: bool
+        self, doc: dict[str, Any], prefix: str, queues: list[bytes], live: bool, in_flight: int = 0
     ) -> dict[str, Any]:
+        """A Pickup status. Live deliveries awaiting their ack (`in_flight`) are not counted as
+        waiting: an agent that asked for a count's worth would get them twice."""
         results = await asyncio.gather(*(self.service.status(k, CHANNEL) for k in queues))
-        count = sum(r.count for r in results)
+        count = max(0, sum(r.count for r in results) - in_flight)
         total = sum(r.bytes for r in results)
         oldest = min((r.oldest_ms for r in results if r.oldest_ms is not None), default=None)
         newest = max((r.newest_ms for r in results if r.newest_ms is not None), default=None)
@@ -444,8 +450,9 @@ class Mediator:
         self, doc: dict[str, Any], prefix: str, short: str, conn: Connection, session: LiveSession | None
     ) -> dict[str, Any]:
         live = session is not None and session.live
+        in_flight = session.in_flight() if session is not None and live else 0
         if short == "status-request":
-            return await self.status(doc, prefix, await self._queues(doc, conn), live)
+            return await self.status(doc, prefix, await self._queues(doc, conn), live, in_flight)
         if short == "delivery-request":
             limit = doc.get("limit")
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -470,7 +477,8 @@ class Mediator:
             await asyncio.gather(*(self.service.ack(k, CHANNEL, None, sorted(s)) for k, s in by_key.items()))
             if session is not None:
                 session.acked(ids)
-            return await self.status(doc, prefix, sorted(held), live)
+            in_flight = session.in_flight() if session is not None and live else 0
+            return await self.status(doc, prefix, sorted(held), live, in_flight)
         if short == "live-delivery-change":
             want = doc.get("live_delivery")
             if not isinstance(want, bool):
