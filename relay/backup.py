@@ -109,10 +109,15 @@ class Reporter:
         if phase == self._phase and now - self._at < 2 and pct - self._pct < 10 and done != total:
             return
         self._phase, self._at, self._pct = phase, now, pct
-        if total:
+        if total and phase in _BYTE_PHASES:
             self.say(f"{phase} {_mib(done)}/{_mib(total)} MiB ({pct}%)")
+        elif total:
+            self.say(f"{phase} {done}/{total} ({pct}%)")
         else:
             self.say(f"{phase} ...")
+
+
+_BYTE_PHASES = {"snapshot", "sending", "loaded"}
 
 
 def _mib(n: int) -> str:
@@ -336,7 +341,7 @@ async def new_epochs(client: aioredis.Redis, restore_id: str, jump: int, progres
                 )
             if cursor == 0:
                 break
-        progress("new epochs", i + 1, len(slots))
+        progress("new epochs, slots", i + 1, len(slots))
     progress.say(f"new epoch and seq + {jump} on {changed} of {total} indexed queues in {len(slots)} slots")
     return changed
 

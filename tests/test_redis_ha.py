@@ -275,6 +275,10 @@ def test_replication_status_from_info_text_and_degraded_conditions() -> None:
     assert status["redis"] == got
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "ReplicasBelowMinimum")
+    assert "lastBackupTime" not in status
+    assert shard_status(spec, None, Observed(last_backup="2026-01-01T01:17:00Z"))["lastBackupTime"] == (
+        "2026-01-01T01:17:00Z"
+    )
     status = shard_status(spec, None, Observed(replication={"message": "no Sentinel answers"}))
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == "RedisNoPrimary"

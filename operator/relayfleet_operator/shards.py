@@ -70,8 +70,13 @@ async def _observe(ctx: fleet.Context, shard: ShardSpec, url: str | None) -> Obs
             replication = await probe_replication(url, now_rfc3339())
     elif url is not None:
         reachable = await migration.ping(url)
+    last_backup = None
+    if shard.backup is not None:
+        cron = await kube.get("batch/v1", "CronJob", shard.namespace, builders.backup_name(shard.name))
+        last_backup = ((cron or {}).get("status") or {}).get("lastSuccessfulTime")
     shard_map, _ = await fleet.read_shard_map(kube, shard.namespace, shard.fleet)
     return Observed(
+        last_backup=last_backup if isinstance(last_backup, str) else None,
         deployment=dep,
         statefulset=sts,
         redis_reachable=reachable,

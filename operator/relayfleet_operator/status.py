@@ -88,6 +88,7 @@ class Observed:
     blocked: str | None = None  # deletion refused, and why
     error: str | None = None  # the reconcile itself failed, and why
     replication: Mapping[str, Any] | None = None  # managed Redis: status.redis (replication.py)
+    last_backup: str | None = None  # the backup CronJob's status.lastSuccessfulTime
 
 
 def _int(obj: Mapping[str, Any] | None, *path: str) -> int:
@@ -216,6 +217,8 @@ def shard_status(
         status["redisEndpoint"] = seen.redis_endpoint
     if seen.replication is not None:
         status["redis"] = dict(seen.replication)
+    if seen.last_backup is not None:
+        status["lastBackupTime"] = seen.last_backup
     return status
 
 

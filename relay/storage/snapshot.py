@@ -162,6 +162,8 @@ async def load_rdb(
                 data = await reader.read(65536)
                 if not data:
                     return
+                if served.is_set():
+                    continue  # acks and keep-alive newlines from the loading replica: nothing to answer
                 rd.feed(data)
                 while (cmd := rd.gets()) is not False:
                     if not isinstance(cmd, list) or not cmd:
@@ -183,7 +185,7 @@ async def load_rdb(
                     else:
                         writer.write(b"-ERR not supported by the restore source\r\n")
                     await writer.drain()
-        except (OSError, SnapshotError) as exc:
+        except (OSError, SnapshotError, hiredis.ProtocolError) as exc:
             failures.append(f"sending the snapshot failed: {type(exc).__name__}")
             served.set()
         finally:
