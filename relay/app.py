@@ -41,7 +41,7 @@ def _error_for(exc: BaseException) -> web.Response:
     if isinstance(exc, Unavailable):
         return error_response(
             503,
-            "unavailable",
+            exc.code,
             f"temporarily unavailable: {exc.reason}",
             {"Retry-After": str(exc.retry_after_s)},
             {"retryAfterMs": exc.retry_after_s * 1000},

@@ -77,6 +77,7 @@ class LocalRedis:
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     binary: str = ""
     tls: RedisTls | None = None  # TLS only (no plaintext port) when set
+    extra_args: list[str] = field(default_factory=list)  # e.g. --replicaof HOST PORT
 
     @property
     def url(self) -> str:
@@ -110,6 +111,7 @@ class LocalRedis:
             args += ["--requirepass", self.password]
         if self.tls is not None:
             args += self.tls.args(self.port)  # the later --port 0 wins: TLS only
+        args += self.extra_args
         self.proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )

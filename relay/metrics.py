@@ -87,7 +87,7 @@ SHARD_MAP_EPOCH = Gauge("relayfleet_shard_map_epoch", "Epoch of the shard map in
 SHARD_MAP_RELOADS = Counter("relayfleet_shard_map_reloads_total", "Shard map reloads", registry=REGISTRY)
 RETRIES = Counter(
     "relayfleet_internal_retries_total", "Requests retried inside the relay", ["reason"], registry=REGISTRY
-)  # reason: moved, migrating
+)  # reason: moved, migrating, failover
 PUSH_NOTIFICATIONS = Counter(
     "relayfleet_push_notifications_total", "Push webhook calls by outcome", ["outcome"], registry=REGISTRY
 )
@@ -167,7 +167,7 @@ OVERLOADED = Gauge(
 )
 
 # Retry reasons start at 0, so the dashboard's retry panel has series before the first move.
-for _reason in ("moved", "migrating"):
+for _reason in ("moved", "migrating", "failover"):
     RETRIES.labels(_reason)
 
 

@@ -14,9 +14,11 @@ from relay.settings import Settings
 from relay.storage.store import (
     EnqueueOutcome,
     ReadResult,
+    ReplicationTimeout,
     SlotMigrating,
     SlotMoved,
     StatusResult,
+    StoreFailover,
     StoreOutcomeUnknown,
     StoreUnavailable,
     enqueue_outcome,
@@ -30,10 +32,20 @@ OnStored = Callable[[bytes, bytes, int, int], None]  # recipient, channel, seq, 
 class Unavailable(Exception):
     """Answer 503 with Retry-After: the shard is down or the slot stayed fenced too long."""
 
-    def __init__(self, reason: str, retry_after_s: int = 1) -> None:
+    def __init__(self, reason: str, retry_after_s: int = 1, code: str = "unavailable") -> None:
         super().__init__(reason)
         self.reason = reason
         self.retry_after_s = retry_after_s
+        self.code = code
+
+
+def _failover_retryable(exc: StoreUnavailable, idempotent: bool) -> bool:
+    """Whether a Sentinel-managed shard's failure may be retried on the next primary: always
+    when nothing ran (refused, never sent); when it may have run, only for operations that
+    are safe to repeat (reads, acks, enqueues carrying an Idempotency-Key)."""
+    if isinstance(exc, ReplicationTimeout):
+        return False  # it ran; the client decides (503 replication_timeout)
+    return isinstance(exc, StoreFailover) or idempotent
 
 
 class TooManyWaiters(Exception):
@@ -60,14 +72,22 @@ class QueueService:
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- plumbing ------------------------------------------------------------
-    async def call(self, recipient: bytes, channel: bytes, op: Callable[[Route], Awaitable[T]]) -> T:
-        """Run `op` on the queue's shard, retrying MOVED and fenced slots within the deadline."""
+    async def call(
+        self,
+        recipient: bytes,
+        channel: bytes,
+        op: Callable[[Route], Awaitable[T]],
+        idempotent: bool = True,
+    ) -> T:
+        """Run `op` on the queue's shard, retrying MOVED and fenced slots (and, on a
+        Sentinel-managed shard, a failover) within the deadline. `idempotent`: `op` may be
+        repeated after a failure that left unknown whether it ran."""
         deadline = asyncio.get_running_loop().time() + self.settings.request_deadline_s
         route = self.fleet.route(recipient, channel)
         try:
             return await op(route)
         except (SlotMoved, SlotMigrating, StoreUnavailable) as exc:
-            return await self._retry(recipient, channel, op, route, deadline, exc)
+            return await self._retry(recipient, channel, op, route, deadline, exc, idempotent)
 
     async def _retry(
         self,
@@ -77,14 +97,35 @@ class QueueService:
         route: Route,
         deadline: float,
         exc: Exception,
+        idempotent: bool = True,
     ) -> T:
         """What `call` does once an attempt on `route` failed with `exc`: retry or give up."""
         loop = asyncio.get_running_loop()
         delay = 0.005
         while True:
+            if isinstance(exc, ReplicationTimeout):
+                metrics.REDIS_ERRORS.labels(route.store.name, "replication_timeout").inc()
+                raise Unavailable(
+                    "too few replicas confirmed the write; it may be stored, retry with the same "
+                    "Idempotency-Key",
+                    code="replication_timeout",
+                ) from exc
             if isinstance(exc, StoreUnavailable):
-                metrics.REDIS_ERRORS.labels(route.store.name, "unavailable").inc()
-                raise Unavailable("shard unavailable") from exc
+                if not (route.store.follows_failover and _failover_retryable(exc, idempotent)):
+                    metrics.REDIS_ERRORS.labels(route.store.name, "unavailable").inc()
+                    raise Unavailable("shard unavailable") from exc
+                metrics.RETRIES.labels("failover").inc()
+                if loop.time() + delay > deadline:
+                    metrics.REDIS_ERRORS.labels(route.store.name, "unavailable").inc()
+                    raise Unavailable("shard failing over") from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.2)  # a Sentinel failover takes ~1-3 s
+                route = self.fleet.route(recipient, channel)
+                try:
+                    return await op(route)
+                except (SlotMoved, SlotMigrating, StoreUnavailable) as again:
+                    exc = again
+                continue
             if isinstance(exc, SlotMoved):
                 metrics.RETRIES.labels("moved").inc()
                 moved_on = await self.fleet.refresh()
@@ -197,7 +238,8 @@ class QueueService:
 
     async def drain(self, recipient: bytes, channel: bytes, limit: int, wait_s: float) -> ReadResult:
         async def fetch() -> ReadResult:
-            return await self.call(recipient, channel, lambda r: r.store.drain(r.keys, limit))
+            # a drain that may have run must not be repeated: its messages are gone
+            return await self.call(recipient, channel, lambda r: r.store.drain(r.keys, limit), False)
 
         result = await (self._wait_for(recipient, channel, wait_s, fetch) if wait_s > 0 else fetch())
         _count("drained", result)
@@ -222,7 +264,7 @@ class QueueService:
         """Record a signature nonce on the recipient's shard; False when replayed."""
         ts = now_ms()
         return await self.call(
-            recipient, b"", lambda r: r.store.use_nonce(r.keys.slot, member, ts, lifetime_ms)
+            recipient, b"", lambda r: r.store.use_nonce(r.keys.slot, member, ts, lifetime_ms), False
         )
 
     async def announce_live(self, recipient: bytes, channel: bytes, token: bytes) -> None:
@@ -374,8 +416,15 @@ class _Enqueue:
 
     async def retry(self, exc: Exception) -> None:
         try:
+            # repeated after an unknown outcome only under an Idempotency-Key (no double store)
             outcome = await self.service._retry(
-                self.recipient, self.channel, self.attempt, self.route, self.deadline, exc
+                self.recipient,
+                self.channel,
+                self.attempt,
+                self.route,
+                self.deadline,
+                exc,
+                bool(self.idempotency_key),
             )
         except BaseException as err:
             self.fail(err)

@@ -57,7 +57,7 @@ async def _one(c: Context, text: Any, channel: bytes, payload: bytes, message_id
     except ApiError as exc:
         return _failed(text, exc.status, exc.code, exc.text, **exc.extra)
     except Unavailable as exc:
-        return _failed(text, 503, "unavailable", f"temporarily unavailable: {exc.reason}")
+        return _failed(text, 503, exc.code, f"temporarily unavailable: {exc.reason}")
     except StoreRejected:
         return _failed(text, 507, "storage_full", "the shard is out of memory; nothing was stored")
     duplicate = outcome.kind == "duplicate"

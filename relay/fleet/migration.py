@@ -39,11 +39,21 @@ from typing import Any, TextIO
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from relay.fleet.sharding import SLOT_COUNT, ShardMap, ShardMapError, loads_shard_map, parse_slot_spec
+from relay.fleet.sharding import (
+    SLOT_COUNT,
+    ShardMap,
+    ShardMapError,
+    is_sentinel_url,
+    loads_shard_map,
+    min_replicas_of,
+    parse_slot_spec,
+)
 from relay.storage import keys as K
-from relay.storage import scripts
+from relay.storage import scripts, sentinel
 from relay.storage.scripts import Script
 
 __all__ = [
@@ -73,6 +83,11 @@ CurrentMap = Callable[[], Awaitable[ShardMap]]
 
 class MigrationError(Exception):
     """A migration could not go on; the message says which slot or shard and why."""
+
+
+class ShardInterrupted(MigrationError):
+    """A shard's connection broke or its node stopped being the primary (a failover): the
+    run stops like a crash would, and ``migrate_slots`` resumes it on the new primary."""
 
 
 class MapConflict(MigrationError):
@@ -106,6 +121,7 @@ class MigrationReport:
     pauses_s: list[float] = field(default_factory=list)  # per slot: fence -> map published
     map_epoch: int = 0
     final_map: ShardMap | None = None
+    resumes: int = 0  # times a shard's failover interrupted the run and it resumed
 
     @property
     def mb_per_s(self) -> float:
@@ -147,6 +163,8 @@ def _s(value: Any) -> str:
 
 
 def _redacted(url: str) -> str:
+    if is_sentinel_url(url):
+        return sentinel.redacted(url)
     parts = urlsplit(url)
     if parts.scheme == "unix":
         return parts.path
@@ -177,6 +195,12 @@ def _address(name: str, url: str) -> _Address:
     return _Address(parts.hostname, parts.port or 6379, int(db_text), auth)
 
 
+# replies of a node that is not (or no longer) a writable primary
+# (IOERR: MIGRATE could not reach the target, e.g. its primary died mid-copy)
+_FAILOVER_REPLIES = ("READONLY", "LOADING", "MASTERDOWN", "NOREPLICAS", "The previous master", "IOERR")
+_WAIT_TIMEOUT_MS = 2000
+
+
 def _chunks(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
@@ -188,23 +212,45 @@ class _Shard:
     def __init__(self, name: str, url: str, op_timeout_s: float) -> None:
         self.name = name
         self.url = url
-        self.client: aioredis.Redis = aioredis.Redis.from_url(
+        # a Sentinel service: the client finds the primary and leaves one that turns READONLY
+        self.client: aioredis.Redis = sentinel.async_client(
             url, decode_responses=False, socket_connect_timeout=5.0, socket_timeout=op_timeout_s
         )
+        self.min_replicas = min_replicas_of(url)  # state changes wait for WAIT, as relay writes do
+
+    async def address(self) -> _Address:
+        """Where another shard's MIGRATE reaches this one now (the primary, for a Sentinel shard)."""
+        try:
+            url = await sentinel.primary_url(self.url)
+        except sentinel.NoPrimary as exc:
+            raise ShardInterrupted(f"shard {self.name}: {exc}") from None
+        return _address(self.name, url)
 
     async def close(self) -> None:
         await self.client.aclose()
 
     def fail(self, what: str, exc: BaseException) -> MigrationError:
         text = str(exc).split("\n", 1)[0][:300]
-        return MigrationError(
-            f"{what} on shard {self.name} ({_redacted(self.url)}) failed: {text or type(exc).__name__}"
-        )
+        message = f"{what} on shard {self.name} ({_redacted(self.url)}) failed: {text or type(exc).__name__}"
+        broke = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
+        if isinstance(exc, broke) or text.startswith(_FAILOVER_REPLIES):
+            return ShardInterrupted(message)
+        return MigrationError(message)
 
-    async def run(self, what: str, commands: Sequence[Sequence[Any]]) -> list[Any]:
-        """One pipelined round trip; reloads the migration scripts once if Redis lost them."""
+    async def run(self, what: str, commands: Sequence[Sequence[Any]], durable: bool = False) -> list[Any]:
+        """One pipelined round trip; reloads the migration scripts once if Redis lost them.
+        `durable` (a state change) on a shard with minReplicas: WAIT follows on the same
+        connection, and too few replicas confirming it stops the run (it resumes)."""
         if not commands:
             return []
+        if durable and self.min_replicas:
+            replies = await self.run(what, [*commands, ("WAIT", self.min_replicas, _WAIT_TIMEOUT_MS)])
+            if int(replies[-1]) < self.min_replicas:
+                raise ShardInterrupted(
+                    f"{what} on shard {self.name}: {replies[-1]} of {self.min_replicas} replica(s) "
+                    "confirmed it in time"
+                )
+            return replies[:-1]
         for attempt in (0, 1):
             try:
                 pipe = self.client.pipeline(transaction=False)
@@ -238,7 +284,7 @@ class _Shard:
         """Set the state of every slot, refusing (MigrationError) where the prior state is not allowed."""
         cmds = [_evalsha(scripts.SLOT_STATE, (K.slot_state(s),), (new, *allowed)) for s in slots]
         for chunk_slots, chunk in zip(_chunks(slots, 2048), _chunks(cmds, 2048), strict=True):
-            replies = await self.run(what, chunk)
+            replies = await self.run(what, chunk, durable=True)
             for s, (ok, prior) in zip(chunk_slots, replies, strict=True):
                 if not int(ok):
                     raise MigrationError(
@@ -261,7 +307,7 @@ class _Shard:
         ]
         deleted = 0
         for i, part in enumerate(_chunks(calls, 128)):
-            replies = await self.run(what, [cmd for _, cmd in part])
+            replies = await self.run(what, [cmd for _, cmd in part], durable=True)
             for (slot, _), (ok, n) in zip(part, replies, strict=True):
                 if not int(ok):
                     state = _s(n) or "owned"
@@ -284,7 +330,7 @@ class _Shard:
         for chunk in _chunks(slots, 512):
             cmds = [_evalsha(scripts.SLOT_STATE, (K.slot_state(s),), (new, *allowed)) for s in chunk]
             cmds += [("SMEMBERS", K.slot_index(s)) for s in chunk]
-            replies = await self.run(what, cmds)
+            replies = await self.run(what, cmds, durable=True)
             for s, (ok, prior) in zip(chunk, replies[: len(chunk)], strict=True):
                 if not int(ok):
                     raise MigrationError(
@@ -300,7 +346,9 @@ class _Shard:
         metas = [K.queue_keys_for_id(s, q).meta for s, qs in qids.items() for q in qs]
         for chunk in _chunks(metas, 512):
             await self.run(
-                "stamping imported queues", [_evalsha(scripts.IMPORT_STAMP, (m,), ()) for m in chunk]
+                "stamping imported queues",
+                [_evalsha(scripts.IMPORT_STAMP, (m,), ()) for m in chunk],
+                durable=True,
             )
 
     async def members(self, slots: Sequence[int]) -> dict[int, list[str]]:
@@ -372,7 +420,12 @@ class _Migration:
         self.shards = {
             name: _Shard(name, urls.get(name, url), op_timeout) for name, url in shard_map.shards.items()
         }
-        self.target_addr = _address(target, self.shards[target].url)
+        # MIGRATE's destination; a Sentinel shard's is found afresh for every batch
+        self.target_addr = (
+            _address(target, self.shards[target].url)
+            if not is_sentinel_url(self.shards[target].url)
+            else None
+        )
         self.started = time.monotonic()
         self.report = MigrationReport(target, 0)
         self.slots_total = 0
@@ -528,6 +581,8 @@ class _Migration:
         # copy; dropped before the source's fence so this work stays out of the write pause.
         doomed = [(s, _all_keys(s, stale[s])) for s in batch]
         await tgt.drop("dropping stale keys before the copy", doomed, ("importing",))
+        if is_sentinel_url(tgt.url):
+            self.target_addr = await tgt.address()
         fenced_at = time.monotonic()  # taken before the fence is sent: the pause is not understated
         try:
             # the listing follows the fence: no queue can appear in the slot after it
@@ -628,6 +683,7 @@ class _Migration:
 
     async def migrate(self, src: _Shard, keys: Sequence[str], nbytes: int) -> None:
         a = self.target_addr
+        assert a is not None
         try:
             await src.client.execute_command(  # type: ignore[no-untyped-call]
                 "MIGRATE", a.host, a.port, "", a.db, self.migrate_timeout_ms,
@@ -733,6 +789,7 @@ async def migrate_slots(
     chunk_bytes: int = 4 << 20,
     migrate_timeout_ms: int = 15_000,
     current_map: CurrentMap | None = None,
+    resume_for_s: float = 60.0,
 ) -> MigrationReport:
     """Move `slots` to shard `target`, online; safe to call again after any failure or crash.
 
@@ -744,30 +801,48 @@ async def migrate_slots(
     every source must reach the target at the URL used here, since MIGRATE is issued
     by the source's Redis. When `publish_map` raises `MapConflict` (another migration
     published first), the next map is rebuilt on `current_map()` and offered again;
-    without `current_map` the conflict ends the run (rerun it). Batches are
+    without `current_map` the conflict ends the run (rerun it). A lost connection or a
+    shard failing over (`ShardInterrupted`) resumes the run for up to `resume_for_s`
+    seconds (0: fail at once; only when some shard is Sentinel-managed). Batches are
     consecutive slots of one source, bounded by
     `max_batch_slots`, `max_batch_bytes` (payload) and `max_batch_queues`: together the
     bound on each slot's write pause.
     """
     wanted = _validate(shard_map, slots, target)
-    m = _Migration(
-        shard_map,
-        target,
-        publish_map,
-        progress,
-        dict(redis_urls or {}),
-        max(1, max_batch_slots),
-        max(1, max_batch_bytes),
-        max(1, max_batch_queues),
-        max(1, chunk_keys),
-        max(1, chunk_bytes),
-        migrate_timeout_ms,
-    )
-    m.current_map = current_map
-    try:
-        return await m.run(wanted)
-    finally:
-        await m.close()
+    # A shard's failover mid-run (Sentinel shards) stops the run like a crash; every step is
+    # resumable, so it starts over from the shard states on the new primary, within a bound.
+    urls = {**shard_map.shards, **(redis_urls or {})}
+    if not any(is_sentinel_url(u) for u in urls.values()):
+        resume_for_s = 0.0  # a plain Redis that broke is not failing over: report it at once
+    give_up_at = time.monotonic() + resume_for_s
+    resumes = 0
+    while True:
+        m = _Migration(
+            shard_map,
+            target,
+            publish_map,
+            progress,
+            dict(redis_urls or {}),
+            max(1, max_batch_slots),
+            max(1, max_batch_bytes),
+            max(1, max_batch_queues),
+            max(1, chunk_keys),
+            max(1, chunk_bytes),
+            migrate_timeout_ms,
+        )
+        m.current_map = current_map
+        try:
+            report = await m.run(wanted)
+            report.resumes = resumes
+            return report
+        except ShardInterrupted:
+            if time.monotonic() >= give_up_at:
+                raise
+            shard_map = m.map  # the last map it published: later batches build on it
+        finally:
+            await m.close()
+        resumes += 1
+        await asyncio.sleep(0.5)
 
 
 # -- the shard map file -----------------------------------------------------------

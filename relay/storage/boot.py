@@ -25,11 +25,13 @@ _MARK = """
 local info = redis.call('INFO', 'server')
 local run_id = string.match(info, 'run_id:(%x+)')
 local cur = redis.call('GET', KEYS[1])
-if cur and string.sub(cur, 1, #run_id + 1) == run_id .. ':' then return cur end
+local same_mode = (string.sub(cur or '', -2) == ':w') == (ARGV[1] == 'w')
+if cur and string.sub(cur, 1, #run_id + 1) == run_id .. ':' and same_mode then return cur end
 local up = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local v = run_id .. ':' .. (now - up * 1000)
+if ARGV[1] == 'w' then v = v .. ':w' end
 redis.call('SET', KEYS[1], v)
 return v
 """
@@ -39,8 +41,14 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-async def mark_boot(client: aioredis.Redis) -> None:
-    """Record the current Redis run (or remove the mark under appendfsync always)."""
+async def mark_boot(client: aioredis.Redis, waited: bool = False) -> None:
+    """Record the current Redis run (or remove the mark under appendfsync always).
+
+    `waited`: the shard's writes are answered only after WAIT confirmed replicas hold
+    them (minReplicas). A new run there is mostly a failover to a replica that holds every
+    acknowledged write: queues keep their epoch, but their seq counters still jump, since
+    a write the old primary ran without confirming it may have been read and then lost.
+    """
     try:
         conf = await client.config_get("appendfsync")
         policy = next((_text(v) for k, v in conf.items() if _text(k) == "appendfsync"), "")
@@ -49,4 +57,4 @@ async def mark_boot(client: aioredis.Redis) -> None:
     if policy == "always":
         await client.delete(K.SHARD_BOOT)
         return
-    await client.eval(_MARK, 1, K.SHARD_BOOT)
+    await client.eval(_MARK, 1, K.SHARD_BOOT, "w" if waited else "")

@@ -12,13 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, cast
 
 import hiredis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from relay.fleet.sharding import is_sentinel_url
+from relay.storage import sentinel
 from relay.storage.boot import mark_boot
 from relay.storage.connection import RedisConnectError, RedisTarget, open_protocol
 from relay.storage.scripts import ALL, Script
@@ -32,6 +34,18 @@ class StoreOutcomeUnknown(StoreUnavailable):
     """The command was sent but its reply never came (timeout, connection lost): Redis
     may have run it. A write must find out what happened before it answers (see
     QueueService.enqueue); nothing here resends it."""
+
+
+class StoreFailover(StoreUnavailable):
+    """The command was refused or never sent because the node is not (or no longer) a
+    writable primary (READONLY, LOADING, MASTERDOWN, no connection): nothing happened, so
+    any operation may be retried once the primary is found again."""
+
+
+class ReplicationTimeout(StoreUnavailable):
+    """The write is applied on the primary but WAIT saw fewer replicas than the shard's
+    minReplicas within its timeout: answered 503, the write may exist (retry with the
+    same Idempotency-Key is safe)."""
 
 
 class StoreRejected(Exception):
@@ -95,11 +109,81 @@ def encode_evalsha(script: Script, keys: tuple[str, ...], args: tuple[Arg, ...])
     return b"".join(parts)
 
 
+# Replies of a node that cannot take writes now: a demoted primary (READONLY), one still
+# loading its data, a replica whose primary is gone. Nothing ran; the primary is elsewhere.
+_FAILOVER_ERRORS = ("READONLY", "LOADING", "MASTERDOWN", "NOREPLICAS")
+
+
 def _classify(reply: hiredis.ReplyError) -> Exception:
     text = str(reply)
     if "OOM" in text or "maxmemory" in text:
         return StoreRejected("out of memory")
+    if text.startswith(_FAILOVER_ERRORS):
+        return StoreFailover(text.split(" ", 1)[0][:40])
     return StoreUnavailable(text.split("\n", 1)[0][:200])
+
+
+class _Hold:
+    """A write's reply sink while its batch's WAIT is outstanding (minReplicas >= 1): the
+    reply is kept until WAIT confirms enough replicas hold it, errors pass at once."""
+
+    __slots__ = ("replied", "reply", "sink")
+
+    def __init__(self, sink: ReplySink) -> None:
+        self.sink = sink
+        self.reply: Any = None
+        self.replied = False
+
+    def done(self) -> bool:
+        return self.replied or self.sink.done()
+
+    def set_result(self, result: Any, /) -> None:
+        self.reply = result
+        self.replied = True
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        if not self.sink.done():
+            self.sink.set_exception(exception)
+
+
+class _WaitReply:
+    """WAIT's reply sink: releases (or fails) the writes of its batch that have replied."""
+
+    __slots__ = ("holds", "needed")
+
+    def __init__(self, holds: list[_Hold], needed: int) -> None:
+        self.holds = holds
+        self.needed = needed
+
+    def done(self) -> bool:
+        return False
+
+    def set_result(self, result: Any, /) -> None:
+        if isinstance(result, int) and result >= self.needed:
+            for h in self.holds:
+                if h.replied and not h.sink.done():
+                    h.sink.set_result(h.reply)
+        else:
+            self._fail(ReplicationTimeout(f"{result} of {self.needed} replica(s) confirmed the write"))
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        # the write ran but its replication is unknown: never report it as a refusal
+        reason = str(exception) or type(exception).__name__
+        self._fail(StoreUnavailable(reason) if isinstance(exception, StoreFailover) else exception)
+
+    def _fail(self, exc: BaseException) -> None:
+        for h in self.holds:
+            if h.replied and not h.sink.done():
+                h.sink.set_exception(exc)
+
+
+def _with_wait(items: list[_Item], needed: int, timeout_ms: int) -> list[_Item]:
+    """`items` followed by one WAIT covering every held write among them (Redis runs one
+    connection's commands in order, so WAIT counts the replicas that hold all of them)."""
+    holds = [sink for _, sink in items if isinstance(sink, _Hold)]
+    if not holds:
+        return items
+    return [*items, (encode_command("WAIT", needed, timeout_ms), _WaitReply(holds, needed))]
 
 
 class _Batch:
@@ -122,6 +206,7 @@ class _Resp(asyncio.Protocol):
         self.waiting: deque[_Batch] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost = False
+        self.demoted = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
@@ -149,12 +234,20 @@ class _Resp(asyncio.Protocol):
                     if batch.may_reload and str(reply).startswith("NOSCRIPT"):
                         batch.retry.append(item)
                     else:
-                        sink.set_exception(_classify(reply))
+                        exc = _classify(reply)
+                        sink.set_exception(exc)
+                        if isinstance(exc, StoreFailover):
+                            self.demoted = True
                 else:
                     sink.set_result(reply)
             if batch.pos == len(batch.items):
                 waiting.popleft()
                 self.owner._batch_done(batch)
+            if self.demoted:
+                # This node no longer takes writes: drop the connection so the next one
+                # finds the primary again (Sentinel), and answer the rest as not run.
+                self.abort("not a writable primary", failover=True)
+                return
 
     def send(self, batch: _Batch, timeout: float | None = None) -> None:
         """Write `batch`; without a reply in `timeout` (default: the batcher's for its size)
@@ -167,21 +260,24 @@ class _Resp(asyncio.Protocol):
         batch.timer = asyncio.get_running_loop().call_later(timeout, self.abort, "timeout")
         self.transport.write(data)
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, failover: bool = False) -> None:
         if self.transport is not None:
             self.transport.abort()
-        self._fail_all(reason)
+        self._fail_all(reason, failover)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail_all(type(exc).__name__ if exc is not None else "connection closed")
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, failover: bool = False) -> None:
         self.lost = True
         waiting, self.waiting = self.waiting, deque()
         for batch in waiting:
-            # written, no reply: Redis may have run them; NOSCRIPT retries did not run
-            _fail(batch.items[batch.pos :], StoreOutcomeUnknown(reason))
-            _fail(batch.retry, StoreUnavailable(reason))
+            if failover:  # refused (and what followed was refused too): nothing ran
+                _fail(batch.items[batch.pos :] + batch.retry, StoreFailover(reason))
+            else:
+                # written, no reply: Redis may have run them; NOSCRIPT retries did not run
+                _fail(batch.items[batch.pos :], StoreOutcomeUnknown(reason))
+                _fail(batch.retry, StoreUnavailable(reason))
             batch.retry = []
             self.owner._batch_done(batch)
 
@@ -210,9 +306,16 @@ class ScriptBatcher:
         connect_timeout: float = 2.0,
         reply_timeout: float = 5.0,
         reply_bytes: int = 0,
+        min_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
     ) -> None:
         self._client = client  # loads scripts (start, NOSCRIPT); the hot path is raw
-        self._target = RedisTarget.from_url(url)  # the hot path's own connection (RESP, hiredis)
+        # >= 1: every durable write is answered only once WAIT confirms that many replicas
+        self.min_replicas = min_replicas
+        self._wait_timeout_ms = wait_timeout_ms
+        self._url = url  # a redis+sentinel:// URL is resolved on every connect
+        if not is_sentinel_url(url):
+            RedisTarget.from_url(url)  # a bad URL fails here, not at the first request
         self._max_inflight = max_inflight
         self._max_batch = max_batch
         self._connect_timeout = connect_timeout
@@ -225,6 +328,7 @@ class ScriptBatcher:
         self._connecting: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._unwatch: Callable[[], None] | None = None  # Sentinel failover notices
 
     def reply_timeout(self, sent_bytes: int, commands: int) -> float:
         """Seconds a batch of `commands` sending `sent_bytes` may wait for its replies."""
@@ -234,22 +338,31 @@ class ScriptBatcher:
         for script in ALL:
             await self._client.script_load(script.source)
 
-    def call(self, script: Script, keys: tuple[str, ...], args: tuple[Arg, ...]) -> asyncio.Future[Any]:
-        return self.submit(encode_evalsha(script, keys, args))
+    def call(
+        self, script: Script, keys: tuple[str, ...], args: tuple[Arg, ...], durable: bool = False
+    ) -> asyncio.Future[Any]:
+        return self.submit(encode_evalsha(script, keys, args), durable)
 
-    def submit(self, command: bytes) -> asyncio.Future[Any]:
+    def submit(self, command: bytes, durable: bool = False) -> asyncio.Future[Any]:
         """Send one RESP-encoded command with the next pipeline; the future gets its reply."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.submit_to(command, fut)
+        self.submit_to(command, fut, durable)
         return fut
 
-    def submit_to(self, command: bytes, sink: ReplySink) -> None:
-        """As `submit`, the reply (or StoreUnavailable / StoreRejected) handed to `sink`."""
+    def submit_to(self, command: bytes, sink: ReplySink, durable: bool = False) -> None:
+        """As `submit`, the reply (or StoreUnavailable / StoreRejected) handed to `sink`.
+        A `durable` command (a write the client is told about) waits for WAIT when the
+        shard has minReplicas; ReplicationTimeout when too few replicas confirm it."""
+        if durable and self.min_replicas:
+            sink = _Hold(sink)
         self._pending.append((command, sink))
         self._kick()
 
     async def close(self) -> None:
         self._closed = True
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
         if self._connecting is not None:
             self._connecting.cancel()
         conn, self._conn = self._conn, None
@@ -279,6 +392,8 @@ class ScriptBatcher:
         while self._pending and self._inflight < self._max_inflight:
             n = min(len(self._pending), self._max_batch)
             items = [self._pending.popleft() for _ in range(n)]
+            if self.min_replicas:
+                items = _with_wait(items, self.min_replicas, self._wait_timeout_ms)
             self._inflight += 1
             conn.send(_Batch(items, may_reload=True))
 
@@ -298,6 +413,8 @@ class ScriptBatcher:
         if conn is None or conn.lost:
             _fail(items, StoreUnavailable("connection lost"))
             return
+        if self.min_replicas:  # their first WAIT released nothing: they had not replied yet
+            items = _with_wait(items, self.min_replicas, self._wait_timeout_ms)
         self._inflight += 1
         conn.send(_Batch([*_script_loads(), *items], may_reload=False))
 
@@ -307,7 +424,7 @@ class ScriptBatcher:
         except Exception as exc:  # whatever went wrong, the waiting callers get an answer
             pending, self._pending = list(self._pending), deque()
             reason = str(exc) if isinstance(exc, StoreUnavailable) else type(exc).__name__
-            _fail(pending, StoreUnavailable(reason))
+            _fail(pending, StoreFailover(reason))  # none of them was sent
             return
         finally:
             self._connecting = None
@@ -317,20 +434,41 @@ class ScriptBatcher:
         self._conn = conn
         self._kick()
 
+    def _primary_changed(self, host: str, port: int) -> None:
+        """Sentinel announced a failover: leave the old primary now, not at its next error
+        (what was in flight on it may have run: answered as unknown, not as refused)."""
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.lost:
+            conn.abort("primary changed")
+
     async def _open(self) -> _Resp:
+        if self._unwatch is None and is_sentinel_url(self._url):
+            self._unwatch = sentinel.watch(self._url, self._primary_changed)
         try:
-            _, conn = await open_protocol(self._target, lambda: _Resp(self), self._connect_timeout)
+            url = await sentinel.primary_url(self._url)
+        except sentinel.NoPrimary as exc:
+            raise StoreFailover(str(exc)[:200]) from None
+        try:
+            target = RedisTarget.from_url(url)  # parsed once per URL (cached)
+            _, conn = await open_protocol(target, lambda: _Resp(self), self._connect_timeout)
         except RedisConnectError as exc:
             raise StoreUnavailable(str(exc)) from None
         # a new connection often means a restarted Redis: record the run (lost-tail
         # detection, relay/storage/boot.py) before any script can run, then load them
         with _handshake(conn):
-            await mark_boot(self._client)
-        handshake = _script_loads()
+            await mark_boot(self._client, waited=self.min_replicas > 0)
+        # ROLE before the first script: a demoted primary (or a replica a lagging Sentinel
+        # still names) must never get a write
+        loop = asyncio.get_running_loop()
+        hello = [encode_command("ROLE")]
+        handshake = [(cmd, _watched(loop.create_future())) for cmd in hello] + _script_loads()
         conn.send(_Batch([*handshake], may_reload=False), self._connect_timeout)
         self._inflight += 1  # _batch_done balances it
         with _handshake(conn):
-            await asyncio.gather(*[fut for _, fut in handshake])
+            replies = await asyncio.gather(*[fut for _, fut in handshake])
+            if not sentinel.role_is_primary(replies[len(hello) - 1]):
+                # a Sentinel that has not seen the failover yet, or a node being demoted
+                raise StoreFailover("the node Sentinel named is not a primary")
         return conn
 
     def _spawn(self, coro: Any) -> asyncio.Task[None]:

@@ -11,11 +11,15 @@ from typing import Any, NamedTuple
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from relay.fleet.sharding import is_sentinel_url, min_replicas_of
 from relay.storage import keys as K
 from relay.storage import scripts
+from relay.storage import sentinel as S
 from relay.storage.pipeline import (
+    ReplicationTimeout,
     ReplySink,
     ScriptBatcher,
+    StoreFailover,
     StoreOutcomeUnknown,
     StoreRejected,
     StoreUnavailable,
@@ -33,10 +37,12 @@ __all__ = [
     "Message",
     "QueueLimits",
     "ReadResult",
+    "ReplicationTimeout",
     "ShardStore",
     "SlotMigrating",
     "SlotMoved",
     "StatusResult",
+    "StoreFailover",
     "StoreOutcomeUnknown",
     "StoreRejected",
     "StoreUnavailable",
@@ -196,7 +202,9 @@ class ShardStore:
         self.name = name
         self.url = url
         self.limits = limits
-        self.client: aioredis.Redis = aioredis.Redis.from_url(
+        # a Sentinel-managed shard: a lost or refused connection is a failover to ride out
+        self.follows_failover = is_sentinel_url(url)
+        self.client: aioredis.Redis = S.async_client(
             url,
             decode_responses=False,
             max_connections=max_connections,
@@ -206,9 +214,15 @@ class ShardStore:
         )
         # hot: enqueue, ack, status, nonce, publish (small replies, short deadline);
         # bulk: read and drain, whose replies reach max_response_bytes (DESIGN §3)
-        self._batcher = ScriptBatcher(self.client, url, reply_timeout=limits.write_timeout_s)
+        self._batcher = ScriptBatcher(
+            self.client, url, reply_timeout=limits.write_timeout_s, min_replicas=min_replicas_of(url)
+        )
         self._bulk = ScriptBatcher(
-            self.client, url, reply_timeout=limits.read_timeout_s, reply_bytes=limits.max_response_bytes
+            self.client,
+            url,
+            reply_timeout=limits.read_timeout_s,
+            reply_bytes=limits.max_response_bytes,
+            min_replicas=min_replicas_of(url),
         )
         self.last_error = ""  # why the last ping failed, for /readyz (never the URL)
         # per hot queue, the encoded parts of its enqueue command that never change (enqueue
@@ -300,6 +314,7 @@ class ShardStore:
                 _RESEND if resend else _EMPTY_BULK,
             ),
             sink,
+            durable=True,
         )
         return token
 
@@ -336,13 +351,16 @@ class ShardStore:
                 scripts.DRAIN,
                 (q.state, q.meta, q.msgs, q.stats),
                 (limit, self.limits.max_response_bytes, q.qid),
+                durable=True,
             )
         )
         return ReadResult(_messages(reply[3]), _s(reply[1]), int(reply[2]), more=bool(reply[4]))
 
     async def ack_upto(self, q: K.QueueKeys, up_to_seq: int) -> int:
         reply = _check(
-            await self._batcher.call(scripts.ACK, (q.state, q.meta, q.msgs, q.stats), ("upto", up_to_seq))
+            await self._batcher.call(
+                scripts.ACK, (q.state, q.meta, q.msgs, q.stats), ("upto", up_to_seq), durable=True
+            )
         )
         return int(reply[1])
 
@@ -350,7 +368,9 @@ class ShardStore:
         if not seqs:
             return 0
         reply = _check(
-            await self._batcher.call(scripts.ACK, (q.state, q.meta, q.msgs, q.stats), ("seqs", *seqs))
+            await self._batcher.call(
+                scripts.ACK, (q.state, q.meta, q.msgs, q.stats), ("seqs", *seqs), durable=True
+            )
         )
         return int(reply[1])
 

@@ -14,11 +14,13 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import hiredis
 
+from relay.fleet.sharding import is_sentinel_url
+from relay.storage import sentinel
 from relay.storage.connection import RedisConnectError, RedisTarget, open_connection
 
 log = logging.getLogger("relay.wakeups")
@@ -127,7 +129,8 @@ class _Channel:
 class WakeupHub:
     def __init__(self, url: str, shard: str = "default") -> None:
         self.url = url
-        self.target = RedisTarget.from_url(url)
+        # a redis+sentinel:// URL names no node: its primary is looked up on every connect
+        self.target = RedisTarget.from_url(url) if not is_sentinel_url(url) else RedisTarget()
         self.shard = shard
         self._channels: dict[str, _Channel] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -136,6 +139,7 @@ class WakeupHub:
         self.healthy = False
         self.reconnects = 0
         self.last_error = ""  # why the subscriber is down (no URL, no secret)
+        self._unwatch: Callable[[], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self, wait_connected: float = 2.0) -> None:
@@ -144,6 +148,9 @@ class WakeupHub:
             await asyncio.wait_for(self._connected.wait(), wait_connected)
 
     async def stop(self) -> None:
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
         if self._task:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -197,11 +204,42 @@ class WakeupHub:
             self._writer.close()
             self._writer = None
 
+    def _primary_changed(self, host: str, port: int) -> None:
+        """Sentinel announced a failover: resubscribe on the new primary (the session ends,
+        the supervisor reconnects and every waiter re-reads)."""
+        self._close_writer()
+
+    async def _open(self, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A logged-in connection to the shard's primary (found through Sentinel for a
+        redis+sentinel:// URL, then checked with ROLE: never subscribe on a node Sentinel
+        has not made primary yet, or one being demoted, where the PUBLISHes do not happen)."""
+        if not is_sentinel_url(self.url):
+            return await open_connection(self.target, timeout)
+        if self._unwatch is None:
+            self._unwatch = sentinel.watch(self.url, self._primary_changed)
+        try:
+            target = RedisTarget.from_url(await sentinel.primary_url(self.url))
+        except sentinel.NoPrimary as exc:
+            raise RedisConnectError(str(exc)[:200]) from None
+        reader, writer = await open_connection(target, timeout)
+        writer.write(_pack("ROLE"))
+        rd = hiredis.Reader()
+        while (reply := rd.gets()) is False:
+            data = await reader.read(4096)
+            if not data:
+                writer.close()
+                raise RedisConnectError("closed during ROLE")
+            rd.feed(data)
+        if not sentinel.role_is_primary(reply):
+            writer.close()
+            raise RedisConnectError("the node Sentinel named is not a primary")
+        return reader, writer
+
     async def _supervise(self) -> None:
         backoff = 0.05
         while True:
             try:
-                reader, writer = await open_connection(self.target, 3.0)
+                reader, writer = await self._open(3.0)
             except (OSError, TimeoutError) as exc:
                 # RedisConnectError's text names the step and the reason, never the credentials
                 reason = str(exc) if isinstance(exc, RedisConnectError) else type(exc).__name__

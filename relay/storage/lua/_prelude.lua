@@ -76,22 +76,28 @@ end
 -- copied in by a migration is re-stamped for this run (lua/import_stamp.lua).
 -- Undeclared key: fine on a standalone shard (a Redis Cluster shard needs another way).
 local SEQ_JUMP = 1000000
+-- A mark ending ':w' is a shard whose writes were WAIT-confirmed (minReplicas): a new run
+-- there (a failover) lost nothing acknowledged, so the epoch stays; the seq still jumps.
 local function boot_run()
   local boot = redis.call('GET', 'rf:boot')
   if not boot then return nil end
-  return string.match(boot, '^([^:]+):')
+  return string.match(boot, '^([^:]+):'), string.sub(boot, -2) == ':w'
 end
 -- Returns the run a write must stamp on the queue (nil when the stamp is already there or
 -- no boot is recorded), so a writer reads rf:boot and the stamp once.
 local function check_boot(meta_key)
-  local run = boot_run()
+  local run, waited = boot_run()
   if not run then return nil end
   local r = redis.call('HGET', meta_key, 'r')
   if r == run then return nil end
   if not r then return run end
   local seq = tonumber(redis.call('HGET', meta_key, 'seq') or '0') + SEQ_JUMP
-  local epoch = string.sub(redis.sha1hex(run .. meta_key), 1, 16)
-  redis.call('HSET', meta_key, 'epoch', epoch, 'seq', seq, 'r', run)
+  if waited then
+    redis.call('HSET', meta_key, 'seq', seq, 'r', run)
+  else
+    local epoch = string.sub(redis.sha1hex(run .. meta_key), 1, 16)
+    redis.call('HSET', meta_key, 'epoch', epoch, 'seq', seq, 'r', run)
+  end
   return nil
 end
 

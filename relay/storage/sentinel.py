@@ -1,0 +1,283 @@
+"""Finding a Sentinel-managed shard's primary, and hearing when it changes.
+
+A shard map entry may name a Sentinel service instead of one Redis (DESIGN §4; held
+as a ``redis+sentinel://`` URL, see relay/fleet/sharding.py). Everything that opens
+connections asks here where the primary is:
+
+- ``ask_primary``: SENTINEL get-master-addr-by-name, trying each Sentinel in turn
+  (the one that answered last first). Sentinels may lag a failover, so a connection
+  also checks ROLE once open (callers do: the hot path, wakeups); a demoted primary
+  is never written to.
+- ``SentinelWatch``: one connection per process and service subscribed to
+  ``+switch-master`` on a Sentinel (re-made on the next Sentinel when it drops), so
+  connections to the old primary are closed within a second of a failover instead
+  of at their next error. One per service, shared by the store and the wakeup hub.
+- ``async_client`` / ``sync_client``: redis-py clients for the same URLs (migrator,
+  maintenance, Spark): redis-py's Sentinel pool resolves on connect and drops a
+  connection that answers READONLY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import quote
+
+import hiredis
+import redis
+import redis.asyncio as aioredis
+import redis.asyncio.sentinel as aiosentinel
+import redis.sentinel
+
+from relay.fleet.sharding import SentinelTarget, is_sentinel_url, parse_sentinel_url
+
+log = logging.getLogger("relay.sentinel")
+
+_ASK_TIMEOUT_S = 1.0  # per Sentinel: a dead one must not use up the caller's whole budget
+
+
+class NoPrimary(ConnectionError):
+    """No Sentinel named a primary for the service (all down, or mid-failover)."""
+
+
+def _pack(*parts: str | bytes) -> bytes:
+    out = [b"*%d\r\n" % len(parts)]
+    for p in parts:
+        b = p.encode() if isinstance(p, str) else p
+        out.append(b"$%d\r\n%b\r\n" % (len(b), b))
+    return b"".join(out)
+
+
+async def _command(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rd: hiredis.Reader, *parts: str
+) -> Any:
+    writer.write(_pack(*parts))
+    while (reply := rd.gets()) is False:
+        data = await reader.read(4096)
+        if not data:
+            raise ConnectionError("closed by the Sentinel")
+        rd.feed(data)
+    return reply
+
+
+async def _sentinel_connection(
+    target: SentinelTarget, host: str, port: int
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, hiredis.Reader]:
+    reader, writer = await asyncio.open_connection(host, port)
+    rd = hiredis.Reader()
+    if target.sentinel_password is not None:
+        reply = await _command(reader, writer, rd, "AUTH", target.sentinel_password)
+        if isinstance(reply, hiredis.ReplyError):
+            writer.close()
+            raise ConnectionError("Sentinel AUTH refused")
+    return reader, writer, rd
+
+
+_last_good: dict[tuple[tuple[str, int], ...], int] = {}  # which Sentinel answered last, per set
+
+
+async def ask_primary(target: SentinelTarget, timeout: float = _ASK_TIMEOUT_S) -> tuple[str, int]:
+    """(host, port) of the service's primary as a Sentinel names it; NoPrimary when none does."""
+    sentinels = target.sentinels
+    start = _last_good.get(sentinels, 0)
+    reasons: list[str] = []
+    for i in range(len(sentinels)):
+        idx = (start + i) % len(sentinels)
+        host, port = sentinels[idx]
+        writer: asyncio.StreamWriter | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer, rd = await _sentinel_connection(target, host, port)
+                reply = await _command(
+                    reader, writer, rd, "SENTINEL", "get-master-addr-by-name", target.service
+                )
+        except (OSError, TimeoutError) as exc:
+            reasons.append(f"{host}:{port} {type(exc).__name__}")
+            continue
+        finally:
+            if writer is not None:
+                writer.close()
+        if isinstance(reply, list) and len(reply) == 2:
+            _last_good[sentinels] = idx
+            return reply[0].decode(), int(reply[1])
+        reasons.append(f"{host}:{port} knows no primary")
+    raise NoPrimary(f"no Sentinel named a primary for {target.service}: {'; '.join(reasons)}")
+
+
+def role_is_primary(reply: object) -> bool:
+    """Whether a ROLE reply says 'master' (a replica or a Sentinel must not be written to)."""
+    return isinstance(reply, list) and bool(reply) and reply[0] == b"master"
+
+
+# -- hearing about failovers ----------------------------------------------------------
+
+Listener = Callable[[str, int], None]
+
+
+class SentinelWatch:
+    """Calls every listener with the new primary's (host, port) on ``+switch-master``."""
+
+    def __init__(self, target: SentinelTarget) -> None:
+        self.target = target
+        self.listeners: list[Listener] = []
+        self.switches = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _notify(self, host: str, port: int) -> None:
+        self.switches += 1
+        log.warning("Sentinel service %s failed over; new primary %s:%d", self.target.service, host, port)
+        for listener in list(self.listeners):
+            try:
+                listener(host, port)
+            except Exception:  # one listener's bug must not stop the others hearing it
+                log.exception("failover listener failed")
+
+    async def _run(self) -> None:
+        i = 0
+        while True:
+            host, port = self.target.sentinels[i % len(self.target.sentinels)]
+            i += 1
+            writer: asyncio.StreamWriter | None = None
+            try:
+                reader, w, rd = await asyncio.wait_for(
+                    _sentinel_connection(self.target, host, port), _ASK_TIMEOUT_S
+                )
+                writer = w
+                w.write(_pack("SUBSCRIBE", "+switch-master"))
+                while True:
+                    try:
+                        data = await asyncio.wait_for(reader.read(65536), 5.0)
+                    except TimeoutError:
+                        w.write(_pack("PING"))  # a dead Sentinel shows as no answer
+                        data = await asyncio.wait_for(reader.read(65536), 2.0)
+                    if not data:
+                        raise ConnectionError("closed by the Sentinel")
+                    rd.feed(data)
+                    while (msg := rd.gets()) is not False:
+                        self._dispatch(msg)
+            except (OSError, TimeoutError):
+                await asyncio.sleep(0.2)  # then the next Sentinel
+            finally:
+                if writer is not None:
+                    writer.close()
+
+    def _dispatch(self, msg: object) -> None:
+        # ["message", "+switch-master", "<name> <old-ip> <old-port> <new-ip> <new-port>"]
+        if not (isinstance(msg, list) and len(msg) == 3 and msg[0] == b"message"):
+            return
+        fields = msg[2].decode(errors="replace").split()
+        if len(fields) == 5 and fields[0] == self.target.service and fields[4].isdigit():
+            self._notify(fields[3], int(fields[4]))
+
+
+_watches: dict[str, tuple[SentinelWatch, int]] = {}
+
+
+def watch(url: str, listener: Listener) -> Callable[[], None]:
+    """Subscribe `listener` to failovers of the service `url` names; returns the unsubscribe.
+    One Sentinel connection per service and process, however many listeners."""
+    target = parse_sentinel_url(url)
+    key = target.url()
+    w, n = _watches.get(key, (None, 0))
+    if w is None:
+        w = SentinelWatch(target)
+        w.start()
+    _watches[key] = (w, n + 1)
+    w.listeners.append(listener)
+
+    def unsubscribe() -> None:
+        assert w is not None
+        with contextlib.suppress(ValueError):
+            w.listeners.remove(listener)
+        _, count = _watches.get(key, (w, 1))
+        if count <= 1:
+            _watches.pop(key, None)
+            if w._task is not None:
+                w._task.cancel()
+                w._task = None
+        else:
+            _watches[key] = (w, count - 1)
+
+    return unsubscribe
+
+
+# -- redis-py clients for the same URLs ------------------------------------------------
+
+
+def _sentinel_kwargs(target: SentinelTarget, timeout: float | None) -> dict[str, Any]:
+    kw: dict[str, Any] = {
+        "socket_timeout": timeout or _ASK_TIMEOUT_S,
+        "socket_connect_timeout": _ASK_TIMEOUT_S,
+    }
+    if target.sentinel_password is not None:
+        kw["password"] = target.sentinel_password
+    return kw
+
+
+def _node_kwargs(target: SentinelTarget, kwargs: dict[str, Any]) -> dict[str, Any]:
+    kw = dict(kwargs)
+    kw.pop("max_connections", None)  # pool sizing is the Sentinel pool's own
+    kw.update(db=target.db, password=target.password, username=target.username)
+    return kw
+
+
+def async_client(url: str, **kwargs: Any) -> aioredis.Redis:
+    """A redis-py asyncio client for a redis:// URL or a Sentinel service's primary."""
+    if not is_sentinel_url(url):
+        return aioredis.Redis.from_url(url, **kwargs)
+    target = parse_sentinel_url(url)
+    manager = aiosentinel.Sentinel(  # type: ignore[no-untyped-call]
+        list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target, kwargs.get("socket_timeout"))
+    )
+    client: aioredis.Redis = manager.master_for(target.service, **_node_kwargs(target, kwargs))
+    return client
+
+
+def sync_client(url: str, **kwargs: Any) -> redis.Redis:
+    """The blocking twin of `async_client` (Spark tasks, maintenance)."""
+    if not is_sentinel_url(url):
+        return redis.Redis.from_url(url, **kwargs)
+    target = parse_sentinel_url(url)
+    manager = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+        list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target, kwargs.get("socket_timeout"))
+    )
+    client: redis.Redis = manager.master_for(  # type: ignore[no-untyped-call]
+        target.service, **_node_kwargs(target, kwargs)
+    )
+    return client
+
+
+def redacted(url: str) -> str:
+    """Where a URL points, for errors and logs: never its password."""
+    if is_sentinel_url(url):
+        return parse_sentinel_url(url).redacted()
+    return url.rsplit("@", 1)[-1]
+
+
+async def primary_url(url: str, timeout: float = _ASK_TIMEOUT_S) -> str:
+    """`url` itself, or for a Sentinel URL the redis:// URL of the primary a Sentinel names
+    now (with the data nodes' credentials and database). NoPrimary when none does."""
+    if not is_sentinel_url(url):
+        return url
+    target = parse_sentinel_url(url)
+    host, port = await ask_primary(target, timeout)
+    auth = ""
+    if target.password is not None:
+        user = quote(target.username, safe="") if target.username else ""
+        auth = f"{user}:{quote(target.password, safe='')}@"
+    host_part = f"[{host}]" if ":" in host else host
+    return f"redis://{auth}{host_part}:{port}/{target.db}"
