@@ -19,10 +19,10 @@ from relay import logsafe, metrics
 from relay.api import health, queues
 from relay.api.auth import Authenticator
 from relay.api.context import CTX, Context
-from relay.api.errors import ApiError, error_response
+from relay.api.errors import ApiError, error_response, overloaded
 from relay.fleet.routing import Fleet, MapSource
 from relay.fleet.sharding import ShardMap
-from relay.memguard import MemoryGuard, ceiling_bytes
+from relay.memguard import CLAIM, MemoryGuard, ceiling_bytes
 from relay.service import QueueService, TooManyWaiters, Unavailable
 from relay.serving import describe_parse_error, make_runner, raise_nofile_limit
 from relay.settings import Settings
@@ -62,14 +62,8 @@ def _error_for(exc: BaseException) -> web.Response:
     return error_response(500, "internal_error", "internal error")
 
 
-MEMORY = web.AppKey("relayfleet_memory_guard", MemoryGuard)
-
-
 def _overloaded() -> web.Response:
-    return error_response(
-        503, "overloaded", "the relay is near its memory ceiling; retry later", {"Retry-After": "1"},
-        {"retryAfterMs": 1000},
-    )  # fmt: skip
+    return overloaded().response()
 
 
 def observed(handler: Handler, guard: MemoryGuard | None = None) -> Handler:
@@ -96,6 +90,8 @@ def observed(handler: Handler, guard: MemoryGuard | None = None) -> Handler:
             raise
         except Exception as exc:  # every failure becomes a JSON error, never a traceback
             response = _error_for(exc)
+        if guard is not None and guard.claimed:  # a big body's claim ends with its request
+            guard.release(request.get(CLAIM, 0))
         status = response.status
         if status >= 400 and isinstance(response, web.Response) and response.body is not None:
             metrics.REJECTED.labels(_code_of(response)).inc()
@@ -205,10 +201,10 @@ EXTRA_ROUTE_MODULES: list[str] = [
 def build_app(settings: Settings, fleet: Fleet) -> web.Application:
     app = web.Application(client_max_size=settings.max_payload * 2)
     service = QueueService(fleet, settings)
-    context = Context(settings=settings, service=service, auth=Authenticator(settings, service))
+    guard = MemoryGuard(ceiling_bytes(settings.max_rss_mb))
+    context = Context(settings=settings, service=service, auth=Authenticator(settings, service), memory=guard)
     app[CTX] = context
     logsafe.install()
-    guard = app[MEMORY] = MemoryGuard(ceiling_bytes(settings.max_rss_mb))
     app.on_startup.append(_start_guard)
     app.on_cleanup.append(_stop_guard)
     _add_observed(app, queues.routes, guard)  # first: the hottest routes are matched first
@@ -226,11 +222,11 @@ def build_app(settings: Settings, fleet: Fleet) -> web.Application:
 
 
 async def _start_guard(app: web.Application) -> None:
-    app[MEMORY].start()
+    app[CTX].memory.start()
 
 
 async def _stop_guard(app: web.Application) -> None:
-    app[MEMORY].stop()
+    app[CTX].memory.stop()
 
 
 def _add_observed(app: web.Application, routes: web.RouteTableDef, guard: MemoryGuard | None = None) -> None:

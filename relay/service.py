@@ -187,6 +187,7 @@ class QueueService:
         idempotency_key: str = "",
         message_id: str = "",
         any_payload_is_duplicate: bool = False,
+        now: int = 0,
     ) -> asyncio.Future[EnqueueOutcome]:
         """Send an enqueue; the returned future (await it) gets its outcome.
 
@@ -203,7 +204,7 @@ class QueueService:
             if any_payload_is_duplicate
             else (hashlib.sha256(payload).hexdigest() if idempotency_key else "")
         )
-        ts = now_ms()
+        ts = now or now_ms()  # `now`: a caller that answers with the stored time picks it
         loop = asyncio.get_running_loop()
         done: asyncio.Future[EnqueueOutcome] = loop.create_future()
         route = self.fleet.route(recipient, channel)

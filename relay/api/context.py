@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from relay.api.auth import Authenticator
+from relay.memguard import MemoryGuard
 from relay.service import QueueService
 from relay.settings import Settings
 
@@ -24,6 +25,7 @@ class Context:
     service: QueueService
     auth: Authenticator
     live: LiveRegistry = field(default_factory=LiveRegistry)
+    memory: MemoryGuard = field(default_factory=lambda: MemoryGuard(None))
     ready: bool = False
 
 

@@ -52,3 +52,14 @@ def bad_request(text: str, code: str = "bad_request") -> ApiError:
 
 def unauthorized(text: str, scheme: str = "Relay-Ed25519") -> ApiError:
     return ApiError(401, "unauthorized", text, {"WWW-Authenticate": scheme})
+
+
+def overloaded() -> ApiError:
+    """503 from the memory guard (RELAY_MAX_RSS_MB): new work refused, retry soon."""
+    return ApiError(
+        503,
+        "overloaded",
+        "the relay is near its memory ceiling; retry later",
+        {"Retry-After": "1"},
+        {"retryAfterMs": 1000},
+    )

@@ -73,16 +73,17 @@ async def append(request: web.Request) -> web.Response:
     if not isinstance(message_id, str) or not _MESSAGE_ID.match(message_id):
         raise bad_request("messageId must be 1-128 printable ASCII characters", "bad_message_id")
     payload = _ciphertext(doc.get("ciphertext"), cap)
+    stored_ms = now_ms()  # the createdAt the message is stored with, so storedAt = createdAt
     outcome = await c.service.enqueue(
         recipient, b"", payload, idempotency_key=message_id, message_id=message_id,
-        any_payload_is_duplicate=True,
+        any_payload_is_duplicate=True, now=stored_ms,
     )  # fmt: skip
     if (err := enqueue_error(outcome)) is not None:
         raise err
-    if outcome.kind == "duplicate":
+    if outcome.kind == "duplicate":  # a retry: the first append's stored time
         stored_at = await _stored_at(request, recipient, outcome.seq)
         return json_response({"seq": outcome.seq, "storedAt": stored_at})
-    return json_response({"seq": outcome.seq, "storedAt": params.rfc3339_ms(now_ms())}, 201)
+    return json_response({"seq": outcome.seq, "storedAt": params.rfc3339_ms(stored_ms)}, 201)
 
 
 async def _stored_at(request: web.Request, recipient: bytes, seq: int) -> str:

@@ -11,7 +11,8 @@ from typing import Any
 import orjson
 from aiohttp import hdrs, web
 
-from relay.api.errors import ApiError, bad_request
+from relay.api.errors import ApiError, bad_request, overloaded
+from relay.memguard import CLAIM, CLAIM_FROM
 from relay.settings import Settings
 
 _B64URL = re.compile(r"^[A-Za-z0-9_-]*$")
@@ -144,6 +145,8 @@ async def raw_body(request: web.Request, cap: int) -> bytes:
     declared = request.content_length
     if declared is not None and declared > cap:
         raise _too_large(cap)
+    if declared is None or declared >= CLAIM_FROM:
+        _claim_memory(request, cap if declared is None else declared)
     if request.content.is_eof():  # the whole body is already buffered: take it, no await
         body = request.content.read_nowait()
         if len(body) > cap:
@@ -174,6 +177,18 @@ async def _read_capped(request: web.Request, cap: int) -> bytes:
             raise _too_large(cap)
         chunks.append(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _claim_memory(request: web.Request, size: int) -> None:
+    """A big (or unknown-length) body claims its bytes from the memory guard first."""
+    from relay.api.context import CTX  # here: the context module imports this one
+
+    guard = request.app[CTX].memory
+    if guard.ceiling is None or CLAIM in request:
+        return
+    if not guard.claim(size):
+        raise overloaded()
+    request[CLAIM] = size  # released by the request wrapper once answered
 
 
 def unsupported_encoding(request: web.Request) -> None:
