@@ -388,3 +388,18 @@ async def test_24_byte_nonces_metrics_and_websocket_errors(
         text = await r.text()
     assert 'relayfleet_didcomm_messages_total{result="ok",type="trust_ping/1.0/ping"}' in text
     assert 'relayfleet_didcomm_messages_total{result="undecryptable",type="envelope"}' in text
+
+
+async def test_shutdown_closes_didcomm_sockets(agent: Agent, relay: RunningRelay, http: Any) -> None:
+    key = await mediated(agent)
+    async with http.ws_connect(relay.base_url + "/v1/didcomm/ws") as ws:
+        change = msg("messagepickup/2.0/live-delivery-change", live_delivery=True)
+        change["~transport"] = {"return_route": "all"}
+        await ws.send_bytes(agent.packed(change))
+        agent.open(await ws.receive_bytes(timeout=5))
+        assert key
+        closing = asyncio.ensure_future(relay.server.close())
+        frame = await ws.receive(timeout=10)
+        assert frame.type == aiohttp.WSMsgType.CLOSE
+        assert frame.data == 1001
+        await asyncio.wait_for(closing, 10)

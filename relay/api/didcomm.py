@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterable
 
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -30,6 +31,7 @@ log = logging.getLogger("relay.didcomm")
 routes = web.RouteTableDef()
 
 MEDIATOR = web.AppKey("relayfleet_didcomm_mediator", Mediator)
+SOCKETS = web.AppKey("relayfleet_didcomm_sockets", weakref.WeakSet[web.WebSocketResponse])
 CONTENT_TYPES = ("application/didcomm-envelope-enc", "application/ssi-agent-wire", "application/json")
 REPLY_TYPE = "application/didcomm-envelope-enc"
 HEARTBEAT_S = 20.0
@@ -211,6 +213,7 @@ async def websocket(request: web.Request) -> web.StreamResponse:
     if c.service.closing:
         raise Unavailable("relay shutting down")
     await ws.prepare(request)
+    request.app[SOCKETS].add(ws)
     session = DidcommSocket(m, ws)
     metrics.LIVE_CONNECTIONS.inc()
     try:
@@ -242,7 +245,15 @@ def load_identity(seed_file: str, public_url: str) -> dk.Identity:
     return dk.Identity.from_seed(seed, public_url)
 
 
+async def _close_all(app: web.Application) -> None:
+    sockets: weakref.WeakSet[web.WebSocketResponse] = app[SOCKETS]
+    for ws in list(sockets):
+        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"relay shutting down")
+
+
 def setup(app: web.Application) -> None:
+    app[SOCKETS] = weakref.WeakSet()
+    app.on_shutdown.append(_close_all)
     c = app[CTX]
     s = c.settings
     if not s.didcomm_seed_file:
