@@ -20,6 +20,7 @@ from relay.api import params
 from relay.api.auth import parse_header
 from relay.api.context import Context, ctx
 from relay.api.errors import ApiError, bad_request, json_response
+from relay.didcomm import keys as dk
 from relay.storage.store import StatusResult
 
 routes = web.RouteTableDef()
@@ -30,9 +31,7 @@ PROBLEM_REPORT = "notification/1.0/problem-report"
 NAMES = ("status-request", "delivery-request", "messages-received", "live-delivery-change")
 MAX_BODY = 1 << 20
 MAX_IDS = 10_000
-_DID_KEY = "did:key:z"
-_ED25519_MULTICODEC = b"\xed\x01"
-_B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+_DID_KEY = "did:key:"
 
 
 class PickupError(Exception):
@@ -71,28 +70,13 @@ class PickupMessage:
         return {"thid": thid} if thid else None
 
 
-def _b58decode(text: str) -> bytes:
-    n = 0
-    for ch in text:
-        i = _B58.find(ch)
-        if i < 0:
-            raise ValueError("not base58")
-        n = n * 58 + i
-    body = n.to_bytes((n.bit_length() + 7) // 8, "big") if n else b""
-    return b"\x00" * (len(text) - len(text.lstrip("1"))) + body
-
-
 def recipient_from_key(text: str) -> bytes:
     """The queue's 32-byte key from a base64url key or an Ed25519 did:key."""
     if text.startswith(_DID_KEY):
-        fingerprint = text[len(_DID_KEY) :].split("#", 1)[0]
         try:
-            raw = _b58decode(fingerprint) if len(fingerprint) <= 64 else b""
-        except ValueError:
-            raw = b""
-        if len(raw) != 34 or not raw.startswith(_ED25519_MULTICODEC):
-            raise PickupError("recipient_key did:key must name an Ed25519 key", "bad_recipient")
-        return raw[2:]
+            return dk.verkey_from(text)
+        except dk.DidError:
+            raise PickupError("recipient_key did:key must name an Ed25519 key", "bad_recipient") from None
     try:
         return params.recipient_key(text)
     except ApiError as exc:
