@@ -19,7 +19,7 @@ import redis
 from redis.exceptions import NoScriptError, RedisError
 
 from relay.storage import keys as K
-from relay.storage import scripts
+from relay.storage import scripts, sentinel
 
 __all__ = [
     "MaintenanceError",
@@ -111,7 +111,8 @@ class ShardMaintenance:
         self._batch = batch
         try:
             # a single connection: the commands are sequential, pipelines carry the volume
-            self.client: redis.Redis = redis.Redis.from_url(
+            # (a Sentinel shard's primary is found through its Sentinels: Spark, retention)
+            self.client: redis.Redis = sentinel.sync_client(
                 url,
                 decode_responses=False,
                 socket_connect_timeout=5.0,

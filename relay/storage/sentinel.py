@@ -231,6 +231,7 @@ def _sentinel_kwargs(target: SentinelTarget, timeout: float | None) -> dict[str,
 def _node_kwargs(target: SentinelTarget, kwargs: dict[str, Any]) -> dict[str, Any]:
     kw = dict(kwargs)
     kw.pop("max_connections", None)  # pool sizing is the Sentinel pool's own
+    kw.pop("single_connection_client", None)
     kw.update(db=target.db, password=target.password, username=target.username)
     return kw
 
