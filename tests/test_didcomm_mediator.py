@@ -403,3 +403,36 @@ async def test_shutdown_closes_didcomm_sockets(agent: Agent, relay: RunningRelay
         assert frame.type == aiohttp.WSMsgType.CLOSE
         assert frame.data == 1001
         await asyncio.wait_for(closing, 10)
+
+
+async def test_keylist_rules(agent: Agent, relay: RunningRelay, http: Any) -> None:
+    await agent.connect()
+    # keys only after a grant
+    status, body = await agent.post(agent.packed(msg("coordinate-mediation/1.0/keylist-query")))
+    assert status == 400
+    assert json.loads(body)["code"] == "mediation_not_granted"
+    key = await mediated(agent)
+    # another connection cannot take a key this one registered
+    other = Agent(relay.base_url, http)
+    await other.connect()
+    await other.mediate()
+    taken = await other.register(key)
+    assert taken["updated"][0]["result"] == "client_error"
+    # removal: the key leaves the keylist and forwards to it are refused
+    removed = await agent.register(key, action="remove")
+    assert removed["updated"] == [{"recipient_key": dk.did_key(key), "action": "remove", "result": "success"}]
+    keylist = await agent.send(msg("coordinate-mediation/1.0/keylist-query"))
+    assert keylist is not None
+    assert keylist["keys"] == []
+    status, body = await agent.post(forward_envelope(routing_key(agent), key, inner_message(key, "late")))
+    assert status == 404
+    assert json.loads(body)["code"] == "unknown_recipient"
+    # now free for the other connection, in base58 form too
+    reply = await other.send(
+        msg(
+            "coordinate-mediation/1.0/keylist-update",
+            updates=[{"recipient_key": dk.b58encode(key), "action": "add"}],
+        )
+    )
+    assert reply is not None
+    assert reply["updated"][0]["result"] == "success"
