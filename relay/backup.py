@@ -37,9 +37,9 @@ from redis.exceptions import RedisError
 from relay.fleet.sharding import SLOT_COUNT, ShardMapError, is_sentinel_url, parse_sentinel_url
 from relay.storage import keys as K
 from relay.storage import scripts
-from relay.storage.boot import mark_boot
+from relay.storage.boot import MARK_SCRIPT
 from relay.storage.connection import RedisConnectError, RedisTarget, RedisURLError
-from relay.storage.snapshot import SnapshotError, fetch_rdb, load_rdb
+from relay.storage.snapshot import Replica, SnapshotError, fetch_rdb, load_rdb
 
 WRITES_PER_SECOND_BOUND = 1_000_000
 MARGIN_SECONDS = 60
@@ -323,12 +323,14 @@ async def _slot_reads(client: aioredis.Redis, key_of: Any, command: str) -> list
     return out
 
 
-async def new_epochs(client: aioredis.Redis, restore_id: str, jump: int, progress: Reporter) -> int:
-    """Apply lua/restore_epoch.lua to every queue of every slot; returns how many changed."""
+async def new_epochs(
+    client: aioredis.Redis, replica: Replica, restore_id: str, jump: int, progress: Reporter
+) -> int:
+    """lua/restore_epoch.lua on every indexed queue, sent through the replication stream while
+    the target is still a replica; `client` reads the slot indexes. Returns the queues sent."""
     counts = await _slot_reads(client, K.slot_index, "SCARD")
     slots = [slot for slot, n in enumerate(counts) if int(n)]
-    total = sum(int(counts[s]) for s in slots)
-    changed = 0
+    sent = 0
     for i, slot in enumerate(slots):
         cursor: int = 0
         while True:
@@ -336,14 +338,14 @@ async def new_epochs(client: aioredis.Redis, restore_id: str, jump: int, progres
             qids = [m.decode() if isinstance(m, bytes) else str(m) for m in members]
             if qids:
                 metas = [K.queue_keys_for_id(slot, q).meta for q in qids]
-                changed += int(
-                    await client.eval(scripts.RESTORE_EPOCH.source, len(metas), *metas, restore_id, jump)
+                await replica.apply(
+                    "EVAL", scripts.RESTORE_EPOCH.source, len(metas), *metas, restore_id, jump
                 )
+                sent += len(metas)
             if cursor == 0:
                 break
         progress("new epochs, slots", i + 1, len(slots))
-    progress.say(f"new epoch and seq + {jump} on {changed} of {total} indexed queues in {len(slots)} slots")
-    return changed
+    return sent
 
 
 async def restore(
@@ -377,16 +379,30 @@ async def restore(
             f"restoring {manifest.name} of shard {manifest.shard} ({_mib(manifest.bytes)} MiB, "
             f"taken {manifest.createdAt}) into {target.address}"
         )
-        await load_rdb(target, rdb, progress, advertise_host)
-        keys = int(await client.dbsize())
-        progress.say(f"loaded {keys} keys")
         jump = (
             seq_jump if seq_jump is not None else seq_jump_for(manifest.createdAtMs, int(time.time() * 1000))
         )
-        await mark_boot(client)  # the run in rf:boot is this Redis's, not the backup's
-        queues = await new_epochs(client, secrets.token_hex(8), jump, progress)
-        floor = int(await client.get(K.SHARD_SEQ_FLOOR) or 0) + jump
-        await client.set(K.SHARD_SEQ_FLOOR, floor)
+        done: dict[str, int] = {}
+
+        async def prepare(replica: Replica) -> None:
+            # Still a replica: clients get READONLY (retryable) until every queue has its new
+            # epoch, so no client write lands on a restored queue under its old epoch.
+            done["keys"] = int(await client.dbsize())
+            progress.say(f"loaded {done['keys']} keys")
+            fsync = {_s(k): _s(v) for k, v in (await client.config_get("appendfsync")).items()}
+            if fsync.get("appendfsync") == "always":
+                await replica.apply("DEL", K.SHARD_BOOT)  # as mark_boot: no lost tail to detect
+            else:  # this Redis's run in rf:boot, not the backup's
+                await replica.apply("EVAL", MARK_SCRIPT, 1, K.SHARD_BOOT, "")
+            done["queues"] = await new_epochs(client, replica, secrets.token_hex(8), jump, progress)
+            done["floor"] = int(await client.get(K.SHARD_SEQ_FLOOR) or 0) + jump
+            await replica.apply("SET", K.SHARD_SEQ_FLOOR, done["floor"])
+
+        await load_rdb(target, rdb, progress, advertise_host, prepare)
+        keys, queues, floor = done["keys"], done["queues"], done["floor"]
+        progress.say(
+            f"promoted: new epoch and seq + {jump} on {queues} queues; new queues start above {floor}"
+        )
         states = await _slot_reads(client, K.slot_state, "GET")
         fenced = sum(1 for s in states if s is not None)
         if fenced:
@@ -498,6 +514,10 @@ def restore_main(argv: Sequence[str]) -> int:
         return 2
     print(json.dumps(asdict(report)))
     return 0
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _safe(exc: BaseException) -> str:

@@ -136,6 +136,14 @@ async def test_backup_wipe_restore_brings_back_every_acknowledged_message_with_n
         assert report["seq_jump"] >= 1_000_000
         assert report["seq_floor"] == report["seq_jump"]
 
+        # rf:boot names the restored Redis's own run (so no relay re-epochs the queues again)
+        direct = redis.Redis.from_url(fresh.url, decode_responses=True)
+        run_id = str(direct.info("server")["run_id"])
+        assert str(direct.get(K.SHARD_BOOT)).startswith(run_id + ":")
+        assert int(direct.get(K.SHARD_SEQ_FLOOR) or 0) == report["seq_floor"]
+        assert direct.info("replication")["role"] == "master"
+        direct.close()
+
         store = ShardStore("a", fresh.url, QueueLimits())
         await store.start()
         for q in old:

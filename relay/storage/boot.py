@@ -58,3 +58,7 @@ async def mark_boot(client: aioredis.Redis, waited: bool = False) -> None:
         await client.delete(K.SHARD_BOOT)
         return
     await client.eval(_MARK, 1, K.SHARD_BOOT, "w" if waited else "")
+
+
+# For `relayfleet restore`, which runs the mark through a replication stream (relay/backup.py).
+MARK_SCRIPT = _MARK

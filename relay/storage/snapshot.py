@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -139,20 +139,56 @@ def local_address_towards(host: str, port: int) -> str:
         return str(probe.getsockname()[0])
 
 
+class Replica:
+    """The target while it is the replica of this process, before its promotion: readable
+    by clients (which cannot write to it: READONLY, a retryable answer), and writable only
+    through the replication stream this process feeds it."""
+
+    def __init__(
+        self, link: asyncio.StreamWriter, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ):
+        self._link = link
+        self._reader, self._writer = reader, writer
+        self.offset = 0  # bytes of replication stream sent after the snapshot
+
+    async def apply(self, *parts: str | bytes | int) -> None:
+        """Run one command on the target as its primary would (no reply comes back)."""
+        data = encode(*parts)
+        self._link.write(data)
+        await self._link.drain()
+        self.offset += len(data)
+
+    async def settle(self) -> None:
+        """Wait until the target has executed everything `apply` sent."""
+        while True:
+            info = parse_info(_text(await _call(self._reader, self._writer, "INFO", "replication")))
+            if int(info.get("slave_repl_offset", "-1") or -1) >= self.offset:
+                return
+            await asyncio.sleep(0.05)
+
+
+Prepare = Callable[[Replica], Awaitable[None]]
+
+
 async def load_rdb(
     target: RedisTarget,
     rdb: Path,
     progress: Progress = _quiet,
     advertise_host: str | None = None,
+    prepare: Prepare | None = None,
     timeout: float = 10.0,
     load_timeout: float = 3600.0,
 ) -> None:
-    """Replace `target`'s whole dataset with the snapshot in `rdb` (see the module doc)."""
+    """Replace `target`'s whole dataset with the snapshot in `rdb` (see the module doc).
+    `prepare` runs after the snapshot is loaded and before the target takes client writes:
+    what it sends through `Replica.apply` is in place before the first client write."""
     if target.unix_path is not None:
         raise SnapshotError("restore needs a TCP address: a Redis replica cannot connect to a socket path")
     host = advertise_host or local_address_towards(target.host, target.port)
     size = (await asyncio.to_thread(rdb.stat)).st_size
     served = asyncio.Event()
+    finished = asyncio.Event()
+    links: list[asyncio.StreamWriter] = []
     failures: list[str] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -176,11 +212,12 @@ async def load_rdb(
                         continue  # acknowledgements expect no reply
                     elif name in (b"AUTH", b"REPLCONF"):
                         writer.write(b"+OK\r\n")
-                    elif name in (b"PSYNC", b"SYNC"):
+                    elif name in (b"PSYNC", b"SYNC") and not links:
                         if name == b"PSYNC":
                             writer.write(b"+FULLRESYNC %s 0\r\n" % secrets.token_hex(20).encode())
                         writer.write(b"$%d\r\n" % size)
                         await _send_file(writer, rdb, size, progress)
+                        links.append(writer)
                         served.set()
                     else:
                         writer.write(b"-ERR not supported by the restore source\r\n")
@@ -189,6 +226,8 @@ async def load_rdb(
             failures.append(f"sending the snapshot failed: {type(exc).__name__}")
             served.set()
         finally:
+            if writer in links:
+                await finished.wait()  # the link carries `prepare`'s commands until promotion
             writer.close()
 
     server = await asyncio.start_server(serve, host, 0)
@@ -198,8 +237,8 @@ async def load_rdb(
         _text(await _call(reader, writer, "REPLICAOF", host, str(port)))
         async with asyncio.timeout(load_timeout):
             await served.wait()
-            if failures:
-                raise SnapshotError(failures[0])
+            if failures or not links:
+                raise SnapshotError(failures[0] if failures else "the target did not ask for the snapshot")
             progress("loading", 0, None)
             while True:
                 info = parse_info(_text(await _call(reader, writer, "INFO", "replication")))
@@ -207,14 +246,21 @@ async def load_rdb(
                 if info.get("master_link_status") == "up" and loading.get("loading") == "0":
                     break
                 await asyncio.sleep(0.1)
+            progress("loaded", size, size)
+            if prepare is not None:
+                replica = Replica(links[0], reader, writer)
+                if target.db:
+                    await replica.apply("SELECT", target.db)
+                await prepare(replica)
+                await replica.settle()
         _text(await _call(reader, writer, "REPLICAOF", "NO", "ONE"))
-        progress("loaded", size, size)
     except BaseException:
         # Never leave the target following a primary that is about to vanish.
         with contextlib.suppress(Exception):
             await _call(reader, writer, "REPLICAOF", "NO", "ONE")
         raise
     finally:
+        finished.set()
         writer.close()
         server.close()
         with contextlib.suppress(Exception):
