@@ -34,11 +34,12 @@ from typing import Any, NoReturn
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from relay.fleet.sharding import SLOT_COUNT, ShardMapError, is_sentinel_url, parse_sentinel_url
+from relay.fleet.sharding import SLOT_COUNT, ShardMapError, is_sentinel_url
 from relay.storage import keys as K
 from relay.storage import scripts
 from relay.storage.boot import MARK_SCRIPT
 from relay.storage.connection import RedisConnectError, RedisTarget, RedisURLError
+from relay.storage.sentinel import NoPrimary, primary_url
 from relay.storage.snapshot import Replica, SnapshotError, fetch_rdb, load_rdb
 
 WRITES_PER_SECOND_BOUND = 1_000_000
@@ -129,34 +130,10 @@ def _mib(n: int) -> str:
 
 async def resolve(url: str) -> RedisTarget:
     """The node to talk to: the URL's own, or the primary a Sentinel URL's Sentinels name."""
-    if not is_sentinel_url(url):
-        return RedisTarget.from_url(url)
-    target = parse_sentinel_url(url)
-    found: tuple[str, int] | None = None
-    for host, port in target.sentinels:
-        sentinel = aioredis.Redis(
-            host=host,
-            port=port,
-            password=target.sentinel_password,
-            socket_timeout=2.0,
-            socket_connect_timeout=2.0,
-        )
-        try:
-            reply = await sentinel.sentinel_get_master_addr_by_name(target.service)
-        except (RedisError, OSError):
-            continue
-        finally:
-            await sentinel.aclose()
-        if isinstance(reply, list | tuple) and len(reply) == 2:
-            name = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
-            found = (name, int(reply[1]))
-            break
-    if found is None:
-        raise BackupError(f"no primary for {target.redacted()}: no Sentinel names one")
-    host, port = found
-    return RedisTarget(
-        host=str(host), port=int(port), db=target.db, username=target.username, password=target.password
-    )
+    try:
+        return RedisTarget.from_url(await primary_url(url))
+    except NoPrimary as exc:
+        raise BackupError(str(exc)) from None
 
 
 def read_url(url: str | None, url_file: str | None) -> str:

@@ -358,3 +358,31 @@ def _get(shard: LocalShard, node: Node, key: str) -> str | None:
     except redis.RedisError:  # still syncing: a replica serves no stale data
         return None
     return None if value is None else str(value)
+
+
+def test_backup_of_a_replicated_shard_follows_the_primary_across_a_failover(
+    local_shard: LocalShard, tmp_path: Path
+) -> None:
+    """The backup CronJob's URL names the Sentinels: each backup is taken from the primary
+    they name at that moment."""
+    from relay import backup as B
+
+    shard = local_shard
+    n0 = shard.nodes[0]
+    wait_for("Sentinels see both replicas", lambda: True if len(_online(shard.probe())) == 2 else None)
+    shard.client(n0).set("k", "1")
+    quiet = B.Reporter("backup", quiet=True)
+    first = asyncio.run(B.backup(shard.url(), tmp_path, "a", 5, quiet))
+    assert first.source == f"127.0.0.1:{n0.port}"
+    assert first.role == "master"
+    n0.kill()
+    status = wait_for("a replica promoted", lambda: _settled_primary_not(shard, n0), timeout=30)
+    second = asyncio.run(B.backup(shard.url(), tmp_path, "a", 5, quiet))
+    assert second.source == status["primary"]
+    assert second.role == "master"
+    assert [m.name for m, _ in B.manifests(tmp_path, "a")] == [first.name, second.name]
+
+
+def _settled_primary_not(shard: LocalShard, old: Node) -> dict[str, Any] | None:
+    s = shard.probe()
+    return s if "primaryOffset" in s and s.get("primary") != f"127.0.0.1:{old.port}" else None

@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 from relay.fleet import migration as fleet_migration
 from relay.fleet.sharding import ShardMap
 from relay.storage import keys
+from relay.storage.sentinel import async_client
 from relayfleet_operator.planning import Move
 
 
@@ -64,7 +65,8 @@ async def migrate_range(
 
 
 def _client(url: str, timeout: float) -> aioredis.Redis:
-    return aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    # A shard with replicas is a redis+sentinel:// URL: the client follows its primary.
+    return async_client(url, socket_timeout=timeout, socket_connect_timeout=timeout)
 
 
 async def ping(url: str, limit_s: float = 2.0) -> bool:
