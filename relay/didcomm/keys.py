@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import functools
 import hashlib
 import json
 import uuid
@@ -100,7 +101,10 @@ def verkey_from(text: Any) -> bytes:
     return raw
 
 
+@functools.lru_cache(maxsize=4096)
 def to_x25519_public(verkey: bytes) -> bytes:
+    """Cached: the conversion costs more than opening a sealed box, and the same few agents'
+    keys come back on every message."""
     try:
         return bytes(sodium.crypto_sign_ed25519_pk_to_curve25519(verkey))
     except Exception:
