@@ -427,6 +427,11 @@ async def test_keylist_rules(agent: Agent, relay: RunningRelay, http: Any) -> No
     status, body = await agent.post(forward_envelope(routing_key(agent), key, inner_message(key, "late")))
     assert status == 404
     assert json.loads(body)["code"] == "unknown_recipient"
+    # a resent DID Exchange request (same DID) keeps the connection's grant
+    await agent.connect()
+    again = await agent.send(msg("coordinate-mediation/1.0/keylist-query"))
+    assert again is not None
+    assert again["@type"].endswith("/keylist")
     # now free for the other connection, in base58 form too
     reply = await other.send(
         msg(

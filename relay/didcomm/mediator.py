@@ -299,9 +299,10 @@ class Mediator:
                 "the request must be packed by a key of the requester's DID", "request_not_accepted"
             )
         label = doc.get("label")
-        await self.records.save(
-            self.records.new(sender, str(their_did), label[:200] if isinstance(label, str) else "")
-        )
+        conn = self.records.new(sender, str(their_did), label[:200] if isinstance(label, str) else "")
+        known = await self.records.connection(sender)
+        if known is None or known.did != conn.did:  # a resent request keeps its grant
+            await self.records.save(conn)
         request_id = doc.get("@id")
         thid, _ = _thread_of(doc)
         did = self.identity.did
