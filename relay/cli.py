@@ -6,12 +6,14 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 from relay.fleet.sharding import ShardMapError
+from relay.settings import ConfigError, Settings, env_value, parse_env
+from relay.storage.connection import RedisURLError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -20,72 +22,154 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"relayfleet: {message}\n")
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    value = os.environ.get(name)
-    return value if value not in (None, "") else default
+@dataclass(frozen=True, slots=True)
+class _EnvFlag:
+    """A flag whose value, when not given, comes from `env` (parsed by `parse`), else `default`."""
+
+    dest: str
+    env: str
+    default: object
+    parse: Callable[[str], object]
+    kind: str
+
+
+def _flag(
+    parser: argparse.ArgumentParser,
+    *names: str,
+    env: str,
+    default: object,
+    help: str,
+    parse: Callable[[str], object] = str,
+    kind: str = "a string",
+    to: argparse._ActionsContainer | None = None,
+    **kw: Any,
+) -> None:
+    """An option whose help names its environment variable and default; the value is resolved
+    after parsing (so a bad env value of another subcommand never matters)."""
+    shown = "none" if default is None else default
+    action = (to or parser).add_argument(
+        *names, default=None, help=f"{help} [env {env}; default {shown}]", **kw
+    )
+    flags = list(parser.get_default("env_flags") or [])
+    flags.append(_EnvFlag(action.dest, env, default, parse, kind))
+    parser.set_defaults(env_flags=flags)
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in allowed:
+            raise ValueError(raw)
+        return raw
+
+    return parse
+
+
+def _port(raw: str) -> int:
+    value = int(raw)
+    if not 0 < value < 65536:
+        raise ValueError(raw)
+    return value
+
+
+def _resolve_env(args: argparse.Namespace) -> None:
+    """Fill every flag not given on the command line from its variable (ConfigError if bad)."""
+    for f in getattr(args, "env_flags", None) or []:
+        given = getattr(args, f.dest)
+        if given is not None:
+            try:  # flags are parsed by the same rule as their variable
+                setattr(args, f.dest, f.parse(given) if isinstance(given, str) else given)
+            except ValueError:
+                raise ConfigError(f"--{f.dest.replace('_', '-')} must be {f.kind}, got {given!r}") from None
+            continue
+        setattr(args, f.dest, parse_env(f.env, f.default, f.parse, f.kind))
 
 
 def _add_relay_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default=_env("RELAY_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("RELAY_PORT", "8080") or 8080))
+    _flag(p, "--host", env="RELAY_HOST", default="127.0.0.1", help="address to listen on")
+    _flag(p, "--port", env="RELAY_PORT", default=8080, parse=_port, kind="a port number", help="HTTP port")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--redis-url", default=_env("RELAY_REDIS_URL"))
-    src.add_argument("--shard-map", default=_env("RELAY_SHARD_MAP"), metavar="FILE")
-    src.add_argument("--shard-map-configmap", default=_env("RELAY_SHARD_MAP_CONFIGMAP"), metavar="NS/NAME")
-    p.add_argument("--auth", choices=["ed25519", "none"], default=_env("RELAY_AUTH", "ed25519"))
-    p.add_argument("--log-level", default=_env("RELAY_LOG_LEVEL", "INFO"))
-    p.add_argument(
-        "--didcomm-seed-file",
-        default=_env("RELAY_DIDCOMM_SEED_FILE"),
-        metavar="FILE",
-        help="turn the DIDComm mediator on: its 32-byte seed (raw, hex or base64; a Secret mount, the "
-        "same for the whole fleet) [env RELAY_DIDCOMM_SEED_FILE]",
-    )
-    p.add_argument(
-        "--public-url",
-        default=_env("RELAY_PUBLIC_URL"),
-        metavar="URL",
-        help="the URL agents reach the fleet at, for the mediator's invitation and DID "
-        "(default http://HOST:PORT) [env RELAY_PUBLIC_URL]",
-    )
+    _flag(p, "--redis-url", env="RELAY_REDIS_URL", default=None, to=src,
+          help="one shard: redis://, rediss://?ssl_ca_certs=...&ssl_certfile=... or unix://")  # fmt: skip
+    _flag(p, "--shard-map", env="RELAY_SHARD_MAP", default=None, to=src, metavar="FILE",
+          help="shard map JSON file, reloaded when it changes")  # fmt: skip
+    _flag(p, "--shard-map-configmap", env="RELAY_SHARD_MAP_CONFIGMAP", default=None, to=src,
+          metavar="NS/NAME", help="shard map ConfigMap, watched")  # fmt: skip
+    _flag(p, "--auth", env="RELAY_AUTH", default="ed25519", parse=_choice("ed25519", "none"),
+          kind="ed25519 or none", help="request authentication (none: local development only)")  # fmt: skip
+    _log_level(p)
+    _flag(p, "--didcomm-seed-file", env="RELAY_DIDCOMM_SEED_FILE", default=None, metavar="FILE",
+          help="turn the DIDComm mediator on: its 32-byte seed (raw, hex or base64; a Secret mount, "
+          "the same for the whole fleet)")  # fmt: skip
+    _flag(p, "--public-url", env="RELAY_PUBLIC_URL", default=None, metavar="URL",
+          help="the URL agents reach the fleet at, for the mediator's invitation and DID "
+          "(none: http://HOST:PORT)")  # fmt: skip
+
+
+def _log_level(p: argparse.ArgumentParser) -> None:
+    levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    _flag(p, "--log-level", env="RELAY_LOG_LEVEL", default="INFO", kind="one of " + ", ".join(levels),
+          parse=lambda raw: _choice(*levels)(raw.upper()), help="log level")  # fmt: skip
+
+
+def _relay_epilog() -> str:
+    from relay.settings import DEPRECATED_ENV, RELAY_ENV
+
+    width = max(len(v.name) for v in RELAY_ENV)
+    lines = ["environment (no flag; read once at start):"]
+    lines += [f"  {v.name:<{width}}  {v.help} [default {v.default}]" for v in RELAY_ENV]
+    lines.append("deprecated names (still read, with a warning in the log):")
+    lines += [f"  {old} -> {new}" for old, new in DEPRECATED_ENV.items()]
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="relayfleet", description="Sharded store-and-forward relay for E2EE messaging")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    _add_relay_args(sub.add_parser("relay", help="run a relay process"))
+    raw = argparse.RawDescriptionHelpFormatter
+    _add_relay_args(
+        sub.add_parser("relay", help="run a relay process", epilog=_relay_epilog(), formatter_class=raw)
+    )
     dev = sub.add_parser("dev", help="local Redis shard(s) + relay, with a short demo")
-    dev.add_argument("--port", type=int, default=int(_env("RELAY_PORT", "8080") or 8080))
-    dev.add_argument("--shards", type=int, default=1)
-    dev.add_argument("--no-demo", action="store_true")
-    dev.add_argument("--auth", choices=["ed25519", "none"], default=_env("RELAY_AUTH", "ed25519"))
+    _flag(dev, "--port", env="RELAY_PORT", default=8080, parse=_port, kind="a port number", help="HTTP port")
+    dev.add_argument("--shards", type=int, default=1, help="local shards to start [no env; default 1]")
+    dev.add_argument("--no-demo", action="store_true", help="skip the demo [no env; default off]")
+    _flag(dev, "--auth", env="RELAY_AUTH", default="ed25519", parse=_choice("ed25519", "none"),
+          kind="ed25519 or none", help="request authentication")  # fmt: skip
+    _log_level(dev)
     mig = sub.add_parser("migrate", help="move slots to a shard, online")
-    mig.add_argument("--shard-map", required=True, metavar="FILE")
-    mig.add_argument("--slots", required=True, metavar="A-B")
-    mig.add_argument("--to", required=True, metavar="SHARD")
+    mig.add_argument("--shard-map", required=True, metavar="FILE", help="shard map file [no env; required]")
+    mig.add_argument("--slots", required=True, metavar="A-B", help="slot range to move [no env; required]")
+    mig.add_argument("--to", required=True, metavar="SHARD", help="target shard [no env; required]")
+    _log_level(mig)
     sub.add_parser("plan", help="rebalance plan without Spark (JSON on stdout): --shard-map FILE")
     sub.add_parser("keygen", help="print a new Ed25519 key pair")
     op = sub.add_parser("operator", help="run the kopf operator")
     scope = op.add_mutually_exclusive_group()
-    scope.add_argument("--namespace", default=_env("RELAY_OPERATOR_NAMESPACE"))
-    scope.add_argument("--all-namespaces", action="store_true")
+    _flag(op, "--namespace", env="RELAYFLEET_OPERATOR_NAMESPACE", default=None, to=scope,
+          help="watch this namespace only")  # fmt: skip
+    scope.add_argument(
+        "--all-namespaces", action="store_true", help="watch all namespaces [no env; default off]"
+    )
+    _log_level(op)
     sub.add_parser("bench", help="side-by-side benchmarks: [--quick]")
     sub.add_parser("backup", help="snapshot a shard's Redis into a backup directory (see backup --help)")
     sub.add_parser("restore", help="restore a shard from a backup, with new epochs (see restore --help)")
     top = sub.add_parser("top", help="live figures of a fleet from its relays' /metrics")
-    top.add_argument("urls", nargs="*", default=[_env("RELAY_URL", "http://127.0.0.1:8080")])
-    top.add_argument("--once", action="store_true")
+    top.add_argument("urls", nargs="*", help="relay base URLs [env RELAY_URL; default http://127.0.0.1:8080]")
+    top.add_argument("--once", action="store_true", help="print one screen and exit [no env; default off]")
     # --kube: find the relays through the Kubernetes API instead of URLs (see relay/top_kube.py)
     top.add_argument(
-        "--kube", action="store_true", help="discover the fleet's relays through the Kubernetes API"
+        "--kube",
+        action="store_true",
+        help="find relays via the Kubernetes API [no env; default off]",
     )
-    top.add_argument("--namespace", help="with --kube: the fleet's namespace (default: the kubeconfig's)")
-    top.add_argument("--fleet", help="with --kube: only this fleet (default: every fleet in the namespace)")
+    top.add_argument("--namespace", help="with --kube: namespace [no env; default: the kubeconfig's]")
+    top.add_argument("--fleet", help="with --kube: only this fleet [no env; default: all]")
+    _flag(top, "--kubeconfig", env="KUBECONFIG", default=None, help="with --kube: kubeconfig file")
     top.add_argument(
-        "--kubeconfig", default=_env("KUBECONFIG"), help="with --kube: kubeconfig (env KUBECONFIG)"
-    )
-    top.add_argument(
-        "--direct", action="store_true", help="with --kube: read pod IPs directly, not via the API proxy"
+        "--direct",
+        action="store_true",
+        help="with --kube: pod IPs, not the API proxy [no env; default off]",
     )
     return parser
 
@@ -108,13 +192,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         entry = getattr(importlib.import_module(module), func)
         return int(entry(argv[1:]))
     args = build_parser().parse_args(argv)
+    try:
+        _resolve_env(args)
+    except ConfigError as exc:
+        print(f"relayfleet: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
-        level=getattr(args, "log_level", "INFO").upper(),
+        level=getattr(args, "log_level", None) or "INFO",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         return _dispatch(args)
-    except ShardMapError as exc:
+    except (ShardMapError, ConfigError, RedisURLError) as exc:
         print(f"relayfleet: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -153,7 +242,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from relay.top import top_main
 
         if not args.kube:
-            return int(top_main(args.urls, once=args.once))
+            urls = args.urls or [env_value("RELAY_URL") or "http://127.0.0.1:8080"]
+            return int(top_main(urls, once=args.once))
         from relay.top_kube import KubeDiscoveryError, KubeRelays, default_namespace
 
         try:
@@ -169,10 +259,20 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _relay(args: argparse.Namespace) -> int:
     from relay.app import serve
     from relay.fleet import routing
-    from relay.settings import Settings, enqueue_tokens_from_env, env_int, env_secret, limits_from_env
+    from relay.storage.connection import RedisTarget
+
+    settings = Settings.from_env(
+        host=args.host,
+        port=args.port,
+        auth=args.auth,
+        didcomm_seed_file=args.didcomm_seed_file,
+        public_url=args.public_url,
+    )
+    if args.redis_url:
+        RedisTarget.from_url(args.redis_url)  # a bad URL or TLS option: exit 2 now, not at connect
 
     if args.redis_url:
-        shard_map = routing.single_shard_map(args.redis_url, os.environ.get("RELAY_FLEET", "default"))
+        shard_map = routing.single_shard_map(args.redis_url, settings.fleet)
         source = None
     elif args.shard_map:
         try:
@@ -200,20 +300,7 @@ def _relay(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    tokens = enqueue_tokens_from_env()
-    settings = Settings(
-        host=args.host,
-        port=args.port,
-        auth=args.auth,
-        enqueue_tokens=tokens,
-        max_payload=env_int("RELAY_MAX_PAYLOAD", 5_242_880),
-        limits=limits_from_env(),
-        max_waiters=env_int("RELAY_MAX_WAITERS", 20_000),
-        push_webhook=env_secret("RELAY_PUSH_WEBHOOK"),
-        didcomm_seed_file=args.didcomm_seed_file,
-        public_url=args.public_url,
-    )
-    _run(serve(settings, shard_map, source, drain_delay_s=env_int("RELAY_SHUTDOWN_DELAY_SECONDS", 0)))
+    _run(serve(settings, shard_map, source, drain_delay_s=settings.shutdown_delay_s))
     return 0
 
 

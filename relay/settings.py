@@ -1,25 +1,105 @@
-"""Relay configuration: one dataclass, filled from flags with environment fallbacks."""
+"""Relay configuration: one dataclass, read once from flags and the environment.
+
+`Settings.from_env()` is the only place the relay reads its environment (DESIGN §3 CLI):
+every variable is listed in RELAY_ENV (shown by `relayfleet relay --help`), a bad value is
+a ConfigError naming the variable (the CLI exits 2 with one line), and the names replaced
+by the prefix policy (docs/design-decisions.md) still work, with a warning in the log.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from relay.storage.store import QueueLimits
 
 T = TypeVar("T")
+log = logging.getLogger("relay.settings")
 
 
-def _env(name: str, default: T, parse: Callable[[str], T], kind: str) -> T:
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the variable, never a secret."""
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    name: str
+    default: str  # as shown in --help
+    help: str
+
+
+_LIMITS = QueueLimits()
+
+# Every variable the relay process reads, for --help and docs (flags list their own).
+RELAY_ENV: tuple[EnvVar, ...] = (
+    EnvVar("RELAY_FLEET", "default", "fleet name (metrics, a single --redis-url map)"),
+    EnvVar("RELAY_ENQUEUE_TOKENS", "none", "bearer tokens for enqueue (comma/newline separated)"),
+    EnvVar("RELAY_ENQUEUE_TOKENS_FILE", "none", "file holding RELAY_ENQUEUE_TOKENS (a mounted Secret; wins)"),
+    EnvVar("RELAY_PUSH_WEBHOOK", "none", "http(s) URL notified on enqueue to an offline recipient"),
+    EnvVar("RELAY_PUSH_WEBHOOK_FILE", "none", "file holding RELAY_PUSH_WEBHOOK (a mounted Secret; wins)"),
+    EnvVar("RELAY_REDIS_CREDENTIALS_DIR", "none", "one file per shard holding its full Redis URL"),
+    EnvVar("RELAY_MAX_PAYLOAD", "5242880", "largest message payload, bytes"),
+    EnvVar("RELAY_MAX_WAITERS", "20000", "concurrent long-polls before 503"),
+    EnvVar("RELAY_RATE_LIMIT", "500", "enqueues per queue per window"),
+    EnvVar("RELAY_RATE_WINDOW_MS", "5000", "rate-limit window, ms"),
+    EnvVar("RELAY_QUEUE_MAX_MESSAGES", "10000", "messages per queue"),
+    EnvVar("RELAY_QUEUE_MAX_BYTES", "268435456", "payload bytes per queue"),
+    EnvVar("RELAY_RETENTION_SECONDS", "604800", "how long an unacknowledged message is kept"),
+    EnvVar("RELAY_MAX_RESPONSE_BYTES", "8388608", "payload bytes per read/drain/live batch"),
+    EnvVar("RELAY_REDIS_WRITE_TIMEOUT_S", str(_LIMITS.write_timeout_s), "enqueue/ack/status reply deadline"),
+    EnvVar("RELAY_REDIS_READ_TIMEOUT_S", str(_LIMITS.read_timeout_s), "reply deadline of read/drain"),
+    EnvVar("RELAY_LIVE_SEND_TIMEOUT_S", "30", "drop a live client whose socket accepts nothing this long"),
+    EnvVar("RELAY_BODY_TIMEOUT_S", "30", "a request body must arrive within this long"),
+    EnvVar("RELAY_HEADER_TIMEOUT_S", "10", "request headers must arrive within this long"),
+    EnvVar("RELAY_KEEPALIVE_TIMEOUT_S", "75", "idle keep-alive connections close after this long"),
+    EnvVar("RELAY_MAX_CONNECTIONS", "0", "open client connections (0: open-files limit - 128)"),
+    EnvVar("RELAY_MAX_FANOUT_BYTES", "33554432", "fan-out recipients x payload bytes"),
+    EnvVar("RELAY_MAX_RSS_MB", "0", "refuse new work above this RSS (0: the cgroup limit, if any)"),
+    EnvVar("RELAY_SHARD_HEALTH_INTERVAL_S", "5", "shard INFO probe period, s"),
+    EnvVar("RELAY_SHARD_STATS_INTERVAL_S", "30", "slot statistics period, s"),
+    EnvVar("RELAY_SHUTDOWN_DELAY_SECONDS", "0", "keep serving this long after SIGTERM before draining"),
+)
+
+# Old name -> new name (prefix policy, docs/design-decisions.md): read with a warning.
+DEPRECATED_ENV: dict[str, str] = {
+    "RELAYFLEET_SHARD_HEALTH_INTERVAL": "RELAY_SHARD_HEALTH_INTERVAL_S",
+    "RELAYFLEET_SHARD_STATS_INTERVAL": "RELAY_SHARD_STATS_INTERVAL_S",
+    "RELAY_OPERATOR_NAMESPACE": "RELAYFLEET_OPERATOR_NAMESPACE",
+}
+_OLD_NAMES: dict[str, tuple[str, ...]] = {}
+for _old, _new in DEPRECATED_ENV.items():
+    _OLD_NAMES[_new] = (*_OLD_NAMES.get(_new, ()), _old)
+_warned: set[str] = set()
+
+
+def env_value(name: str) -> str | None:
+    """The variable's value (empty counts as unset), or a deprecated name's, with a log line."""
     raw = os.environ.get(name)
-    if raw is None or raw == "":
+    if raw:
+        return raw
+    for old in _OLD_NAMES.get(name, ()):
+        raw = os.environ.get(old)
+        if raw:
+            if old not in _warned:
+                _warned.add(old)
+                # a log line, not a Python warning: deprecation must never fail a start-up
+                log.warning("%s is deprecated: set %s instead (the old name still works)", old, name)
+            return raw
+    return None
+
+
+def parse_env(name: str, default: T, parse: Callable[[str], T], kind: str) -> T:
+    raw = env_value(name)
+    if raw is None:
         return default
     try:
         return parse(raw)
     except ValueError:
-        raise SystemExit(f"relayfleet: {name} must be {kind}, got {raw!r}") from None
+        shown = raw if len(raw) <= 40 else raw[:40] + "..."
+        raise ConfigError(f"{name} must be {kind}, got {shown!r}") from None
 
 
 def env_secret(name: str) -> str | None:
@@ -32,7 +112,7 @@ def env_secret(name: str) -> str | None:
                 return f.read().strip() or None
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise SystemExit(f"relayfleet: {name}_FILE {path}: {reason}") from None
+            raise ConfigError(f"{name}_FILE {path}: {reason}") from None
     value = os.environ.get(name)
     return (value.strip() or None) if value else None
 
@@ -43,12 +123,19 @@ def enqueue_tokens_from_env() -> tuple[str, ...]:
     return tuple(t.strip() for t in raw.replace("\n", ",").split(",") if t.strip())
 
 
+def _float(raw: str) -> float:
+    value = float(raw)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(raw)
+    return value
+
+
 def env_float(name: str, default: float) -> float:
-    return _env(name, default, float, "a number")
+    return parse_env(name, default, _float, "a number")
 
 
 def env_int(name: str, default: int) -> int:
-    return _env(name, default, int, "an integer")
+    return parse_env(name, default, int, "an integer")
 
 
 @dataclass(frozen=True)
@@ -72,42 +159,67 @@ class Settings:
     shutdown_grace_s: float = 10.0
     live_queue_max: int = 256  # unacked frames in flight per WebSocket before we stop reading ahead
     # A live client whose socket accepts nothing for this long is dropped (its frames held in memory).
-    live_send_timeout_s: float = field(
-        default_factory=lambda: max(0.1, env_float("RELAY_LIVE_SEND_TIMEOUT_S", 30.0))
-    )
+    live_send_timeout_s: float = 30.0
     # A body must arrive within this long, or a slow sender (slowloris) holds a handler forever.
-    body_timeout_s: float = field(default_factory=lambda: env_float("RELAY_BODY_TIMEOUT_S", 30.0))
+    body_timeout_s: float = 30.0
     # Shard health (INFO) every this many seconds; slot statistics at most this often, after a scrape.
-    shard_health_interval_s: float = field(
-        default_factory=lambda: max(0.2, env_float("RELAYFLEET_SHARD_HEALTH_INTERVAL", 5.0))
-    )
-    shard_stats_interval_s: float = field(
-        default_factory=lambda: max(0.2, env_float("RELAYFLEET_SHARD_STATS_INTERVAL", 30.0))
-    )
+    shard_health_interval_s: float = 5.0
+    shard_stats_interval_s: float = 30.0
 
     # Hostile clients (DESIGN §3 "Hostile traffic"): see docs/reliability.md.
     # Complete request headers within this long of connecting (or of a new request's first byte).
-    header_timeout_s: float = field(default_factory=lambda: env_float("RELAY_HEADER_TIMEOUT_S", 10.0))
+    header_timeout_s: float = 10.0
     # An idle keep-alive connection closes after this long.
-    keepalive_timeout_s: float = field(default_factory=lambda: env_float("RELAY_KEEPALIVE_TIMEOUT_S", 75.0))
+    keepalive_timeout_s: float = 75.0
     # Open client connections at once; 0: the open-files limit minus a reserve of 128.
-    max_connections: int = field(default_factory=lambda: env_int("RELAY_MAX_CONNECTIONS", 0))
+    max_connections: int = 0
     # Fan-out: recipients x payload bytes at most this, else 413 fanout_too_large.
-    max_fanout_bytes: int = field(default_factory=lambda: env_int("RELAY_MAX_FANOUT_BYTES", 32 << 20))
+    max_fanout_bytes: int = 32 << 20
     # Memory guard: refuse new work (503 overloaded) before RSS passes this many MiB;
     # 0: the cgroup's memory limit when there is one, else no guard.
-    max_rss_mb: int = field(default_factory=lambda: env_int("RELAY_MAX_RSS_MB", 0))
+    max_rss_mb: int = 0
+    fleet: str = "default"
+    shutdown_delay_s: float = 0.0  # keep serving after SIGTERM (endpoints catch up), then drain
     # The DIDComm mediator (relay/didcomm): off unless a seed file is given (a Secret mount; the
     # same seed on every relay of a fleet makes them one mediator). The public URL is what
     # agents reach the fleet at (invitation, DID document, mediate-grant endpoint).
-    didcomm_seed_file: str | None = field(
-        default_factory=lambda: os.environ.get("RELAY_DIDCOMM_SEED_FILE") or None
-    )
-    public_url: str | None = field(default_factory=lambda: os.environ.get("RELAY_PUBLIC_URL") or None)
+    didcomm_seed_file: str | None = None
+    public_url: str | None = None
 
     @property
     def fleet_name(self) -> str:
-        return os.environ.get("RELAY_FLEET", "default")
+        return self.fleet
+
+    @classmethod
+    def from_env(cls, **flags: Any) -> Settings:
+        """Settings from the environment (read here, once), `flags` (the CLI's) taking precedence."""
+        d = cls()
+        values: dict[str, Any] = {
+            "fleet": env_value("RELAY_FLEET") or d.fleet,
+            "didcomm_seed_file": env_value("RELAY_DIDCOMM_SEED_FILE"),  # also flags of `relay`
+            "public_url": env_value("RELAY_PUBLIC_URL"),
+            "enqueue_tokens": enqueue_tokens_from_env(),
+            "push_webhook": env_secret("RELAY_PUSH_WEBHOOK"),
+            "max_payload": env_int("RELAY_MAX_PAYLOAD", d.max_payload),
+            "max_waiters": env_int("RELAY_MAX_WAITERS", d.max_waiters),
+            "limits": limits_from_env(),
+            "live_send_timeout_s": max(0.1, env_float("RELAY_LIVE_SEND_TIMEOUT_S", d.live_send_timeout_s)),
+            "body_timeout_s": env_float("RELAY_BODY_TIMEOUT_S", d.body_timeout_s),
+            "shard_health_interval_s": max(
+                0.2, env_float("RELAY_SHARD_HEALTH_INTERVAL_S", d.shard_health_interval_s)
+            ),
+            "shard_stats_interval_s": max(
+                0.2, env_float("RELAY_SHARD_STATS_INTERVAL_S", d.shard_stats_interval_s)
+            ),
+            "header_timeout_s": env_float("RELAY_HEADER_TIMEOUT_S", d.header_timeout_s),
+            "keepalive_timeout_s": env_float("RELAY_KEEPALIVE_TIMEOUT_S", d.keepalive_timeout_s),
+            "max_connections": env_int("RELAY_MAX_CONNECTIONS", d.max_connections),
+            "max_fanout_bytes": env_int("RELAY_MAX_FANOUT_BYTES", d.max_fanout_bytes),
+            "max_rss_mb": env_int("RELAY_MAX_RSS_MB", d.max_rss_mb),
+            "shutdown_delay_s": max(0.0, env_float("RELAY_SHUTDOWN_DELAY_SECONDS", d.shutdown_delay_s)),
+        }
+        values.update(flags)
+        return cls(**values)
 
 
 def limits_from_env() -> QueueLimits:

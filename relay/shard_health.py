@@ -1,9 +1,9 @@
 """Per-shard health and load gauges, read by each relay in the background.
 
 Two cadences, both cheap:
-- health (every RELAYFLEET_SHARD_HEALTH_INTERVAL s, default 5): PING plus INFO memory
+- health (every RELAY_SHARD_HEALTH_INTERVAL_S s, default 5): PING plus INFO memory
   and persistence of every shard: two round trips per shard.
-- load (at most every RELAYFLEET_SHARD_STATS_INTERVAL s, default 30, and only when
+- load (at most every RELAY_SHARD_STATS_INTERVAL_S s, default 30, and only when
   /metrics was scraped since the last read, so an unscraped relay costs the shards
   nothing): per slot the map gives the shard, HMGET of its stats hash, GET of its state
   and SCARD of its queue index, pipelined 256 slots per round trip. Only the relay

@@ -76,7 +76,7 @@ async def relay_factory() -> AsyncIterator[RelayFactory]:
     async def start(
         redis_url: str | None = None, shard_map: ShardMap | None = None, **overrides: object
     ) -> RunningRelay:
-        settings = replace(Settings(auth="none"), **overrides)  # type: ignore[arg-type]
+        settings = replace(Settings.from_env(auth="none"), **overrides)  # type: ignore[arg-type]
         smap = shard_map or single_shard_map(redis_url or "")
         fleet = await start_fleet(smap, settings, None)
         app = build_app(settings, fleet)

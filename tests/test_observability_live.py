@@ -113,8 +113,8 @@ def fleet() -> Iterator[Fleet]:
     port = free_port()
     env = {
         **os.environ,
-        "RELAYFLEET_SHARD_HEALTH_INTERVAL": "0.5",  # shard_up flips within a scrape or two
-        "RELAYFLEET_SHARD_STATS_INTERVAL": "1",
+        "RELAY_SHARD_HEALTH_INTERVAL_S": "0.5",  # shard_up flips within a scrape or two
+        "RELAY_SHARD_STATS_INTERVAL_S": "1",
         "RELAY_RATE_LIMIT": "20",  # so a burst of enqueues gets 429s
         "PYTHONUNBUFFERED": "1",
     }

@@ -20,7 +20,7 @@ from tests.conftest import RunningRelay
 @pytest.fixture(autouse=True)
 def quiet_background_monitor(monkeypatch: pytest.MonkeyPatch) -> None:
     """The relay's own loop ticks once at start-up, then leaves the gauges to this test."""
-    monkeypatch.setenv("RELAYFLEET_SHARD_HEALTH_INTERVAL", "3600")
+    monkeypatch.setenv("RELAY_SHARD_HEALTH_INTERVAL_S", "3600")
 
 
 async def scrape(relay: RunningRelay) -> None:

@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+from relay.settings import env_value
+
 IN_CLUSTER_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -109,7 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m relayfleet_operator` (same flags as `relayfleet operator`)."""
     parser = argparse.ArgumentParser(prog="relayfleet-operator")
     scope = parser.add_mutually_exclusive_group()
-    scope.add_argument("--namespace", default=os.environ.get("RELAY_OPERATOR_NAMESPACE"))
-    scope.add_argument("--all-namespaces", action="store_true")
+    scope.add_argument(
+        "--namespace",
+        default=env_value("RELAYFLEET_OPERATOR_NAMESPACE"),  # RELAY_OPERATOR_NAMESPACE: deprecated
+        help="watch this namespace only [env RELAYFLEET_OPERATOR_NAMESPACE; default none]",
+    )
+    scope.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
     args = parser.parse_args(argv)
     return run(args.namespace, args.all_namespaces)

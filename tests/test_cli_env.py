@@ -1,0 +1,126 @@
+"""The CLI's configuration surface: every flag names its variable and default, bad values exit 2
+with one line, deprecated names still work (with a log line), Settings read the environment once."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from relay import cli
+from relay.settings import DEPRECATED_ENV, RELAY_ENV, Settings
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_every_flag_of_every_subcommand_names_its_variable_and_default() -> None:
+    for name, parser in _subparsers().items():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction) or (not action.option_strings and not action.help):
+                continue
+            assert action.help, (name, action.dest)
+            assert "[env " in action.help or "[no env" in action.help, (name, action.dest)
+            assert "default" in action.help or "required" in action.help, (name, action.dest)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("RELAY_", "RELAYFLEET_"))}
+    full.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from relay.cli import main; sys.exit(main())", *args],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_relay_help_lists_every_variable() -> None:
+    out = run_cli("relay", "--help")
+    assert out.returncode == 0
+    for flag_env in ("RELAY_HOST", "RELAY_PORT", "RELAY_REDIS_URL", "RELAY_AUTH", "RELAY_LOG_LEVEL"):
+        assert f"env {flag_env}" in out.stdout
+    for var in RELAY_ENV:
+        assert var.name in out.stdout
+    for old in DEPRECATED_ENV:
+        assert old in out.stdout
+    assert "default 8080" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "message"),
+    [
+        ({"RELAY_PORT": "abc"}, (), "relayfleet: RELAY_PORT must be a port number, got 'abc'"),
+        ({"RELAY_AUTH": "basic"}, (), "relayfleet: RELAY_AUTH must be ed25519 or none, got 'basic'"),
+        ({}, ("--port", "70000"), "relayfleet: --port must be a port number, got '70000'"),
+        (
+            {"RELAY_MAX_PAYLOAD": "lots"},
+            ("--redis-url", "redis://127.0.0.1:1/0"),
+            "relayfleet: RELAY_MAX_PAYLOAD must be an integer, got 'lots'",
+        ),
+        (
+            {"RELAY_SHARD_HEALTH_INTERVAL_S": "nan"},
+            ("--redis-url", "redis://127.0.0.1:1/0"),
+            "relayfleet: RELAY_SHARD_HEALTH_INTERVAL_S must be a number, got 'nan'",
+        ),
+        (
+            {"RELAY_REDIS_URL": "rediss://u:secret@h:1/0?ssl_ca_cert=/ca.pem"},
+            (),
+            "relayfleet: unknown Redis URL option 'ssl_ca_cert'",
+        ),
+    ],
+)
+def test_bad_values_exit_2_with_one_line(env: dict[str, str], args: tuple[str, ...], message: str) -> None:
+    out = run_cli("relay", *args, env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip() == message  # one line, no traceback, no secret
+
+
+def test_bad_value_of_another_subcommand_does_not_matter() -> None:
+    out = run_cli("keygen", env={"RELAY_PORT": "abc"})
+    assert out.returncode == 0, out.stderr
+
+
+def test_settings_read_the_environment_only_in_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RELAY_BODY_TIMEOUT_S", "1.5")
+    monkeypatch.setenv("RELAY_FLEET", "blue")
+    monkeypatch.setenv("RELAY_MAX_WAITERS", "7")
+    assert Settings().body_timeout_s == 30.0  # a plain dataclass: no env reads in defaults
+    s = Settings.from_env(port=9000)
+    assert (s.body_timeout_s, s.fleet_name, s.max_waiters, s.port) == (1.5, "blue", 7, 9000)
+
+
+def test_deprecated_names_still_work_with_a_log_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import relay.settings
+
+    monkeypatch.setattr(relay.settings, "_warned", set())
+    monkeypatch.setenv("RELAYFLEET_SHARD_HEALTH_INTERVAL", "7")
+    with caplog.at_level(logging.WARNING, logger="relay.settings"):
+        assert Settings.from_env().shard_health_interval_s == 7.0
+    assert "RELAYFLEET_SHARD_HEALTH_INTERVAL is deprecated: set RELAY_SHARD_HEALTH_INTERVAL_S" in caplog.text
+    monkeypatch.setenv("RELAY_SHARD_HEALTH_INTERVAL_S", "9")  # the new name wins
+    assert Settings.from_env().shard_health_interval_s == 9.0
+
+
+def test_operator_namespace_new_and_old_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    shown = run_cli("operator", "--help")
+    assert "env RELAYFLEET_OPERATOR_NAMESPACE" in " ".join(shown.stdout.split())
+    monkeypatch.setenv("RELAY_OPERATOR_NAMESPACE", "old")
+    args = cli.build_parser().parse_args(["operator"])
+    cli._resolve_env(args)
+    assert args.namespace == "old"
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_NAMESPACE", "new")
+    args = cli.build_parser().parse_args(["operator"])
+    cli._resolve_env(args)
+    assert args.namespace == "new"
