@@ -9,6 +9,11 @@ test's loop being free. Two ways to cut:
   are accepted and then starved (a partition or a firewall DROP: the harder case,
   since only timeouts notice it).
 
+A third way holds only one direction: ``cut("mute")`` forwards requests but keeps the
+answers (the server did the work; the client never hears of it), the case a reply
+timeout must handle. ``restore()`` then delivers the held answers on connections the
+client still has open.
+
 ``restore()`` forwards again; connections starved during a blackhole are closed so
 the client reconnects rather than reading a torn stream.
 """
@@ -26,7 +31,7 @@ from typing import Any
 class TcpProxy:
     def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
         self.target = (target_host, target_port)
-        self.mode = "up"  # 'up' | 'reset' | 'blackhole'
+        self.mode = "up"  # 'up' | 'reset' | 'blackhole' | 'mute'
         self.connections = 0
         self._loop = asyncio.new_event_loop()
         self._writers: set[asyncio.StreamWriter] = set()
@@ -50,7 +55,7 @@ class TcpProxy:
             self._loop.close()
 
     def cut(self, how: str = "reset") -> None:
-        assert how in ("reset", "blackhole"), how
+        assert how in ("reset", "blackhole", "mute"), how
         self._call(self._set(how))
 
     def restore(self) -> None:
@@ -62,6 +67,8 @@ class TcpProxy:
     async def _start(self) -> None:
         self._flowing = asyncio.Event()
         self._flowing.set()
+        self._answering = asyncio.Event()  # server -> client only; cleared by 'mute'
+        self._answering.set()
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
 
     async def _stop(self) -> None:
@@ -80,6 +87,10 @@ class TcpProxy:
             self._flowing.clear()
         else:
             self._flowing.set()
+        if mode == "mute":
+            self._answering.clear()
+        else:
+            self._answering.set()
         if mode == "reset" or (mode == "up" and previous == "blackhole"):
             self._close_all()
 
@@ -96,15 +107,19 @@ class TcpProxy:
             self._writers.discard(writer)
             return
         self._writers.add(up_writer)
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer, self._answering))
 
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, gate: asyncio.Event | None = None
+    ) -> None:
         try:
             while True:
                 data = await src.read(65536)
                 if not data:
                     break
                 await self._flowing.wait()  # a blackhole holds the bytes: nothing gets through
+                if gate is not None:
+                    await gate.wait()  # muted: answers wait
                 if dst not in self._writers:
                     break
                 dst.write(data)

@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from relay.api import params
+from relay.api import bulk, params
 from relay.api.context import ctx
 from relay.api.errors import ApiError, bad_request, json_response
 from relay.storage.store import EnqueueOutcome, Message, ReadResult
@@ -46,19 +46,33 @@ def message_json(m: Message) -> dict[str, Any]:
     }
 
 
-def read_json(result: ReadResult, from_seq: int | None, drained: bool = False) -> dict[str, Any]:
+def _next_seq(result: ReadResult, from_seq: int | None) -> int:
     if result.messages:
-        next_seq = result.messages[-1].seq + 1
-    else:
-        next_seq = from_seq if from_seq is not None else result.last_seq + 1
+        return result.messages[-1].seq + 1
+    return from_seq if from_seq is not None else result.last_seq + 1
+
+
+def read_json(result: ReadResult, from_seq: int | None, drained: bool = False) -> dict[str, Any]:
     body: dict[str, Any] = {
         "messages": [message_json(m) for m in result.messages],
-        "nextSeq": next_seq,
+        "nextSeq": _next_seq(result, from_seq),
         "epoch": result.epoch,
     }
     if drained:
         body["more"] = result.more
     return body
+
+
+async def read_response(
+    request: web.Request, result: ReadResult, from_seq: int | None, drained: bool = False
+) -> web.StreamResponse:
+    """The read/drain answer; a big one is streamed (relay/api/bulk.py), same bytes."""
+    if bulk.worth_streaming(result.messages):
+        more = result.more if drained else None
+        return await bulk.stream_read(
+            request, result.messages, _next_seq(result, from_seq), result.epoch, more
+        )
+    return json_response(read_json(result, from_seq, drained))
 
 
 @routes.post("/v1/queues/{recipient}/messages")
@@ -85,7 +99,7 @@ def _json_bytes(body: bytes, status: int) -> web.Response:
 
 
 @routes.get("/v1/queues/{recipient}/messages")
-async def read(request: web.Request) -> web.Response:
+async def read(request: web.Request) -> web.StreamResponse:
     c = ctx(request)
     recipient = params.recipient_key(request.match_info["recipient"])
     channel = params.channel_of(request)
@@ -96,11 +110,11 @@ async def read(request: web.Request) -> web.Response:
     )
     await c.auth.verify(request, recipient)
     result = await c.service.read(recipient, channel, start, lim, wait)
-    return json_response(read_json(result, start))
+    return await read_response(request, result, start)
 
 
 @routes.post("/v1/queues/{recipient}/drain")
-async def drain(request: web.Request) -> web.Response:
+async def drain(request: web.Request) -> web.StreamResponse:
     c = ctx(request)
     recipient = params.recipient_key(request.match_info["recipient"])
     channel = params.channel_of(request)
@@ -108,7 +122,7 @@ async def drain(request: web.Request) -> web.Response:
     body = await params.raw_body(request, 1 << 16)
     await c.auth.verify(request, recipient, body)
     result = await c.service.drain(recipient, channel, lim, wait)
-    return json_response(read_json(result, None, drained=True))
+    return await read_response(request, result, None, drained=True)
 
 
 def parse_ack(doc: Any) -> tuple[int | None, list[int] | None]:

@@ -34,8 +34,12 @@ end
 -- Up to `limit` entries from stream id `from` whose payloads total at most `budget`
 -- bytes, and always at least one (the response budget, DESIGN §3). A queue holding no
 -- more than the budget (`held` bytes in `len` messages; most queues) is one XRANGE;
--- otherwise the stream is read in chunks sized from the largest mean seen so far, so
--- Redis copies little beyond what it answers and never answers more than the budget.
+-- otherwise the stream is read in chunks sized by an estimate of the next sizes (the
+-- queue's mean payload, or the largest seen in this read if bigger), and reading stops
+-- when the rest of the budget is below that estimate: a payload is only known once
+-- Redis has copied it, and a huge entry fetched just to be dropped doubled the cost of
+-- a read of big messages. So an answer may carry less than the budget allows (the
+-- client continues from nextSeq), never more.
 local function read_budget(msgs_key, from, limit, budget, held, len)
   if held <= budget then
     return redis.call('XRANGE', msgs_key, from, '+', 'COUNT', limit)
@@ -43,6 +47,7 @@ local function read_budget(msgs_key, from, limit, budget, held, len)
   local out, total = {}, 0
   local mean = math.max(1, math.floor(held / math.max(1, len)))
   while #out < limit do
+    if #out > 0 and budget - total < mean then break end
     local want = math.max(1, math.min(limit - #out, 64, math.floor((budget - total) / mean)))
     local chunk = redis.call('XRANGE', msgs_key, from, '+', 'COUNT', want)
     if #chunk == 0 then break end
