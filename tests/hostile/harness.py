@@ -92,6 +92,7 @@ class Relay:
         leaked = [s.decode() for s in SECRETS if s in text]
         assert not leaked, f"planted secrets in the relay log: {leaked}"
         assert b"Traceback" not in text, "a traceback reached the relay log"
+        assert b"unhandled exception in a request handler" not in text, "an attack got a 500"
 
     def stop(self) -> None:
         if self.proc.poll() is None:
