@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PIP_CACHE_DIR ?= $(HOME)/.cache/relayfleet/pip
 PYTEST_ARGS ?=
 
-.PHONY: release run test lint typecheck control-plane chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev
+.PHONY: release run test system-deps lint typecheck control-plane chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,13 @@ run: venv
 	$(VENV)/bin/relayfleet dev --shards 2
 
 ## test: lint, type-check, build/reuse the Kubernetes control plane, run the whole suite
-test: venv-dev control-plane lint typecheck
-	$(PY) -m pytest $(PYTEST_ARGS)
+## (as root, installs the Debian packages the suite needs; otherwise names the apt-get line)
+test: system-deps venv-dev control-plane lint typecheck
+	$(PY) -m pytest -rs $(PYTEST_ARGS)
+
+## system-deps: the Debian packages the tests use (redis-server, nginx+nchan, wrk, prometheus...)
+system-deps:
+	bash hack/system-deps.sh
 
 lint: venv-dev
 	$(VENV)/bin/ruff check .

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,6 +28,29 @@ for _plugin in ("tests.k8s_cluster", "tests.spark_session", "tests.soak_option",
         pytest_plugins.append(_plugin)
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
+
+# Skip reasons that mean "a tool is missing" (not "opt-in", like --soak): on CI they fail.
+_MISSING_TOOL = re.compile(
+    r"not installed|apt-get install|not built|control-plane\.sh|extra is not installed", re.IGNORECASE
+)
+
+
+def _on_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("true", "1", "yes")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """With CI=true a test skipped for a missing tool fails instead: CI installs everything
+    (hack/system-deps.sh), so such a skip means a test silently stopped running."""
+    outcome = yield
+    rep = outcome.get_result()  # type: ignore[attr-defined]
+    if not (rep.skipped and _on_ci()) or hasattr(rep, "wasxfail"):
+        return
+    reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+    if _MISSING_TOOL.search(reason):
+        rep.outcome = "failed"
+        rep.longrepr = f"CI=true and a required tool is missing (install it, do not skip): {reason}"
 
 
 @pytest.fixture
