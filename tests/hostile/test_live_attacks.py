@@ -1,0 +1,161 @@
+"""Live WebSocket attacks: a burst of hundreds of connects then a mass disconnect, and a
+client that opens a live connection on a big backlog and never reads.
+
+Against `relayfleet relay` subprocesses on a real /usr/bin/redis-server; figures are
+printed as `HOSTILE <attack>: ...` lines (docs/reliability.md, hostile table).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import socket
+import time
+
+import aiohttp
+import pytest
+
+from tests.hostile.conftest import RelayWith
+from tests.hostile.harness import Relay, recipient
+
+pytestmark = pytest.mark.timeout(300)
+
+MiB = 1 << 20
+UNHANDLED = (b"Traceback", b"Error handling request", b"exception was never retrieved", b"Unhandled")
+
+
+def report(name: str, **numbers: object) -> None:
+    print(f"HOSTILE {name}: " + " ".join(f"{k}={v}" for k, v in numbers.items()))
+
+
+async def _metric(s: aiohttp.ClientSession, relay: Relay, name: str) -> float:
+    async with s.get(f"{relay.url}/metrics") as resp:
+        text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def _live_flags(s: aiohttp.ClientSession, relay: Relay, queues: list[str]) -> set[bool]:
+    async def one(r: str) -> bool:
+        async with s.get(f"{relay.url}/v1/queues/{r}/status") as resp:
+            return bool((await resp.json())["live_delivery"])
+
+    return set(await asyncio.gather(*[one(r) for r in queues]))
+
+
+def _assert_no_unhandled(relay: Relay) -> None:
+    log = relay.log_bytes()
+    found = [u.decode() for u in UNHANDLED if u in log]
+    assert not found, f"unhandled errors in the relay log: {found}"
+
+
+async def test_500_live_connects_at_once_then_a_mass_disconnect(relay_with: RelayWith) -> None:
+    relay = relay_with()
+    queues = [recipient(2_000_000 + i) for i in range(500)]
+    ws_url = relay.url.replace("http", "ws")
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        await (await s.post(f"{relay.url}/v1/queues/{queues[0]}/messages", data=b"backlog")).release()
+
+        async def connect(r: str) -> tuple[aiohttp.ClientWebSocketResponse, str]:
+            ws = await s.ws_connect(
+                f"{ws_url}/v1/queues/{r}/live", timeout=aiohttp.ClientWSTimeout(ws_close=5)
+            )
+            while True:
+                msg = await ws.receive(timeout=60)
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    return ws, f"closed {ws.close_code}"
+                if '"empty"' in msg.data:
+                    return ws, "empty"
+
+        t0 = time.monotonic()
+        opened = await asyncio.gather(*[connect(r) for r in queues])
+        accept_s = time.monotonic() - t0
+        outcomes = [o for _ws, o in opened]
+        gauge_open = await _metric(s, relay, "relayfleet_live_connections")
+        flags_open = await _live_flags(s, relay, queues[:50])
+        # the clients drop (a TCP reset each, not a close handshake), one with unread backlog
+        for ws, _o in opened:
+            transport = ws._response.connection.transport if ws._response.connection else None
+            if transport is not None:
+                transport.abort()
+        t1 = time.monotonic()
+        while True:
+            gauge = await _metric(s, relay, "relayfleet_live_connections")
+            if gauge == 0 or time.monotonic() - t1 > 5:
+                break
+            await asyncio.sleep(0.05)
+        cleaned_s = time.monotonic() - t1
+        flags_after = await _live_flags(s, relay, queues)
+        for ws, _o in opened:
+            await ws.close()
+    report(
+        "live-burst-500",
+        accepted=outcomes.count("empty"),
+        refused=len(outcomes) - outcomes.count("empty"),
+        accept_all_s=round(accept_s, 2),
+        cleanup_s=round(cleaned_s, 2),
+        gauge_after=gauge,
+    )
+    assert outcomes == ["empty"] * 500, {o for o in outcomes if o != "empty"}
+    assert gauge_open == 500
+    assert flags_open == {True}
+    assert gauge == 0
+    assert cleaned_s < 2.0
+    assert flags_after == {False}
+    _assert_no_unhandled(relay)
+
+
+async def test_a_live_client_that_never_reads_is_dropped_with_bounded_memory(relay_with: RelayWith) -> None:
+    """24 x 5 MiB of backlog to a socket whose owner never reads: the relay holds about
+    one budget's batch plus one frame (before: 16 x 5 MiB per socket, forever) and drops
+    the client after RELAY_LIVE_SEND_TIMEOUT_S."""
+    timeout_s = 3.0
+    relay = relay_with({"RELAY_LIVE_SEND_TIMEOUT_S": str(timeout_s)})
+    r = recipient(2100)
+    async with aiohttp.ClientSession() as s:
+        for i in range(24):
+            body = io.BytesIO(bytes([i]) * (5 * MiB))
+            async with s.post(f"{relay.url}/v1/queues/{r}/messages", data=body) as resp:
+                assert resp.status == 201
+        baseline = peak = relay.rss_bytes()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((relay.host, relay.port))
+        key = base64.b64encode(os.urandom(16)).decode()
+        sock.sendall(
+            (
+                f"GET /v1/queues/{r}/live HTTP/1.1\r\nHost: relay\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            ).encode()
+        )
+        head = sock.recv(256)  # the 101, and then never another byte read
+        assert head.startswith(b"HTTP/1.1 101"), head
+        t0 = time.monotonic()
+        dropped_at = None
+        while time.monotonic() - t0 < timeout_s + 8:
+            peak = max(peak, relay.rss_bytes())
+            if dropped_at is None and await _metric(s, relay, "relayfleet_live_dropped_total") >= 1:
+                dropped_at = time.monotonic() - t0
+            if dropped_at is not None and await _metric(s, relay, "relayfleet_live_connections") == 0:
+                break
+            await asyncio.sleep(0.1)
+        gauge = await _metric(s, relay, "relayfleet_live_connections")
+        flags = await _live_flags(s, relay, [r])
+        sock.close()
+    growth = peak - baseline
+    report(
+        "live-slow-consumer",
+        rss_growth_mib=round(growth / MiB, 1),
+        dropped_after_s=None if dropped_at is None else round(dropped_at, 1),
+        gauge_after=gauge,
+    )
+    assert dropped_at is not None, "the blocked consumer was never dropped"
+    assert dropped_at < timeout_s + 5
+    assert gauge == 0
+    assert flags == {False}
+    assert growth < 48 * MiB, f"relay RSS grew {growth / MiB:.0f} MiB for one blocked socket"
+    _assert_no_unhandled(relay)
