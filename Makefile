@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PIP_CACHE_DIR ?= $(HOME)/.cache/relayfleet/pip
 PYTEST_ARGS ?=
 
-.PHONY: release run test system-deps lint typecheck control-plane chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev
+.PHONY: release run test system-deps lint typecheck control-plane didcomm-toolchain didcomm-e2e chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,7 @@ run: venv
 
 ## test: lint, type-check, build/reuse the Kubernetes control plane, run the whole suite
 ## (as root, installs the Debian packages the suite needs; otherwise names the apt-get line)
-test: system-deps venv-dev control-plane lint typecheck
+test: system-deps venv-dev control-plane didcomm-toolchain lint typecheck
 	$(PY) -m pytest -rs $(PYTEST_ARGS)
 
 ## system-deps: the Debian packages the tests use (redis-server, nginx+nchan, wrk, prometheus...)
@@ -44,6 +44,15 @@ typecheck: venv-dev
 
 control-plane:
 	bash hack/control-plane.sh
+
+## didcomm-toolchain: Askar (crates.io source), the Credo-ts agent (npm), ACA-Py (PyPI, Python 3.13),
+## each cached under ~/.cache/relayfleet keyed by version; a no-op once built (docs/e2e.md)
+didcomm-toolchain:
+	bash hack/didcomm-toolchain.sh all >/dev/null
+
+## didcomm-e2e: only the DIDComm mediator e2e with the real agents (make test runs it too)
+didcomm-e2e: venv-dev didcomm-toolchain
+	$(PY) -m pytest tests/test_didcomm_agents.py $(PYTEST_ARGS)
 
 chart-crds:
 	cp crds/*.yaml charts/relayfleet/crds/

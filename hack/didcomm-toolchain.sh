@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# Build the real DIDComm agents tests/test_didcomm_agents.py talks to.
+#
+# Nothing prebuilt is downloaded: Askar is compiled from its crates.io source,
+# Credo-ts comes from npm (its native FFI modules rebuilt here, the askar
+# binary it would download replaced by ours), ACA-Py from PyPI into its own
+# Python 3.13 venv. Each part is cached under the cache root, keyed by its
+# version (or by the lockfile's hash), and the script is a no-op once they exist.
+#
+# Usage: hack/didcomm-toolchain.sh [all | askar | credo | acapy | env | --help]
+#   all    (default) build what is missing, then print the env lines below
+#   env    print, without building, KEY=VALUE lines for the test:
+#          LIB_ASKAR_PATH (dir of libaries_askar.so), DIDCOMM_CREDO_DIR
+#          (dir with node_modules), DIDCOMM_ACAPY_BIN (the aca-py script)
+# Progress goes to stderr; stdout carries only the env lines.
+#
+# Environment:
+#   RELAYFLEET_CACHE_DIR   cache root (default ${XDG_CACHE_HOME:-$HOME/.cache}/relayfleet)
+#   RELAYFLEET_BUILD_NICE  niceness of the builds (default 10)
+#   DIDCOMM_PYTHON313      a Python >= 3.13 for ACA-Py (default: pyenv's 3.13.x, then python3.13)
+# See docs/e2e.md ("DIDComm e2e toolchain").
+set -euo pipefail
+
+# ---- pins ------------------------------------------------------------------
+ASKAR_VERSION="0.4.6"
+ASKAR_FEATURES="ffi,logger,sqlite,migration"
+# acapy-agent 1.7 needs Python >= 3.13.
+ACAPY_VERSION="1.7.0"
+
+usage() { sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+log() { printf '[didcomm-toolchain] %s\n' "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cache_root="${RELAYFLEET_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/relayfleet}"
+[[ "${cache_root}" == /* ]] || cache_root="${repo_root}/${cache_root}"
+nice_n="${RELAYFLEET_BUILD_NICE:-10}"
+
+askar_dir="${cache_root}/askar-${ASKAR_VERSION}"
+askar_lib="${askar_dir}/lib/libaries_askar.so"
+
+build_askar() {
+  if [[ -f "${askar_lib}" ]]; then return 0; fi
+  command -v cargo >/dev/null || die "cargo is needed to build aries-askar ${ASKAR_VERSION}"
+  log "building aries-askar ${ASKAR_VERSION} (features ${ASKAR_FEATURES}); ~8 min cold"
+  local work="${askar_dir}/work"
+  rm -rf "${work}" && mkdir -p "${work}/fetch/src"
+  # cargo fetch of a one-line dependent puts the crate's published source
+  # (with its Cargo.lock) into cargo's registry cache; we then build that source
+  # itself, since only the crate's own build emits its cdylib.
+  cat >"${work}/fetch/Cargo.toml" <<TOML
+[package]
+name = "askar-fetch"
+version = "0.0.0"
+edition = "2021"
+[dependencies]
+aries-askar = { version = "=${ASKAR_VERSION}", default-features = false }
+TOML
+  : >"${work}/fetch/src/lib.rs"
+  (cd "${work}/fetch" && cargo fetch -q)
+  local src
+  local candidates=("${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/aries-askar-"${ASKAR_VERSION}")
+  src="${candidates[0]}"
+  [[ -d "${src}" ]] || die "aries-askar ${ASKAR_VERSION} source not found after cargo fetch"
+  cp -r "${src}" "${work}/src"
+  local t0=${SECONDS}
+  (cd "${work}/src" && CARGO_TARGET_DIR="${work}/target" nice -n "${nice_n}" \
+    cargo build -q --release --locked --lib --no-default-features --features "${ASKAR_FEATURES}")
+  mkdir -p "${askar_dir}/lib"
+  cp "${work}/target/release/libaries_askar.so" "${askar_lib}.tmp"
+  mv "${askar_lib}.tmp" "${askar_lib}"
+  rm -rf "${work}"
+  log "aries-askar ${ASKAR_VERSION} built in $((SECONDS - t0)) s: ${askar_lib}"
+}
+
+acapy_dir="${cache_root}/acapy-${ACAPY_VERSION}"
+acapy_bin="${acapy_dir}/venv/bin/aca-py"
+
+find_python313() {
+  local c
+  for c in "${DIDCOMM_PYTHON313:-}" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[3-9]*/bin/python3 \
+    "$(command -v python3.13 || true)" "$(command -v python3.14 || true)"; do
+    [[ -n "${c}" && -x "${c}" ]] || continue
+    if "${c}" -c 'import sys; sys.exit(sys.version_info < (3, 13))' 2>/dev/null; then
+      echo "${c}"
+      return 0
+    fi
+  done
+  return 1
+}
+
+build_acapy() {
+  if [[ -f "${acapy_dir}/.done" ]]; then return 0; fi
+  local py
+  py="$(find_python313)" || die "acapy-agent ${ACAPY_VERSION} needs Python >= 3.13 (set DIDCOMM_PYTHON313)"
+  log "installing acapy-agent ${ACAPY_VERSION} into a venv of ${py}"
+  local t0=${SECONDS}
+  # A venv's scripts carry its absolute path, so it is built in place; .done marks it whole.
+  rm -rf "${acapy_dir}" && "${py}" -m venv "${acapy_dir}/venv"
+  nice -n "${nice_n}" "${acapy_dir}/venv/bin/pip" install -q --disable-pip-version-check \
+    "acapy-agent==${ACAPY_VERSION}" >&2
+  "${acapy_bin}" --version >/dev/null || die "aca-py ${ACAPY_VERSION} does not start"
+  touch "${acapy_dir}/.done"
+  log "acapy-agent ${ACAPY_VERSION} installed in $((SECONDS - t0)) s"
+}
+
+credo_src="${repo_root}/e2e/didcomm/credo"
+# Native modules are built against this node's ABI: the key covers both.
+credo_key="$( { cat "${credo_src}/package-lock.json"; node --version 2>/dev/null || true; } | sha256sum | cut -c1-16)"
+credo_dir="${cache_root}/credo-${credo_key}"
+
+build_credo() {
+  if [[ -f "${credo_dir}/.done" ]]; then return 0; fi
+  command -v npm >/dev/null || die "node and npm are needed for the Credo-ts agent"
+  log "installing the Credo-ts agent's node_modules (lockfile key ${credo_key})"
+  local t0=${SECONDS} work="${credo_dir}.tmp"
+  rm -rf "${work}" && mkdir -p "${work}"
+  cp "${credo_src}/package.json" "${credo_src}/package-lock.json" "${work}/"
+  # --ignore-scripts: askar-nodejs' install script downloads a prebuilt Askar, which we
+  # build ourselves instead (LIB_ASKAR_PATH). The two FFI modules are compiled here
+  # against the local node headers.
+  (cd "${work}" && nice -n "${nice_n}" npm ci -s --ignore-scripts --no-audit --no-fund >&2 &&
+    npm_config_nodedir="${DIDCOMM_NODEDIR:-/usr}" nice -n "${nice_n}" \
+      npm rebuild -s @2060.io/ref-napi @2060.io/ffi-napi >&2)
+  [[ -f "${work}/node_modules/@2060.io/ffi-napi/build/Release/ffi_bindings.node" ]] ||
+    die "ffi-napi did not build (node headers under ${DIDCOMM_NODEDIR:-/usr}/include/node?)"
+  rm -rf "${credo_dir}" && mv "${work}" "${credo_dir}"
+  touch "${credo_dir}/.done"
+  log "Credo-ts node_modules ready in $((SECONDS - t0)) s: ${credo_dir}"
+}
+
+print_env() {
+  echo "LIB_ASKAR_PATH=${askar_dir}/lib"
+  echo "DIDCOMM_CREDO_DIR=${credo_dir}"
+  echo "DIDCOMM_ACAPY_BIN=${acapy_bin}"
+}
+
+cmd="${1:-all}"
+case "${cmd}" in
+  -h | --help) usage ;;
+  askar) build_askar ;;
+  acapy) build_acapy ;;
+  credo) build_credo ;;
+  env) print_env ;;
+  all)
+    build_credo
+    build_acapy
+    build_askar
+    print_env
+    ;;
+  *) die "unknown command ${cmd}" ;;
+esac

@@ -1,0 +1,324 @@
+"""Real DIDComm agents for the mediator e2e test (tests/test_didcomm_agents.py).
+
+* ``toolchain()`` runs ``hack/didcomm-toolchain.sh`` (a no-op once built; see docs/e2e.md)
+  and returns where Askar, the Credo-ts node_modules and ACA-Py are.
+* ``CredoAgent`` is the headless Credo-ts 0.6 agent of e2e/didcomm/credo/agent.mjs (a
+  mediation recipient with a persistent Askar sqlite wallet), driven over JSON lines.
+* ``AcaPy`` is ``aca-py start`` on loopback, driven through its admin API.
+
+Every agent writes its log to a file of the test's directory; ``logs()`` gathers them for
+a failure message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from relay.localredis import free_port
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOOLCHAIN_SCRIPT = REPO_ROOT / "hack" / "didcomm-toolchain.sh"
+CREDO_AGENT = REPO_ROOT / "e2e" / "didcomm" / "credo" / "agent.mjs"
+
+
+class AgentError(RuntimeError):
+    """An agent failed to start, answered a command with an error, or timed out."""
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    askar_lib_dir: str
+    credo_dir: Path
+    acapy_bin: str
+
+
+def toolchain() -> Toolchain:
+    """Build what is missing (minutes, once) and return where it is."""
+    done = subprocess.run(
+        ["bash", str(TOOLCHAIN_SCRIPT), "all"], capture_output=True, text=True, check=False, cwd=REPO_ROOT
+    )
+    if done.returncode != 0:
+        raise AgentError(f"{TOOLCHAIN_SCRIPT} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    env = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    return Toolchain(env["LIB_ASKAR_PATH"], Path(env["DIDCOMM_CREDO_DIR"]), env["DIDCOMM_ACAPY_BIN"])
+
+
+def _open_log(path: Path, header: str) -> int:
+    """An append-only descriptor on the agent's log, a header line written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.write(fd, f"\n{header}\n".encode())
+    return fd
+
+
+def tail(path: Path, limit: int = 12000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return f"({path} absent)"
+    return text if len(text) <= limit else "...\n" + text[-limit:]
+
+
+class CredoAgent:
+    """One run of the Credo-ts agent; ``data_dir`` (the Askar wallet) outlives runs."""
+
+    def __init__(self, tools: Toolchain, data_dir: Path, log_path: Path, label: str = "credo-e2e") -> None:
+        self.tools = tools
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.label = label
+        self.proc: asyncio.subprocess.Process | None = None
+        self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.basic_messages: list[dict[str, Any]] = []
+        self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._next_id = 0
+        self._reader: asyncio.Task[None] | None = None
+        self._new_message = asyncio.Event()
+
+    async def start(self, strategy: str, poll_ms: int = 200, timeout: float = 60.0) -> None:
+        # The agent imports from node_modules next to it: run a copy beside the cached tree.
+        run_dir = self.data_dir.parent / f"{self.data_dir.name}-run"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(CREDO_AGENT, run_dir / "agent.mjs")
+        shutil.copy(CREDO_AGENT.parent / "package.json", run_dir / "package.json")
+        link = run_dir / "node_modules"
+        if not link.exists():
+            link.symlink_to(self.tools.credo_dir / "node_modules")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "LIB_ASKAR_PATH": self.tools.askar_lib_dir}
+        argv = ["node", str(run_dir / "agent.mjs"), "--data", str(self.data_dir), "--label", self.label]
+        argv += ["--strategy", strategy, "--poll-ms", str(poll_ms)]
+        log = _open_log(self.log_path, f"===== start {strategy} at {time.strftime('%H:%M:%S')} =====")
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log,
+                env=env,
+                limit=16 * 1024 * 1024,
+            )
+        finally:
+            os.close(log)
+        self._reader = asyncio.create_task(self._read())
+        await self.wait_event("ready", timeout)
+
+    async def _read(self) -> None:
+        assert self.proc is not None
+        assert self.proc.stdout is not None
+        while line := await self.proc.stdout.readline():
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if "id" in obj and obj["id"] in self._replies:
+                fut = self._replies.pop(obj["id"])
+                if not fut.done():
+                    fut.set_result(obj)
+            elif obj.get("event") == "basicmessage":
+                self.basic_messages.append(obj)
+                self._new_message.set()
+            else:
+                await self.events.put(obj)
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(AgentError(f"the Credo agent exited ({self.proc.returncode})"))
+
+    async def command(self, cmd: str, timeout: float = 60.0, **args: Any) -> dict[str, Any]:
+        assert self.proc is not None
+        assert self.proc.stdin is not None
+        self._next_id += 1
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._replies[self._next_id] = fut
+        self.proc.stdin.write(json.dumps({"id": self._next_id, "cmd": cmd, **args}).encode() + b"\n")
+        await self.proc.stdin.drain()
+        try:
+            reply = await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise AgentError(f"Credo command {cmd} timed out after {timeout} s") from None
+        if not reply.get("ok"):
+            raise AgentError(f"Credo command {cmd} failed: {reply.get('error')}")
+        return reply
+
+    async def wait_event(self, name: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AgentError(f"no {name!r} event from the Credo agent in {timeout} s")
+            try:
+                event = await asyncio.wait_for(self.events.get(), left)
+            except TimeoutError:
+                continue
+            if event.get("event") == name:
+                return event
+
+    async def wait_messages(self, count: int, timeout: float) -> list[dict[str, Any]]:
+        """Wait until at least `count` basic messages have arrived in this run."""
+        deadline = time.monotonic() + timeout
+        while len(self.basic_messages) < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                have = len(self.basic_messages)
+                raise AgentError(f"{have} of {count} basic messages reached the Credo agent in {timeout} s")
+            self._new_message.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._new_message.wait(), left)
+        return self.basic_messages[:count]
+
+    async def stop(self) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        with contextlib.suppress(AgentError, ConnectionError):
+            await self.command("stop", timeout=20)
+        try:
+            await asyncio.wait_for(self.proc.wait(), 10)
+        except TimeoutError:
+            self.kill()
+            await self.proc.wait()
+        await self._join_reader()
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no flush, whatever was in flight is lost."""
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGKILL)
+
+    async def wait_killed(self) -> None:
+        assert self.proc is not None
+        await self.proc.wait()
+        await self._join_reader()
+
+    async def _join_reader(self) -> None:
+        if self._reader is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(self._reader, 5)
+            self._reader = None
+
+
+class AcaPy:
+    """``aca-py start`` on loopback: HTTP in and out, an insecure admin API for the test."""
+
+    def __init__(self, tools: Toolchain, workdir: Path, label: str = "acapy-e2e") -> None:
+        self.tools = tools
+        self.workdir = workdir
+        self.label = label
+        self.log_path = workdir / "acapy.log"  # its stdout and stderr
+        self.inbound_port = free_port()
+        self.admin_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    async def start(self, timeout: float = 90.0) -> None:
+        endpoint = f"http://127.0.0.1:{self.inbound_port}"
+        argv = [self.tools.acapy_bin, "start"]
+        argv += ["--inbound-transport", "http", "127.0.0.1", str(self.inbound_port)]
+        argv += ["--outbound-transport", "http", "--endpoint", endpoint]
+        argv += ["--admin", "127.0.0.1", str(self.admin_port), "--admin-insecure-mode"]
+        argv += ["--label", self.label, "--no-ledger"]
+        argv += ["--wallet-type", "askar", "--wallet-name", "acapy-e2e", "--wallet-key", "acapy-e2e-key"]
+        argv += ["--auto-provision", "--auto-accept-invites", "--auto-accept-requests"]
+        argv += ["--log-level", "info"]
+        self.proc = self._spawn(argv)
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as http:
+            while True:
+                if self.proc.poll() is not None:
+                    raise AgentError(f"aca-py exited ({self.proc.returncode}) while starting")
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(self.admin + "/status/ready") as resp:
+                        if resp.status == 200 and (await resp.json()).get("ready"):
+                            return
+                if time.monotonic() > deadline:
+                    raise AgentError(f"aca-py's admin API was not ready in {timeout} s")
+                await asyncio.sleep(0.3)
+
+    def _spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        # HOME: ACA-Py keeps its Askar wallet under ~/.acapy_agent; one per test run.
+        env = {**os.environ, "HOME": str(self.workdir)}
+        with open(self.log_path, "ab") as out:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                env=env,
+            )
+
+    async def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.request(method, self.admin + path, json=body) as resp,
+        ):
+            text = await resp.text()
+            if resp.status != 200:
+                raise AgentError(f"aca-py {method} {path} -> {resp.status}: {text[:500]}")
+            result: dict[str, Any] = json.loads(text)
+            return result
+
+    async def create_invitation(self) -> dict[str, Any]:
+        """An OOB invitation (DID Exchange 1.1) to ACA-Py itself: {"invitation_url", "invi_msg_id", ...}."""
+        body = {"handshake_protocols": ["https://didcomm.org/didexchange/1.1"]}
+        return await self.call("POST", "/out-of-band/create-invitation?auto_accept=true", body)
+
+    async def connection_for_invitation(self, invi_msg_id: str, timeout: float) -> str:
+        """The id of the connection a peer opened on our invitation `invi_msg_id`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = await self.call("GET", f"/connections?invitation_msg_id={invi_msg_id}")
+            if found.get("results"):
+                return str(found["results"][0]["connection_id"])
+            if time.monotonic() > deadline:
+                raise AgentError(f"no aca-py connection for invitation {invi_msg_id} in {timeout} s")
+            await asyncio.sleep(0.5)
+
+    async def receive_invitation(self, invitation: dict[str, Any]) -> str:
+        """Accept an OOB invitation; returns the new connection's id."""
+        record = await self.call("POST", "/out-of-band/receive-invitation?auto_accept=true", invitation)
+        conn_id = record.get("connection_id")
+        if not conn_id:
+            raise AgentError(f"aca-py made no connection from the invitation: {record}")
+        return str(conn_id)
+
+    async def wait_active(self, conn_id: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            record = await self.call("GET", f"/connections/{conn_id}")
+            if record.get("state") in ("active", "completed"):
+                return record
+            if record.get("state") == "abandoned" or time.monotonic() > deadline:
+                raise AgentError(f"aca-py connection {conn_id} is {record.get('state')!r} after {timeout} s")
+            await asyncio.sleep(0.5)
+
+    async def send_basic_message(self, conn_id: str, content: str) -> None:
+        await self.call("POST", f"/connections/{conn_id}/send-message", {"content": content})
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def logs(self) -> str:
+        """Its log without the admin API's access lines (the test polls it)."""
+        lines = tail(self.log_path, 200000).splitlines()
+        kept = "\n".join(line for line in lines if "aiohttp.access" not in line)
+        return kept[-20000:]
