@@ -47,9 +47,13 @@ _WWW_AUTH = {"WWW-Authenticate": {"description": "Relay-Ed25519, or Bearer", "sc
 
 _E400 = _error("malformed request (bad recipient, channel, parameter or body)")
 _E401 = _error("missing or invalid signature or token", _WWW_AUTH)
-_E413 = _error("body over its size cap")
+_E413 = _error("body over its size cap (payload_too_large); fan-out over its byte budget (fanout_too_large)")
+_E415 = _error("unsupported_encoding: request bodies must not be compressed (Content-Encoding)")
 _E429 = _error("rate limited; retryAfterMs tells when to retry", _RETRY_AFTER)
-_E503 = _error("shard unavailable or slot migrating past the deadline; retry", _RETRY_AFTER)
+_E503 = _error(
+    "shard unavailable or slot migrating past the deadline, or the relay is overloaded (memory guard); retry",
+    _RETRY_AFTER,
+)
 _E507 = _error("queue_full (depth or byte cap) or storage_full (shard out of memory)")
 
 _P_RECIPIENT = {
@@ -70,14 +74,14 @@ _P_FROM_SEQ = {
     "name": "fromSeq",
     "in": "query",
     "required": False,
-    "description": "first seq wanted (default: the oldest held)",
+    "description": "first seq wanted (default: the oldest held); digits only, larger values are clamped",
     "schema": {"type": "integer", "minimum": 0, "maximum": MAX_SEQ},
 }
 _P_LIMIT = {
     "name": "limit",
     "in": "query",
     "required": False,
-    "description": "at most this many messages (default 100; above 1000 is clamped to 1000)",
+    "description": "at most this many messages (default 100; digits only; above 1000 is clamped to 1000)",
     "schema": {"type": "integer", "minimum": 1, "maximum": MAX_SEQ},
 }
 _P_WAIT = {
@@ -403,6 +407,7 @@ PATHS: dict[str, Any] = {
                 "401": _E401,
                 "409": _error("idempotency_conflict: the key was used with a different payload"),
                 "413": _E413,
+                "415": _E415,
                 "429": _E429,
                 "503": _E503,
                 "507": _E507,
@@ -433,6 +438,7 @@ PATHS: dict[str, Any] = {
                 "400": _E400,
                 "401": _E401,
                 "413": _E413,
+                "415": _E415,
                 "503": _E503,
             },
         }
@@ -448,6 +454,7 @@ PATHS: dict[str, Any] = {
                 "400": _E400,
                 "401": _E401,
                 "413": _E413,
+                "415": _E415,
                 "503": _E503,
             },
         }
@@ -500,6 +507,7 @@ PATHS: dict[str, Any] = {
                 "400": _E400,
                 "401": _E401,
                 "413": _E413,
+                "415": _E415,
             },
         }
     },
@@ -519,6 +527,7 @@ PATHS: dict[str, Any] = {
                 "400": _E400,
                 "401": _E401,
                 "413": _E413,
+                "415": _E415,
                 "503": _E503,
             },
         }
@@ -566,7 +575,7 @@ PATHS: dict[str, Any] = {
                 "404": _error("unknown_recipient (a forward to an unregistered key) or didcomm_disabled"),
                 "409": _error("a forward @id reused for a different message"),
                 "413": _E413,
-                "415": _error("unsupported_media_type"),
+                "415": _error("unsupported_media_type, or unsupported_encoding (a compressed body)"),
                 "429": _E429,
                 "503": _E503,
                 "507": _E507,
@@ -601,6 +610,7 @@ PATHS: dict[str, Any] = {
                 "200": _json(_ref("InboxStored"), "this messageId was stored before: its seq"),
                 "400": _E400,
                 "413": _E413,
+                "415": _E415,
                 "429": _E429,
                 "503": _E503,
                 "507": _E507,
