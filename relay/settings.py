@@ -233,4 +233,7 @@ def limits_from_env() -> QueueLimits:
         max_response_bytes=max(1, env_int("RELAY_MAX_RESPONSE_BYTES", d.max_response_bytes)),
         write_timeout_s=max(0.05, env_float("RELAY_REDIS_WRITE_TIMEOUT_S", d.write_timeout_s)),
         read_timeout_s=max(0.05, env_float("RELAY_REDIS_READ_TIMEOUT_S", d.read_timeout_s)),
+        # minReplicas shards only: WAIT's timeout (ms) before a write is answered 503
+        # replication_timeout; at least 1 (WAIT 0 would mean "wait forever")
+        wait_timeout_ms=max(1, env_int("RELAY_WAIT_TIMEOUT_MS", d.wait_timeout_ms)),
     )

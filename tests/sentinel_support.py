@@ -43,13 +43,13 @@ class SentinelProc:
     dir: Path
     proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, primary_port: int, service: str) -> None:
+    def start(self, primary_port: int, service: str, quorum: int = 2) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         conf = self.dir / "sentinel.conf"
         conf.write_text(
             f"port {self.port}\nbind 127.0.0.1\ndaemonize no\ndir {self.dir}\n"
             f"logfile {self.dir / 'sentinel.log'}\n"
-            f"sentinel monitor {service} 127.0.0.1 {primary_port} 2\n"
+            f"sentinel monitor {service} 127.0.0.1 {primary_port} {quorum}\n"
             f"sentinel down-after-milliseconds {service} {DOWN_AFTER_MS}\n"
             f"sentinel failover-timeout {service} 2000\n"
             f"sentinel parallel-syncs {service} 2\n"
@@ -78,21 +78,24 @@ class SentinelProc:
 
 @dataclass
 class ReplicatedShard:
-    """Primary + 2 replicas + 3 Sentinels watching them as service `shard-a`."""
+    """Primary + 2 replicas + 3 Sentinels watching them as service `shard-a` (fewer
+    replicas with `replicas`; `node_args`: extra redis-server flags of every node)."""
 
     root: Path
+    replicas: int = 2
+    node_args: list[str] = field(default_factory=list)
     nodes: list[LocalRedis] = field(default_factory=list)
     sentinels: list[SentinelProc] = field(default_factory=list)
 
     def start(self) -> ReplicatedShard:
-        common = ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
+        common = ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0", *self.node_args]
         primary = LocalRedis(binary=DEBIAN_REDIS, dir=str(self.root / "n0"), extra_args=list(common)).start()
         self.nodes = [primary]
-        for i in (1, 2):
+        for i in range(1, self.replicas + 1):
             replica_args = [*common, "--replicaof", "127.0.0.1", str(primary.port)]
             node = LocalRedis(binary=DEBIAN_REDIS, dir=str(self.root / f"n{i}"), extra_args=replica_args)
             self.nodes.append(node.start())
-        self.wait_replicas(2)
+        self.wait_replicas(self.replicas)
         for i in range(3):
             s = SentinelProc(free_port(), self.root / f"s{i}")
             s.start(primary.port, SERVICE)
@@ -153,7 +156,7 @@ class ReplicatedShard:
         raise AssertionError(f"the primary did not get {n} replicas online in {timeout}s")
 
     def wait_sentinels_know(self, primary_port: int, timeout: float = 15.0) -> None:
-        """Until every Sentinel names `primary_port` and knows both replicas and its peers."""
+        """Until every Sentinel names `primary_port` and knows every replica and its peers."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             ok = True
@@ -164,7 +167,10 @@ class ReplicatedShard:
                         info = dict(zip(m[::2], m[1::2], strict=True)) if isinstance(m, list) else m
                         fields = {(k.decode() if isinstance(k, bytes) else k): v for k, v in info.items()}
                         ok &= int(fields["port"]) == primary_port
-                        ok &= int(fields["num-slaves"]) >= 2 and int(fields["num-other-sentinels"]) >= 2
+                        ok &= (
+                            int(fields["num-slaves"]) >= self.replicas
+                            and int(fields["num-other-sentinels"]) >= 2
+                        )
                 except (redis.RedisError, KeyError):
                     ok = False
             if ok:
@@ -203,4 +209,4 @@ class ReplicatedShard:
             del args[i : i + 3]
         node.extra_args = [*args, "--replicaof", "127.0.0.1", str(primary_port)]
         node.start()
-        self.wait_replicas(2)
+        self.wait_replicas(self.replicas)

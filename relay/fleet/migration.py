@@ -727,6 +727,8 @@ class _Migration:
         channels = [K.queue_keys_for_id(s, q).wake for s, qs in qids.items() for q in qs]
         for chunk in _chunks(channels, 1000):
             await src.run("waking waiters", [("PUBLISH", ch, "moved") for ch in chunk])
+        # and the waiters on queues the index does not list (never written): their relays reload
+        await src.run("announcing the map", [("PUBLISH", K.SHARD_MAP_MOVED, str(self.map.epoch))])
 
     async def clean(self, src: _Shard, qids: Mapping[int, Sequence[str]], allowed_state: str = "") -> None:
         allowed = (allowed_state or f"moved {self.target} *",)

@@ -83,11 +83,25 @@ class Fleet:
             with contextlib.suppress(Exception):
                 await new_store.start()  # an unreachable shard must not stop the others
             hub = WakeupHub(url, name)
+            hub.on_map_moved = self._map_moved
             await hub.start(wait_connected=1.0)
             old_store, old_hub = self.stores.get(name), self.hubs.get(name)
             self.stores[name], self.hubs[name] = new_store, hub
             if old_store is not None and old_hub is not None:
                 self._retire(old_store, old_hub)
+
+    def _map_moved(self) -> None:
+        """A migration moved slots off a shard: reload now (install wakes every waiter, and
+        each re-waits where its queue lives), not at the next poll of the source."""
+        if self._source is None:
+            return
+
+        async def reload() -> None:
+            await self.refresh()
+
+        task = asyncio.get_running_loop().create_task(reload())
+        self._retiring.add(task)  # cancelled on close like the retirements
+        task.add_done_callback(self._retiring.discard)
 
     def _retire(self, store: ShardStore, hub: WakeupHub) -> None:
         async def later() -> None:

@@ -22,6 +22,11 @@ SHARD_SEQ_FLOOR = f"{PREFIX}:seq-floor"
 # Which relay process reads this shard's slot statistics for the metrics (a lease, so a
 # fleet of N relays sweeps each shard once, not N times).
 SHARD_STATS_LEASE = f"{PREFIX}:stats-lease"
+# Pub/sub channel on a migration's source shard: "the shard map moved slots off this shard,
+# reload it". Every relay's wakeup subscriber listens, so long-polls on queues that have no
+# Redis state yet (never written: not in any slot index, so no per-queue wakeup reaches
+# them) follow their slot to the new shard at once instead of at the next map poll.
+SHARD_MAP_MOVED = f"{PREFIX}:map-moved"
 
 
 def b64(data: bytes) -> str:

@@ -332,7 +332,9 @@ class ScriptBatcher:
 
     def reply_timeout(self, sent_bytes: int, commands: int) -> float:
         """Seconds a batch of `commands` sending `sent_bytes` may wait for its replies."""
-        return self._reply_timeout + (sent_bytes + commands * self._reply_bytes) / _MIN_BYTES_PER_S
+        # a batch that ends in WAIT may spend its whole timeout there before replying
+        wait_s = self._wait_timeout_ms / 1000 if self.min_replicas else 0.0
+        return self._reply_timeout + wait_s + (sent_bytes + commands * self._reply_bytes) / _MIN_BYTES_PER_S
 
     async def load_scripts(self) -> None:
         for script in ALL:

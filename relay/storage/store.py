@@ -74,6 +74,10 @@ class QueueLimits:
     # transfer time): writes and small replies; reads and drains
     write_timeout_s: float = 2.0
     read_timeout_s: float = 5.0
+    # minReplicas shards: how long WAIT may wait for the replicas to confirm a batch of
+    # writes before the writes are answered 503 replication_timeout (the batch's reply
+    # deadline grows by as much)
+    wait_timeout_ms: int = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +219,11 @@ class ShardStore:
         # hot: enqueue, ack, status, nonce, publish (small replies, short deadline);
         # bulk: read and drain, whose replies reach max_response_bytes (DESIGN §3)
         self._batcher = ScriptBatcher(
-            self.client, url, reply_timeout=limits.write_timeout_s, min_replicas=min_replicas_of(url)
+            self.client,
+            url,
+            reply_timeout=limits.write_timeout_s,
+            min_replicas=min_replicas_of(url),
+            wait_timeout_ms=limits.wait_timeout_ms,
         )
         self._bulk = ScriptBatcher(
             self.client,
@@ -223,6 +231,7 @@ class ShardStore:
             reply_timeout=limits.read_timeout_s,
             reply_bytes=limits.max_response_bytes,
             min_replicas=min_replicas_of(url),
+            wait_timeout_ms=limits.wait_timeout_ms,
         )
         self.last_error = ""  # why the last ping failed, for /readyz (never the URL)
         # per hot queue, the encoded parts of its enqueue command that never change (enqueue

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import hiredis
 
 from relay.fleet.sharding import is_sentinel_url
+from relay.storage import keys as K
 from relay.storage import sentinel
 from relay.storage.connection import RedisConnectError, RedisTarget, open_connection
 
@@ -39,6 +40,7 @@ def _pack(*parts: str | bytes) -> bytes:
     return b"".join(out)
 
 
+_MAP_MOVED = K.SHARD_MAP_MOVED.encode()
 NOTICE_PREFIX = b"n:"  # wakeup-channel payloads that are notices (live takeovers), not new messages
 _MAX_NOTICES = 64
 
@@ -140,6 +142,9 @@ class WakeupHub:
         self.reconnects = 0
         self.last_error = ""  # why the subscriber is down (no URL, no secret)
         self._unwatch: Callable[[], None] | None = None
+        # called when a migration announces that the map moved slots off this shard
+        # (keys.SHARD_MAP_MOVED); the channel is subscribed only when someone listens
+        self.on_map_moved: Callable[[], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self, wait_connected: float = 2.0) -> None:
@@ -274,6 +279,8 @@ class WakeupHub:
                 self._send(_pack("SUBSCRIBE", chan.name))
             else:
                 del self._channels[chan.name]
+        if self.on_map_moved is not None:
+            self._send(_pack("SUBSCRIBE", K.SHARD_MAP_MOVED))
         self._send(_pack("PING"))
         rd = hiredis.Reader()
         last_data = time.monotonic()
@@ -309,6 +316,9 @@ class WakeupHub:
             return
         kind = msg[0]
         if kind == b"message" and len(msg) == 3:
+            if msg[1] == _MAP_MOVED and self.on_map_moved is not None:
+                self.on_map_moved()
+                return
             chan = self._channels.get(msg[1].decode())
             if chan is None:
                 return

@@ -1,0 +1,88 @@
+"""minReplicas on real processes: a write the replicas cannot confirm in time is answered
+503 `replication_timeout` with Retry-After after RELAY_WAIT_TIMEOUT_MS, and its retry with
+the same Idempotency-Key once the replica is back is a 200 duplicate (one message stored).
+
+A primary, one replica (/usr/bin/redis-server) and three Sentinels; the relay's shard is
+the Sentinel service with minReplicas 1. The replica is frozen with SIGSTOP: it stays
+connected (the primary does not drop it before repl-timeout), it only stops acknowledging,
+which is what a replica stalled on a slow disk or a full network buffer looks like.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis
+
+from relay.storage import keys as K
+from tests.sentinel_support import ReplicatedShard, needs_sentinel
+from tests.test_faults_support import call, start_relay, stop_relay
+from tests.test_migration_harness import b64
+
+pytestmark = [needs_sentinel, pytest.mark.timeout(120)]
+
+WAIT_TIMEOUT_MS = 300  # below the 1000 ms default: the answer's timing shows the setting is used
+
+
+async def test_wait_timeout_is_503_replication_timeout_and_the_retry_is_a_duplicate(tmp_path: Path) -> None:
+    shard = await asyncio.to_thread(ReplicatedShard(tmp_path / "redis", replicas=1).start)
+    relay = None
+    replica = shard.nodes[1]
+    try:
+        env = {"RELAY_WAIT_TIMEOUT_MS": str(WAIT_TIMEOUT_MS)}
+        relay = await asyncio.to_thread(start_relay, tmp_path, shard.url(min_replicas=1), env)
+        path = f"{relay.url}/v1/queues/{b64(b'r' * 32)}/messages"
+        octets = {"Content-Type": "application/octet-stream"}
+        async with aiohttp.ClientSession() as http:
+            status, doc, _h, _t = await call(
+                http, "POST", path, b"one", **octets, **{"Idempotency-Key": "k1"}
+            )
+            assert status == 201, doc
+            assert replica.proc is not None
+            replica.proc.send_signal(signal.SIGSTOP)
+            try:
+                status, doc, headers, took = await call(
+                    http, "POST", path, b"two", **octets, **{"Idempotency-Key": "k2"}
+                )
+                assert status == 503, doc
+                assert doc["code"] == "replication_timeout", doc
+                assert "Idempotency-Key" in doc["error"]
+                assert int(headers["Retry-After"]) >= 1
+                # WAIT waited RELAY_WAIT_TIMEOUT_MS, not the 1 s default
+                assert WAIT_TIMEOUT_MS / 1000 * 0.9 <= took < 0.95, took
+            finally:
+                replica.proc.send_signal(signal.SIGCONT)
+            await asyncio.to_thread(shard.wait_replicas, 1)
+            # the retry after recovery: the first attempt was stored, so it is a duplicate
+            t0 = time.monotonic()
+            while True:
+                status, doc, _h, _t = await call(
+                    http, "POST", path, b"two", **octets, **{"Idempotency-Key": "k2"}
+                )
+                if status != 503 or time.monotonic() - t0 > 10:
+                    break
+                await asyncio.sleep(0.2)
+            assert status == 200, doc
+            assert doc["seq"] == 2
+            status, doc, _h, _t = await call(http, "GET", path + "?limit=10")
+            assert status == 200, doc
+            assert [m["seq"] for m in doc["messages"]] == [1, 2]
+            # the replica holds both (the one the 503 could not vouch for too)
+            msgs = K.queue_keys(b"r" * 32, b"").msgs
+            assert await asyncio.to_thread(_xlen, replica.port, msgs) == 2
+            metrics = await (await http.get(relay.url + "/metrics")).text()
+            assert 'kind="replication_timeout"' in metrics
+    finally:
+        if relay is not None:
+            stop_relay(relay)
+        await asyncio.to_thread(shard.stop)
+
+
+def _xlen(port: int, key: str) -> int:
+    with redis.Redis(port=port) as r:
+        return int(r.xlen(key))
