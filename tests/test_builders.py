@@ -136,7 +136,7 @@ def test_redis_conf_aof_and_noeviction() -> None:
 
 def test_password_secret_takes_the_password_as_input() -> None:
     secret = builders.redis_password_secret(MANAGED, "s3cret")
-    assert secret["stringData"] == {"password": "s3cret", "auth.conf": "requirepass s3cret\n"}
+    assert secret["stringData"] == {"password": "s3cret", "auth.conf": 'requirepass "s3cret"\n'}
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-a"
     with pytest.raises(ValueError, match="must not be empty"):
         builders.redis_password_secret(MANAGED, "")

@@ -54,6 +54,9 @@ SENTINEL_FAILOVER_TIMEOUT_MS = 30000
 RELAY_UID = 10001
 REDIS_UID = 999  # the uid of the `redis` user in the official images
 CREDENTIALS_DIR = "/etc/relayfleet/credentials"
+# managed Redis over TLS: the certificate Secret in the Redis pod; its ca.crt in relay pods
+REDIS_TLS_DIR = "/etc/redis-tls"
+RELAY_REDIS_CA_DIR = "/etc/relayfleet/redis-ca"
 RELAY_SECRETS_DIR = "/etc/relayfleet/secrets"
 
 
@@ -220,6 +223,10 @@ def managed_redis_url(shard: ShardSpec, password: str | None = None) -> str:
             min_replicas=managed.min_replicas,
         ).url()
     auth = f":{quote(password, safe='')}@" if password else ""
+    if managed.tls_secret:
+        # the CA as relay pods mount it (relay_deployment); options as relay/storage/connection.py reads them
+        ca = f"{RELAY_REDIS_CA_DIR}/ca.crt"
+        return f"rediss://{auth}{managed_redis_host(shard)}:{REDIS_PORT}/0?ssl_ca_certs={ca}"
     return f"redis://{auth}{managed_redis_host(shard)}:{REDIS_PORT}/0"
 
 
@@ -301,10 +308,24 @@ def _relay_pod_scheduling(relay: RelayConfig) -> Obj:
     return out
 
 
+def _relay_redis_ca(shard: ShardSpec) -> tuple[list[Obj], list[Obj]]:
+    """The CA of a TLS managed shard, where managed_redis_url's ssl_ca_certs points. The
+    shard's own ca.crt is the trust anchor for every TLS shard of the fleet (one CA per fleet)."""
+    if not isinstance(shard.redis, ManagedRedis) or not shard.redis.tls_secret:
+        return [], []
+    volume = {
+        "name": "redis-ca",
+        "secret": {"secretName": shard.redis.tls_secret, "items": [{"key": "ca.crt", "path": "ca.crt"}]},
+    }
+    return [volume], [{"name": "redis-ca", "mountPath": RELAY_REDIS_CA_DIR, "readOnly": True}]
+
+
 def relay_deployment(shard: ShardSpec) -> Obj:
     selector = relay_selector(shard.name)
     pod_labels = {**labels(shard.fleet, shard.name, "relay"), **selector}
     secret_volumes, secret_mounts = _relay_secret_volumes(shard.relay)
+    ca_volumes, ca_mounts = _relay_redis_ca(shard)
+    secret_volumes, secret_mounts = secret_volumes + ca_volumes, secret_mounts + ca_mounts
     container: Obj = {
         "name": "relay",
         "image": shard.image,
@@ -408,14 +429,30 @@ def redis_conf(
     maxmemory_bytes: int = 0,
     data_dir: str = "/data",
     auth_include: str | None = "/etc/redis-secret/auth.conf",
+    tls: bool = False,
 ) -> str:
-    """redis.conf for a managed shard: AOF on, never evict (a relay must refuse, not forget)."""
+    """redis.conf for a managed shard: AOF on, never evict (a relay must refuse, not forget).
+    With `tls`, TLS only on the usual port; MIGRATE to other TLS shards goes over TLS too."""
     if appendfsync not in ("everysec", "always"):
         raise ValueError(f"appendfsync must be everysec or always, not {appendfsync!r}")
+    listen = [f"port {REDIS_PORT}"]
+    if tls:
+        listen = [
+            "port 0",
+            f"tls-port {REDIS_PORT}",
+            f"tls-cert-file {REDIS_TLS_DIR}/tls.crt",
+            f"tls-key-file {REDIS_TLS_DIR}/tls.key",
+            f"tls-ca-cert-file {REDIS_TLS_DIR}/ca.crt",
+            # the password stays the login; a client certificate is checked when one is sent
+            "tls-auth-clients optional",
+            "tls-replication yes",
+            # Redis uses the cluster TLS setting for MIGRATE's own connection (slot migration)
+            "tls-cluster yes",
+        ]
     lines = [
         "# Written by relayfleet-operator; edits are reverted on the next reconcile.",
         "bind * -::*",
-        f"port {REDIS_PORT}",
+        *listen,
         f'dir "{data_dir}"',
         "appendonly yes",
         f"appendfsync {appendfsync}",
@@ -434,7 +471,9 @@ def redis_conf(
 
 
 def redis_auth_conf(password: str) -> str:
-    return f"requirepass {password}\n"
+    # quoted (redis.conf splits arguments on spaces): a supplied password may hold any character
+    escaped = password.replace("\\", "\\\\").replace('"', '\\"')
+    return f'requirepass "{escaped}"\n'
 
 
 def redis_password_secret(shard: ShardSpec, password: str) -> Obj:
@@ -456,7 +495,11 @@ def redis_config_map(shard: ShardSpec) -> Obj:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(redis_config_name(shard.name), shard, "redis"),
-        "data": {"redis.conf": redis_conf(managed.appendfsync, managed.maxmemory_bytes)},
+        "data": {
+            "redis.conf": redis_conf(
+                managed.appendfsync, managed.maxmemory_bytes, tls=managed.tls_secret is not None
+            )
+        },
     }
 
 
@@ -524,7 +567,7 @@ def redis_statefulset(shard: ShardSpec) -> Obj:
     managed = _managed(shard)
     name = redis_name(shard.name)
     selector = {LABEL_SHARD: shard.name, LABEL_COMPONENT: "redis"}
-    conf = redis_conf(managed.appendfsync, managed.maxmemory_bytes)
+    conf = redis_conf(managed.appendfsync, managed.maxmemory_bytes, tls=managed.tls_secret is not None)
     password_env = {"name": "REDISCLI_AUTH", "valueFrom": {"secretKeyRef": {"name": name, "key": "password"}}}
     claim_spec: Obj = {
         "accessModes": ["ReadWriteOnce"],
@@ -532,7 +575,8 @@ def redis_statefulset(shard: ShardSpec) -> Obj:
     }
     if managed.storage_class:
         claim_spec["storageClassName"] = managed.storage_class
-    ping = ["sh", "-c", "redis-cli -p 6379 ping | grep -q PONG"]
+    tls_cli = f"--tls --cacert {REDIS_TLS_DIR}/ca.crt " if managed.tls_secret else ""
+    ping = ["sh", "-c", f"redis-cli {tls_cli}-p 6379 ping | grep -q PONG"]
     sts: Obj = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -599,6 +643,12 @@ def redis_statefulset(shard: ShardSpec) -> Obj:
             ],
         },
     }
+    if managed.tls_secret:
+        pod = sts["spec"]["template"]["spec"]
+        pod["containers"][0]["volumeMounts"].append(
+            {"name": "tls", "mountPath": REDIS_TLS_DIR, "readOnly": True}
+        )
+        pod["volumes"].append({"name": "tls", "secret": {"secretName": managed.tls_secret}})
     return _replicated(shard, sts) if managed.sentinel else sts
 
 

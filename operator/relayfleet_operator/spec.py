@@ -58,6 +58,8 @@ class ManagedRedis:
     replicas: int = 0
     # Writes wait (WAIT) for this many replicas; at most `replicas`.
     min_replicas: int = 0
+    # spec.redis.managed.tls.secretName: TLS only, certificate (tls.crt, tls.key, ca.crt) from it
+    tls_secret: str | None = None
 
     @property
     def sentinel(self) -> bool:
@@ -264,9 +266,15 @@ def _redis(spec: Mapping[str, Any]) -> ManagedRedis | ExternalRedis:
         min_replicas = _int(m, "minReplicas", "spec.redis.managed", 0, 0, 2)
         if min_replicas > replicas:
             raise SpecError("spec.redis.managed.minReplicas must not exceed spec.redis.managed.replicas")
+        tls_secret: str | None = None
+        if m.get("tls") is not None:
+            tls_secret = _str(_obj(m, "tls", "spec.redis.managed"), "secretName", "spec.redis.managed.tls")
+            if replicas:
+                raise SpecError("spec.redis.managed.tls is not supported with replicas yet")
         return ManagedRedis(
             replicas=replicas,
             min_replicas=min_replicas,
+            tls_secret=tls_secret,
             image=_str(m, "image", "spec.redis.managed", ManagedRedis.image),
             storage_size=size,
             storage_class=storage_class if isinstance(storage_class, str) and storage_class else None,

@@ -1,0 +1,112 @@
+"""spec.redis.managed.tls: the operator's builders give Redis a TLS-only redis.conf with the
+certificate Secret mounted, the relays a rediss:// URL and the CA; the generated redis.conf and
+URL work together on a real redis-server (only file paths pointed at a temp dir)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from relayfleet_operator import builders
+from relayfleet_operator.spec import ManagedRedis, SpecError, parse_shard
+
+from relay.localredis import free_port
+from relay.storage import keys as K
+from relay.storage.store import QueueLimits, ShardStore
+from tests.test_builders import shard_body
+from tests.tls_support import make_pki
+
+DEBIAN_REDIS = "/usr/bin/redis-server"
+TLS = parse_shard(shard_body("t", redis={"managed": {"tls": {"secretName": "shard-t-tls"}}}))
+
+
+def test_tls_parses_and_is_refused_with_replicas() -> None:
+    assert isinstance(TLS.redis, ManagedRedis)
+    assert TLS.redis.tls_secret == "shard-t-tls"
+    with pytest.raises(SpecError, match="not supported with replicas"):
+        parse_shard(shard_body(redis={"managed": {"replicas": 1, "tls": {"secretName": "x"}}}))
+    with pytest.raises(SpecError, match="secretName"):
+        parse_shard(shard_body(redis={"managed": {"tls": {}}}))
+
+
+def test_builders_mount_the_certificate_and_point_relays_at_rediss() -> None:
+    url = builders.managed_redis_url(TLS, "p w")
+    assert url == (
+        "rediss://:p%20w@relayfleet-t-redis.ns1.svc:6379/0?ssl_ca_certs=/etc/relayfleet/redis-ca/ca.crt"
+    )
+    assert builders.strip_credentials(url).startswith("rediss://relayfleet-t-redis.ns1.svc:6379/0?ssl_ca")
+    conf = builders.redis_config_map(TLS)["data"]["redis.conf"]
+    assert "port 0\n" in conf
+    assert "tls-port 6379\n" in conf
+    assert "tls-cluster yes\n" in conf
+    pod = builders.redis_statefulset(TLS)["spec"]["template"]["spec"]
+    assert {"name": "tls", "secret": {"secretName": "shard-t-tls"}} in pod["volumes"]
+    redis = pod["containers"][0]
+    assert {"name": "tls", "mountPath": "/etc/redis-tls", "readOnly": True} in redis["volumeMounts"]
+    assert "--tls --cacert /etc/redis-tls/ca.crt" in redis["readinessProbe"]["exec"]["command"][2]
+    relay = builders.relay_deployment(TLS)["spec"]["template"]["spec"]
+    ca = [v for v in relay["volumes"] if v["name"] == "redis-ca"]
+    assert ca == [
+        {
+            "name": "redis-ca",
+            "secret": {"secretName": "shard-t-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]},
+        }
+    ]
+    mounts = relay["containers"][0]["volumeMounts"]
+    assert {"name": "redis-ca", "mountPath": "/etc/relayfleet/redis-ca", "readOnly": True} in mounts
+    plain = builders.relay_deployment(parse_shard(shard_body()))["spec"]["template"]["spec"]
+    assert not [v for v in plain["volumes"] if v["name"] == "redis-ca"]
+    assert "tls-port" not in builders.redis_config_map(parse_shard(shard_body()))["data"]["redis.conf"]
+
+
+@pytest.mark.skipif(not os.path.exists(DEBIAN_REDIS), reason="Debian redis-server not installed")
+async def test_generated_tls_conf_and_url_work_on_real_redis(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path / "pki")
+    secret = tmp_path / "redis-tls"  # what the kubernetes.io/tls Secret mount holds
+    secret.mkdir()
+    shutil.copy(pki.server_cert, secret / "tls.crt")
+    shutil.copy(pki.server_key, secret / "tls.key")
+    shutil.copy(pki.ca, secret / "ca.crt")
+    password = 'pw/with@odd "chars\\'
+    (tmp_path / "auth.conf").write_text(builders.redis_auth_conf(password))
+    conf = builders.redis_config_map(TLS)["data"]["redis.conf"]
+    conf = conf.replace(builders.REDIS_TLS_DIR, str(secret)).replace('dir "/data"', f'dir "{tmp_path}"')
+    conf = conf.replace("/etc/redis-secret/auth.conf", str(tmp_path / "auth.conf"))
+    port = free_port()
+    conf = conf.replace(f"tls-port {builders.REDIS_PORT}", f"tls-port {port}").replace(
+        "bind * -::*", "bind 127.0.0.1"
+    )
+    (tmp_path / "redis.conf").write_text(conf)
+    proc = subprocess.Popen(  # noqa: ASYNC220  # started once, stopped by pid below
+        [DEBIAN_REDIS, str(tmp_path / "redis.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = builders.managed_redis_url(TLS, password)
+    url = url.replace(builders.managed_redis_host(TLS), "127.0.0.1").replace(":6379/", f":{port}/")
+    url = url.replace(builders.RELAY_REDIS_CA_DIR, str(secret))
+    assert quote(password, safe="") in url
+    store = ShardStore("t", url, QueueLimits())
+    try:
+        deadline = time.monotonic() + 10
+        while not await store.ping():
+            assert proc.poll() is None, "redis-server refused the generated redis.conf"
+            assert time.monotonic() < deadline, store.last_error
+            await asyncio.sleep(0.1)
+        await store.start()
+        q = K.queue_keys(os.urandom(32), b"")
+        assert (await store.enqueue(q, b"over tls", 1000)).seq == 1
+        assert [m.payload for m in (await store.read(q, None, 10)).messages] == [b"over tls"]
+        plain = ShardStore("t", f"redis://:{quote(password, safe='')}@127.0.0.1:{port}/0", QueueLimits())
+        try:
+            assert not await plain.ping()  # no plaintext port: TLS only
+        finally:
+            await plain.close()
+    finally:
+        await store.close()
+        proc.terminate()
+        proc.wait(10)
