@@ -61,6 +61,7 @@ RELAY_ENV: tuple[EnvVar, ...] = (
     EnvVar("RELAY_SHARD_HEALTH_INTERVAL_S", "5", "shard INFO probe period, s"),
     EnvVar("RELAY_SHARD_STATS_INTERVAL_S", "30", "slot statistics period, s"),
     EnvVar("RELAY_SHUTDOWN_DELAY_SECONDS", "0", "keep serving this long after SIGTERM before draining"),
+    EnvVar("RELAY_DIDCOMM_REDELIVER_S", "10", "a Pickup delivery not acknowledged goes out again after"),
 )
 
 # Old name -> new name (prefix policy, docs/design-decisions.md): read with a warning.
@@ -185,6 +186,9 @@ class Settings:
     # agents reach the fleet at (invitation, DID document, mediate-grant endpoint).
     didcomm_seed_file: str | None = None
     public_url: str | None = None
+    # A message a Pickup delivery handed out is offered again only after this long without
+    # its messages-received (an agent that died before acking gets it back then).
+    didcomm_redeliver_s: float = 10.0
 
     @property
     def fleet_name(self) -> str:
@@ -198,6 +202,7 @@ class Settings:
             "fleet": env_value("RELAY_FLEET") or d.fleet,
             "didcomm_seed_file": env_value("RELAY_DIDCOMM_SEED_FILE"),  # also flags of `relay`
             "public_url": env_value("RELAY_PUBLIC_URL"),
+            "didcomm_redeliver_s": max(0.0, env_float("RELAY_DIDCOMM_REDELIVER_S", d.didcomm_redeliver_s)),
             "enqueue_tokens": enqueue_tokens_from_env(),
             "push_webhook": env_secret("RELAY_PUSH_WEBHOOK"),
             "max_payload": env_int("RELAY_MAX_PAYLOAD", d.max_payload),

@@ -32,7 +32,9 @@ def seed_file(tmp_path: Path) -> str:
 
 @pytest.fixture
 async def relay(redis_server: LocalRedis, relay_factory: RelayFactory, seed_file: str) -> RunningRelay:
-    return await relay_factory(redis_server.url, didcomm_seed_file=seed_file, public_url=PUBLIC)
+    return await relay_factory(
+        redis_server.url, didcomm_seed_file=seed_file, public_url=PUBLIC, didcomm_redeliver_s=0.5
+    )
 
 
 @pytest.fixture
@@ -108,16 +110,25 @@ async def test_whole_flow_forward_then_pickup_over_http(agent: Agent, http: Any)
     assert delivery["@type"].endswith("/delivery")
     got = [a["data"]["json"] for a in delivery["~attach"]]
     assert got == inners  # in order, and exactly the packed messages the senders forwarded
+    # handed out, not acknowledged: not offered again to the next poll (leased) ...
     again = await agent.send(msg("messagepickup/2.0/delivery-request", limit=10))
     assert again is not None
-    assert len(again["~attach"]) == 3
+    assert again["@type"].endswith("/status")
+    assert again["message_count"] == 0
+    # ... but not deleted either
     ids = [a["@id"] for a in delivery["~attach"][:2]]
     after = await agent.send(msg("messagepickup/2.0/messages-received", message_id_list=ids))
     assert after is not None
-    assert after["message_count"] == 1
+    assert after["message_count"] == 0  # the third is still leased
+    fresh = inner_message(key, "fresh")
+    assert (await agent.post(forward_envelope(routing_key(agent), key, fresh)))[0] == 202
+    new = await agent.send(msg("messagepickup/2.0/delivery-request", limit=10))
+    assert new is not None
+    assert [a["data"]["json"] for a in new["~attach"]] == [fresh]  # only what was not handed out
+    await asyncio.sleep(0.6)  # the lease (RELAY_DIDCOMM_REDELIVER_S=0.5 here) runs out
     last = await agent.send(msg("messagepickup/2.0/delivery-request", limit=10))
     assert last is not None
-    assert [a["data"]["json"] for a in last["~attach"]] == inners[2:]
+    assert [a["data"]["json"] for a in last["~attach"]] == [inners[2], fresh]  # again, in order
 
 
 async def test_forward_with_the_same_id_is_stored_once(agent: Agent) -> None:

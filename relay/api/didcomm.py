@@ -263,4 +263,4 @@ def setup(app: web.Application) -> None:
         identity = load_identity(s.didcomm_seed_file, public)
     except (OSError, dk.DidError) as exc:
         raise SystemExit(f"relayfleet: RELAY_DIDCOMM_SEED_FILE: {exc}") from None
-    app[MEDIATOR] = Mediator(identity, c.service, s.max_payload)
+    app[MEDIATOR] = Mediator(identity, c.service, s.max_payload, s.didcomm_redeliver_s)

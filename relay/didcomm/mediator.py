@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import Unpacked, pack, parse, unpack
-from relay.didcomm.records import CHANNEL, Connection, Records
+from relay.didcomm.records import CHANNEL, Connection, Lease, Records
 from relay.service import QueueService
 from relay.storage.store import EnqueueOutcome, Message
 
@@ -111,6 +111,10 @@ def parse_message_id(text: str) -> tuple[bytes, int] | None:
         return None
 
 
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
 def _rfc3339(ms: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}Z"
 
@@ -124,7 +128,12 @@ def _thread_of(doc: dict[str, Any]) -> tuple[str | None, str | None]:
 
 
 class Mediator:
-    def __init__(self, identity: dk.Identity, service: QueueService, max_payload: int) -> None:
+    def __init__(
+        self, identity: dk.Identity, service: QueueService, max_payload: int, redeliver_s: float = 10.0
+    ) -> None:
+        self.redeliver_ms = int(
+            redeliver_s * 1000
+        )  # a delivered, unacknowledged message goes out again after
         self.identity = identity
         self.service = service
         self.records = Records(service)
@@ -400,8 +409,12 @@ class Mediator:
     ) -> dict[str, Any]:
         """A Pickup status. Live deliveries awaiting their ack (`in_flight`) are not counted as
         waiting: an agent that asked for a count's worth would get them twice."""
-        results = await asyncio.gather(*(self.service.status(k, CHANNEL) for k in queues))
-        count = max(0, sum(r.count for r in results) - in_flight)
+        results, leases = await asyncio.gather(
+            asyncio.gather(*(self.service.status(k, CHANNEL) for k in queues)), self._leases(queues)
+        )
+        now = _now_ms()
+        leased = sum(lease.held for lease in leases.values() if lease.active(now))
+        count = max(0, sum(r.count for r in results) - in_flight - leased)
         total = sum(r.bytes for r in results)
         oldest = min((r.oldest_ms for r in results if r.oldest_ms is not None), default=None)
         newest = max((r.newest_ms for r in results if r.newest_ms is not None), default=None)
@@ -418,12 +431,52 @@ class Mediator:
         body["live_delivery"] = live
         return self._reply(doc, prefix, "messagepickup/2.0/status", body)
 
-    async def pending(self, queues: list[bytes], limit: int) -> list[tuple[bytes, Message]]:
-        """Up to `limit` held messages of the queues, oldest first."""
-        results = await asyncio.gather(*(self.service.read(k, CHANNEL, None, limit, 0) for k in queues))
+    async def _leases(self, queues: list[bytes]) -> dict[bytes, Lease]:
+        found = await asyncio.gather(*(self.records.lease(k) for k in queues))
+        return {k: lease for k, lease in zip(queues, found, strict=True) if lease is not None}
+
+    async def pending(
+        self, queues: list[bytes], limit: int, leases: dict[bytes, Lease] | None = None
+    ) -> list[tuple[bytes, Message]]:
+        """Up to `limit` held messages of the queues, oldest first; past each active lease."""
+        now = _now_ms()
+        starts = {
+            k: lease.cursor + 1 for k, lease in (leases or {}).items() if lease.active(now) and k in queues
+        }
+        results = await asyncio.gather(
+            *(self.service.read(k, CHANNEL, starts.get(k), limit, 0) for k in queues)
+        )
         merged = [(k, m) for k, r in zip(queues, results, strict=True) for m in r.messages]
         merged.sort(key=lambda km: km[1].received_ms)
         return merged[:limit]
+
+    async def lease_out(self, batch: list[tuple[bytes, Message]], leases: dict[bytes, Lease]) -> None:
+        """Record that `batch` went out: its queues' leases move past it."""
+        now = _now_ms()
+        per_key: dict[bytes, list[int]] = {}
+        for key, m in batch:
+            per_key.setdefault(key, []).append(m.seq)
+        updates = []
+        for key, seqs in per_key.items():
+            old = leases.get(key)
+            held = old.held if old is not None and old.active(now) else 0
+            updates.append(
+                self.records.set_lease(key, Lease(max(seqs), now + self.redeliver_ms, held + len(seqs)))
+            )
+        await asyncio.gather(*updates)
+
+    async def lease_back(self, removed: dict[bytes, int]) -> None:
+        """Acknowledged messages leave their queue's lease."""
+        keys = [k for k, n in removed.items() if n > 0]
+        leases = await self._leases(keys)
+        now = _now_ms()
+        updates = []
+        for key, lease in leases.items():
+            if not lease.active(now):
+                continue
+            held = max(0, lease.held - removed[key])
+            updates.append(self.records.set_lease(key, Lease(lease.cursor, lease.expiry_ms, held)))
+        await asyncio.gather(*updates)
 
     def delivery(
         self, doc: dict[str, Any] | None, prefix: str, batch: list[tuple[bytes, Message]]
@@ -459,9 +512,11 @@ class Mediator:
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
                 raise MediatorError("delivery-request needs limit, an integer >= 1")
             queues = await self._queues(doc, conn)
-            batch = await self.pending(queues, min(limit, 1000))
+            leases = await self._leases(queues)
+            batch = await self.pending(queues, min(limit, 1000), leases)
             if not batch:
-                return await self.status(doc, prefix, queues, live)
+                return await self.status(doc, prefix, queues, live, in_flight)
+            await self.lease_out(batch, leases)
             return self.delivery(doc, prefix, batch)
         if short == "messages-received":
             ids = doc.get("message_id_list")
@@ -475,7 +530,11 @@ class Mediator:
                 parsed = parse_message_id(i)
                 if parsed is not None and parsed[0] in held:
                     by_key.setdefault(parsed[0], []).append(parsed[1])
-            await asyncio.gather(*(self.service.ack(k, CHANNEL, None, sorted(s)) for k, s in by_key.items()))
+            keys = list(by_key)
+            counts = await asyncio.gather(
+                *(self.service.ack(k, CHANNEL, None, sorted(by_key[k])) for k in keys)
+            )
+            await self.lease_back(dict(zip(keys, counts, strict=True)))
             if session is not None:
                 session.acked(ids)
             in_flight = session.in_flight() if session is not None and live else 0

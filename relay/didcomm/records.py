@@ -8,6 +8,7 @@ runs on the shard that then queues the message:
 - ``c:<agent key>``   the connection whose agent sends from that key (JSON)
 - ``r:<agent key>``   the recipient keys that connection registered (space-separated)
 - ``k:<recipient>``   the agent key of the connection that registered it
+- ``d:<recipient>``   the delivery lease of that key's queue (see Lease)
 Keys appear as unpadded base64url of the 32 raw bytes.
 """
 
@@ -44,6 +45,30 @@ class Connection:
         return cls(
             key, str(doc["did"]), str(doc.get("label", "")), bool(doc["mediation"]), int(doc["created"])
         )
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Messages of a queue handed out by a delivery and not yet acknowledged: every seq up to
+    `cursor`, `held` of them still in the queue, not offered again until `expiry_ms`. Agents
+    poll (status-request → delivery-request) faster than their acks arrive; without this each
+    message went out many times. After the expiry everything unacknowledged goes out again (an
+    agent that died before acking gets its messages back)."""
+
+    cursor: int
+    expiry_ms: int
+    held: int
+
+    def active(self, now_ms: int) -> bool:
+        return self.expiry_ms > now_ms
+
+    @classmethod
+    def parse(cls, raw: bytes | None) -> Lease | None:
+        try:
+            cursor, expiry, held = (int(x) for x in raw.split()) if raw else (0, 0, 0)
+        except ValueError:
+            return None
+        return cls(cursor, expiry, held) if raw else None
 
 
 class Records:
@@ -114,3 +139,17 @@ class Records:
             recipient, CHANNEL, lambda r: r.store.record_claim(r.keys.slot, "k:" + member, owner, False)
         )
         return "success" if released else "client_error"
+
+    async def lease(self, recipient: bytes) -> Lease | None:
+        field = "d:" + b64url(recipient)
+        (raw,) = await self.service.call(
+            recipient, CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,))
+        )
+        return Lease.parse(raw)
+
+    async def set_lease(self, recipient: bytes, lease: Lease | None) -> None:
+        """Replace the queue's lease (last writer wins: a race costs a duplicate delivery)."""
+        field = "d:" + b64url(recipient)
+        pairs = ((field, f"{lease.cursor} {lease.expiry_ms} {lease.held}"),) if lease is not None else ()
+        deletes = () if lease is not None else (field,)
+        await self.service.call(recipient, CHANNEL, lambda r: r.store.record_set(r.keys.slot, pairs, deletes))
