@@ -5,7 +5,8 @@
     python hack/version.py --sync     write the version into every stamped place
 
 Stamped places: the chart's version and appVersion (the image tags default to appVersion), the
-RelayShard CRD's default relay image (crds/ and the chart's copy), the operator's DEFAULT_IMAGE.
+RelayShard CRD's default relay image and both CRDs' relayfleet.dev/version annotation (crds/ and
+the chart's copy), the operator's DEFAULT_IMAGE.
 Tags are v<version> (see docs/upgrade.md).
 """
 
@@ -42,6 +43,10 @@ def stamps(v: str) -> list[tuple[Path, str, str]]:
     ]
     for crds in ("crds", "charts/relayfleet/crds"):
         out.append((ROOT / crds / "relayshards.yaml", rf'default: "{tag}"', f'default: "{IMAGE}:{v}"'))
+        for name in ("relayshards.yaml", "relayrebalances.yaml"):
+            # the operator's never-downgrade guard compares this (relayfleet_operator/crds.py)
+            pattern = r'relayfleet\.dev/version: "([^"]+)"'
+            out.append((ROOT / crds / name, pattern, f'relayfleet.dev/version: "{v}"'))
     return out
 
 

@@ -329,8 +329,13 @@ def test_rendered_chart_contents() -> None:
     # Namespaced by default: a Role, plus the read-only CRD watch.
     roles = {r["metadata"]["name"]: r for r in by_kind["Role"]}
     assert "relayfleet-operator" in roles
-    assert [r["metadata"]["name"] for r in by_kind["ClusterRole"]] == ["relayfleet-operator-crds"]
-    assert by_kind["ClusterRole"][0]["rules"] == [
+    # (crd-apply: get/patch on its own two CRDs, for operator.manageCRDs)
+    assert sorted(r["metadata"]["name"] for r in by_kind["ClusterRole"]) == [
+        "relayfleet-operator-crd-apply",
+        "relayfleet-operator-crds",
+    ]
+    cluster_roles = {r["metadata"]["name"]: r for r in by_kind["ClusterRole"]}
+    assert cluster_roles["relayfleet-operator-crds"]["rules"] == [
         {
             "apiGroups": ["apiextensions.k8s.io"],
             "resources": ["customresourcedefinitions"],
@@ -358,4 +363,6 @@ def test_rendered_chart_contents() -> None:
     spark_role = next(r for r in by_kind["Role"] if r["metadata"]["name"] == "relayfleet-spark")
     assert any("pods" in r["resources"] and "create" in r["verbs"] for r in spark_role["rules"])
     # Observability stays off unless asked for.
-    assert not ({"ServiceMonitor", "PrometheusRule", "ConfigMap"} & set(by_kind))
+    assert not ({"ServiceMonitor", "PrometheusRule"} & set(by_kind))
+    # (the one ConfigMap is the operator's CRD files, not a dashboard)
+    assert [c["metadata"]["name"] for c in by_kind["ConfigMap"]] == ["relayfleet-crds"]

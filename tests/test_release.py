@@ -14,6 +14,8 @@ STAMPED = [
     "charts/relayfleet/Chart.yaml",
     "crds/relayshards.yaml",
     "charts/relayfleet/crds/relayshards.yaml",
+    "crds/relayrebalances.yaml",
+    "charts/relayfleet/crds/relayrebalances.yaml",
     "operator/relayfleet_operator/spec.py",
 ]
 
@@ -41,7 +43,7 @@ def test_drift_is_found_and_sync_fixes_it(tmp_path: Path) -> None:
     )
     proc = version_py(tmp_path, "--check")
     assert proc.returncode == 1
-    assert proc.stderr.count("version drift:") == 5, proc.stderr
+    assert proc.stderr.count("version drift:") == 9, proc.stderr
     assert version_py(tmp_path, "--sync").returncode == 0
     assert version_py(tmp_path, "--check").returncode == 0
     assert "relayfleet:9.8.7" in (tmp_path / "crds/relayshards.yaml").read_text()

@@ -7,6 +7,7 @@ Environment:
   RELAYFLEET_OPERATOR_RESYNC_SECONDS     re-apply period of every RelayShard (drift correction; 30)
   RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS  step period of every RelayRebalance (2)
   RELAYFLEET_OPERATOR_RETRY_SECONDS      wait before retrying a failed or blocked step (15)
+  RELAYFLEET_OPERATOR_CRDS_DIR           apply the CRD files there at start (guarded; see crds.py)
   RELAY_LOG_LEVEL                        DEBUG, INFO (default), WARNING, ERROR
 """
 
@@ -86,6 +87,16 @@ def run(namespace: str | None, all_namespaces: bool) -> int:
             file=sys.stderr,
         )
         return 1
+    crds_dir = os.environ.get("RELAYFLEET_OPERATOR_CRDS_DIR")
+    if crds_dir:
+        from relayfleet_operator.crds import CRDError, install_from_dir
+        from relayfleet_operator.kube import KubeError
+
+        try:
+            install_from_dir(kube, Path(crds_dir))
+        except (CRDError, KubeError, OSError, ValueError) as exc:  # yaml errors are ValueErrors
+            print(f"relayfleet: applying the CRDs from {crds_dir} failed: {exc}", file=sys.stderr)
+            return 1
     scope = "all namespaces" if all_namespaces else f"namespace {namespace or default_namespace()}"
     logging.getLogger("relayfleet.operator").info("relayfleet operator watching %s", scope)
     try:
