@@ -10,6 +10,7 @@ a namespace with the chart installed, and a way to reach Services from the test 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -59,7 +60,18 @@ def _helm(cluster: KubeCluster) -> str:
 
 @pytest.fixture(scope="module")
 def e2e(kwok_cluster: KubeCluster, request: pytest.FixtureRequest) -> Iterator[Env]:
-    cluster = kwok_cluster
+    with cluster_env(kwok_cluster, request) as env:
+        yield env
+
+
+@contextlib.contextmanager
+def cluster_env(
+    cluster: KubeCluster,
+    request: pytest.FixtureRequest,
+    chart: Path = CHART,
+    runner_env: dict[str, str] | None = None,
+) -> Iterator[Env]:
+    """A fresh namespace with `chart` installed (and the pod runner, given `runner_env`)."""
     # Not pytest's tmp_path: concurrent pytest runs rotate those away, logs included.
     workdir = Path(tempfile.mkdtemp(prefix="relayfleet-e2e-"))
     failed_before = request.session.testsfailed
@@ -70,9 +82,9 @@ def e2e(kwok_cluster: KubeCluster, request: pytest.FixtureRequest) -> Iterator[E
     env = Env(cluster, ns, workdir, None)
     try:
         if not cluster.external or os.environ.get(PODRUNNER_ENV) == "1":
-            runner, tainted = _start_runner(cluster, ns, workdir)
+            runner, tainted = _start_runner(cluster, ns, workdir, runner_env or {})
             env.runner_addresses = workdir / "runner" / "addresses.json"
-        _helm_install(env)
+        _helm_install(env, chart)
         yield env
     finally:
         env.close()
@@ -113,7 +125,9 @@ def e2e(kwok_cluster: KubeCluster, request: pytest.FixtureRequest) -> Iterator[E
             print(f"--- e2e logs kept in {workdir}")
 
 
-def _start_runner(cluster: KubeCluster, ns: str, workdir: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
+def _start_runner(
+    cluster: KubeCluster, ns: str, workdir: Path, extra_env: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], list[str]]:
     node = f"{ns}-node"
     # Every other node refuses new pods while the test runs, so the scheduler picks the runner's.
     tainted = [n.split("/", 1)[1] for n in cluster.kubectl("get", "nodes", "-o", "name").stdout.split()]
@@ -138,6 +152,7 @@ def _start_runner(cluster: KubeCluster, ns: str, workdir: Path) -> tuple[subproc
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        env={**os.environ, **extra_env},
     )
     log.close()
     deadline = time.monotonic() + 60
@@ -165,16 +180,17 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(10)
 
 
-def _helm_install(env: Env) -> None:
-    args = [
+def helm_install_args(env: Env, verb: str, chart: Path) -> list[str]:
+    """`helm install|upgrade` of the release with the e2e settings."""
+    return [
         _helm(env.cluster),
         "--kubeconfig",
         str(env.cluster.kubeconfig),
         "-n",
         env.namespace,
-        "install",
+        verb,
         RELEASE,
-        str(CHART),
+        str(chart),
         "--set",
         "operator.resyncSeconds=3",
         "--set",
@@ -183,6 +199,11 @@ def _helm_install(env: Env) -> None:
         f"spark.fleets={{{FLEET}}}",
         *os.environ.get(HELM_ARGS_ENV, "").split(),
     ]
-    done = subprocess.run(args, capture_output=True, text=True, check=False, timeout=180)
+
+
+def _helm_install(env: Env, chart: Path) -> None:
+    done = subprocess.run(
+        helm_install_args(env, "install", chart), capture_output=True, text=True, check=False, timeout=180
+    )
     if done.returncode != 0:
         raise AssertionError(f"helm install failed: {done.stderr.strip()}")

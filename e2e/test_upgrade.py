@@ -1,0 +1,176 @@
+"""Upgrade a running fleet from the previous release to this tree, with traffic flowing.
+
+The previous release is git commit 51f511e (chart 0.1.0, CRDs without a version annotation or
+spec.relay), taken with `git archive`. Its CRDs are put on the cluster as that release left
+them, its chart is installed, and (on kwok) the pod runner runs every pod of the 0.1.0 image
+from that tree's code: operator and relays are the old code. A shard is created, a recording
+workload starts, then `helm upgrade` to this tree's chart: the new operator applies the new
+CRDs at start, the shard's image is bumped (relays roll), a second shard joins with
+autoRebalance (the new operator moves slots of the old one's data), and the history checker
+verifies every acknowledged message.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from relayfleet_operator.crds import VERSION_ANNOTATION
+from relayfleet_operator.spec import DEFAULT_IMAGE
+
+from e2e.conftest import CHART, ROOT, cluster_env, helm_install_args
+from e2e.env import RELEASE, Env
+from e2e.podrunner import TREES_ENV
+from e2e.test_user_path import TIMINGS, http_get, phase, relay_url, shard, shard_map, slots_of, wait_for
+from e2e.workload import Workload
+from relay.fleet.sharding import SLOT_COUNT
+from tests.k8s_cluster import KubeCluster
+
+PREVIOUS = "51f511e"
+PREVIOUS_IMAGE = "ghcr.io/relayfleet/relayfleet:0.1.0"
+
+
+def _replace_crds(cluster: KubeCluster, directory: Path) -> None:
+    """Exactly these CRD files on the cluster (PUT, so fields others added go too)."""
+    for path in sorted(directory.glob("*.yaml")):
+        done = cluster.kubectl("replace", "-f", str(path), check=False)
+        if done.returncode != 0:
+            cluster.kubectl("create", "-f", str(path))
+
+
+@pytest.fixture(scope="module")
+def previous_tree() -> Iterator[Path]:
+    where = Path(tempfile.mkdtemp(prefix="relayfleet-previous-"))
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", PREVIOUS], capture_output=True, check=False
+    )
+    if archive.returncode != 0:
+        shutil.rmtree(where)
+        pytest.skip(
+            f"git archive {PREVIOUS} failed (not a git checkout with that commit): {archive.stderr!r}"
+        )
+    with tempfile.TemporaryFile() as tar:
+        tar.write(archive.stdout)
+        tar.seek(0)
+        with tarfile.open(fileobj=tar) as t:
+            t.extractall(where, filter="data")
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def upgrade(kwok_cluster: KubeCluster, request: pytest.FixtureRequest, previous_tree: Path) -> Iterator[Env]:
+    # CRDs are cluster-wide: the previous release's for this test, this tree's again afterwards.
+    _replace_crds(kwok_cluster, previous_tree / "crds")
+    try:
+        trees = {TREES_ENV: json.dumps({PREVIOUS_IMAGE: str(previous_tree)})}
+        with cluster_env(kwok_cluster, request, previous_tree / "charts" / "relayfleet", trees) as env:
+            yield env
+    finally:
+        _replace_crds(kwok_cluster, ROOT / "crds")
+
+
+def crd(env: Env) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(
+        env.cluster.kubectl("get", "crd", "relayshards.relayfleet.dev", "-o", "json").stdout
+    )
+    return doc
+
+
+def crd_has_relay(doc: dict[str, Any]) -> bool:
+    props = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    return "relay" in props
+
+
+def relay_rolled(env: Env, name: str, image: str) -> bool:
+    dep: Any = env.get("deployment", f"relayfleet-{name}-relay")
+    if not dep:
+        return False
+    status = dep.get("status") or {}
+    return (
+        dep["spec"]["template"]["spec"]["containers"][0]["image"] == image
+        and status.get("updatedReplicas") == dep["spec"]["replicas"]
+        and status.get("readyReplicas") == dep["spec"]["replicas"]
+        and not status.get("unavailableReplicas")
+    )
+
+
+def operator_image(env: Env) -> str | None:
+    dep: Any = env.get("deployment", f"{RELEASE}-operator")
+    if not dep or (dep.get("status") or {}).get("availableReplicas") != 1:
+        return None
+    image: str = dep["spec"]["template"]["spec"]["containers"][0]["image"]
+    return image
+
+
+def test_upgrade_from_the_previous_release_under_traffic(upgrade: Env, previous_tree: Path) -> None:
+    env = upgrade
+    before = crd(env)
+    assert not crd_has_relay(before)
+    assert VERSION_ANNOTATION not in (before["metadata"].get("annotations") or {})
+    wait_for("previous operator available", lambda: operator_image(env) == PREVIOUS_IMAGE, timeout=90)
+
+    env.kubectl("apply", "-f", "-", input=shard("a"))
+    wait_for("shard a Ready", lambda: phase(env, "rshard", "a") == "Ready", timeout=150)
+    a: Any = env.get("rshard", "a")
+    assert a["spec"]["image"] == PREVIOUS_IMAGE  # defaulted by the previous CRD, stored
+    wait_for("fleet service ready", lambda: http_get(relay_url(env) + "/readyz")[0] == 200, timeout=60)
+    workload = Workload(lambda: relay_url(env)).start()
+    try:
+        wait_for("messages stored before the upgrade", lambda: workload.stored >= 20, timeout=60)
+
+        t0 = time.monotonic()
+        done = subprocess.run(
+            helm_install_args(env, "upgrade", CHART), capture_output=True, text=True, check=False, timeout=180
+        )
+        assert done.returncode == 0, done.stderr
+        wait_for("new operator available", lambda: operator_image(env) == DEFAULT_IMAGE, timeout=120)
+
+        def upgraded() -> dict[str, Any] | None:
+            doc = crd(env)
+            return doc if crd_has_relay(doc) else None
+
+        after = wait_for("CRDs upgraded by the operator", upgraded)
+        assert after["metadata"]["annotations"][VERSION_ANNOTATION] == DEFAULT_IMAGE.rsplit(":", 1)[1]
+        TIMINGS["helm upgrade to CRDs applied"] = round(time.monotonic() - t0, 1)
+
+        # The relays: RelayShard spec.image was stored by the old CRD's default; bump it.
+        mark = workload.stored
+        env.kubectl(
+            "patch", "rshard", "a", "--type=merge", "-p", json.dumps({"spec": {"image": DEFAULT_IMAGE}})
+        )
+        wait_for(
+            "relays of a rolled to the new image", lambda: relay_rolled(env, "a", DEFAULT_IMAGE), timeout=150
+        )
+        wait_for("messages stored after the roll", lambda: workload.stored > mark + 10, timeout=60)
+
+        # The new operator with a field the old CRD did not have, moving data written before.
+        relay = {"env": [{"name": "RELAY_MAX_WAITERS", "value": "5000"}]}
+        env.kubectl("apply", "-f", "-", input=shard("b", autoRebalance=True, relay=relay))
+        wait_for("shard b Ready", lambda: phase(env, "rshard", "b") == "Ready", timeout=150)
+        wait_for("b-join rebalance Ready", lambda: phase(env, "rrebalance", "b-join") == "Ready", timeout=150)
+        m = shard_map(env)
+        assert m is not None
+        counts = slots_of(m)
+        assert counts["b"] > 0
+        assert sum(counts.values()) == SLOT_COUNT
+        mark = workload.stored
+        wait_for("messages stored after the join", lambda: workload.stored > mark + 10, timeout=60)
+    finally:
+        workload.stop(timeout=120)
+    workload.history.save(str(env.workdir / "upgrade-history.jsonl"))
+    verdict = workload.history.check()
+    print(verdict.render())
+    print(f"stored {workload.stored}, not sent (no endpoint) {workload.connect_failures}, timings {TIMINGS}")
+    assert verdict.counts.get("messages_delivered", 0) >= workload.stored
+    # Epoch changes across migrations are a known open issue (see test_user_path).
+    others = [v for v in verdict.violations if v.kind != "epoch"]
+    assert not others, verdict.render()
