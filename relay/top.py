@@ -183,13 +183,13 @@ def render(before: list[Scrape], after: list[Scrape]) -> str:
         f"request p50 {_ms(req_p50)}  p99 {_ms(req_p99)}   wakeup p50 {_ms(wake_p50)}  p99 {_ms(wake_p99)}"
     )
     lines.append("")
-    lines.append(f"{'RELAY':<32} {'STATE':<8} {'WAITERS':>8} {'LIVE':>6} {'MAP EPOCH':>9}")
+    lines.append(f"{'RELAY':<40} {'STATE':<8} {'WAITERS':>8} {'LIVE':>6} {'MAP EPOCH':>9}")
     for s in after:
         if s.error:
-            lines.append(f"{s.url[:32]:<32} {'down':<8} {s.error}")
+            lines.append(f"{s.url[:40]:<40} {'down':<8} {s.error}")
             continue
         lines.append(
-            f"{s.url[:32]:<32} {'up':<8} {s.total('relayfleet_waiters'):8.0f} "
+            f"{s.url[:40]:<40} {'up':<8} {s.total('relayfleet_waiters'):8.0f} "
             f"{s.total('relayfleet_live_connections'):6.0f} {s.total('relayfleet_shard_map_epoch'):9.0f}"
         )
     lines.append("")

@@ -110,7 +110,9 @@ def test_crds(kube_apiserver: KubeCluster) -> Iterator[list[dict[str, Any]]]:
 
 
 def live(cluster: KubeCluster, name: str) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads(cluster.kubectl("get", "crd", name, "-o", "json").stdout)
+    doc: dict[str, Any] = json.loads(
+        cluster.kubectl("get", "crd", name, "-o", "json", "--show-managed-fields").stdout
+    )
     return doc
 
 
