@@ -1,6 +1,7 @@
 """spec.redis.managed.tls: the operator's builders give Redis a TLS-only redis.conf with the
-certificate Secret mounted, the relays a rediss:// URL and the CA; the generated redis.conf and
-URL work together on a real redis-server (only file paths pointed at a temp dir)."""
+certificate Secret mounted, and a rediss:// URL carrying the CA for relays, migrator and Spark;
+the generated redis.conf and URL work together on a real redis-server (only file paths pointed at
+a temp dir), for the relay's own client and redis-py."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+import redis
 from relayfleet_operator import builders
 from relayfleet_operator.spec import ManagedRedis, SpecError, parse_shard
 
 from relay.localredis import free_port
 from relay.storage import keys as K
+from relay.storage.connection import RedisTarget
 from relay.storage.store import QueueLimits, ShardStore
 from tests.test_builders import shard_body
 from tests.tls_support import make_pki
@@ -35,11 +38,16 @@ def test_tls_parses_and_is_refused_with_replicas() -> None:
         parse_shard(shard_body(redis={"managed": {"tls": {}}}))
 
 
-def test_builders_mount_the_certificate_and_point_relays_at_rediss() -> None:
-    url = builders.managed_redis_url(TLS, "p w")
-    assert url == (
-        "rediss://:p%20w@relayfleet-t-redis.ns1.svc:6379/0?ssl_ca_certs=/etc/relayfleet/redis-ca/ca.crt"
-    )
+def test_builders_mount_the_certificate_and_put_the_ca_in_the_url(tmp_path: Path) -> None:
+    ca = make_pki(tmp_path).ca.read_text()
+    url = builders.managed_redis_url(TLS, "p w", ca)
+    assert url.startswith("rediss://:p%20w@relayfleet-t-redis.ns1.svc:6379/0?ssl_ca_data=-----BEGIN")
+    target = RedisTarget.from_url(url)  # the relay reads back exactly the CA
+    assert target.tls is not None
+    assert target.tls.ca_data == ca.strip()
+    assert target.tls.check_hostname  # the certificate must name the Service
+    with pytest.raises(ValueError, match=r"ca\.crt"):
+        builders.managed_redis_url(TLS, "pw", "not a certificate")
     assert builders.strip_credentials(url).startswith("rediss://relayfleet-t-redis.ns1.svc:6379/0?ssl_ca")
     conf = builders.redis_config_map(TLS)["data"]["redis.conf"]
     assert "port 0\n" in conf
@@ -50,18 +58,6 @@ def test_builders_mount_the_certificate_and_point_relays_at_rediss() -> None:
     redis = pod["containers"][0]
     assert {"name": "tls", "mountPath": "/etc/redis-tls", "readOnly": True} in redis["volumeMounts"]
     assert "--tls --cacert /etc/redis-tls/ca.crt" in redis["readinessProbe"]["exec"]["command"][2]
-    relay = builders.relay_deployment(TLS)["spec"]["template"]["spec"]
-    ca = [v for v in relay["volumes"] if v["name"] == "redis-ca"]
-    assert ca == [
-        {
-            "name": "redis-ca",
-            "secret": {"secretName": "shard-t-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]},
-        }
-    ]
-    mounts = relay["containers"][0]["volumeMounts"]
-    assert {"name": "redis-ca", "mountPath": "/etc/relayfleet/redis-ca", "readOnly": True} in mounts
-    plain = builders.relay_deployment(parse_shard(shard_body()))["spec"]["template"]["spec"]
-    assert not [v for v in plain["volumes"] if v["name"] == "redis-ca"]
     assert "tls-port" not in builders.redis_config_map(parse_shard(shard_body()))["data"]["redis.conf"]
 
 
@@ -86,9 +82,8 @@ async def test_generated_tls_conf_and_url_work_on_real_redis(tmp_path: Path) -> 
     proc = subprocess.Popen(  # noqa: ASYNC220  # started once, stopped by pid below
         [DEBIAN_REDIS, str(tmp_path / "redis.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    url = builders.managed_redis_url(TLS, password)
+    url = builders.managed_redis_url(TLS, password, (secret / "ca.crt").read_text())
     url = url.replace(builders.managed_redis_host(TLS), "127.0.0.1").replace(":6379/", f":{port}/")
-    url = url.replace(builders.RELAY_REDIS_CA_DIR, str(secret))
     assert quote(password, safe="") in url
     store = ShardStore("t", url, QueueLimits())
     try:
@@ -98,6 +93,8 @@ async def test_generated_tls_conf_and_url_work_on_real_redis(tmp_path: Path) -> 
             assert time.monotonic() < deadline, store.last_error
             await asyncio.sleep(0.1)
         await store.start()
+        with redis.Redis.from_url(url) as migrator_view:  # redis-py (migrator, Spark): the same URL
+            assert migrator_view.ping()
         q = K.queue_keys(os.urandom(32), b"")
         assert (await store.enqueue(q, b"over tls", 1000)).seq == 1
         assert [m.payload for m in (await store.read(q, None, 10)).messages] == [b"over tls"]

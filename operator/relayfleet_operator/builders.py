@@ -54,9 +54,8 @@ SENTINEL_FAILOVER_TIMEOUT_MS = 30000
 RELAY_UID = 10001
 REDIS_UID = 999  # the uid of the `redis` user in the official images
 CREDENTIALS_DIR = "/etc/relayfleet/credentials"
-# managed Redis over TLS: the certificate Secret in the Redis pod; its ca.crt in relay pods
+# managed Redis over TLS: where the Redis pod mounts its certificate Secret
 REDIS_TLS_DIR = "/etc/redis-tls"
-RELAY_REDIS_CA_DIR = "/etc/relayfleet/redis-ca"
 RELAY_SECRETS_DIR = "/etc/relayfleet/secrets"
 
 
@@ -210,10 +209,12 @@ def managed_redis_host(shard: ShardSpec) -> str:
     return f"{redis_name(shard.name)}.{shard.namespace}.svc"
 
 
-def managed_redis_url(shard: ShardSpec, password: str | None = None) -> str:
+def managed_redis_url(shard: ShardSpec, password: str | None = None, ca_pem: str | None = None) -> str:
     """URL of a managed shard's Redis; with the password only for the credentials Secret.
     With replicas it names the shard's Sentinels (a redis+sentinel:// URL, written into the
-    shard map as a Sentinel entry: relay/fleet/sharding.py)."""
+    shard map as a Sentinel entry: relay/fleet/sharding.py). With TLS the URL carries the CA
+    itself (`ssl_ca_data`, read by relay/storage/connection.py and redis-py alike), so relays,
+    the operator and the Spark jobs verify the shard without mounting anything."""
     managed = _managed(shard)
     if managed.sentinel:
         return SentinelTarget(
@@ -223,11 +224,12 @@ def managed_redis_url(shard: ShardSpec, password: str | None = None) -> str:
             min_replicas=managed.min_replicas,
         ).url()
     auth = f":{quote(password, safe='')}@" if password else ""
+    base = f"{auth}{managed_redis_host(shard)}:{REDIS_PORT}/0"
     if managed.tls_secret:
-        # the CA as relay pods mount it (relay_deployment); options as relay/storage/connection.py reads them
-        ca = f"{RELAY_REDIS_CA_DIR}/ca.crt"
-        return f"rediss://{auth}{managed_redis_host(shard)}:{REDIS_PORT}/0?ssl_ca_certs={ca}"
-    return f"redis://{auth}{managed_redis_host(shard)}:{REDIS_PORT}/0"
+        if not ca_pem or "BEGIN CERTIFICATE" not in ca_pem:
+            raise ValueError(f"Secret {managed.tls_secret} must hold the CA certificate in ca.crt")
+        return f"rediss://{base}?ssl_ca_data={quote(ca_pem.strip(), safe='')}"
+    return f"redis://{base}"
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -308,24 +310,10 @@ def _relay_pod_scheduling(relay: RelayConfig) -> Obj:
     return out
 
 
-def _relay_redis_ca(shard: ShardSpec) -> tuple[list[Obj], list[Obj]]:
-    """The CA of a TLS managed shard, where managed_redis_url's ssl_ca_certs points. The
-    shard's own ca.crt is the trust anchor for every TLS shard of the fleet (one CA per fleet)."""
-    if not isinstance(shard.redis, ManagedRedis) or not shard.redis.tls_secret:
-        return [], []
-    volume = {
-        "name": "redis-ca",
-        "secret": {"secretName": shard.redis.tls_secret, "items": [{"key": "ca.crt", "path": "ca.crt"}]},
-    }
-    return [volume], [{"name": "redis-ca", "mountPath": RELAY_REDIS_CA_DIR, "readOnly": True}]
-
-
 def relay_deployment(shard: ShardSpec) -> Obj:
     selector = relay_selector(shard.name)
     pod_labels = {**labels(shard.fleet, shard.name, "relay"), **selector}
     secret_volumes, secret_mounts = _relay_secret_volumes(shard.relay)
-    ca_volumes, ca_mounts = _relay_redis_ca(shard)
-    secret_volumes, secret_mounts = secret_volumes + ca_volumes, secret_mounts + ca_mounts
     container: Obj = {
         "name": "relay",
         "image": shard.image,

@@ -139,7 +139,20 @@ async def redis_url(kube: Kube, shard: ShardSpec) -> str:
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise FleetError(f"Secret {name} key {key!r} does not hold a redis://, rediss:// or unix:// URL")
         return url
-    return builders.managed_redis_url(shard, await ensure_password(kube, shard))
+    password = await ensure_password(kube, shard)
+    tls = shard.redis.tls_secret
+    if not tls:
+        return builders.managed_redis_url(shard, password)
+    secret = await kube.get("v1", "Secret", shard.namespace, tls)
+    if secret is None:
+        raise FleetError(f"Secret {tls} named in spec.redis.managed.tls.secretName does not exist")
+    ca = (secret.get("data") or {}).get("ca.crt")
+    if ca is None:
+        raise FleetError(f"Secret {tls} has no key 'ca.crt' (the CA the Redis certificate is issued by)")
+    try:
+        return builders.managed_redis_url(shard, password, base64.b64decode(ca).decode())
+    except (ValueError, UnicodeDecodeError):
+        raise FleetError(f"Secret {tls} key 'ca.crt' holds no PEM certificate") from None
 
 
 async def fleet_urls(kube: Kube, objs: Sequence[Mapping[str, Any]]) -> dict[str, str]:

@@ -7,6 +7,7 @@ accepted here are redis-py's names and defaults:
 
     rediss://user:pw@host:6380/2?ssl_ca_certs=/ca.pem&ssl_certfile=/c.pem&ssl_keyfile=/k.pem
         &ssl_cert_reqs=required|optional|none&ssl_check_hostname=true|false&ssl_ca_path=/dir
+    (or ssl_ca_data=<PEM, URL-encoded>: the CA itself, as the operator writes managed TLS shards)
 
 `ssl_cert_reqs` defaults to `required` and `ssl_check_hostname` to true (as redis-py);
 without `ssl_ca_certs` / `ssl_ca_path` the system trust store is used. An unknown
@@ -37,6 +38,7 @@ _TRUE = {"1", "true", "yes", "on", "y"}
 _FALSE = {"0", "false", "no", "off", "n", ""}
 _TLS_OPTIONS = {
     "ssl_ca_certs",
+    "ssl_ca_data",
     "ssl_ca_path",
     "ssl_certfile",
     "ssl_keyfile",
@@ -72,6 +74,7 @@ class TlsOptions:
     key_file: str | None = None
     cert_reqs: CertReqs = "required"
     check_hostname: bool = True
+    ca_data: str | None = field(default=None, repr=False)  # PEM text (the operator puts it in URLs)
 
     def context(self) -> ssl.SSLContext:
         """An SSL context for these options (built once per distinct option set)."""
@@ -81,13 +84,13 @@ class TlsOptions:
 @functools.lru_cache(maxsize=32)
 def _context(opts: TlsOptions) -> ssl.SSLContext:
     try:
-        ctx = ssl.create_default_context(cafile=opts.ca_file, capath=opts.ca_path)
+        ctx = ssl.create_default_context(cafile=opts.ca_file, capath=opts.ca_path, cadata=opts.ca_data)
         # check_hostname must be switched off before verification can be lowered
         ctx.check_hostname = opts.check_hostname and opts.cert_reqs != "none"
         ctx.verify_mode = _CERT_REQS[opts.cert_reqs]
         if opts.cert_file:
             ctx.load_cert_chain(opts.cert_file, opts.key_file)
-    except (OSError, ssl.SSLError) as exc:
+    except (OSError, ssl.SSLError, ValueError) as exc:  # ValueError: ssl_ca_data holds no certificate
         raise RedisConnectError(f"TLS setup failed: {_ssl_reason(exc)}") from None
     return ctx
 
@@ -178,6 +181,7 @@ def _tls_options(query: dict[str, str]) -> TlsOptions:
         key_file=query.get("ssl_keyfile") or None,
         cert_reqs=reqs,  # type: ignore[arg-type]  # checked against _CERT_REQS above
         check_hostname=check in _TRUE,
+        ca_data=query.get("ssl_ca_data") or None,
     )
 
 
