@@ -13,7 +13,7 @@ from typing import Any
 
 from e2e.env import Env
 from e2e.test_user_path import http_get, phase, relay_url, shard, wait_for
-from relay.api.auth import keypair
+from relay.protocol import keypair
 
 TOKENS = "e2e-token-one\ne2e-token-two\n"
 

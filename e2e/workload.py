@@ -19,8 +19,8 @@ from typing import Any
 
 import aiohttp
 
-from relay.api.auth import keypair, sign_headers
 from relay.history import History
+from relay.protocol import keypair, sign_headers
 
 NOT_SENT = -1
 

@@ -219,8 +219,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_dev(port=args.port, shards=args.shards, demo=not args.no_demo, auth=args.auth)
     if cmd == "keygen":
-        from relay.api.auth import keypair
-        from relay.api.params import b64encode
+        from relay.protocol import b64encode, keypair
 
         public, private = keypair()
         print(json.dumps({"public": b64encode(public), "private": b64encode(private)}))

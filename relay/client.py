@@ -15,8 +15,7 @@ from urllib.parse import quote, urlencode
 import aiohttp
 import orjson
 
-from relay.api.auth import sign_headers
-from relay.api.params import b64decode, b64encode
+from relay.protocol import b64decode, b64encode, sign_headers
 
 
 class RelayError(Exception):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from relay.api.auth import keypair
 from relay.client import RelayClient
+from relay.protocol import keypair
 
 
 async def run_demo(url: str) -> None:

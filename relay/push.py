@@ -24,7 +24,7 @@ from aiohttp import web
 
 from relay import metrics
 from relay.api.context import CTX, Context
-from relay.api.params import b64encode
+from relay.protocol import b64encode
 
 log = logging.getLogger("relay.push")
 

@@ -21,9 +21,8 @@ import pytest
 import redis
 from nacl.signing import SigningKey
 
-from relay.api.auth import canonical, keypair, sign_headers
-from relay.api.params import b64decode, b64encode
 from relay.localredis import LocalRedis, free_port
+from relay.protocol import b64decode, b64encode, canonical, keypair, sign_headers
 from tests.conftest import RelayFactory, RunningRelay
 
 Snapshot = dict[bytes, bytes | None]

@@ -9,10 +9,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from relay.api.auth import keypair
-from relay.api.params import b64encode
 from relay.client import RelayClient
 from relay.localredis import LocalRedis
+from relay.protocol import b64encode, keypair
 from relay.storage.store import QueueLimits
 from tests.conftest import RelayFactory, RunningRelay
 

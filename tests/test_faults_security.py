@@ -23,8 +23,8 @@ import yaml
 from relayfleet_operator import builders
 from relayfleet_operator.spec import parse_shard
 
-from relay.api.auth import keypair, sign_headers
 from relay.localredis import LocalRedis
+from relay.protocol import keypair, sign_headers
 from tests.test_builders import MANAGED, shard_body
 from tests.test_crds import HELM, helm
 from tests.test_faults_support import stop_relay

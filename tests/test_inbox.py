@@ -17,9 +17,9 @@ import pytest
 import redis
 
 from relay.api.inbox import inbox_recipient
-from relay.api.params import b64decode, b64encode
 from relay.client import RelayClient
 from relay.localredis import LocalRedis
+from relay.protocol import b64decode, b64encode
 from relay.storage import keys as K
 from relay.storage.maintenance import ShardMaintenance, TrimPolicy
 from relay.storage.store import QueueLimits

@@ -11,11 +11,10 @@ import pytest
 
 from relay import metrics
 from relay.api import live as live_module
-from relay.api.auth import keypair, sign_headers
 from relay.api.live import CLOSE_DISPLACED
-from relay.api.params import b64encode
 from relay.client import LiveClosed, LiveConnection, RelayClient, RelayError, received
 from relay.localredis import LocalRedis
+from relay.protocol import b64encode, keypair, sign_headers
 from tests.conftest import RelayFactory, RunningRelay
 
 PICKUP = "https://didcomm.org/messagepickup/2.0/"

@@ -16,10 +16,9 @@ import aiohttp
 import orjson
 import pytest
 
-from relay.api.auth import keypair, sign_headers
-from relay.api.params import b64decode, b64encode
 from relay.client import RelayClient, RelayError
 from relay.localredis import LocalRedis
+from relay.protocol import b64decode, b64encode, keypair, sign_headers
 from tests.conftest import RelayFactory, RunningRelay
 
 KEY = "<key for messages>"

@@ -17,10 +17,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from relay import metrics
-from relay.api.auth import keypair
 from relay.api.context import CTX
-from relay.api.params import b64encode
 from relay.localredis import LocalRedis, free_port
+from relay.protocol import b64encode, keypair
 from relay.push import NOTIFIER, PushNotifier
 from tests.conftest import RelayFactory, RunningRelay
 

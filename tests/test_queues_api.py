@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 import redis
 
-from relay.api.params import b64encode
 from relay.client import RelayClient, RelayError
 from relay.localredis import LocalRedis
+from relay.protocol import b64encode
 from relay.storage import keys as K
 from relay.storage.store import QueueLimits
 from tests.conftest import RelayFactory, RunningRelay

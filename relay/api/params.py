@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import binascii
 import re
 from datetime import UTC, datetime
 from typing import Any
@@ -11,37 +10,16 @@ from typing import Any
 import orjson
 from aiohttp import hdrs, web
 
+from relay.api.context import CTX
 from relay.api.errors import ApiError, bad_request, overloaded
 from relay.memguard import CLAIM, CLAIM_FROM
+from relay.protocol import b64decode as b64decode  # the API's base64url, re-exported
+from relay.protocol import b64encode as b64encode
 from relay.settings import Settings
 
-_B64URL = re.compile(r"^[A-Za-z0-9_-]*$")
 _PRINTABLE = re.compile(r"^[\x20-\x7e]{1,128}$")
 RECIPIENT_BYTES = 32
 MAX_CHANNEL_BYTES = 64
-
-
-_FROM_URLSAFE = bytes.maketrans(b"-_", b"+/")
-
-
-def b64decode(text: str) -> bytes:
-    """Unpadded base64url; ValueError for anything else."""
-    if not _B64URL.match(text) or len(text) % 4 == 1:
-        raise ValueError("not base64url without padding")
-    try:
-        # what base64.urlsafe_b64decode does (the regex made it ASCII), minus two Python layers
-        padded = text.encode("ascii").translate(_FROM_URLSAFE) + b"=" * (-len(text) % 4)
-        return binascii.a2b_base64(padded)
-    except (binascii.Error, ValueError):
-        raise ValueError("not base64url without padding") from None
-
-
-_URLSAFE = bytes.maketrans(b"+/", b"-_")
-
-
-def b64encode(data: bytes) -> str:
-    # binascii + translate: what base64.urlsafe_b64encode does, minus two Python layers
-    return binascii.b2a_base64(data, newline=False).translate(_URLSAFE).rstrip(b"=").decode("ascii")
 
 
 def recipient_key(text: str) -> bytes:
@@ -152,9 +130,6 @@ async def raw_body(request: web.Request, cap: int) -> bytes:
         if len(body) > cap:
             raise _too_large(cap)
         return body
-    # Imported here: the context module imports this one (through auth).
-    from relay.api.context import CTX
-
     timeout_s = request.app[CTX].settings.body_timeout_s
     try:
         async with asyncio.timeout(timeout_s):
@@ -181,8 +156,6 @@ async def _read_capped(request: web.Request, cap: int) -> bytes:
 
 def _claim_memory(request: web.Request, size: int) -> None:
     """A big (or unknown-length) body claims its bytes from the memory guard first."""
-    from relay.api.context import CTX  # here: the context module imports this one
-
     guard = request.app[CTX].memory
     if guard.ceiling is None or CLAIM in request:
         return

@@ -235,6 +235,6 @@ def http(
 
 def recipient(n: int) -> str:
     """A distinct valid recipient key (base64url of 32 bytes) per n."""
-    from relay.api.params import b64encode
+    from relay.protocol import b64encode
 
     return b64encode(n.to_bytes(4, "big") * 8)

@@ -25,7 +25,7 @@ import orjson
 import pytest
 import redis
 
-from relay.api.params import b64decode
+from relay.protocol import b64decode
 from tests.hostile.conftest import RelayWith
 from tests.hostile.harness import Relay, recipient, start_redis, start_relay
 from tests.tcp_proxy import tcp_proxy
@@ -331,7 +331,7 @@ def _relay_behind_proxy(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple[R
 
 
 def _held(server: Any, r: str) -> list[bytes]:
-    from relay.api.params import b64decode as dec
+    from relay.protocol import b64decode as dec
     from relay.storage import keys as K
 
     db = redis.Redis.from_url(server.url)

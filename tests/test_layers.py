@@ -1,0 +1,66 @@
+"""The package boundaries a client user and the tools rely on, checked in a fresh interpreter.
+
+`relay.client` is what an app embeds: it must not drag in the server (aiohttp.web,
+relay.api, relay.service), the fleet, storage or a Redis client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from relay.protocol import (
+    b64decode,
+    b64encode,
+    keypair,
+    parse_authorization,
+    sign_headers,
+    signature_valid,
+)
+
+SERVER_SIDE = (
+    "aiohttp.web",
+    "relay.api",
+    "relay.service",
+    "relay.fleet",
+    "relay.storage",
+    "relay.settings",
+    "redis",
+)
+
+
+def _modules_after_import(module: str) -> list[str]:
+    code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=60,
+    )
+    return list(json.loads(out.stdout))
+
+
+@pytest.mark.parametrize("module", ["relay.client", "relay.protocol"])
+def test_client_side_imports_nothing_server_side(module: str) -> None:
+    loaded = _modules_after_import(module)
+    assert module in loaded
+    leaked = [m for m in loaded if any(m == s or m.startswith(s + ".") for s in SERVER_SIDE)]
+    assert leaked == []
+
+
+def test_signed_header_round_trips_through_the_leaf() -> None:
+    public, private = keypair()
+    header = sign_headers(private, "GET", "/v1/queues/x/messages?limit=1", b"body")["Authorization"]
+    creds = parse_authorization(header)
+    assert creds.key == public
+    assert signature_valid(creds, "GET", "/v1/queues/x/messages?limit=1", b"body")
+    assert not signature_valid(creds, "GET", "/v1/queues/x/messages?limit=2", b"body")
+    assert b64decode(b64encode(b"\xff\x00\xfe")) == b"\xff\x00\xfe"
+    with pytest.raises(ValueError, match="scheme must be Relay-Ed25519"):
+        parse_authorization("Bearer abc")
