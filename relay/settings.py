@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from relay.storage.store import QueueLimits
+from relay.storage.limits import QueueLimits
 
 T = TypeVar("T")
 log = logging.getLogger("relay.settings")

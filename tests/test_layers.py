@@ -64,3 +64,10 @@ def test_signed_header_round_trips_through_the_leaf() -> None:
     assert b64decode(b64encode(b"\xff\x00\xfe")) == b"\xff\x00\xfe"
     with pytest.raises(ValueError, match="scheme must be Relay-Ed25519"):
         parse_authorization("Bearer abc")
+
+
+def test_settings_do_not_pull_in_the_store() -> None:
+    """Configuration builds QueueLimits from a plain leaf, not from the Redis-backed store."""
+    loaded = _modules_after_import("relay.settings")
+    assert "relay.storage.limits" in loaded
+    assert [m for m in loaded if m == "redis" or m.startswith(("redis.", "relay.storage.store"))] == []
