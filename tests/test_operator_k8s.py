@@ -9,17 +9,20 @@ deletion and rebalancing move real data.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from relayfleet_operator import migration
 
+from relay.storage.connection import RedisTarget
 from tests.k8s_cluster import KubeCluster
 from tests.operator_support import (
     ROOT,
@@ -33,6 +36,7 @@ from tests.operator_support import (
     wait_for,
 )
 from tests.test_crds import HELM, helm
+from tests.tls_support import make_pki
 
 pytestmark = pytest.mark.k8s
 
@@ -82,6 +86,11 @@ INVALID = [
     (shard("x", weight=0), "spec.weight"),
     (shard("x", retention={"maxAge": "1w"}), "spec.retention.maxAge"),
     (shard("x", redis={"managed": {"appendfsync": "no"}}), "spec.redis.managed.appendfsync"),
+    (
+        shard("x", redis={"managed": {"replicas": 1, "tls": {"secretName": "x-tls"}}}),
+        "redis.managed.tls is not supported with replicas yet",
+    ),
+    (shard("x", redis={"managed": {"tls": {}}}), "spec.redis.managed.tls.secretName"),
     (shard("x" * 33), "RelayShard name must be at most 32 characters"),
     (shard("x", fleet="Bad_Fleet"), "spec.fleet"),
     (rebalance("r", mode="drain"), "mode drain needs spec.drainShards"),
@@ -438,3 +447,45 @@ async def test_deleting_a_shard_under_traffic_keeps_the_history(kwok_fleet: Kwok
     assert verdict.counts["messages_acknowledged"] > 50
     assert fleet.shard_map().slot_counts() == {"b": 8192, "c": 8192}
     assert not await migration.holds_data(fleet.servers["a"].url, range(16384))
+
+
+def test_managed_tls_shard_gets_a_rediss_url_with_its_ca(kwok_fleet: KwokFleet, tmp_path: Path) -> None:
+    """spec.redis.managed.tls on the real API server: the Redis objects mount the certificate
+    Secret and serve TLS only; the map and the credentials carry rediss:// with the CA."""
+    fleet, ns = kwok_fleet, kwok_fleet.ns
+    pki = make_pki(tmp_path / "pki")
+    fleet.redis("a")
+    fleet.operator.start()
+    tls_secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "t-redis-tls"},
+        "type": "kubernetes.io/tls",
+        "data": {
+            key: base64.b64encode(path.read_bytes()).decode()
+            for key, path in (("tls.crt", pki.server_cert), ("tls.key", pki.server_key), ("ca.crt", pki.ca))
+        },
+    }
+    fleet.apply(tls_secret, fleet.external("a"))
+    fleet.join(shard("t", redis={"managed": {"tls": {"secretName": "t-redis-tls"}}}))
+    url = fleet.shard_map().shards["t"]
+    assert url.startswith(f"rediss://relayfleet-t-redis.{ns}.svc:6379/0?ssl_ca_data=")  # no password
+    target = RedisTarget.from_url(url)
+    assert target.tls is not None
+    assert target.tls.ca_data == pki.ca.read_text().strip()
+
+    def credentials() -> str | None:
+        secret = fleet.get("secret", "relayfleet-main-credentials")
+        value = ((secret or {}).get("data") or {}).get("t")
+        return base64.b64decode(value).decode() if value else None
+
+    full = RedisTarget.from_url(wait_for("credentials for t", credentials))
+    assert full.password
+    assert full.tls == target.tls
+    sts = fleet.get("statefulset", "relayfleet-t-redis")
+    assert sts is not None
+    pod = sts["spec"]["template"]["spec"]
+    assert [v["secret"]["secretName"] for v in pod["volumes"] if v["name"] == "tls"] == ["t-redis-tls"]
+    conf = fleet.get("configmap", "relayfleet-t-redis-config")
+    assert conf is not None
+    assert "tls-port 6379" in conf["data"]["redis.conf"]
