@@ -36,7 +36,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -54,6 +54,7 @@ from relay.fleet.sharding import (
 )
 from relay.storage import keys as K
 from relay.storage import scripts, sentinel
+from relay.storage.connection import RedisTarget, RedisURLError
 from relay.storage.scripts import Script
 
 __all__ = [
@@ -182,17 +183,17 @@ class _Address:
 
 
 def _address(name: str, url: str) -> _Address:
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+    try:
+        target = RedisTarget.from_url(url)  # the same parse as the relays' connections
+    except RedisURLError as exc:
+        raise MigrationError(f"shard {name}: {exc}") from None
+    if target.unix_path is not None:
         raise MigrationError(f"shard {name}: MIGRATE needs a redis://host:port URL to reach it")
-    db_text = parts.path.lstrip("/") or "0"
-    if not db_text.isdigit():
-        raise MigrationError(f"shard {name}: bad database number in its URL")
     auth: tuple[str, ...] = ()
-    if parts.password:
-        pw = unquote(parts.password)
-        auth = ("AUTH2", unquote(parts.username), pw) if parts.username else ("AUTH", pw)
-    return _Address(parts.hostname, parts.port or 6379, int(db_text), auth)
+    if target.password is not None:
+        who = ("AUTH2", target.username) if target.username else ("AUTH",)
+        auth = (*who, target.password)
+    return _Address(target.host, target.port, target.db, auth)
 
 
 # replies of a node that is not (or no longer) a writable primary
