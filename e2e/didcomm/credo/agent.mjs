@@ -146,10 +146,15 @@ class HoldableTransport {
 // ---- the agent ----
 
 const logLevel = LogLevel[opts['log-level']] ?? LogLevel.debug
-// ConsoleLogger writes to stdout; stdout is the control channel, so send it to stderr.
-console.log = (...args) => console.error(...args)
-console.info = (...args) => console.error(...args)
-console.debug = (...args) => console.error(...args)
+// ConsoleLogger writes to stdout; stdout is the control channel, so send it to stderr,
+// each line stamped with the wall-clock time (to line it up with the relay's log).
+const toStderr = console.error.bind(console)
+const stamped = (...args) => toStderr(new Date().toISOString().slice(11, 23), ...args)
+console.log = stamped
+console.info = stamped
+console.debug = stamped
+console.warn = stamped
+console.error = stamped
 
 const agent = new Agent({
   config: { logger: new ConsoleLogger(logLevel), allowInsecureHttpUrls: true },
