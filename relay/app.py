@@ -86,7 +86,9 @@ def observed(handler: Handler, guard: MemoryGuard | None = None) -> Handler:
                 response = _overloaded()
             else:
                 response = await handler(request)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client left (handler cancellation)
+            if guard is not None and guard.claimed:
+                guard.release(request.get(CLAIM, 0))
             raise
         except Exception as exc:  # every failure becomes a JSON error, never a traceback
             response = _error_for(exc)

@@ -119,3 +119,23 @@ async def test_memory_guard_holds_the_ceiling_under_big_bodies(relay_with: Relay
     assert counts.get(503, 0) > 0, counts
     assert after.status == 201, after
     relay.assert_log_clean()
+
+
+async def test_memory_claims_of_abandoned_bodies_are_released(relay_with: RelayWith) -> None:
+    """Clients that send half of a 4 MiB body and hang up: their claims end with them,
+    so the guard does not slowly close itself to honest big bodies."""
+    relay = relay_with({"RELAY_MAX_RSS_MB": "400", "RELAY_RATE_LIMIT": "100000"})
+    half = SECRET_PAYLOAD * ((2 << 20) // len(SECRET_PAYLOAD))
+    for i in range(60):  # 60 x 4 MiB x 5 would be claimed forever if a claim leaked
+        _, writer = await asyncio.open_connection(relay.host, relay.port)
+        path = f"/v1/queues/{recipient(7000 + i)}/messages"
+        writer.write(http("POST", path, headers={"Content-Length": str(4 << 20)}) + half)
+        await writer.drain()
+        writer.close()
+    await asyncio.sleep(1.0)
+    body = b"y" * (4 << 20)
+    answer = await request_answer(
+        relay, http("POST", f"/v1/queues/{recipient(7999)}/messages", body), timeout=30
+    )
+    assert answer.status == 201, answer
+    relay.assert_log_clean()
