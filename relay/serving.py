@@ -69,11 +69,31 @@ _PARSE_ERRORS: tuple[tuple[type[BaseException], str, str], ...] = (
 )
 
 
+# aiohttp's C parser raises a bare BadHttpMessage whose message is llhttp's fixed reason, then
+# the offending bytes: the code is picked from the reason's words (first match wins).
+_PARSE_REASONS: tuple[tuple[str, str, str], ...] = (
+    ("chunk", "bad_chunk", "malformed chunked body"),
+    ("transfer-encoding", "bad_transfer_encoding", "unsupported or malformed Transfer-Encoding"),
+    ("content-length", "bad_length", "malformed or conflicting Content-Length"),
+    ("data after", "bad_length", "a request body needs a Content-Length or chunked encoding"),
+    ("header", "bad_header", "malformed header"),
+    ("method", "bad_request_line", "malformed request line"),
+    ("version", "bad_request_line", "malformed request line"),
+    ("url", "bad_request_line", "malformed request target"),
+)
+
+
 def describe_parse_error(exc: BaseException | None) -> tuple[str, str]:
     """(code, text) for a request aiohttp's parser refused; fixed texts, no request bytes."""
     for kind, code, text in _PARSE_ERRORS:
         if isinstance(exc, kind):
             return code, text
+    if isinstance(exc, http_exceptions.HttpProcessingError):
+        # only the reason before the first colon: what follows quotes the request's bytes
+        reason = str(exc.message).strip().split(":", 1)[0].lower().replace("`", "")
+        for word, code, text in _PARSE_REASONS:
+            if word in reason:
+                return code, text
     return "bad_request", "malformed HTTP request"
 
 
