@@ -35,6 +35,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from relay.fleet.sharding import SLOT_COUNT, ShardMapError, is_sentinel_url
+from relay.helpfmt import EnvHelpFormatter
 from relay.storage import keys as K
 from relay.storage import scripts
 from relay.storage.boot import MARK_SCRIPT
@@ -400,6 +401,10 @@ async def restore(
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", EnvHelpFormatter)  # every flag: its env and default
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"relayfleet {self.prog.split()[-1]}: {message}\n")
 

@@ -12,11 +12,16 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from relay.fleet.sharding import ShardMapError
+from relay.helpfmt import EnvHelpFormatter
 from relay.settings import ConfigError, Settings, env_value, parse_env
 from relay.storage.connection import RedisURLError
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", EnvHelpFormatter)  # every flag: its env and default
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         # one line, exit 2 (the contract), instead of argparse's usage dump
         self.exit(2, f"relayfleet: {message}\n")
@@ -125,10 +130,7 @@ def _relay_epilog() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="relayfleet", description="Sharded store-and-forward relay for E2EE messaging")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    raw = argparse.RawDescriptionHelpFormatter
-    _add_relay_args(
-        sub.add_parser("relay", help="run a relay process", epilog=_relay_epilog(), formatter_class=raw)
-    )
+    _add_relay_args(sub.add_parser("relay", help="run a relay process", epilog=_relay_epilog()))
     dev = sub.add_parser("dev", help="local Redis shard(s) + relay, with a short demo")
     _flag(dev, "--port", env="RELAY_PORT", default=8080, parse=_port, kind="a port number", help="HTTP port")
     dev.add_argument("--shards", type=int, default=1, help="local shards to start [no env; default 1]")

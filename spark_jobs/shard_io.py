@@ -36,7 +36,14 @@ class JobError(Exception):
 
 
 class ArgParser(argparse.ArgumentParser):
-    """argparse whose errors become UsageError, so the caller prints one line."""
+    """argparse whose errors become UsageError, so the caller prints one line; --help names
+    every flag's variable and default (relay/helpfmt.py)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from relay.helpfmt import EnvHelpFormatter
+
+        kwargs.setdefault("formatter_class", EnvHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)

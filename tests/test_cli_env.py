@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import subprocess
 import sys
 
@@ -124,3 +125,18 @@ def test_operator_namespace_new_and_old_name(monkeypatch: pytest.MonkeyPatch) ->
     args = cli.build_parser().parse_args(["operator"])
     cli._resolve_env(args)
     assert args.namespace == "new"
+
+
+@pytest.mark.parametrize(
+    "command", ["relay", "dev", "migrate", "operator", "top", "plan", "bench", "backup", "restore"]
+)
+def test_every_flag_in_every_help_screen_names_env_and_default(command: str) -> None:
+    out = run_cli(command, "--help")
+    assert out.returncode == 0, out.stderr
+    options = out.stdout.split("options:", 1)[1].split("\n\n", 1)[0]
+    entries = [" ".join(e.split()) for e in re.split(r"\n  (?=-)", options) if e.strip()]
+    entries = [e for e in entries if not e.startswith("-h,")]
+    assert entries
+    for entry in entries:
+        assert re.search(r"\b(no )?env\b", entry), entry
+        assert "default" in entry or "required" in entry, entry

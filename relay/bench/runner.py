@@ -30,6 +30,7 @@ from relay.bench.procs import BenchError, Procs, raise_nofile_limit
 from relay.bench.results import Results, Row, size_label
 from relay.bench.scenarios import Run
 from relay.bench.targets import RedisServer, Target
+from relay.helpfmt import EnvHelpFormatter
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
@@ -340,7 +341,9 @@ class Bench:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="relayfleet bench", description="Side-by-side benchmarks (see docs/benchmarks.md)."
+        prog="relayfleet bench",
+        description="Side-by-side benchmarks (see docs/benchmarks.md).",
+        formatter_class=EnvHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="fewer scenarios and shorter runs: under one minute")
     p.add_argument(
