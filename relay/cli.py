@@ -116,6 +116,15 @@ def _log_level(p: argparse.ArgumentParser) -> None:
           parse=lambda raw: _choice(*levels)(raw.upper()), help="log level")  # fmt: skip
 
 
+def _operator_epilog() -> str:
+    from relay.settings import OPERATOR_ENV
+
+    width = max(len(v.name) for v in OPERATOR_ENV)
+    lines = ["environment (no flag; read once at start):"]
+    lines += [f"  {v.name:<{width}}  {v.help} [default {v.default}]" for v in OPERATOR_ENV]
+    return "\n".join(lines)
+
+
 def _relay_epilog() -> str:
     from relay.settings import DEPRECATED_ENV, RELAY_ENV
 
@@ -145,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     _log_level(mig)
     sub.add_parser("plan", help="rebalance plan without Spark (JSON on stdout): --shard-map FILE")
     sub.add_parser("keygen", help="print a new Ed25519 key pair")
-    op = sub.add_parser("operator", help="run the kopf operator")
+    op = sub.add_parser("operator", help="run the kopf operator", epilog=_operator_epilog())
     scope = op.add_mutually_exclusive_group()
     _flag(op, "--namespace", env="RELAYFLEET_OPERATOR_NAMESPACE", default=None, to=scope,
           help="watch this namespace only")  # fmt: skip
@@ -253,6 +262,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return migrate_main(args.shard_map, args.slots, args.to)
     if cmd == "operator":
+        from relay.settings import check_operator_env
+
+        check_operator_env()  # ConfigError: exit 2, one line (main)
         try:
             from relayfleet_operator.main import run
         except ImportError as exc:

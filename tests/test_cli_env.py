@@ -140,3 +140,22 @@ def test_every_flag_in_every_help_screen_names_env_and_default(command: str) -> 
     for entry in entries:
         assert re.search(r"\b(no )?env\b", entry), entry
         assert "default" in entry or "required" in entry, entry
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"RELAYFLEET_OPERATOR_RESYNC_SECONDS": "abc"},
+            "relayfleet: RELAYFLEET_OPERATOR_RESYNC_SECONDS must be a number, got 'abc'",
+        ),
+        (
+            {"RELAYFLEET_OPERATOR_HEALTH_PORT": "99999"},
+            "relayfleet: RELAYFLEET_OPERATOR_HEALTH_PORT must be a port number, got 99999",
+        ),
+    ],
+)
+def test_bad_operator_values_exit_2_before_the_operator_starts(env: dict[str, str], message: str) -> None:
+    out = run_cli("operator", "--namespace", "x", env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip() == message
