@@ -386,3 +386,71 @@ def test_backup_of_a_replicated_shard_follows_the_primary_across_a_failover(
 def _settled_primary_not(shard: LocalShard, old: Node) -> dict[str, Any] | None:
     s = shard.probe()
     return s if "primaryOffset" in s and s.get("primary") != f"127.0.0.1:{old.port}" else None
+
+
+def test_operator_moves_slots_off_a_replicated_shard_after_and_during_failovers(
+    local_shard: LocalShard,
+) -> None:
+    """Scale-in of a replicated shard through the operator's migration adapter (what a
+    RelayShard deletion runs): half the slots after a failover, the other half with the new
+    primary SIGKILLed mid-move and the move run again, as the operator retries it."""
+    from relayfleet_operator.migration import MoveError, holds_data, migrate_range
+    from relayfleet_operator.planning import Move
+
+    from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange
+    from relay.localredis import LocalRedis
+    from tests.operator_support import enqueue_messages, read_queues, recipients_on
+
+    shard = local_shard
+    wait_for("Sentinels see both replicas", lambda: True if len(_online(shard.probe())) == 2 else None)
+    target = LocalRedis(binary=str(DEBIAN / "redis-server"), password=PASSWORD).start()
+    try:
+        urls = {"a": shard.url(), "b": target.url}
+        recipients = recipients_on(range(SLOT_COUNT), 60)
+        asyncio.run(enqueue_messages(urls["a"], recipients, 3))
+        expected = asyncio.run(read_queues(urls["a"], recipients))
+        assert all(len(v) == 3 for v in expected.values())
+        current = [
+            ShardMap("main", 1, {"a": urls["a"], "b": urls["b"]}, (SlotRange(0, SLOT_COUNT - 1, "a"),))
+        ]
+
+        async def publish(slots: Any, to: str) -> ShardMap:
+            current[0] = current[0].with_slots(slots, to)
+            return current[0]
+
+        def move(m: Move) -> None:
+            asyncio.run(migrate_range(current[0], m, urls, publish))
+
+        # after a failover
+        old = shard.node_at(int(shard.probe()["primary"].rsplit(":", 1)[1]))
+        old.kill()
+        wait_for("a replica promoted", lambda: _settled_primary_not(shard, old), timeout=30)
+        move(Move(0, 8191, "a", "b"))
+        assert current[0].slot_counts() == {"a": 8192, "b": 8192}
+
+        # during one: kill the primary while the move runs, then run the move again
+        status = shard.probe()
+        primary = shard.node_at(int(status["primary"].rsplit(":", 1)[1]))
+
+        async def move_while_failing_over() -> str:
+            task = asyncio.create_task(migrate_range(current[0], Move(8192, 16383, "a", "b"), urls, publish))
+            await asyncio.sleep(0.1)
+            assert not task.done(), "the move ended before the kill: nothing shown"
+            primary.kill()
+            killed = time.monotonic()
+            try:
+                await task
+            except MoveError as exc:
+                return f"interrupted: {exc}"
+            return f"finished {time.monotonic() - killed:.1f} s after the kill"
+
+        outcome = asyncio.run(move_while_failing_over())
+        wait_for("a replica promoted again", lambda: _settled_primary_not(shard, primary), timeout=30)
+        if current[0].slot_counts().get("a"):
+            move(Move(8192, 16383, "a", "b"))
+        print(f"move during the failover: {outcome}")
+        assert current[0].slot_counts() == {"a": 0, "b": SLOT_COUNT}
+        assert asyncio.run(read_queues(urls["b"], recipients)) == expected
+        assert not asyncio.run(holds_data(urls["a"], range(SLOT_COUNT)))
+    finally:
+        target.stop()

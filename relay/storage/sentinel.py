@@ -236,6 +236,18 @@ def _node_kwargs(target: SentinelTarget, kwargs: dict[str, Any]) -> dict[str, An
     return kw
 
 
+class _SentinelBackedClient(aioredis.Redis):
+    """A Sentinel service's primary client that also closes its connections to the
+    Sentinels (redis-py leaves them open: a ResourceWarning per short-lived client)."""
+
+    sentinel_clients: list[aioredis.Redis]
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        for sentinel in getattr(self, "sentinel_clients", ()):
+            await sentinel.aclose()
+
+
 def async_client(url: str, **kwargs: Any) -> aioredis.Redis:
     """A redis-py asyncio client for a redis:// URL or a Sentinel service's primary."""
     if not is_sentinel_url(url):
@@ -244,7 +256,10 @@ def async_client(url: str, **kwargs: Any) -> aioredis.Redis:
     manager = aiosentinel.Sentinel(  # type: ignore[no-untyped-call]
         list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target, kwargs.get("socket_timeout"))
     )
-    client: aioredis.Redis = manager.master_for(target.service, **_node_kwargs(target, kwargs))
+    client: _SentinelBackedClient = manager.master_for(
+        target.service, redis_class=_SentinelBackedClient, **_node_kwargs(target, kwargs)
+    )
+    client.sentinel_clients = list(manager.sentinels)
     return client
 
 
