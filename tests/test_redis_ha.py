@@ -454,3 +454,31 @@ def test_operator_moves_slots_off_a_replicated_shard_after_and_during_failovers(
         assert not asyncio.run(holds_data(urls["a"], range(SLOT_COUNT)))
     finally:
         target.stop()
+
+
+def test_replication_and_backup_figures_become_operator_metrics() -> None:
+    from relayfleet_operator import metrics, shards
+
+    spec = parse_shard(
+        {
+            "metadata": {"name": "m1", "namespace": "ns-m"},
+            "spec": {"fleet": "main", "redis": {"managed": {"replicas": 2}}},
+        }
+    )
+    labels = {"namespace": "ns-m", "shard": "m1"}
+    first = {
+        "redis": {
+            "primary": "a:6379",
+            "replicas": [{"state": "online", "lagBytes": 10}, {"state": "wait_bgsave", "lagBytes": 900}],
+        },
+        "lastBackupTime": "2026-01-01T00:00:00Z",
+    }
+    shards._export_redis(spec, {}, first)
+    sample = metrics.REGISTRY.get_sample_value
+    assert sample("relayfleet_operator_redis_replicas_online", labels) == 1
+    assert sample("relayfleet_operator_redis_replica_lag_bytes", labels) == 900
+    assert sample("relayfleet_operator_last_backup_timestamp_seconds", labels) == 1767225600
+    before = sample("relayfleet_operator_redis_primary_changes_total", labels) or 0
+    shards._export_redis(spec, first, {"redis": {"primary": "b:6379", "replicas": []}})
+    assert sample("relayfleet_operator_redis_primary_changes_total", labels) == before + 1
+    assert sample("relayfleet_operator_redis_replicas_online", labels) == 0

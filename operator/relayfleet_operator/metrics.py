@@ -56,6 +56,32 @@ REBALANCES_ACTIVE = Gauge(
 )
 
 
+REDIS_REPLICAS_ONLINE = Gauge(
+    "relayfleet_operator_redis_replicas_online",
+    "Replicas in state online behind a managed shard's primary, as last probed.",
+    ["namespace", "shard"],
+    registry=REGISTRY,
+)
+REDIS_REPLICA_LAG_BYTES = Gauge(
+    "relayfleet_operator_redis_replica_lag_bytes",
+    "The largest replication lag (primary offset minus replica offset) of a managed shard.",
+    ["namespace", "shard"],
+    registry=REGISTRY,
+)
+REDIS_PRIMARY_CHANGES = Counter(
+    "relayfleet_operator_redis_primary_changes_total",
+    "Times a managed shard's primary was seen to change between two probes (failovers).",
+    ["namespace", "shard"],
+    registry=REGISTRY,
+)
+LAST_BACKUP_SECONDS = Gauge(
+    "relayfleet_operator_last_backup_timestamp_seconds",
+    "Unix time of the last successful backup of a shard (its CronJob's lastSuccessfulTime).",
+    ["namespace", "shard"],
+    registry=REGISTRY,
+)
+
+
 def serve(port: int, addr: str = "0.0.0.0") -> None:
     """Expose /metrics on its own port (kopf's liveness endpoint has another)."""
     start_http_server(port, addr=addr, registry=REGISTRY)

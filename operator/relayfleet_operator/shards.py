@@ -3,6 +3,7 @@ draining it (moving its slots away) before it may be deleted."""
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import time
@@ -156,6 +157,7 @@ async def reconcile(ctx: fleet.Context, body: Mapping[str, Any], *, announce: bo
         raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from None
     status = shard_status(shard, previous, seen)
     await write_status(ctx, body, status)
+    _export_redis(shard, previous, status)
     if after is None:
         # Not in a map yet: the fleet's founder has not written it. Come back soon rather
         # than at the next resync, so a fleet applied in one go forms within seconds.
@@ -168,6 +170,30 @@ async def reconcile(ctx: fleet.Context, body: Mapping[str, Any], *, announce: bo
     metrics.RECONCILES.labels("RelayShard", "ok").inc()
     metrics.RECONCILE_SECONDS.labels("RelayShard").observe(time.monotonic() - started)
     return status
+
+
+def _export_redis(shard: ShardSpec, previous: Mapping[str, Any], status: Obj) -> None:
+    """Replication and backup figures of a managed shard as the operator's own metrics."""
+    labels = (shard.namespace, shard.name)
+    redis = status.get("redis")
+    if isinstance(redis, Mapping) and redis.get("primary"):
+        replicas = redis.get("replicas") or ()
+        metrics.REDIS_REPLICAS_ONLINE.labels(*labels).set(
+            sum(1 for r in replicas if r.get("state") == "online")
+        )
+        metrics.REDIS_REPLICA_LAG_BYTES.labels(*labels).set(
+            max((r.get("lagBytes", 0) for r in replicas), default=0)
+        )
+        before = (previous.get("redis") or {}).get("primary")
+        if before and before != redis["primary"]:
+            metrics.REDIS_PRIMARY_CHANGES.labels(*labels).inc()
+    stamp = status.get("lastBackupTime")
+    if isinstance(stamp, str):
+        try:
+            when = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+        except ValueError:
+            return
+        metrics.LAST_BACKUP_SECONDS.labels(*labels).set(when.timestamp())
 
 
 def _was_not_degraded(previous: Mapping[str, Any]) -> bool:
