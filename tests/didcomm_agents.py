@@ -1,7 +1,9 @@
 """Real DIDComm agents for the mediator e2e test (tests/test_didcomm_agents.py).
 
 * ``toolchain()`` runs ``hack/didcomm-toolchain.sh`` (a no-op once built; see docs/e2e.md)
-  and returns where Askar, the Credo-ts node_modules and ACA-Py are.
+  and returns where Askar, the Credo-ts node_modules and ACA-Py are. As a pytest plugin
+  (tests/conftest.py) this module runs it at collection time when a selected test carries
+  the ``didcomm_agents`` marker.
 * ``CredoAgent`` is the headless Credo-ts 0.6 agent of e2e/didcomm/credo/agent.mjs (a
   mediation recipient with a persistent Askar sqlite wallet), driven over JSON lines.
 * ``AcaPy`` is ``aca-py start`` on loopback, driven through its admin API.
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from relay.localredis import free_port
 
@@ -44,15 +47,39 @@ class Toolchain:
     acapy_bin: str
 
 
+# The build's outcome, once per session: a failure is remembered and raised by every test
+# that needs the agents, not retried (a cold build takes minutes).
+_BUILT: dict[str, Toolchain | AgentError] = {}
+
+
 def toolchain() -> Toolchain:
     """Build what is missing (minutes, once) and return where it is."""
-    done = subprocess.run(
-        ["bash", str(TOOLCHAIN_SCRIPT), "all"], capture_output=True, text=True, check=False, cwd=REPO_ROOT
-    )
-    if done.returncode != 0:
-        raise AgentError(f"{TOOLCHAIN_SCRIPT} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    env = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
-    return Toolchain(env["LIB_ASKAR_PATH"], Path(env["DIDCOMM_CREDO_DIR"]), env["DIDCOMM_ACAPY_BIN"])
+    if "tools" not in _BUILT:
+        done = subprocess.run(
+            ["bash", str(TOOLCHAIN_SCRIPT), "all"], capture_output=True, text=True, check=False, cwd=REPO_ROOT
+        )
+        if done.returncode != 0:
+            tail_ = done.stderr[-4000:]
+            _BUILT["tools"] = AgentError(f"{TOOLCHAIN_SCRIPT} failed ({done.returncode}):\n{tail_}")
+        else:
+            env = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+            _BUILT["tools"] = Toolchain(
+                env["LIB_ASKAR_PATH"], Path(env["DIDCOMM_CREDO_DIR"]), env["DIDCOMM_ACAPY_BIN"]
+            )
+    built = _BUILT["tools"]
+    if isinstance(built, AgentError):
+        raise built
+    return built
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build the toolchain before any test runs if a selected test needs it, so a cold build
+    (Askar alone takes ~8 min) does not count against a test's timeout."""
+    if session.config.option.collectonly:
+        return
+    if any(item.get_closest_marker("didcomm_agents") for item in session.items):
+        with contextlib.suppress(AgentError):
+            toolchain()
 
 
 def _open_log(path: Path, header: str) -> int:
@@ -86,7 +113,7 @@ class CredoAgent:
         self._reader: asyncio.Task[None] | None = None
         self._new_message = asyncio.Event()
 
-    async def start(self, strategy: str, poll_ms: int = 200, timeout: float = 60.0) -> None:
+    async def start(self, strategy: str, poll_ms: int = 200, timeout: float = 120.0) -> None:
         # The agent imports from node_modules next to it: run a copy beside the cached tree.
         run_dir = self.data_dir.parent / f"{self.data_dir.name}-run"
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -222,7 +249,7 @@ class AcaPy:
     def admin(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
 
-    async def start(self, timeout: float = 90.0) -> None:
+    async def start(self, timeout: float = 150.0) -> None:
         endpoint = f"http://127.0.0.1:{self.inbound_port}"
         argv = [self.tools.acapy_bin, "start"]
         argv += ["--inbound-transport", "http", "127.0.0.1", str(self.inbound_port)]
