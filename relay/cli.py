@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from relay.fleet.sharding import ShardMapError
+from relay.fleet.sharding import ShardMapError, is_sentinel_url, parse_sentinel_url
 from relay.helpfmt import EnvHelpFormatter
 from relay.settings import ConfigError, Settings, env_value, parse_env
 from relay.storage.connection import RedisURLError
@@ -304,7 +304,12 @@ def _relay(args: argparse.Namespace) -> int:
         public_url=args.public_url,
     )
     if args.redis_url:
-        RedisTarget.from_url(args.redis_url)  # a bad URL or TLS option: exit 2 now, not at connect
+        # a bad URL or TLS option: exit 2 now, not at connect (a redis+sentinel:// URL names
+        # Sentinels, not a node: checked as a shard map entry)
+        if is_sentinel_url(args.redis_url):
+            parse_sentinel_url(args.redis_url)
+        else:
+            RedisTarget.from_url(args.redis_url)
 
     if args.redis_url:
         shard_map = routing.single_shard_map(args.redis_url, settings.fleet)

@@ -154,6 +154,18 @@ def test_checker_finds_bad_statuses_and_epoch_resets() -> None:
     assert sum(v.kind == "status" for v in h.check().violations) == 3
 
 
+def test_epochs_before_the_queue_exists_do_not_count() -> None:
+    h = History()
+    # reads of a queue nothing was sent to yet answer a placeholder epoch per shard
+    h.deliver("q", "read", 0.0, 1.0, 200, [], epoch="shard-a-placeholder")
+    h.deliver("q", "read", 1.0, 2.0, 200, [], epoch="shard-b-placeholder")
+    h.enqueue("q", "a", 3.0, 4.0, 201, seq=1, key="a")
+    h.deliver("q", "read", 5.0, 6.0, 200, [(1, "a")], epoch="e1")
+    assert h.check().ok, h.check().render()
+    h.deliver("q", "read", 7.0, 8.0, 200, [(1, "a")], from_seq=1, epoch="e2")
+    assert "epoch" in _kinds(h)
+
+
 def test_history_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     good = _base()
     good.deliver("q", "drain", 4.0, 5.0, 200, [(1, "a"), (2, "b")])
