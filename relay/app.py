@@ -240,7 +240,7 @@ def _add_observed(app: web.Application, routes: web.RouteTableDef, guard: Memory
 
 
 async def start_fleet(shard_map: ShardMap, settings: Settings, source: MapSource | None) -> Fleet:
-    fleet = Fleet(shard_map, settings.limits)
+    fleet = Fleet(shard_map, settings.limits, settings.credentials_dir)
     await fleet.start(source)
     return fleet
 

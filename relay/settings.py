@@ -209,6 +209,7 @@ class Settings:
     max_rss_mb: int = 0
     fleet: str = "default"
     shutdown_delay_s: float = 0.0  # keep serving after SIGTERM (endpoints catch up), then drain
+    credentials_dir: str | None = None  # RELAY_REDIS_CREDENTIALS_DIR: full shard URLs, one file each
     # The DIDComm mediator (relay/didcomm): off unless a seed file is given (a Secret mount; the
     # same seed on every relay of a fleet makes them one mediator). The public URL is what
     # agents reach the fleet at (invitation, DID document, mediate-grant endpoint).
@@ -230,6 +231,7 @@ class Settings:
             "fleet": env_value("RELAY_FLEET") or d.fleet,
             "didcomm_seed_file": env_value("RELAY_DIDCOMM_SEED_FILE"),  # also flags of `relay`
             "public_url": env_value("RELAY_PUBLIC_URL"),
+            "credentials_dir": env_value("RELAY_REDIS_CREDENTIALS_DIR"),
             "didcomm_redeliver_s": max(0.0, env_float("RELAY_DIDCOMM_REDELIVER_S", d.didcomm_redeliver_s)),
             "enqueue_tokens": enqueue_tokens_from_env(),
             "push_webhook": env_secret("RELAY_PUSH_WEBHOOK"),

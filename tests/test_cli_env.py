@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from relay import cli
+from relay.localredis import LocalRedis
 from relay.settings import DEPRECATED_ENV, RELAY_ENV, Settings
+from tests.conftest import RelayFactory
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -32,8 +36,6 @@ def test_every_flag_of_every_subcommand_names_its_variable_and_default() -> None
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    import os
-
     full = {k: v for k, v in os.environ.items() if not k.startswith(("RELAY_", "RELAYFLEET_"))}
     full.update(env or {})
     return subprocess.run(
@@ -159,3 +161,20 @@ def test_bad_operator_values_exit_2_before_the_operator_starts(env: dict[str, st
     out = run_cli("operator", "--namespace", "x", env=env)
     assert out.returncode == 2
     assert out.stderr.strip() == message
+
+
+async def test_relay_reads_shard_credentials_from_the_dir_settings_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, relay_factory: RelayFactory
+) -> None:
+    """RELAY_REDIS_CREDENTIALS_DIR, read once into Settings, gives the fleet the full URL
+    (with the password) the shard map leaves out."""
+    server = LocalRedis(binary="/usr/bin/redis-server", password="from-the-secret").start()
+    try:
+        (tmp_path / "default").write_text(server.url + "\n")
+        monkeypatch.setenv("RELAY_REDIS_CREDENTIALS_DIR", str(tmp_path))
+        relay = await relay_factory(f"redis://127.0.0.1:{server.port}/0")  # no password in the map
+        assert relay.settings.credentials_dir == str(tmp_path)
+        async with relay.client() as c:
+            assert await c.enqueue(os.urandom(32), b"x") == (1, False)
+    finally:
+        server.stop()

@@ -7,7 +7,6 @@ per shard; relays, migrations and the Spark jobs all read them the same way.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 from relay.fleet.sharding import ShardMap
@@ -39,7 +38,3 @@ def apply_credentials(shard_map: ShardMap, directory: str | None) -> ShardMap:
         raise CredentialsError(f"credentials directory {directory} does not exist")
     urls = {name: shard_url(name, url, directory) for name, url in shard_map.shards.items()}
     return dataclasses.replace(shard_map, shards=urls)
-
-
-def credentials_dir_from_env() -> str | None:
-    return os.environ.get(CREDENTIALS_ENV) or None

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from relay import metrics
-from relay.fleet.credentials import credentials_dir_from_env, shard_url
+from relay.fleet.credentials import shard_url
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, ShardMapError, SlotRange, loads_shard_map, slot_of
 from relay.storage import keys as K
 from relay.storage.store import QueueLimits, ShardStore
@@ -41,9 +41,11 @@ MapSource = Callable[[], Awaitable[ShardMap | None]]
 
 
 class Fleet:
-    def __init__(self, shard_map: ShardMap, limits: QueueLimits) -> None:
+    def __init__(self, shard_map: ShardMap, limits: QueueLimits, credentials_dir: str | None = None) -> None:
         self.map = shard_map
         self.limits = limits
+        # one file per shard with its full URL (a mounted Secret), read at every (re)load
+        self.credentials_dir = credentials_dir
         self.stores: dict[str, ShardStore] = {}
         self.hubs: dict[str, WakeupHub] = {}
         self._source: MapSource | None = None
@@ -75,7 +77,7 @@ class Fleet:
 
     async def _open_shards(self, shard_map: ShardMap) -> None:
         for name, map_url in shard_map.shards.items():
-            url = shard_url(name, map_url, credentials_dir_from_env())
+            url = shard_url(name, map_url, self.credentials_dir)
             store = self.stores.get(name)
             if store is not None and store.url == url:
                 continue
