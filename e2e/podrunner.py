@@ -46,6 +46,8 @@ import yaml
 from kubernetes.client import ApiClient
 from kubernetes.config import kube_config
 
+from relay.fleet.contract import Obj
+
 log = logging.getLogger("e2e.podrunner")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,7 +59,6 @@ SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 IMAGE_PATHS = {"/app": str(ROOT)}
 LOOP_S = 0.5
 PROBE_S = 1.0
-Obj = dict[str, Any]
 
 
 # JSON {image: source tree}: pods of those images run that tree's code (the upgrade test runs

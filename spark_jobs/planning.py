@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay.fleet.contract import Move
 from relay.fleet.sharding import SLOT_COUNT, ShardMap
 from relay.storage.maintenance import MaintenanceError
 
@@ -76,24 +77,6 @@ class SlotLoad:
             rate=float(row.get("rate") or 0.0),
             state=row.get("state"),
         )
-
-
-@dataclass(frozen=True, slots=True)
-class Move:
-    start: int
-    end: int  # inclusive
-    source: str
-    target: str
-    bytes: int
-    messages: int
-
-    def row(self) -> list[Any]:
-        """[start, end, from, to, bytes]: the plan's JSON form."""
-        return [self.start, self.end, self.source, self.target, self.bytes]
-
-    @property
-    def slots(self) -> str:
-        return str(self.start) if self.start == self.end else f"{self.start}-{self.end}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -142,10 +142,7 @@ def proposal_spec(result: Plan) -> dict[str, Any]:
     doc = result.to_json()
     return {
         "shardMapEpoch": result.epoch,
-        "moves": [
-            {"slots": m.slots, "from": m.source, "to": m.target, "bytes": m.bytes, "messages": m.messages}
-            for m in result.moves
-        ],
+        "moves": [m.to_json() for m in result.moves],
         "summary": {
             "metric": doc["metric"],
             "tolerance": doc["tolerance"],

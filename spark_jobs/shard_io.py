@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from relay.fleet import credentials
+from relay.fleet.contract import SHARDMAP_KEY
 from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
 from relay.storage.maintenance import ShardMaintenance
 
 GROUP = "relayfleet.dev"
 VERSION = "v1alpha1"
-SHARD_MAP_KEY = "shardmap.json"
+SHARD_MAP_KEY = SHARDMAP_KEY  # the fleet contract's data key
 DEFAULT_TASK_SLOTS = 512
 
 

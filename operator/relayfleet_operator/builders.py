@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from relay.fleet import contract
+from relay.fleet.contract import Obj
 from relay.fleet.sharding import (
     SLOT_COUNT,
     SentinelTarget,
@@ -36,14 +38,12 @@ from relayfleet_operator.spec import (
     ShardSpec,
 )
 
-Obj = dict[str, Any]
-
 MANAGER = "relayfleet-operator"
 LABEL_FLEET = "relayfleet.dev/fleet"
 LABEL_SHARD = "relayfleet.dev/shard"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 CONFIG_HASH = "relayfleet.dev/config-hash"
-SHARDMAP_KEY = "shardmap.json"
+SHARDMAP_KEY = contract.SHARDMAP_KEY
 RELAY_PORT = 8080
 REDIS_PORT = 6379
 SENTINEL_PORT = 26379
@@ -88,7 +88,7 @@ def backup_name(shard: str) -> str:
 
 
 def shardmap_name(fleet: str) -> str:
-    return f"relayfleet-{fleet}-shardmap"
+    return contract.shardmap_configmap_name(fleet)
 
 
 def fleet_service_name(fleet: str) -> str:

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from relay.fleet.contract import Obj
 from relayfleet_operator.kube import Kube
 
 log = logging.getLogger("relayfleet.operator.crds")
@@ -37,8 +38,6 @@ VERSION_ANNOTATION = "relayfleet.dev/version"
 OWN_CRDS = frozenset({"relayshards.relayfleet.dev", "relayrebalances.relayfleet.dev"})
 CRD_API = "apiextensions.k8s.io/v1"
 _SEMVER = re.compile(r"^([0-9]+)\.([0-9]+)\.([0-9]+)(?:-([0-9A-Za-z.]+))?$")
-
-Obj = dict[str, Any]
 
 
 class CRDError(RuntimeError):

@@ -11,18 +11,18 @@ import asyncio
 import base64
 import contextlib
 import secrets
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay.fleet import contract
+from relay.fleet.contract import MapChange, MapWriteConflict, Obj
 from relay.fleet.sharding import ShardMap
 from relayfleet_operator import builders, metrics, migration
 from relayfleet_operator.kube import Conflict, Kube
 from relayfleet_operator.planning import Move
 from relayfleet_operator.spec import API_VERSION, SHARD_KIND, ExternalRedis, ShardSpec, SpecError, parse_shard
 
-Obj = dict[str, Any]
-MapChange = Callable[[ShardMap | None], ShardMap | None]
 _MAP_WRITE_ATTEMPTS = 8
 
 
@@ -196,27 +196,41 @@ async def set_credentials(
 async def update_shard_map(
     kube: Kube, namespace: str, fleet: str, change: MapChange, owners: Sequence[ShardSpec]
 ) -> tuple[ShardMap | None, bool]:
-    """Apply `change` to the fleet's map; returns (the map now, whether it was written)."""
-    for _ in range(_MAP_WRITE_ATTEMPTS):
-        current, cm = await read_shard_map(kube, namespace, fleet)
-        wanted = change(current)
-        if wanted is current or (wanted is not None and current is not None and wanted == current):
-            return current, False
+    """Apply `change` to the fleet's map; returns (the map now, whether it was written).
+
+    The read-recompute-conditional-write loop is the fleet contract's
+    (`relay.fleet.contract.update_shard_map`); this side supplies the API calls."""
+    name = builders.shardmap_name(fleet)
+
+    async def read() -> tuple[ShardMap | None, Obj | None]:
+        return await read_shard_map(kube, namespace, fleet)
+
+    async def write(wanted: ShardMap, cm: Obj | None) -> None:
+        obj = builders.shard_map_configmap(namespace, wanted, owners)
         try:
-            if wanted is None:
-                await kube.delete("v1", "ConfigMap", namespace, builders.shardmap_name(fleet))
-            elif cm is None:
-                await kube.create(builders.shard_map_configmap(namespace, wanted, owners))
+            if cm is None:
+                await kube.create(obj)
             else:
-                obj = builders.shard_map_configmap(namespace, wanted, owners)
                 obj["metadata"]["resourceVersion"] = cm["metadata"]["resourceVersion"]
                 await kube.replace(obj)
         except Conflict:
-            continue  # someone wrote in between: recompute from their version
-        if wanted is not None:
-            metrics.SHARD_MAP_EPOCH.labels(namespace, fleet).set(wanted.epoch)
-        return wanted, True
-    raise FleetError(f"shard map of fleet {fleet} kept changing under us; will retry")
+            raise MapWriteConflict from None  # someone wrote in between: recompute from theirs
+
+    async def delete() -> None:
+        try:
+            await kube.delete("v1", "ConfigMap", namespace, name)
+        except Conflict:
+            raise MapWriteConflict from None
+
+    try:
+        wanted, written = await contract.update_shard_map(
+            contract.MapStore(read, write, delete), change, _MAP_WRITE_ATTEMPTS
+        )
+    except MapWriteConflict:
+        raise FleetError(f"shard map of fleet {fleet} kept changing under us; will retry") from None
+    if written and wanted is not None:
+        metrics.SHARD_MAP_EPOCH.labels(namespace, fleet).set(wanted.epoch)
+    return wanted, written
 
 
 async def publish_move(

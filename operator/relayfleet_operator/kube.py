@@ -16,9 +16,8 @@ from typing import Any
 
 import aiohttp
 
+from relay.fleet.contract import Obj
 from relayfleet_operator.builders import MANAGER
-
-Obj = dict[str, Any]
 
 _PLURALS: dict[str, str] = {
     "ConfigMap": "configmaps",

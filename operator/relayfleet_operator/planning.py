@@ -8,73 +8,15 @@ the same Move shape, so the executor does not care who planned. Pure functions.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+# The Move shape, its JSON and the slot-range syntax are the fleet contract shared with
+# the Spark planner and the relay; re-exported here for the operator's modules.
+from relay.fleet.contract import Move as Move
+from relay.fleet.contract import PlanError as PlanError
+from relay.fleet.contract import move_from_json as move_from_json
+from relay.fleet.contract import parse_slots as parse_slots
 from relay.fleet.sharding import SLOT_COUNT, ShardMap
-
-
-class PlanError(ValueError):
-    """A proposal that cannot be executed against the current shard map."""
-
-
-@dataclass(frozen=True)
-class Move:
-    start: int
-    end: int  # inclusive
-    source: str
-    target: str
-    bytes: int = 0
-    messages: int = 0
-
-    @property
-    def size(self) -> int:
-        return self.end - self.start + 1
-
-    @property
-    def slots(self) -> str:
-        return str(self.start) if self.start == self.end else f"{self.start}-{self.end}"
-
-    def slot_list(self) -> list[int]:
-        return list(range(self.start, self.end + 1))
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "slots": self.slots,
-            "from": self.source,
-            "to": self.target,
-            "bytes": self.bytes,
-            "messages": self.messages,
-        }
-
-
-def parse_slots(text: str) -> tuple[int, int]:
-    lo, _, hi = text.strip().partition("-")
-    try:
-        start, end = int(lo), int(hi or lo)
-    except ValueError:
-        raise PlanError(f"bad slot range {text!r}: expected A-B") from None
-    if not 0 <= start <= end < SLOT_COUNT:
-        raise PlanError(f"bad slot range {text!r}: must be within 0-16383 and A <= B")
-    return start, end
-
-
-def move_from_json(doc: Mapping[str, object]) -> Move:
-    slots, source, target = doc.get("slots"), doc.get("from"), doc.get("to")
-    if not isinstance(slots, str) or not isinstance(source, str) or not isinstance(target, str):
-        raise PlanError("each move needs string fields slots, from and to")
-    if source == target:
-        raise PlanError(f"move of slots {slots} has the same from and to ({source})")
-    start, end = parse_slots(slots)
-    size = doc.get("bytes", 0)
-    msgs = doc.get("messages", 0)
-    return Move(
-        start,
-        end,
-        source,
-        target,
-        size if isinstance(size, int) and not isinstance(size, bool) else 0,
-        msgs if isinstance(msgs, int) and not isinstance(msgs, bool) else 0,
-    )
 
 
 def validate_moves(shard_map: ShardMap, moves: Sequence[Move]) -> None:

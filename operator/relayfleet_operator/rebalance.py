@@ -17,12 +17,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from relay.fleet.contract import Obj
 from relayfleet_operator.planning import Move, move_from_json
 
 ANNOTATION = "relayfleet.dev/rebalance"
 APPROVE, STOP, REFRESH = "approve", "stop", "refresh"
-
-Obj = dict[str, Any]
 
 
 class Phase(enum.StrEnum):

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from relay.fleet.contract import Obj
 from relay.fleet.sharding import ShardMap
 from relayfleet_operator import fleet, metrics, migration
 from relayfleet_operator.executor import MoveFailed, Outcome, run_moves
@@ -36,7 +37,6 @@ from relayfleet_operator.shards import notify
 from relayfleet_operator.spec import API_VERSION, REBALANCE_KIND
 from relayfleet_operator.status import now_rfc3339, set_condition
 
-Obj = dict[str, Any]
 log = logging.getLogger("relayfleet.operator")
 
 

@@ -16,9 +16,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from relay.fleet.contract import Obj
 from relay.fleet.sharding import SentinelTarget, is_sentinel_url, parse_sentinel_url
 
-Obj = dict[str, Any]
 _TIMEOUT_S = 2.0
 
 

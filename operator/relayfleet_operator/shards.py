@@ -12,6 +12,7 @@ from typing import Any, cast
 
 import kopf
 
+from relay.fleet.contract import Obj
 from relay.fleet.sharding import ShardMap, ShardMapError
 from relayfleet_operator import builders, fleet, metrics, migration
 from relayfleet_operator.kube import KubeError
@@ -20,7 +21,6 @@ from relayfleet_operator.replication import probe as probe_replication
 from relayfleet_operator.spec import API_VERSION, SHARD_KIND, ManagedRedis, ShardSpec, SpecError, parse_shard
 from relayfleet_operator.status import Observed, condition, now_rfc3339, shard_status
 
-Obj = dict[str, Any]
 FORCE_DELETE = "relayfleet.dev/force-delete"
 # How long a failed or blocked step waits before kopf calls the handler again.
 RETRY_SECONDS = float(os.environ.get("RELAYFLEET_OPERATOR_RETRY_SECONDS", "15"))

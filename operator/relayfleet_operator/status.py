@@ -11,10 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from relay.fleet.contract import Obj
 from relayfleet_operator.builders import selector_string
 from relayfleet_operator.spec import ManagedRedis, ShardSpec
 
-Obj = dict[str, Any]
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Migrating")
 
 

@@ -22,10 +22,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from relay.fleet.contract import (
+    SHARDMAP_KEY,
+    MapStore,
+    MapWriteConflict,
+    shardmap_configmap_name,
+    update_shard_map,
+)
 from relay.fleet.migration import MapConflict
 from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
 
@@ -40,12 +46,8 @@ __all__ = [
 
 log = logging.getLogger("relay.configmap")
 
-KEY = "shardmap.json"
-
-
-def configmap_name(fleet: str) -> str:
-    """The ConfigMap a fleet's map lives in (DESIGN §4)."""
-    return f"relayfleet-{fleet}-shardmap"
+KEY = SHARDMAP_KEY  # the fleet contract's name and key (relay.fleet.contract)
+configmap_name = shardmap_configmap_name
 
 
 def _core_api(kubeconfig: str | None) -> Any:
@@ -219,54 +221,74 @@ def configmap_source(namespace: str, name: str) -> ConfigMapSource:
 def configmap_publisher(
     namespace: str, name: str, *, kubeconfig: str | None = None, retries: int = 5
 ) -> Callable[[ShardMap], Awaitable[ShardMap]]:
-    """Writes maps to the ConfigMap (creating it if missing); refuses one that is not newer."""
+    """Writes maps to the ConfigMap (creating it if missing); refuses one that is not newer.
+
+    The conditional-write loop is the fleet contract's (`relay.fleet.contract`), the
+    same one the operator runs; this side supplies blocking API calls on a thread."""
     where = f"{namespace}/{name}"
     api_box: list[Any] = []
 
-    def write(new_map: ShardMap) -> ShardMap:
+    def api() -> Any:
+        if not api_box:
+            api_box.append(_core_api(kubeconfig))
+        return api_box[0]
+
+    def failed(exc: Any) -> ShardMapError:
+        return ShardMapError(f"writing ConfigMap {where} failed: {exc.status} {exc.reason}")
+
+    def read_blocking() -> tuple[ShardMap | None, Any]:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            cm = api().read_namespaced_config_map(name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None, None
+            raise failed(exc) from None
+        current = (cm.data or {}).get(KEY)
+        return (loads_shard_map(current) if current else None), cm
+
+    def write_blocking(new_map: ShardMap, cm: Any) -> None:
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
-        if not api_box:
-            api_box.append(_core_api(kubeconfig))
-        api = api_box[0]
         body_data = {KEY: new_map.dumps()}
-        for attempt in range(retries):
-            try:
-                try:
-                    cm = api.read_namespaced_config_map(name, namespace)
-                except ApiException as exc:
-                    if exc.status != 404:
-                        raise
-                    api.create_namespaced_config_map(
-                        namespace,
-                        client.V1ConfigMap(
-                            metadata=client.V1ObjectMeta(name=name, namespace=namespace), data=body_data
-                        ),
-                    )
-                    return new_map
-                current = (cm.data or {}).get(KEY)
-                if current:
-                    old = loads_shard_map(current)
-                    if old.epoch >= new_map.epoch and old.fleet == new_map.fleet:
-                        raise MapConflict(
-                            f"ConfigMap {where} already holds epoch {old.epoch}; "
-                            f"refusing epoch {new_map.epoch}"
-                        )
+        try:
+            if cm is None:
+                meta = client.V1ObjectMeta(name=name, namespace=namespace)
+                api().create_namespaced_config_map(
+                    namespace, client.V1ConfigMap(metadata=meta, data=body_data)
+                )
+            else:
                 cm.data = {**(cm.data or {}), **body_data}
-                api.replace_namespaced_config_map(
-                    name, namespace, cm
-                )  # carries resourceVersion: 409 if raced
-                return new_map
-            except ApiException as exc:
-                if exc.status == 409 and attempt + 1 < retries:
-                    time.sleep(0.05 * (attempt + 1))
-                    continue
-                raise ShardMapError(f"writing ConfigMap {where} failed: {exc.status} {exc.reason}") from None
-        raise ShardMapError(f"writing ConfigMap {where} kept conflicting")
+                api().replace_namespaced_config_map(name, namespace, cm)  # carries resourceVersion
+        except ApiException as exc:
+            if exc.status == 409:
+                raise MapWriteConflict from None
+            raise failed(exc) from None
+
+    async def read() -> tuple[ShardMap | None, Any]:
+        return await asyncio.to_thread(read_blocking)
+
+    async def write(new_map: ShardMap, cm: Any) -> None:
+        await asyncio.to_thread(write_blocking, new_map, cm)
+
+    async def backoff(attempt: int) -> None:
+        await asyncio.sleep(0.05 * (attempt + 1))
 
     async def publish(new_map: ShardMap) -> ShardMap:
-        return await asyncio.to_thread(write, new_map)
+        def change(old: ShardMap | None) -> ShardMap:
+            if old is not None and old.epoch >= new_map.epoch and old.fleet == new_map.fleet:
+                raise MapConflict(
+                    f"ConfigMap {where} already holds epoch {old.epoch}; refusing epoch {new_map.epoch}"
+                )
+            return new_map
+
+        try:
+            await update_shard_map(MapStore(read, write), change, retries, backoff)
+        except MapWriteConflict:
+            raise ShardMapError(f"writing ConfigMap {where} kept conflicting") from None
+        return new_map
 
     return publish
 

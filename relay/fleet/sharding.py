@@ -178,18 +178,23 @@ def loads_shard_map(text: str | bytes) -> ShardMap:
     return parse_shard_map(doc)
 
 
+def parse_slot_range(text: str) -> tuple[int, int]:
+    """'A-B' or 'A' into (A, B), inclusive; ShardMapError with the contract's text otherwise."""
+    lo, _, hi = text.strip().partition("-")
+    try:
+        start, end = int(lo), int(hi or lo)
+    except ValueError:
+        raise ShardMapError(f"bad slot range {text!r}: expected A-B") from None
+    if not 0 <= start <= end < SLOT_COUNT:
+        raise ShardMapError(f"bad slot range {text!r}: must be within 0-16383 and A <= B")
+    return start, end
+
+
 def parse_slot_spec(spec: str) -> list[int]:
     """'A-B' or 'A' or 'A-B,C' into a sorted list of slots."""
     slots: set[int] = set()
     for part in spec.split(","):
-        part = part.strip()
-        lo, _, hi = part.partition("-")
-        try:
-            a, b = int(lo), int(hi or lo)
-        except ValueError:
-            raise ShardMapError(f"bad slot range {part!r}: expected A-B") from None
-        if not 0 <= a <= b < SLOT_COUNT:
-            raise ShardMapError(f"bad slot range {part!r}: must be within 0-16383 and A <= B")
+        a, b = parse_slot_range(part.strip())
         slots.update(range(a, b + 1))
     return sorted(slots)
 
