@@ -38,6 +38,7 @@ system-deps:
 lint: venv-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	PYTHONPATH=.:operator $(VENV)/bin/lint-imports  # the layer contracts in pyproject.toml
 
 typecheck: venv-dev
 	$(VENV)/bin/mypy

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,15 @@ def test_settings_do_not_pull_in_the_store() -> None:
     loaded = _modules_after_import("relay.settings")
     assert "relay.storage.limits" in loaded
     assert [m for m in loaded if m == "redis" or m.startswith(("redis.", "relay.storage.store"))] == []
+
+
+def test_import_contracts_hold() -> None:
+    """The import-linter contracts in pyproject.toml (also run by `make lint`)."""
+    root = Path(__file__).resolve().parent.parent
+    lint_imports = Path(sys.executable).with_name("lint-imports")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "operator")])}
+    out = subprocess.run(
+        [str(lint_imports)], cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "0 broken" in out.stdout
