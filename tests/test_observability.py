@@ -265,6 +265,20 @@ _UNIT_CASES: list[tuple[list[tuple[str, str]], list[tuple[int, str, dict[str, st
         ],
     ),
     ([], [(40, "RelayfleetRetentionJobNotRun", {"spark_job": "retention"})]),
+    (
+        [
+            ('relayfleet_operator_redis_replicas_online{namespace="n", shard="r"}', "2 2 0x10"),
+            ('relayfleet_operator_redis_min_replicas{namespace="n", shard="r"}', "1x12"),
+            ('relayfleet_operator_last_backup_timestamp_seconds{namespace="n", shard="r"}', "0x2000"),
+        ],
+        [
+            (1, "RelayfleetShardReplicasBelowMinimum", None),
+            (6, "RelayfleetShardReplicasBelowMinimum", {"namespace": "n", "shard": "r"}),
+            (60, "RelayfleetShardBackupMissing", None),
+            (1560 + 20, "RelayfleetShardBackupMissing", None),  # over 26 h, not yet for 30 min
+            (1560 + 40, "RelayfleetShardBackupMissing", {"namespace": "n", "shard": "r"}),
+        ],
+    ),
 ]
 
 

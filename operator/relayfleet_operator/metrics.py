@@ -62,6 +62,12 @@ REDIS_REPLICAS_ONLINE = Gauge(
     ["namespace", "shard"],
     registry=REGISTRY,
 )
+REDIS_MIN_REPLICAS = Gauge(
+    "relayfleet_operator_redis_min_replicas",
+    "spec.redis.managed.minReplicas of a managed shard with replicas (writes wait for this many).",
+    ["namespace", "shard"],
+    registry=REGISTRY,
+)
 REDIS_REPLICA_LAG_BYTES = Gauge(
     "relayfleet_operator_redis_replica_lag_bytes",
     "The largest replication lag (primary offset minus replica offset) of a managed shard.",

@@ -176,6 +176,8 @@ def _export_redis(shard: ShardSpec, previous: Mapping[str, Any], status: Obj) ->
     """Replication and backup figures of a managed shard as the operator's own metrics."""
     labels = (shard.namespace, shard.name)
     redis = status.get("redis")
+    if isinstance(shard.redis, ManagedRedis) and shard.redis.sentinel:
+        metrics.REDIS_MIN_REPLICAS.labels(*labels).set(shard.redis.min_replicas)
     if isinstance(redis, Mapping) and redis.get("primary"):
         replicas = redis.get("replicas") or ()
         metrics.REDIS_REPLICAS_ONLINE.labels(*labels).set(
