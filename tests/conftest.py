@@ -22,16 +22,13 @@ from relay.localredis import LocalRedis
 from relay.serving import make_runner
 from relay.settings import Settings
 
-pytest_plugins: list[str] = []
-for _plugin in (
+pytest_plugins = [
     "tests.k8s_cluster",
     "tests.spark_session",
     "tests.soak_option",
     "tests.operator_support",
     "tests.didcomm_agents",
-):
-    if os.path.exists(os.path.join(os.path.dirname(__file__), _plugin.split(".")[1] + ".py")):
-        pytest_plugins.append(_plugin)
+]
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 

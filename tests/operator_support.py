@@ -32,7 +32,7 @@ from relay.localredis import LocalRedis, free_port
 from relay.storage import keys as K
 from relay.storage.store import QueueLimits, ShardStore
 from tests.k8s_cluster import KubeCluster
-from tests.test_migration_harness import (
+from tests.support.fleet_harness import (
     DEBIAN_REDIS,
     RelayProc,
     relay_logs,

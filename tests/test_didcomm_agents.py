@@ -48,7 +48,7 @@ from relay.fleet.routing import load_file
 from relay.fleet.sharding import even_split
 from relay.localredis import LocalRedis, free_port
 from tests.didcomm_agents import AcaPy, AgentError, CredoAgent, Toolchain, tail, toolchain
-from tests.test_migration_harness import RelayProc, spawn_relay, stop_relays, wait_ready
+from tests.support.fleet_harness import RelayProc, spawn_relay, stop_relays, wait_ready
 
 pytestmark = [
     pytest.mark.didcomm_agents,

@@ -31,8 +31,8 @@ from typing import Any
 import pytest
 
 from tests.sentinel_support import ReplicatedShard, needs_sentinel
-from tests.test_faults_support import report, start_relay, stop_relay
-from tests.test_migration_harness import RelayProc, Workload, make_queues
+from tests.support.faults import report, start_relay, stop_relay
+from tests.support.fleet_harness import RelayProc, Workload, make_queues
 
 pytestmark = [pytest.mark.faults, needs_sentinel, pytest.mark.timeout(240)]
 

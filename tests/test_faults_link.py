@@ -17,9 +17,9 @@ import aiohttp
 import pytest
 
 from relay.localredis import LocalRedis
+from tests.support.faults import call, report, start_relay, stop_relay
+from tests.support.fleet_harness import DEBIAN_REDIS, QueueSpec, Workload, _q, make_queues
 from tests.tcp_proxy import tcp_proxy
-from tests.test_faults_support import call, report, start_relay, stop_relay
-from tests.test_migration_harness import DEBIAN_REDIS, QueueSpec, Workload, _q, make_queues
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 

@@ -22,7 +22,8 @@ import pytest
 import redis
 
 from relay.storage import keys as K
-from tests.test_faults_support import report
+from tests.support.faults import report
+from tests.support.fleet_harness import FleetProcs, final_placement_problems, fleet_procs
 from tests.test_migration_crash import (
     HI,
     LO,
@@ -33,7 +34,6 @@ from tests.test_migration_crash import (
     moving_workload,
     post_fillers,
 )
-from tests.test_migration_harness import FleetProcs, final_placement_problems, fleet_procs
 
 pytestmark = [pytest.mark.faults]
 

@@ -21,8 +21,8 @@ from tests.operator_support import (
     rebalance,
     wait_for,
 )
-from tests.test_faults_support import report
-from tests.test_migration_harness import Workload, make_queues
+from tests.support.faults import report
+from tests.support.fleet_harness import Workload, make_queues
 
 pytestmark = [pytest.mark.faults, pytest.mark.k8s]
 

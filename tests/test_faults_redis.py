@@ -28,8 +28,8 @@ import redis.asyncio as aioredis
 
 from relay.history import Verdict
 from relay.localredis import LocalRedis
-from tests.test_faults_support import call, report, start_relay, stop_relay
-from tests.test_migration_harness import (
+from tests.support.faults import call, report, start_relay, stop_relay
+from tests.support.fleet_harness import (
     DEBIAN_REDIS,
     QueueSpec,
     RelayProc,

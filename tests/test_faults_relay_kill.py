@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_faults_support import report
-from tests.test_migration_harness import (
+from tests.support.faults import report
+from tests.support.fleet_harness import (
     FleetProcs,
     Workload,
     fleet_procs,

@@ -25,10 +25,10 @@ from relayfleet_operator.spec import parse_shard
 
 from relay.localredis import LocalRedis
 from relay.protocol import keypair, sign_headers
+from tests.support.faults import stop_relay
+from tests.support.fleet_harness import DEBIAN_REDIS, RelayProc, spawn_relay, wait_ready
 from tests.test_builders import MANAGED, shard_body
 from tests.test_crds import HELM, helm
-from tests.test_faults_support import stop_relay
-from tests.test_migration_harness import DEBIAN_REDIS, RelayProc, spawn_relay, wait_ready
 
 pytestmark = [pytest.mark.faults]
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 
 from relay.localredis import LocalRedis
-from tests.test_faults_support import call, report, start_relay, stop_relay
-from tests.test_migration_harness import DEBIAN_REDIS, make_queues
+from tests.support.faults import call, report, start_relay, stop_relay
+from tests.support.fleet_harness import DEBIAN_REDIS, make_queues
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 

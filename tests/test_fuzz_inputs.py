@@ -22,8 +22,8 @@ from relay.api.auth import parse_header
 from relay.api.errors import ApiError
 from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
 from relay.localredis import LocalRedis
-from tests.test_faults_support import report, start_relay, stop_relay
-from tests.test_migration_harness import DEBIAN_REDIS, RelayProc
+from tests.support.faults import report, start_relay, stop_relay
+from tests.support.fleet_harness import DEBIAN_REDIS, RelayProc
 
 pytestmark = [pytest.mark.faults]
 

@@ -33,7 +33,7 @@ from relay.fleet.migration import file_publisher, migrate_slots
 from relay.fleet.sharding import slot_of
 from relay.storage import keys as K
 from relay.storage.store import QueueLimits, ShardStore
-from tests.test_migration_harness import b64, fleet_procs
+from tests.support.fleet_harness import b64, fleet_procs
 
 LO, HI = 0, 1023  # the moving range (1/16 of the slots)
 

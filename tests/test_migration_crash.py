@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from relay.fleet.migration import CRASH_ENV, CRASH_EXIT, STEPS
 from relay.fleet.sharding import slot_of
 from relay.storage import keys as K
-from tests.test_migration_harness import (
+from tests.support.fleet_harness import (
     FleetProcs,
     QueueSpec,
     Workload,

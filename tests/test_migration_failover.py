@@ -32,8 +32,8 @@ from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange
 from relay.localredis import LocalRedis
 from relay.storage import keys as K
 from tests.sentinel_support import DEBIAN_REDIS, ReplicatedShard, needs_sentinel
-from tests.test_faults_support import report
-from tests.test_migration_harness import (
+from tests.support.faults import report
+from tests.support.fleet_harness import (
     RelayProc,
     Workload,
     make_queues,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from relay.history import History, check, main
-from tests.test_migration_harness import (
+from tests.support.fleet_harness import (
     Migrator,
     Workload,
     final_placement_problems,

@@ -427,7 +427,7 @@ async def test_deleting_a_shard_under_traffic_keeps_the_history(kwok_fleet: Kwok
     operator move all 16384 slots to b and c. The history checker then holds every
     guarantee: nothing acknowledged lost, nothing delivered twice or after its ack,
     per-queue order kept, no 5xx but 503 + Retry-After."""
-    from tests.test_migration_harness import Workload, make_queues
+    from tests.support.fleet_harness import Workload, make_queues
 
     fleet = kwok_fleet
     fleet.redis("a", "b", "c")

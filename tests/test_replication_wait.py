@@ -21,8 +21,8 @@ import redis
 
 from relay.storage import keys as K
 from tests.sentinel_support import ReplicatedShard, needs_sentinel
-from tests.test_faults_support import call, start_relay, stop_relay
-from tests.test_migration_harness import b64
+from tests.support.faults import call, start_relay, stop_relay
+from tests.support.fleet_harness import b64
 
 pytestmark = [needs_sentinel, pytest.mark.timeout(120)]
 

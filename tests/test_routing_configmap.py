@@ -23,7 +23,7 @@ from relay.fleet.migration import MapConflict, migrate_slots
 from relay.fleet.sharding import ShardMap, ShardMapError, even_split, slot_of
 from relay.localredis import LocalRedis
 from tests.k8s_cluster import KubeCluster
-from tests.test_migration_harness import DEBIAN_REDIS, b64, spawn_relay, stop_relays, wait_ready
+from tests.support.fleet_harness import DEBIAN_REDIS, b64, spawn_relay, stop_relays, wait_ready
 
 pytestmark = pytest.mark.k8s
 

@@ -19,7 +19,7 @@ import aiohttp
 from relay.fleet.migration import file_publisher, migrate_slots, write_map_file
 from relay.fleet.sharding import ShardMap
 from relay.localredis import LocalRedis
-from tests.test_migration_harness import (
+from tests.support.fleet_harness import (
     DEBIAN_REDIS,
     FleetProcs,
     QueueSpec,

@@ -9,7 +9,7 @@ read+ack consumers, drain consumers and long-polls through every relay, recordin
 response into a `relay.history.History`, and finally reads every queue to its end.
 `Migrator` moves the workload's slots back and forth between shards meanwhile.
 
-The tests at the bottom check the harness itself.
+The harness itself is tested in tests/test_fleet_harness.py.
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 
 from relay.fleet.migration import MigrationReport, file_publisher, migrate_slots, write_map_file
 from relay.fleet.routing import load_file
@@ -451,31 +450,3 @@ async def final_placement_problems(fleet: FleetProcs, slots: Sequence[int]) -> l
         finally:
             await client.aclose()
     return problems
-
-
-# -- tests of the harness itself ---------------------------------------------------------
-
-
-@pytest.fixture
-async def small_fleet(tmp_path: Path) -> AsyncIterator[FleetProcs]:
-    with fleet_procs(tmp_path, shards=2, relays=2) as fleet:
-        yield fleet
-
-
-async def test_workload_without_migration_gives_a_clean_history(small_fleet: FleetProcs) -> None:
-    queues = make_queues(6, seed=3)
-    work = Workload(small_fleet.urls, queues, producers=3, max_wait_s=1.0)
-    await work.start()
-    await asyncio.sleep(3)
-    await work.stop()
-    verdict = work.history.check()
-    assert verdict.ok, verdict.render()
-    assert verdict.counts["messages_acknowledged"] > 50
-    assert verdict.counts["idempotent_duplicates"] >= 1
-
-
-async def test_harness_relays_serve_every_shard(small_fleet: FleetProcs) -> None:
-    shard_map = small_fleet.shard_map()
-    owners = {shard_map.shard_for_slot(q.slot) for q in make_queues(20, seed=5)}
-    assert owners == {"a", "b"}
-    assert all(r.proc.poll() is None for r in small_fleet.relays)
