@@ -225,3 +225,40 @@ def test_seq_jump_bound() -> None:
     assert B.seq_jump_for(1_000, 3_601_000) == 3660 * B.WRITES_PER_SECOND_BOUND
     # a year since the backup still fits a JSON-safe integer many times over
     assert B.seq_jump_for(0, 366 * 86400 * 1000) < 2**53 // 100
+
+
+async def test_until_promotion_the_restored_redis_refuses_client_writes(
+    node: LocalRedis, tmp_path: Path
+) -> None:
+    """The epoch pass runs while the target is a read-only replica: a relay's write in that
+    window is refused (READONLY, a retryable answer), never applied under an old epoch."""
+    from relay.storage.connection import RedisTarget
+    from relay.storage.snapshot import Replica, load_rdb
+
+    client = redis.Redis.from_url(node.url)
+    client.set("kept", "1")
+    cli("backup", "--redis-url", node.url, "--shard", "s", "--to", str(tmp_path), "--quiet")
+    rdb = next((tmp_path / "s").glob("*.rdb"))
+    fresh = start_redis()
+    seen: list[str] = []
+    try:
+        writer = redis.asyncio.Redis.from_url(fresh.url)
+
+        async def prepare(replica: Replica) -> None:
+            with pytest.raises(redis.ReadOnlyError):
+                await writer.set("racing", "1")
+            await replica.apply("SET", "applied", "1")
+            seen.append("refused")
+
+        await load_rdb(RedisTarget.from_url(fresh.url), rdb, prepare=prepare)
+        await writer.aclose()
+        after = redis.Redis.from_url(fresh.url)
+        assert seen == ["refused"]
+        assert after.get("kept") == b"1"
+        assert after.get("applied") == b"1"  # what went through the replication stream is there
+        assert after.get("racing") is None
+        assert after.set("now", "1")  # promoted: writable again
+        after.close()
+    finally:
+        client.close()
+        fresh.stop()
