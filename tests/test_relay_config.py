@@ -112,6 +112,33 @@ def test_public_url_extra_env_and_pod_template_reach_the_pod() -> None:
     assert annotations["prometheus.io/port"] == str(builders.RELAY_PORT)  # the operator's wins
 
 
+def test_secrets_digest_rolls_the_relays_when_a_secret_changes() -> None:
+    shard = parse_shard(shard_body(relay=FULL_RELAY))
+    refs = builders.relay_secret_refs(shard)
+    assert [(r.name, r.key) for r in refs] == [
+        ("relay-tokens", "tokens"),
+        ("push", "endpoint"),
+        ("didcomm", "seed"),
+    ]
+    one = builders.secrets_hash(shard, [b"tok-1", b"https://push", b"s" * 32])
+    two = builders.secrets_hash(shard, [b"tok-2", b"https://push", b"s" * 32])
+    missing = builders.secrets_hash(shard, [None, b"https://push", b"s" * 32])
+    empty = builders.secrets_hash(shard, [b"", b"https://push", b"s" * 32])
+    assert len({one, two, missing, empty}) == 4
+    assert "tok" not in one
+    other_shard = parse_shard(shard_body("z", relay=FULL_RELAY))
+    assert builders.secrets_hash(other_shard, [b"tok-1", b"https://push", b"s" * 32]) != one  # keyed by uid
+
+    def annotation(digest: str | None) -> str | None:
+        meta = builders.relay_deployment(shard, digest)["spec"]["template"]["metadata"]
+        value: str | None = meta["annotations"].get(builders.SECRETS_HASH)
+        return value
+
+    assert annotation(one) == one
+    assert annotation(None) is None
+    assert builders.relay_secret_refs(parse_shard(shard_body())) == []
+
+
 @pytest.mark.parametrize(
     ("relay", "message"),
     [

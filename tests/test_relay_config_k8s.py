@@ -108,6 +108,13 @@ def test_every_spec_relay_field_reaches_the_relay_pods(kwok_fleet: KwokFleet) ->
     try:
         relay: dict[str, Any] = copy.deepcopy(FULL_RELAY)
         relay["podTemplate"]["priorityClassName"] = priority["metadata"]["name"]
+        tokens: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "relay-tokens"},
+            "stringData": {"tokens": "tok-1"},
+        }
+        fleet.apply(tokens)
         fleet.redis("a")
         fleet.operator.start()
         fleet.join(fleet.external("a", relay=relay))
@@ -150,5 +157,26 @@ def test_every_spec_relay_field_reaches_the_relay_pods(kwok_fleet: KwokFleet) ->
             return False
 
         wait_for("pods with the changed env", rolled)
+
+        # Rotating a token: the operator's digest of the mounted Secrets changes, the relays roll.
+        def digest() -> str | None:
+            dep = fleet.get("deployment", "relayfleet-a-relay")
+            value = ((dep or {})["spec"]["template"]["metadata"].get("annotations") or {}).get(
+                "relayfleet.dev/secrets-hash"
+            )
+            return value if isinstance(value, str) else None
+
+        before = wait_for("a secrets digest on the relay pods", digest)
+        tokens["stringData"] = {"tokens": "tok-2"}
+        fleet.apply(tokens)
+        after = wait_for("a new secrets digest", lambda: (d := digest()) != before and d)
+        assert after != before
+        wait_for(
+            "a relay pod with the new digest",
+            lambda: any(
+                (p["metadata"].get("annotations") or {}).get("relayfleet.dev/secrets-hash") == after
+                for p in relay_pods(fleet, "a")
+            ),
+        )
     finally:
         fleet.cluster.kubectl("delete", "priorityclass", priority["metadata"]["name"], check=False)

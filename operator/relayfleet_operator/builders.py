@@ -310,7 +310,25 @@ def _relay_pod_scheduling(relay: RelayConfig) -> Obj:
     return out
 
 
-def relay_deployment(shard: ShardSpec) -> Obj:
+SECRETS_HASH = "relayfleet.dev/secrets-hash"
+
+
+def relay_secret_refs(shard: ShardSpec) -> list[SecretKeyRef]:
+    """The Secret keys spec.relay mounts into the relay pods (the operator hashes their values)."""
+    return [ref for _, ref, _ in _relay_secret_files(shard.relay)]
+
+
+def secrets_hash(shard: ShardSpec, values: Sequence[bytes | None]) -> str:
+    """A digest of the mounted secrets' values (None: missing), keyed by the shard's uid so the
+    annotation says nothing about a value on its own. The relay reads its secrets at start: a
+    changed digest changes the pod template, which rolls the relays onto the new values."""
+    digest = hashlib.sha256(shard.uid.encode())
+    for value in values:
+        digest.update(b"\x00" if value is None else b"\x01" + hashlib.sha256(value).digest())
+    return digest.hexdigest()[:16]
+
+
+def relay_deployment(shard: ShardSpec, secrets_digest: str | None = None) -> Obj:
     selector = relay_selector(shard.name)
     pod_labels = {**labels(shard.fleet, shard.name, "relay"), **selector}
     secret_volumes, secret_mounts = _relay_secret_volumes(shard.relay)
@@ -364,6 +382,7 @@ def relay_deployment(shard: ShardSpec) -> Obj:
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(RELAY_PORT),
                         "prometheus.io/path": "/metrics",
+                        **({SECRETS_HASH: secrets_digest} if secrets_digest else {}),
                     },
                 },
                 "spec": {
@@ -1012,10 +1031,10 @@ def retired_children(shard: ShardSpec) -> list[list[Ref]]:
 # --- all of one shard ------------------------------------------------------------------------
 
 
-def shard_children(shard: ShardSpec) -> list[Obj]:
+def shard_children(shard: ShardSpec, secrets_digest: str | None = None) -> list[Obj]:
     """Every object owned by one shard, in apply order (the password Secret excepted: it is
     created once by the handler, never re-applied)."""
-    objs = [relay_service(shard), relay_pdb(shard), relay_deployment(shard)]
+    objs = [relay_service(shard), relay_pdb(shard), relay_deployment(shard, secrets_digest)]
     if isinstance(shard.redis, ExternalRedis):
         return objs
     return [

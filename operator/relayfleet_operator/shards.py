@@ -3,6 +3,7 @@ draining it (moving its slots away) before it may be deleted."""
 
 from __future__ import annotations
 
+import base64
 import datetime
 import logging
 import os
@@ -90,6 +91,20 @@ async def _observe(ctx: fleet.Context, shard: ShardSpec, url: str | None) -> Obs
     )
 
 
+async def relay_secrets_digest(ctx: fleet.Context, shard: ShardSpec) -> str | None:
+    """Digest of the Secrets spec.relay mounts (None when it mounts none): rotating a token
+    rolls the relays on the next reconcile (resync period)."""
+    refs = builders.relay_secret_refs(shard)
+    if not refs:
+        return None
+    values: list[bytes | None] = []
+    for ref in refs:
+        secret = await ctx.kube.get("v1", "Secret", shard.namespace, ref.name)
+        raw = ((secret or {}).get("data") or {}).get(ref.key)
+        values.append(base64.b64decode(raw) if isinstance(raw, str) else None)
+    return builders.secrets_hash(shard, values)
+
+
 async def reconcile(ctx: fleet.Context, body: Mapping[str, Any], *, announce: bool) -> Obj:
     """Make the world match one RelayShard; returns the status written.
 
@@ -109,7 +124,8 @@ async def reconcile(ctx: fleet.Context, body: Mapping[str, Any], *, announce: bo
     try:
         async with ctx.locks.fleet(shard.namespace, shard.fleet):
             url = await fleet.redis_url(ctx.kube, shard)
-            for obj in builders.shard_children(shard):
+            digest = await relay_secrets_digest(ctx, shard)
+            for obj in builders.shard_children(shard, digest):
                 await ctx.kube.apply(obj)
             for group in builders.retired_children(shard):
                 if await ctx.kube.get(*group[0][:2], shard.namespace, group[0][2]) is not None:
