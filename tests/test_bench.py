@@ -270,3 +270,12 @@ def test_report_write_keeps_hand_written_text(tmp_path: Path) -> None:
     assert text.count("second") == 1
     assert "hand-written" in text
     assert "full run" in text
+
+
+def test_bench_writes_under_the_current_directory_not_next_to_the_module(tmp_path: Path) -> None:
+    from relay.bench.runner import default_output
+
+    assert default_output(tmp_path) == tmp_path / "benchmarks.md"
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "benchmarks.md").write_text("# Benchmarks\n")
+    assert default_output(tmp_path) == tmp_path / "docs" / "benchmarks.md"

@@ -34,7 +34,15 @@ from relay.helpfmt import EnvHelpFormatter
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_OUTPUT = REPO / "docs" / "benchmarks.md"
+
+
+def default_output(cwd: Path | None = None) -> Path:
+    """Where results go without --output: docs/benchmarks.md when run from a checkout
+    (it exists under the current directory), else ./benchmarks.md — never next to the
+    installed module."""
+    base = Path.cwd() if cwd is None else cwd
+    in_checkout = base / "docs" / "benchmarks.md"
+    return in_checkout if in_checkout.is_file() else base / "benchmarks.md"
 
 
 @dataclass
@@ -347,7 +355,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="fewer scenarios and shorter runs: under one minute")
     p.add_argument(
-        "--output", type=Path, default=DEFAULT_OUTPUT, help="markdown file to update (default: %(default)s)"
+        "--output",
+        type=Path,
+        default=None,
+        help="markdown file to update (default: ./docs/benchmarks.md when it exists, else ./benchmarks.md)",
     )
     p.add_argument(
         "--no-write", action="store_true", help="print the tables instead of updating the markdown file"
@@ -422,6 +433,8 @@ def main(argv: list[str]) -> int:
     if args.no_write:
         print(text)
     else:
+        if args.output is None:
+            args.output = default_output()
         report.write(args.output, plan.mode, text)
         print(f"relayfleet bench: results written to {args.output}", file=sys.stderr)
     failed = [s for s in bench.results.skips if s.scenario == "start"]
