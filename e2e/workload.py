@@ -3,7 +3,7 @@
 Producers send uniquely numbered payloads with an Idempotency-Key (retried until stored);
 each queue has one reader that long-polls, signs its reads and acks with the recipient's
 Ed25519 key, and at the end reads its queue to the end. Every response goes into a
-`relay.history.History`, which the test checks.
+`tests.support.history.History`, which the test checks.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 import aiohttp
 
-from relay.history import History
 from relay.protocol import keypair, sign_headers
+from tests.support.history import History
 
 NOT_SENT = -1
 

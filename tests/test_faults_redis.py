@@ -26,7 +26,6 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from relay.history import Verdict
 from relay.localredis import LocalRedis
 from tests.support.faults import call, report, start_relay, stop_relay
 from tests.support.fleet_harness import (
@@ -38,6 +37,7 @@ from tests.support.fleet_harness import (
     delivered_items,
     make_queues,
 )
+from tests.support.history import Verdict
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 

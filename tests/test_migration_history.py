@@ -1,6 +1,6 @@
 """The history test: slots move back and forth between three real redis-servers while two
 relay processes serve producers, read+ack consumers, drainers and long-polls; the
-recorded history must satisfy every guarantee (relay.history). Plus unit tests showing
+recorded history must satisfy every guarantee (tests.support.history). Plus unit tests showing
 the checker catches each kind of violation.
 """
 
@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from relay.history import History, check, main
 from tests.support.fleet_harness import (
     Migrator,
     Workload,
@@ -21,6 +20,7 @@ from tests.support.fleet_harness import (
     make_queues,
     retries,
 )
+from tests.support.history import History, check, main
 
 
 async def _run_history(tmp_path: Path, seconds: float, seed: int) -> None:

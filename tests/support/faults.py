@@ -11,8 +11,8 @@ from typing import Any
 
 import aiohttp
 
-from relay.history import Verdict
 from tests.support.fleet_harness import RelayProc, spawn_relay, stop_relays, wait_ready
+from tests.support.history import Verdict
 
 
 def start_relay(workdir: Path, redis_url: str, env: dict[str, str] | None = None, port: int = 0) -> RelayProc:

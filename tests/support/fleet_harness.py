@@ -6,7 +6,7 @@
 on a map file, a ConfigMap or a single Redis URL.
 `Workload` drives producers (uniquely numbered payloads, Idempotency-Key retries),
 read+ack consumers, drain consumers and long-polls through every relay, recording each
-response into a `relay.history.History`, and finally reads every queue to its end.
+response into a `tests.support.history.History`, and finally reads every queue to its end.
 `Migrator` moves the workload's slots back and forth between shards meanwhile.
 
 The harness itself is tested in tests/test_fleet_harness.py.
@@ -34,8 +34,8 @@ import aiohttp
 from relay.fleet.migration import MigrationReport, file_publisher, migrate_slots, write_map_file
 from relay.fleet.routing import load_file
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, even_split, slot_of
-from relay.history import History
 from relay.localredis import LocalRedis, free_port
+from tests.support.history import History
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 SHARD_NAMES = ("a", "b", "c", "d", "e")

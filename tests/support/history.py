@@ -33,7 +33,8 @@ Event records (also the JSON-lines file format; ``t0``/``t1`` are seconds, one c
 it must reuse one Idempotency-Key (``key``). Before checking, every queue must have
 been read or drained to the end, or unread messages count as lost.
 
-Command line: ``python -m relay.history HISTORY.jsonl [--at-least-once] [--allow-unanswered] [--show N]``
+Command line (from the repository root):
+``python -m tests.support.history HISTORY.jsonl [--at-least-once] [--allow-unanswered] [--show N]``
 prints the verdict; exit 0 when the history is valid, 1 on violations, 2 on bad input.
 """
 
@@ -446,7 +447,9 @@ def _check_queue(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m relay.history", description="Verify a recorded relay history")
+    p = argparse.ArgumentParser(
+        prog="python -m tests.support.history", description="Verify a recorded relay history"
+    )
     p.add_argument("history", help="JSON-lines history file")
     p.add_argument("--at-least-once", action="store_true", help="allow re-deliveries before the ack")
     p.add_argument(
@@ -459,16 +462,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         events = load(args.history)
     except OSError as exc:
-        print(f"relay.history: cannot read {args.history}: {exc.strerror}", file=sys.stderr)
+        print(f"tests.support.history: cannot read {args.history}: {exc.strerror}", file=sys.stderr)
         return 2
     except HistoryError as exc:
-        print(f"relay.history: {args.history}: {exc}", file=sys.stderr)
+        print(f"tests.support.history: {args.history}: {exc}", file=sys.stderr)
         return 2
     try:
         verdict = check(events, exactly_once=not args.at_least_once, allow_unanswered=args.allow_unanswered)
     except (TypeError, ValueError, KeyError) as exc:
         print(
-            f"relay.history: {args.history}: malformed record ({type(exc).__name__}: {exc})", file=sys.stderr
+            f"tests.support.history: {args.history}: malformed record ({type(exc).__name__}: {exc})",
+            file=sys.stderr,
         )
         return 2
     print(verdict.render(args.show))
