@@ -178,36 +178,54 @@ def test_managed_redis_requires_a_password() -> None:
     assert "/etc/redis-secret" in mounts  # the password comes from a Secret, never the ConfigMap
 
 
-def _network_policies() -> list[dict[str, Any]]:
-    managed = parse_shard(shard_body())
-    objs = builders.shard_children(managed) + builders.fleet_objects("ns1", "main", [managed])
+def _network_policies(shard: Any) -> list[dict[str, Any]]:
+    objs = builders.shard_children(shard) + builders.fleet_objects("ns1", "main", [shard])
     return [o for o in objs if o.get("kind") == "NetworkPolicy"]
 
 
+def _pod_labels(workload: dict[str, Any]) -> dict[str, str]:
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
 def test_only_the_fleets_own_parts_may_reach_shard_redis() -> None:
-    """Ingress to a managed shard's Redis: its fleet's relays, the fleet's other Redis
-    servers (MIGRATE connects server to server), the operator (migrations) and pods that
-    carry the redis-client label (Spark drivers/executors, labelled by the chart) — only
-    on the Redis port, and nothing else."""
-    policies = _network_policies()
-    assert policies, "no NetworkPolicy for shard Redis"
-    redis_sel = builders.redis_statefulset(MANAGED)["spec"]["selector"]["matchLabels"]
-    covering = [p for p in policies if redis_sel.items() >= p["spec"]["podSelector"]["matchLabels"].items()]
-    assert covering
+    """Ingress to a managed shard's Redis and, when replicated, its Sentinels: its fleet's
+    relays, the fleet's other Redis servers (MIGRATE connects server to server; replicas
+    sync from the primary), the fleet's Sentinels (they monitor and reconfigure the Redis
+    servers), the operator (migrations) and pods that carry the redis-client label (Spark
+    drivers/executors, labelled by the chart) — only on the Redis / Sentinel port, and
+    nothing else."""
     allowed = {
         (("app.kubernetes.io/component", "relay"), ("relayfleet.dev/fleet", "main")),
         (("app.kubernetes.io/component", "redis"), ("relayfleet.dev/fleet", "main")),
+        (("app.kubernetes.io/component", "sentinel"), ("relayfleet.dev/fleet", "main")),
         (("relayfleet.dev/redis-client", "true"),),
         (("app.kubernetes.io/component", "operator"), ("app.kubernetes.io/name", "relayfleet")),
     }
-    for p in covering:
-        assert p["spec"]["policyTypes"] == ["Ingress"]
-        for rule in p["spec"]["ingress"]:
-            assert rule["ports"] == [{"protocol": "TCP", "port": 6379}]
-            for peer in rule["from"]:
-                assert "ipBlock" not in peer
-                labels = tuple(sorted(peer["podSelector"]["matchLabels"].items()))
-                assert labels in allowed, peer
+    replicated = parse_shard(shard_body("r", redis={"managed": {"replicas": 2, "minReplicas": 1}}))
+    for shard in (MANAGED, replicated):
+        policies = _network_policies(shard)
+        assert policies, "no NetworkPolicy for shard Redis"
+        guarded = [(builders.redis_statefulset(shard), builders.REDIS_PORT)]
+        if shard is replicated:
+            guarded.append((builders.sentinel_statefulset(shard), builders.SENTINEL_PORT))
+        for workload, port in guarded:
+            sel = workload["spec"]["selector"]["matchLabels"]
+            covering = [p for p in policies if sel.items() >= p["spec"]["podSelector"]["matchLabels"].items()]
+            assert covering, workload["metadata"]["name"]
+            for p in covering:
+                assert p["spec"]["policyTypes"] == ["Ingress"]
+                for rule in p["spec"]["ingress"]:
+                    assert rule["ports"] == [{"protocol": "TCP", "port": port}]
+                    for peer in rule["from"]:
+                        assert "ipBlock" not in peer
+                        labels = tuple(sorted(peer["podSelector"]["matchLabels"].items()))
+                        assert labels in allowed, peer
+    # the fleet peers select the fleet's own pods: a Sentinel and a Redis pod carry those labels
+    sentinel_pod = _pod_labels(builders.sentinel_statefulset(replicated)).items()
+    redis_pod = _pod_labels(builders.redis_statefulset(replicated)).items()
+    assert {("app.kubernetes.io/component", "sentinel"), ("relayfleet.dev/fleet", "main")} <= sentinel_pod
+    assert {("app.kubernetes.io/component", "redis"), ("relayfleet.dev/fleet", "main")} <= redis_pod
     # the chart labels the Spark pods it runs, driver and executors
     chart = (ROOT / "charts/relayfleet/templates/spark-cronjobs.yaml").read_text()
     assert 'relayfleet.dev/redis-client: "true"' in chart
