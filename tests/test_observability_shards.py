@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import aiohttp
 import pytest
@@ -12,7 +13,7 @@ import redis
 
 from relay import metrics
 from relay.localredis import LocalRedis
-from relay.shard_health import MONITOR, ShardHealth
+from relay.shard_health import MONITOR, ShardHealth, read_load
 from relay.storage import keys as K
 from tests.conftest import RunningRelay
 
@@ -79,7 +80,15 @@ async def test_totals_memory_and_down(redis_server: LocalRedis, relay: RunningRe
     assert gauge(metrics.SHARD_UP, shard) == 0
 
 
-LEASE_S = 3.0  # well above one sweep of 16384 slots on a loaded machine (~0.5 s)
+LEASE_S = 3.0  # at least; well above one sweep of 16384 slots on an idle machine (~0.5 s)
+
+
+async def lease_for_this_machine(relay: RunningRelay, shard: str) -> float:
+    """A lease far longer than one tick here and now: a sweep of all the shard's slots can
+    take seconds on a loaded machine, and the lease must outlive a tick plus a scrape."""
+    started = time.perf_counter()
+    await read_load(relay.fleet.stores[shard], relay.fleet.map.slots_of(shard), int(time.time() * 1000))
+    return max(LEASE_S, 10 * (time.perf_counter() - started))
 
 
 def exported(g: object, shard: str) -> bool:
@@ -91,14 +100,15 @@ async def test_one_relay_at_a_time_reads_a_shards_load(redis_server: LocalRedis,
     await asyncio.wait_for(relay.app[MONITOR].first_round.wait(), 10)
     async with relay.client() as c:
         await c.enqueue(os.urandom(32), b"x" * 10)
-    first = ShardHealth(relay.fleet, health_s=1.0, stats_s=0.0, lease_s=LEASE_S)
-    second = ShardHealth(relay.fleet, health_s=1.0, stats_s=0.0, lease_s=LEASE_S)
+    lease_s = await lease_for_this_machine(relay, shard)
+    first = ShardHealth(relay.fleet, health_s=1.0, stats_s=0.0, lease_s=lease_s)
+    second = ShardHealth(relay.fleet, health_s=1.0, stats_s=0.0, lease_s=lease_s)
     await scrape(relay)
     await first.tick()
     assert gauge(metrics.SHARD_MESSAGES, shard) == 1
     with redis.Redis.from_url(redis_server.url) as r:
         assert r.get(K.SHARD_STATS_LEASE) == first.holder.encode()
-        assert 0 < r.pttl(K.SHARD_STATS_LEASE) <= LEASE_S * 1000
+        assert 0 < r.pttl(K.SHARD_STATS_LEASE) <= lease_s * 1000
 
     # The other relay does not sweep the shard while the lease is held, and drops its series.
     await scrape(relay)
@@ -110,7 +120,11 @@ async def test_one_relay_at_a_time_reads_a_shards_load(redis_server: LocalRedis,
     await scrape(relay)
     await first.tick()
     assert gauge(metrics.SHARD_MESSAGES, shard) == 1
-    await asyncio.sleep(LEASE_S + 0.1)
+    with redis.Redis.from_url(redis_server.url) as r:
+        assert r.get(K.SHARD_STATS_LEASE) == first.holder.encode()
+        left_ms = r.pttl(K.SHARD_STATS_LEASE)
+        assert 0 < left_ms <= lease_s * 1000
+    await asyncio.sleep(left_ms / 1000 + 0.1)
     await scrape(relay)
     await second.tick()
     assert gauge(metrics.SHARD_MESSAGES, shard) == 1
