@@ -20,7 +20,11 @@ from relay.localredis import LocalRedis, free_port
 DEBIAN_REDIS = "/usr/bin/redis-server"
 DEBIAN_SENTINEL = "/usr/bin/redis-sentinel"
 SERVICE = "shard-a"
-DOWN_AFTER_MS = 1500  # small, yet above the stalls of a loaded 2-core CI box (spurious failovers)
+DOWN_AFTER_MS = 1500  # small, yet above most stalls of a loaded 2-core CI box (spurious failovers)
+# Smaller still, for the minReplicas fault test: stalls longer than this make the Sentinels
+# fail a live primary over, and the relays must not lose what they acknowledged then either
+# (they hold minReplicas writes unconfirmed while any Sentinel holds the primary down).
+SPURIOUS_DOWN_AFTER_MS = 1000
 
 needs_sentinel = pytest.mark.skipif(
     not (os.path.exists(DEBIAN_REDIS) and os.path.exists(DEBIAN_SENTINEL)),
@@ -43,14 +47,16 @@ class SentinelProc:
     dir: Path
     proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, primary_port: int, service: str, quorum: int = 2) -> None:
+    def start(
+        self, primary_port: int, service: str, quorum: int = 2, down_after_ms: int = DOWN_AFTER_MS
+    ) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         conf = self.dir / "sentinel.conf"
         conf.write_text(
             f"port {self.port}\nbind 127.0.0.1\ndaemonize no\ndir {self.dir}\n"
             f"logfile {self.dir / 'sentinel.log'}\n"
             f"sentinel monitor {service} 127.0.0.1 {primary_port} {quorum}\n"
-            f"sentinel down-after-milliseconds {service} {DOWN_AFTER_MS}\n"
+            f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
             f"sentinel failover-timeout {service} 2000\n"
             f"sentinel parallel-syncs {service} 2\n"
         )
@@ -84,6 +90,7 @@ class ReplicatedShard:
     root: Path
     replicas: int = 2
     node_args: list[str] = field(default_factory=list)
+    down_after_ms: int = DOWN_AFTER_MS
     nodes: list[LocalRedis] = field(default_factory=list)
     sentinels: list[SentinelProc] = field(default_factory=list)
 
@@ -98,7 +105,7 @@ class ReplicatedShard:
         self.wait_replicas(self.replicas)
         for i in range(3):
             s = SentinelProc(free_port(), self.root / f"s{i}")
-            s.start(primary.port, SERVICE)
+            s.start(primary.port, SERVICE, down_after_ms=self.down_after_ms)
             self.sentinels.append(s)
         self.wait_sentinels_know(primary.port)
         return self

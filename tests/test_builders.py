@@ -389,6 +389,7 @@ def test_replicated_shard_builds_sentinels_pdbs_and_spread() -> None:
     assert env["PRIMARY0"] == "relayfleet-r-redis-0.relayfleet-r-redis.ns1.svc"
     assert env["ANNOUNCE"] == "$(POD_NAME).relayfleet-r-redis.ns1.svc"
     assert env["MASTER_NAME"] == "r"
+    assert env["MIN_REPLICAS"] == "1"  # start-redis.sh sets min-replicas-to-write from it
     assert env["SENTINELS"].split() == builders.sentinel_addresses(REPLICATED)
     assert len(env["SENTINELS"].split()) == 3
     assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sh", "/scripts/pre-stop-redis.sh"]

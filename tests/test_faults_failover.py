@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.sentinel_support import ReplicatedShard, needs_sentinel
+from tests.sentinel_support import DOWN_AFTER_MS, SPURIOUS_DOWN_AFTER_MS, ReplicatedShard, needs_sentinel
 from tests.support.faults import report, start_relay, stop_relay
 from tests.support.fleet_harness import RelayProc, Workload, make_queues
 
@@ -55,7 +55,16 @@ def _windows(events: list[dict[str, Any]], kills: list[float]) -> list[float]:
 
 
 async def _failovers(tmp_path: Path, min_replicas: int, kills: int = 3) -> dict[str, Any]:
-    shard = await asyncio.to_thread(ReplicatedShard(tmp_path / "redis").start)
+    # as the operator configures a minReplicas shard's nodes: a primary that lost its
+    # replicas (deposed, partitioned) refuses writes instead of taking ones nobody holds
+    guard = ["--min-replicas-to-write", str(min_replicas), "--min-replicas-max-lag", "10"]
+    shard = ReplicatedShard(
+        tmp_path / "redis",
+        node_args=guard if min_replicas else [],
+        # minReplicas must hold even through spurious failovers of a live, stalled primary
+        down_after_ms=SPURIOUS_DOWN_AFTER_MS if min_replicas else DOWN_AFTER_MS,
+    )
+    shard = await asyncio.to_thread(shard.start)
     relays: list[RelayProc] = []
     try:
         url = shard.url(min_replicas)

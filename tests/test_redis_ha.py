@@ -126,6 +126,7 @@ def local_shard(tmp_path: Path) -> Iterator[LocalShard]:
         "SENTINELS": " ".join(f"127.0.0.1:{p}" for p in sports),
         "MASTER_NAME": SERVICE,
         "REDISCLI_AUTH": PASSWORD,
+        "MIN_REPLICAS": "1",
     }
     for i, port in enumerate(ports):
         data = tmp_path / f"redis{i}"
@@ -185,6 +186,9 @@ def test_scripts_form_a_replicated_shard_and_the_probe_reports_primary_and_lag(
     primary = shard.client(n0)
     primary.set("k", "x" * 10_000)
     primary.wait(2, 2000)
+    # MIN_REPLICAS=1: start-redis.sh set min-replicas-to-write, so a primary cut off from
+    # its replicas would refuse writes
+    assert primary.config_get("min-replicas-to-write")["min-replicas-to-write"] == "1"
     after = shard.probe()
     assert after["primaryOffset"] >= status["primaryOffset"] + 10_000
     assert all(r["offset"] >= status["primaryOffset"] + 10_000 for r in after["replicas"])

@@ -704,6 +704,8 @@ def _ha_env(shard: ShardSpec, service: str) -> list[Obj]:
         {"name": "PRIMARY0", "value": redis_pod_host(shard, 0)},
         {"name": "SENTINELS", "value": " ".join(sentinel_addresses(shard))},
         {"name": "MASTER_NAME", "value": sentinel_master_name(shard)},
+        # start-redis.sh: a primary with fewer replicas than this refuses writes (see there)
+        {"name": "MIN_REPLICAS", "value": str(_managed(shard).min_replicas)},
     ]
 
 

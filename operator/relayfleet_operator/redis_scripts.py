@@ -66,6 +66,13 @@ conf="$CONF_DIR/redis.conf"
   echo "masterauth $REDISCLI_AUTH"
   # A replica must not answer reads from a stale copy as if it were the shard.
   echo "replica-serve-stale-data no"
+  # minReplicas: a primary cut off from its replicas (deposed by a failover it has not
+  # heard of, or partitioned) refuses writes rather than taking ones no replica holds;
+  # the relays answer them as a failover (retry, then 503)
+  if [ "${MIN_REPLICAS:-0}" -gt 0 ]; then
+    echo "min-replicas-to-write $MIN_REPLICAS"
+    echo "min-replicas-max-lag 10"
+  fi
   if [ "$primary" != "$ANNOUNCE:$REDIS_PORT" ]; then
     echo "replicaof ${primary%:*} ${primary##*:}"
   fi

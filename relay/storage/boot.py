@@ -4,7 +4,9 @@ With ``appendfsync everysec`` a machine crash can lose the last second of writes
 seq counters included; the queue would then hand out acknowledged seqs again under
 the same epoch. On every new connection (a restarted Redis always means one), before
 it loads the scripts, the relay records the current run as ``<run_id>:<start ms>`` in
-``rf:boot``, once per run, so no script runs on a new run before the mark. The
+``rf:boot``, once per run (on a minReplicas shard a run is the process's run_id and its
+replication ID, which a node gets new whenever it is promoted), so no script runs on a
+new run before the mark. The
 scripts give a queue last written by an earlier run a new epoch and jump its seq
 counter (see lua/_prelude.lua, check_boot). Under ``appendfsync always``
 nothing acknowledged can be lost, so the key is removed and the check is off.
@@ -23,7 +25,14 @@ from relay.storage import keys as K
 # uptime, is there for people reading the key).
 _MARK = """
 local info = redis.call('INFO', 'server')
+-- minReplicas shards ('w'): the run is the process and its replication history. A node
+-- deposed by a failover (its data replaced by a full sync) and promoted again keeps its
+-- run_id but has a new replid, and what it acknowledged before may be gone: a new run.
 local run_id = string.match(info, 'run_id:(%x+)')
+if ARGV[1] == 'w' then
+  local replid = string.match(redis.call('INFO', 'replication'), 'master_replid:(%x+)') or ''
+  run_id = run_id .. string.sub(replid, 1, 12)
+end
 local cur = redis.call('GET', KEYS[1])
 local same_mode = (string.sub(cur or '', -2) == ':w') == (ARGV[1] == 'w')
 if cur and string.sub(cur, 1, #run_id + 1) == run_id .. ':' and same_mode then return cur end

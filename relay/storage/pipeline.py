@@ -149,17 +149,23 @@ class _Hold:
 class _WaitReply:
     """WAIT's reply sink: releases (or fails) the writes of its batch that have replied."""
 
-    __slots__ = ("holds", "needed")
+    __slots__ = ("fenced", "holds", "needed")
 
-    def __init__(self, holds: list[_Hold], needed: int) -> None:
+    def __init__(self, holds: list[_Hold], needed: int, fenced: Callable[[], bool]) -> None:
         self.holds = holds
         self.needed = needed
+        self.fenced = fenced
 
     def done(self) -> bool:
         return False
 
     def set_result(self, result: Any, /) -> None:
-        if isinstance(result, int) and result >= self.needed:
+        if self.fenced():
+            # A Sentinel holds this primary down: a replica may be promoted while the one
+            # that confirmed these writes still follows us, then follow the new primary and
+            # drop them. Unconfirmed, not refused: retried with their tokens (or 503).
+            self._fail(StoreUnavailable("a Sentinel holds the primary down; write not confirmed"))
+        elif isinstance(result, int) and result >= self.needed:
             for h in self.holds:
                 if h.replied and not h.sink.done():
                     h.sink.set_result(h.reply)
@@ -177,13 +183,19 @@ class _WaitReply:
                 h.sink.set_exception(exc)
 
 
-def _with_wait(items: list[_Item], needed: int, timeout_ms: int) -> list[_Item]:
+def _never() -> bool:
+    return False
+
+
+def _with_wait(
+    items: list[_Item], needed: int, timeout_ms: int, fenced: Callable[[], bool] = _never
+) -> list[_Item]:
     """`items` followed by one WAIT covering every held write among them (Redis runs one
     connection's commands in order, so WAIT counts the replicas that hold all of them)."""
     holds = [sink for _, sink in items if isinstance(sink, _Hold)]
     if not holds:
         return items
-    return [*items, (encode_command("WAIT", needed, timeout_ms), _WaitReply(holds, needed))]
+    return [*items, (encode_command("WAIT", needed, timeout_ms), _WaitReply(holds, needed, fenced))]
 
 
 class _Batch:
@@ -308,11 +320,17 @@ class ScriptBatcher:
         reply_bytes: int = 0,
         min_replicas: int = 0,
         wait_timeout_ms: int = 1000,
+        fence_in_failover: bool = True,
     ) -> None:
         self._client = client  # loads scripts (start, NOSCRIPT); the hot path is raw
         # >= 1: every durable write is answered only once WAIT confirms that many replicas
         self.min_replicas = min_replicas
         self._wait_timeout_ms = wait_timeout_ms
+        # minReplicas writes confirmed while a Sentinel holds the primary down are failed as
+        # unconfirmed (and resent). Not for drains (the bulk lane): a drain that ran is never
+        # resent, so failing it would lose what it removed; answered, it is at worst
+        # delivered again if the failover rolls its removal back.
+        self._fence_in_failover = fence_in_failover
         self._url = url  # a redis+sentinel:// URL is resolved on every connect
         if not is_sentinel_url(url):
             RedisTarget.from_url(url)  # a bad URL fails here, not at the first request
@@ -395,7 +413,7 @@ class ScriptBatcher:
             n = min(len(self._pending), self._max_batch)
             items = [self._pending.popleft() for _ in range(n)]
             if self.min_replicas:
-                items = _with_wait(items, self.min_replicas, self._wait_timeout_ms)
+                items = _with_wait(items, self.min_replicas, self._wait_timeout_ms, self._fenced)
             self._inflight += 1
             conn.send(_Batch(items, may_reload=True))
 
@@ -416,7 +434,7 @@ class ScriptBatcher:
             _fail(items, StoreUnavailable("connection lost"))
             return
         if self.min_replicas:  # their first WAIT released nothing: they had not replied yet
-            items = _with_wait(items, self.min_replicas, self._wait_timeout_ms)
+            items = _with_wait(items, self.min_replicas, self._wait_timeout_ms, self._fenced)
         self._inflight += 1
         conn.send(_Batch([*_script_loads(), *items], may_reload=False))
 
@@ -435,6 +453,9 @@ class ScriptBatcher:
             return
         self._conn = conn
         self._kick()
+
+    def _fenced(self) -> bool:
+        return self._fence_in_failover and sentinel.suspected(self._url)
 
     def _primary_changed(self, host: str, port: int) -> None:
         """Sentinel announced a failover: leave the old primary now, not at its next error

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -118,26 +119,48 @@ Listener = Callable[[str, int], None]
 
 
 class SentinelWatch:
-    """Calls every listener with the new primary's (host, port) on ``+switch-master``."""
+    """Calls every listener with the new primary's (host, port) on ``+switch-master``, and
+    knows whether some Sentinel currently holds the primary down (``suspect``).
+
+    One subscriber per Sentinel (not one for the set): ``+sdown``/``+odown`` are published
+    only by the Sentinels that see them, and the relay must hear the first one. A write
+    confirmed by WAIT while a Sentinel holds the primary down may be on a replica that is
+    about to follow a newly promoted primary (and drop it), so minReplicas writes are not
+    answered as confirmed while ``suspect`` (relay/storage/pipeline.py)."""
 
     def __init__(self, target: SentinelTarget) -> None:
         self.target = target
         self.listeners: list[Listener] = []
         self.switches = 0
-        self._task: asyncio.Task[None] | None = None
+        self._down: set[int] = set()  # Sentinels (by index) that hold the primary down now
+        self._failing: set[int] = set()  # Sentinels (by index) running a failover of it now
+        self._last: tuple[str, int] | None = None  # the last primary announced
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def suspect(self) -> bool:
+        return bool(self._down or self._failing)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._run(i)) for i in range(len(self.target.sentinels))]
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
             task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def _notify(self, host: str, port: int) -> None:
+    def _notify(self, idx: int, host: str, port: int) -> None:
+        # this Sentinel now watches the new primary (the others' state goes by their own news)
+        self._down.discard(idx)
+        self._failing.discard(idx)
+        if self._last == (host, port):
+            return  # every Sentinel announces the same switch
+        self._last = (host, port)
         self.switches += 1
         log.warning("Sentinel service %s failed over; new primary %s:%d", self.target.service, host, port)
         for listener in list(self.listeners):
@@ -146,18 +169,23 @@ class SentinelWatch:
             except Exception:  # one listener's bug must not stop the others hearing it
                 log.exception("failover listener failed")
 
-    async def _run(self) -> None:
-        i = 0
+    async def _run(self, idx: int) -> None:
+        host, port = self.target.sentinels[idx]
         while True:
-            host, port = self.target.sentinels[i % len(self.target.sentinels)]
-            i += 1
             writer: asyncio.StreamWriter | None = None
             try:
                 reader, w, rd = await asyncio.wait_for(
                     _sentinel_connection(self.target, host, port), _ASK_TIMEOUT_S
                 )
                 writer = w
-                w.write(_pack("SUBSCRIBE", "+switch-master"))
+                # what this Sentinel thinks now (the events only tell changes)
+                state = await asyncio.wait_for(
+                    _command(reader, w, rd, "SENTINEL", "master", self.target.service), _ASK_TIMEOUT_S
+                )
+                down, failing = _flags(state)
+                self._set_down(idx, down)
+                (self._failing.add if failing else self._failing.discard)(idx)
+                w.write(_pack("SUBSCRIBE", *_EVENTS))
                 while True:
                     try:
                         data = await asyncio.wait_for(reader.read(65536), 5.0)
@@ -168,20 +196,76 @@ class SentinelWatch:
                         raise ConnectionError("closed by the Sentinel")
                     rd.feed(data)
                     while (msg := rd.gets()) is not False:
-                        self._dispatch(msg)
+                        self._dispatch(idx, msg)
             except (OSError, TimeoutError):
-                await asyncio.sleep(0.2)  # then the next Sentinel
+                # an unreachable Sentinel's view is unknown: not held against the primary
+                self._set_down(idx, False)
+                self._failing.discard(idx)
+                await asyncio.sleep(0.2)
             finally:
                 if writer is not None:
                     writer.close()
 
-    def _dispatch(self, msg: object) -> None:
+    def _set_down(self, idx: int, down: bool) -> None:
+        if down and idx not in self._down:
+            log.warning("a Sentinel holds the primary of %s down: writes wait", self.target.service)
+        (self._down.add if down else self._down.discard)(idx)
+
+    def _dispatch(self, idx: int, msg: object) -> None:
         # ["message", "+switch-master", "<name> <old-ip> <old-port> <new-ip> <new-port>"]
+        # ["message", "+sdown", "master <name> <ip> <port>"] (also -sdown, +odown, -odown)
         if not (isinstance(msg, list) and len(msg) == 3 and msg[0] == b"message"):
             return
+        event = msg[1]
         fields = msg[2].decode(errors="replace").split()
-        if len(fields) == 5 and fields[0] == self.target.service and fields[4].isdigit():
-            self._notify(fields[3], int(fields[4]))
+        if event == b"+switch-master":
+            if len(fields) == 5 and fields[0] == self.target.service and fields[4].isdigit():
+                self._notify(idx, fields[3], int(fields[4]))
+        elif len(fields) >= 2 and fields[0] == "master" and fields[1] == self.target.service:
+            if event in _DOWN_EVENTS:
+                self._set_down(idx, event in (b"+sdown", b"+odown"))
+            elif event == b"+try-failover":
+                # a primary back from a stall clears its sdown while the failover goes on:
+                # the fence holds until the failover ends (switch-master) or is abandoned
+                self._failing.add(idx)
+            else:
+                self._failing.discard(idx)
+
+
+_DOWN_EVENTS = (b"+sdown", b"-sdown", b"+odown", b"-odown")
+# the failover's end without a switch: every -failover-abort-* and the timeout
+_EVENTS = (
+    "+switch-master",
+    *(e.decode() for e in _DOWN_EVENTS),
+    "+try-failover",
+    "+failover-end",
+    "+failover-end-for-timeout",
+    "-failover-abort-not-elected",
+    "-failover-abort-no-good-slave",
+    "-failover-abort-slave-timeout",
+)
+
+
+def _flags(reply: object) -> tuple[bool, bool]:
+    """(held down, failover in progress) from a SENTINEL MASTER reply's flags."""
+    if not isinstance(reply, list):
+        return False, False
+    fields = dict(zip(reply[::2], reply[1::2], strict=False))
+    flags = fields.get(b"flags", b"")
+    if not isinstance(flags, bytes):
+        return False, False
+    return b"s_down" in flags or b"o_down" in flags, b"failover_in_progress" in flags
+
+
+@functools.lru_cache(maxsize=256)
+def _watch_key(url: str) -> str:
+    return parse_sentinel_url(url).url()
+
+
+def suspected(url: str) -> bool:
+    """Whether a Sentinel watched for `url`'s service holds its primary down now."""
+    entry = _watches.get(_watch_key(url))
+    return entry is not None and entry[0].suspect
 
 
 _watches: dict[str, tuple[SentinelWatch, int]] = {}
@@ -189,7 +273,7 @@ _watches: dict[str, tuple[SentinelWatch, int]] = {}
 
 def watch(url: str, listener: Listener) -> Callable[[], None]:
     """Subscribe `listener` to failovers of the service `url` names; returns the unsubscribe.
-    One Sentinel connection per service and process, however many listeners."""
+    One connection per Sentinel of the service and process, however many listeners."""
     target = parse_sentinel_url(url)
     key = target.url()
     w, n = _watches.get(key, (None, 0))
@@ -206,9 +290,9 @@ def watch(url: str, listener: Listener) -> Callable[[], None]:
         _, count = _watches.get(key, (w, 1))
         if count <= 1:
             _watches.pop(key, None)
-            if w._task is not None:
-                w._task.cancel()
-                w._task = None
+            for task in w._tasks:
+                task.cancel()
+            w._tasks = []
         else:
             _watches[key] = (w, count - 1)
 

@@ -214,6 +214,7 @@ class ShardStore:
             reply_bytes=limits.max_response_bytes,
             min_replicas=min_replicas_of(url),
             wait_timeout_ms=limits.wait_timeout_ms,
+            fence_in_failover=False,
         )
         self.last_error = ""  # why the last ping failed, for /readyz (never the URL)
         # per hot queue, the encoded parts of its enqueue command that never change (enqueue
