@@ -51,6 +51,11 @@ RELAY_ENV: tuple[EnvVar, ...] = (
     EnvVar("RELAY_MAX_RESPONSE_BYTES", "8388608", "payload bytes per read/drain/live batch"),
     EnvVar("RELAY_REDIS_WRITE_TIMEOUT_S", str(_LIMITS.write_timeout_s), "enqueue/ack/status reply deadline"),
     EnvVar("RELAY_REDIS_READ_TIMEOUT_S", str(_LIMITS.read_timeout_s), "reply deadline of read/drain"),
+    EnvVar(
+        "RELAY_WAIT_TIMEOUT_MS",
+        str(_LIMITS.wait_timeout_ms),
+        "minReplicas shards: WAIT timeout before a write is 503 replication_timeout",
+    ),
     EnvVar("RELAY_LIVE_SEND_TIMEOUT_S", "30", "drop a live client whose socket accepts nothing this long"),
     EnvVar("RELAY_BODY_TIMEOUT_S", "30", "a request body must arrive within this long"),
     EnvVar("RELAY_HEADER_TIMEOUT_S", "10", "request headers must arrive within this long"),
