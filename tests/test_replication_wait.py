@@ -6,6 +6,10 @@ A primary, one replica (/usr/bin/redis-server) and three Sentinels; the relay's 
 the Sentinel service with minReplicas 1. The replica is frozen with SIGSTOP: it stays
 connected (the primary does not drop it before repl-timeout), it only stops acknowledging,
 which is what a replica stalled on a slow disk or a full network buffer looks like.
+
+And the fence that keeps a deposed-but-live primary's WAIT confirmations from counting:
+the relay's Sentinel watch holds a frozen primary down from the first +sdown, before the
+promotion, and lets go once the Sentinels announced the new primary.
 """
 
 from __future__ import annotations
@@ -86,3 +90,44 @@ async def test_wait_timeout_is_503_replication_timeout_and_the_retry_is_a_duplic
 def _xlen(port: int, key: str) -> int:
     with redis.Redis(port=port) as r:
         return int(r.xlen(key))
+
+
+async def test_the_watch_holds_writes_from_the_first_sdown_until_the_switch(tmp_path: Path) -> None:
+    """A primary frozen past down-after: the relay's Sentinel watch is `suspect` (minReplicas
+    writes are then not acknowledged) before the Sentinels promote a replica, and clear once
+    every Sentinel announced the new primary."""
+    from relay.storage import sentinel
+
+    shard = await asyncio.to_thread(ReplicatedShard(tmp_path / "redis", replicas=1).start)
+    old = shard.nodes[0]
+    switched: list[tuple[float, int]] = []
+    suspect_at: list[float] = []
+    url = shard.url(min_replicas=1)
+    unwatch = sentinel.watch(url, lambda host, port: switched.append((time.monotonic(), port)))
+    try:
+        await asyncio.sleep(1.0)  # every Sentinel subscribed
+        assert not sentinel.suspected(url)
+        assert old.proc is not None
+        old.proc.send_signal(signal.SIGSTOP)  # alive but stalled: the case WAIT alone cannot fence
+        deadline = time.monotonic() + 30
+        while not switched and time.monotonic() < deadline:
+            if sentinel.suspected(url) and not suspect_at:
+                suspect_at.append(time.monotonic())
+            await asyncio.sleep(0.01)
+        assert switched, "no failover"
+        assert suspect_at, "the watch never held the primary down"
+        assert suspect_at[0] < switched[0][0]
+        assert switched[0][1] == shard.nodes[1].port
+        # the stalled primary wakes up (still believing it is primary): no Sentinel holds it
+        # down any more once all announced the switch, so writes to the new one flow again
+        old.proc.send_signal(signal.SIGCONT)
+        for _ in range(300):
+            if not sentinel.suspected(url):
+                break
+            await asyncio.sleep(0.05)
+        assert not sentinel.suspected(url)
+    finally:
+        unwatch()
+        if old.proc is not None and old.proc.poll() is None:
+            old.proc.send_signal(signal.SIGCONT)
+        await asyncio.to_thread(shard.stop)
