@@ -160,8 +160,13 @@ def test_epochs_before_the_queue_exists_do_not_count() -> None:
     h.deliver("q", "read", 0.0, 1.0, 200, [], epoch="shard-a-placeholder")
     h.deliver("q", "read", 1.0, 2.0, 200, [], epoch="shard-b-placeholder")
     h.enqueue("q", "a", 3.0, 4.0, 201, seq=1, key="a")
+    # a read overlapping the first enqueue may still reach the old shard's placeholder
+    h.deliver("q", "read", 3.5, 4.5, 200, [], epoch="shard-a-placeholder")
     h.deliver("q", "read", 5.0, 6.0, 200, [(1, "a")], epoch="e1")
     assert h.check().ok, h.check().render()
+    h.deliver("q", "read", 4.5, 4.8, 200, [], epoch="e0")  # begun after the answer: counts
+    assert "epoch" in _kinds(h)
+    h.events.pop()
     h.deliver("q", "read", 7.0, 8.0, 200, [(1, "a")], from_seq=1, epoch="e2")
     assert "epoch" in _kinds(h)
 

@@ -15,8 +15,8 @@ one the contract allows:
 - ``phantom``        a delivered message nobody enqueued to that queue, or with another seq
                      than its enqueue was answered, or two messages on one seq
 - ``idempotency``    retries of one Idempotency-Key answered with different seqs, or stored twice
-- ``epoch``          a queue's epoch changed (its history was lost or reset); epochs
-                     answered before the queue's first enqueue began do not count
+- ``epoch``          a queue's epoch changed (its history was lost or reset); empty
+                     reads begun before an enqueue to the queue was answered do not count
 - ``status``         a 5xx other than 503 with Retry-After, a response that never came,
                      or a status the operation never answers
 
@@ -374,12 +374,15 @@ def _check_queue(
                 removed(int(s), float(d["t0"]), float(d["t1"]))
     counts["acks"] += len(acks)
 
-    # Until its first enqueue began, a queue has no keys and no history: reads answer a
+    # Until its first message is stored, a queue has no keys and no history: reads answer a
     # placeholder epoch derived from the shard they reach (DESIGN §3: unknown-queue reads
-    # write nothing), which a failover or a migration may change with nothing lost. Only
-    # epochs seen from then on are the queue's.
-    born = min((m.first_t0 for m in msgs.values() if m.queue == q), default=float("inf"))
-    epochs = {d.get("epoch") for d in dels if d.get("epoch") and float(d["t1"]) >= born}
+    # write nothing), which a failover or a migration may change with nothing lost. A read
+    # is the queue's own once it returned messages or began after an enqueue to the queue
+    # was answered; a read overlapping the first enqueue may still see a placeholder.
+    stored = min(
+        (m.acked_t1 for m in msgs.values() if m.queue == q and m.acked_t1 is not None), default=float("inf")
+    )
+    epochs = {d["epoch"] for d in dels if d.get("epoch") and (d["items"] or float(d["t0"]) >= stored)}
     if len(epochs) > 1:
         v.append(Violation("epoch", q, f"{len(epochs)} different epochs seen"))
 
