@@ -20,30 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from relay.storage import keys as K
-
-# Set once per Redis run (the scripts compare run ids; the start instant, from Redis's
-# uptime, is there for people reading the key).
-_MARK = """
-local info = redis.call('INFO', 'server')
--- minReplicas shards ('w'): the run is the process and its replication history. A node
--- deposed by a failover (its data replaced by a full sync) and promoted again keeps its
--- run_id but has a new replid, and what it acknowledged before may be gone: a new run.
-local run_id = string.match(info, 'run_id:(%x+)')
-if ARGV[1] == 'w' then
-  local replid = string.match(redis.call('INFO', 'replication'), 'master_replid:(%x+)') or ''
-  run_id = run_id .. string.sub(replid, 1, 12)
-end
-local cur = redis.call('GET', KEYS[1])
-local same_mode = (string.sub(cur or '', -2) == ':w') == (ARGV[1] == 'w')
-if cur and string.sub(cur, 1, #run_id + 1) == run_id .. ':' and same_mode then return cur end
-local up = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local v = run_id .. ':' .. (now - up * 1000)
-if ARGV[1] == 'w' then v = v .. ':w' end
-redis.call('SET', KEYS[1], v)
-return v
-"""
+from relay.storage import scripts
 
 
 def _text(value: Any) -> str:
@@ -66,8 +43,8 @@ async def mark_boot(client: aioredis.Redis, waited: bool = False) -> None:
     if policy == "always":
         await client.delete(K.SHARD_BOOT)
         return
-    await client.eval(_MARK, 1, K.SHARD_BOOT, "w" if waited else "")
+    await client.eval(scripts.BOOT_MARK.source, 1, K.SHARD_BOOT, "w" if waited else "")
 
 
 # For `relayfleet restore`, which runs the mark through a replication stream (relay/backup.py).
-MARK_SCRIPT = _MARK
+MARK_SCRIPT = scripts.BOOT_MARK.source

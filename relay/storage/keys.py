@@ -2,8 +2,13 @@
 
 All keys of one slot share the hash tag ``{rf<slot>}``: a queue's keys, the slot's
 queue index, its state (fence) and its statistics. So one Lua script never
-crosses a hash tag, migration moves a slot by moving one tag's keys, and a shard
-could itself be a Redis Cluster without changing a script.
+crosses a hash tag for its declared keys, and migration moves a slot by moving one
+tag's keys. Two shard-wide keys have no tag and the scripts read them undeclared:
+``SHARD_BOOT`` and ``SHARD_SEQ_FLOOR`` (they describe the Redis process, not a slot).
+That is sound on a shard that is one standalone Redis (with replicas), as every shard
+is; a shard that were itself a Redis Cluster would need one such mark per hash tag
+(declaring them would not help: a key outside the tag is CROSSSLOT either way). See
+lua/_prelude.lua.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ def slot_index(slot: int) -> str:
 
 
 def slot_stats(slot: int) -> str:
-    """Hash: msgs, bytes, enq (total), wstart/wcur/wprev (enqueues per minute window)."""
+    """Hash: msgs, bytes, enq (total), wstart/wcur/wprev (enqueues per minute window),
+    qgen (bumped whenever trim.lua deletes a queue; seeds a new queue's epoch)."""
     return f"{slot_tag(slot)}:stats"
 
 
@@ -89,7 +95,9 @@ class QueueKeys:
 
     @property
     def meta(self) -> str:
-        """Hash: seq, epoch, bytes, created."""
+        """Hash: seq (last seq handed out), epoch, bytes (payload bytes held), created (ms),
+        r (the Redis run id that last wrote the queue: the lost-tail check, lua/_prelude.lua),
+        tseen ("<seq>:<ms>": the enqueue of <seq> was at or before <ms>; trim.lua's idle check)."""
         return self._base + ":meta"
 
     @property
@@ -109,7 +117,8 @@ class QueueKeys:
 
     @property
     def rate(self) -> str:
-        """Sorted set: seq -> enqueue time ms (sliding window)."""
+        """Sorted set: "<seq>:<attempt token>" -> enqueue time ms (sliding rate window; the
+        token finds a resent attempt's outcome, lua/enqueue.lua)."""
         return self._base + ":rate"
 
     @property

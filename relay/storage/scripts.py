@@ -42,5 +42,9 @@ SLOT_STATE = _load("slot_state", _PRELUDE)
 SLOT_DROP = _load("slot_drop", _PRELUDE)
 IMPORT_STAMP = _load("import_stamp", _PRELUDE)
 
+# The boot mark (relay.storage.boot), run as a plain EVAL without the prelude: it writes
+# the key the prelude reads.
+BOOT_MARK = _load("boot_mark", "")
+
 # After `relayfleet restore` (relay.backup); relays never run it.
 RESTORE_EPOCH = _load("restore_epoch", _PRELUDE)

@@ -10,25 +10,46 @@ local function fence(state_key)
   return {'migrating'}
 end
 
--- Sum of payload sizes of XRANGE-style entries (field 'n' holds the size).
-local function entry_bytes(entries)
-  local total = 0
-  for _, e in ipairs(entries) do
-    local f = e[2]
-    for i = 1, #f, 2 do
-      if f[i] == 'n' then total = total + tonumber(f[i + 1]) end
-    end
+-- One field of an XRANGE-style entry {id, {field, value, ...}} (nil when absent). Stream
+-- fields: p payload, t received ms, m messageId, n payload size (keys.py QueueKeys.msgs).
+local function entry_field(e, name)
+  local f = e[2]
+  for i = 1, #f, 2 do
+    if f[i] == name then return f[i + 1] end
   end
-  return total
+  return nil
 end
 
 -- Payload size of one XRANGE-style entry (field 'n').
 local function entry_size(e)
-  local f = e[2]
-  for i = 1, #f, 2 do
-    if f[i] == 'n' then return tonumber(f[i + 1]) end
+  return tonumber(entry_field(e, 'n') or '0')
+end
+
+-- Sum of payload sizes of XRANGE-style entries.
+local function entry_bytes(entries)
+  local total = 0
+  for _, e in ipairs(entries) do total = total + entry_size(e) end
+  return total
+end
+
+-- The seq of a stream id "<seq>-0".
+local function id_seq(id)
+  return tonumber(string.sub(id, 1, string.find(id, '-', 1, true) - 1))
+end
+
+-- Whether a slot state `cur` ('' = absent) is one of allowed[first..]: an exact value, ''
+-- for absent, or a prefix ending in '*' (e.g. 'moved b *'). The migration protocol's
+-- compare step (slot_state.lua, slot_drop.lua).
+local function state_allowed(cur, allowed, first)
+  for i = first, #allowed do
+    local a = allowed[i]
+    if string.sub(a, -1) == '*' then
+      if cur ~= '' and string.sub(cur, 1, #a - 1) == string.sub(a, 1, -2) then return true end
+    elseif cur == a then
+      return true
+    end
   end
-  return 0
+  return false
 end
 
 -- Up to `limit` entries from stream id `from` whose payloads total at most `budget`
@@ -79,7 +100,13 @@ end
 -- its seq counter jumps past anything that could have been handed out and lost, so no
 -- seq is ever reused and a stale ack deletes nothing new. Run ids, not clocks: a queue
 -- copied in by a migration is re-stamped for this run (lua/import_stamp.lua).
--- Undeclared key: fine on a standalone shard (a Redis Cluster shard needs another way).
+-- Undeclared keys, on purpose: 'rf:boot' (keys.SHARD_BOOT) and 'rf:seq-floor'
+-- (keys.SHARD_SEQ_FLOOR) describe the whole Redis process (its run, its restore), not one
+-- slot, so they carry no hash tag. A shard is one standalone Redis (primary + replicas),
+-- where a script may read any key; declaring them as KEYS would change nothing there and
+-- would not make them Cluster-safe either (a key outside the script's hash tag is a
+-- CROSSSLOT error whether declared or not), while adding two keys to every hot-path
+-- EVALSHA. A shard that is itself a Redis Cluster would need one mark per hash tag.
 local SEQ_JUMP = 1000000
 -- A mark ending ':w' is a shard whose writes were WAIT-confirmed (minReplicas): a new run
 -- there (a failover) lost nothing acknowledged, so the epoch stays; the seq still jumps.
@@ -109,7 +136,7 @@ end
 -- Where a new queue's seqs start. A shard restored from a backup (relayfleet restore,
 -- relay/backup.py) may have handed out seqs, after the backup's point, on queues the backup
 -- does not hold; the restore sets 'rf:seq-floor' above anything that could have been handed
--- out, so a queue created afterwards never repeats one. Undeclared key, like 'rf:boot'.
+-- out, so a queue created afterwards never repeats one. Undeclared key, like 'rf:boot' (above).
 local function seq_floor()
   return tonumber(redis.call('GET', 'rf:seq-floor') or '0') or 0
 end

@@ -3,17 +3,19 @@
 -- ARGV[1] field  ARGV[2] 'add' | 'remove'  ARGV[3] most members the field may hold
 -- ARGV[4..] members (no spaces)
 -- Returns {'ok', members now held} | {'full', members now held} (nothing added) | fence reply
-local f = fence(KEYS[1])
-if f then return f end
+local state_key, records_key = KEYS[1], KEYS[2]
 local field, action, cap = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local cur = redis.call('HGET', KEYS[2], field) or ''
+local first_member = 4  -- ARGV[4..] members
+local f = fence(state_key)
+if f then return f end
+local cur = redis.call('HGET', records_key, field) or ''
 local held, order = {}, {}
 for m in string.gmatch(cur, '%S+') do
   if not held[m] then held[m] = true; order[#order + 1] = m end
 end
 local before = #order
 local count = before
-for i = 4, #ARGV do
+for i = first_member, #ARGV do
   local m = ARGV[i]
   if action == 'add' and not held[m] then
     held[m] = true; order[#order + 1] = m; count = count + 1
@@ -27,8 +29,8 @@ for _, m in ipairs(order) do
   if held[m] then keep[#keep + 1] = m end
 end
 if #keep == 0 then
-  redis.call('HDEL', KEYS[2], field)
+  redis.call('HDEL', records_key, field)
 else
-  redis.call('HSET', KEYS[2], field, table.concat(keep, ' '))
+  redis.call('HSET', records_key, field, table.concat(keep, ' '))
 end
 return {'ok', #keep}

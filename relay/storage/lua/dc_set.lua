@@ -3,9 +3,10 @@
 -- ARGV[1] n, the number of field/value pairs to set  ARGV[2 .. 2n+1] the pairs
 -- ARGV[2n+2 ..] fields to delete
 -- Returns {'ok'} | fence reply (a write on a fenced slot would be left behind by the copy)
-local f = fence(KEYS[1])
-if f then return f end
+local state_key, records_key = KEYS[1], KEYS[2]
 local n = tonumber(ARGV[1])
-if n > 0 then redis.call('HSET', KEYS[2], unpack(ARGV, 2, 2 * n + 1)) end
-if #ARGV > 2 * n + 1 then redis.call('HDEL', KEYS[2], unpack(ARGV, 2 * n + 2)) end
+local f = fence(state_key)
+if f then return f end
+if n > 0 then redis.call('HSET', records_key, unpack(ARGV, 2, 2 * n + 1)) end
+if #ARGV > 2 * n + 1 then redis.call('HDEL', records_key, unpack(ARGV, 2 * n + 2)) end
 return {'ok'}

@@ -16,8 +16,7 @@ local held = tonumber(meta[3]) or 0
 local len = redis.call('XLEN', msgs_key)
 local entries = read_budget(msgs_key, '-', limit, budget, held, len)
 if #entries > 0 then
-  local last = entries[#entries][1]
-  local lastseq = tonumber(string.sub(last, 1, string.find(last, '-', 1, true) - 1))
+  local lastseq = id_seq(entries[#entries][1])
   redis.call('XTRIM', msgs_key, 'MINID', (lastseq + 1) .. '-0')
   local removed = entry_bytes(entries)
   redis.call('HSET', meta_key, 'bytes', math.max(0, held - removed))

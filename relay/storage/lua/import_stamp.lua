@@ -5,7 +5,8 @@
 -- here yet, the stamp is removed: the queue's next write stamps it.
 -- KEYS[1] queue meta (hash)
 -- Returns 1 when stamped, 0 when the queue has no meta here.
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local meta_key = KEYS[1]
+if redis.call('EXISTS', meta_key) == 0 then return 0 end
 local run = boot_run()
-if run then redis.call('HSET', KEYS[1], 'r', run) else redis.call('HDEL', KEYS[1], 'r') end
+if run then redis.call('HSET', meta_key, 'r', run) else redis.call('HDEL', meta_key, 'r') end
 return 1

@@ -4,10 +4,11 @@
 -- Returns {'ok', 1} when the nonce was unused (and is now recorded), {'ok', 0}
 -- when it was seen before, or the fence reply: a nonce recorded on a fenced
 -- slot would be left behind by the migration and could be replayed.
-local f = fence(KEYS[1])
+local state_key, nonces_key = KEYS[1], KEYS[2]
+local member, now, lifetime = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local f = fence(state_key)
 if f then return f end
-local now = tonumber(ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return {'ok', 0} end
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', nonces_key, '-inf', now)
+if redis.call('ZSCORE', nonces_key, member) then return {'ok', 0} end
+redis.call('ZADD', nonces_key, now + lifetime, member)
 return {'ok', 1}

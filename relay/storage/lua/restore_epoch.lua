@@ -6,10 +6,10 @@
 -- KEYS[i]  queue meta (hash) of each queue of one slot
 -- ARGV[1]  restore id (seeds the new epochs)   ARGV[2] seq jump
 -- Returns the number of queues changed.
-local restore_id = ARGV[1]
-local jump = tonumber(ARGV[2])
+local meta_keys = KEYS
+local restore_id, jump = ARGV[1], tonumber(ARGV[2])
 local changed = 0
-for _, meta_key in ipairs(KEYS) do
+for _, meta_key in ipairs(meta_keys) do
   if redis.call('EXISTS', meta_key) == 1 then
     local seq = tonumber(redis.call('HGET', meta_key, 'seq') or '0') + jump
     local epoch = string.sub(redis.sha1hex(restore_id .. meta_key), 1, 16)

@@ -5,19 +5,13 @@
 -- ARGV[1..] states that allow the delete: an exact value, '' for absent, or a prefix
 --           ending in '*' (e.g. 'moved b *')
 -- Returns {1, keys deleted} | {0, prior state ('' = absent)} when refused
-local cur = redis.call('GET', KEYS[1]) or ''
-local ok = false
-for i = 1, #ARGV do
-  local a = ARGV[i]
-  if string.sub(a, -1) == '*' then
-    if cur ~= '' and string.sub(cur, 1, #a - 1) == string.sub(a, 1, -2) then ok = true end
-  elseif cur == a then
-    ok = true
-  end
-end
+local state_key = KEYS[1]
+local first_drop = 2  -- KEYS[2..]; ARGV[1..] the allowed states
+local cur = redis.call('GET', state_key) or ''
+local ok = state_allowed(cur, ARGV, 1)
 if not ok then return {0, cur} end
 local n = 0
-for i = 2, #KEYS do
+for i = first_drop, #KEYS do
   n = n + redis.call('UNLINK', KEYS[i])
 end
 return {1, n}

@@ -8,20 +8,14 @@
 --           prefix ending in '*' (e.g. 'moved b *')
 -- Returns {1, prior} when the state is now ARGV[1]; {0, prior} when the prior state was
 -- not allowed and nothing changed. prior is '' when the key was absent.
-local cur = redis.call('GET', KEYS[1]) or ''
-local ok = false
-for i = 2, #ARGV do
-  local a = ARGV[i]
-  if string.sub(a, -1) == '*' then
-    if cur ~= '' and string.sub(cur, 1, #a - 1) == string.sub(a, 1, -2) then ok = true end
-  elseif cur == a then
-    ok = true
-  end
-end
+local state_key = KEYS[1]
+local new = ARGV[1]  -- ARGV[2..] the allowed prior states
+local cur = redis.call('GET', state_key) or ''
+local ok = state_allowed(cur, ARGV, 2)
 if not ok then return {0, cur} end
-if ARGV[1] == '' then
-  redis.call('DEL', KEYS[1])
+if new == '' then
+  redis.call('DEL', state_key)
 else
-  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', state_key, new)
 end
 return {1, cur}

@@ -15,13 +15,7 @@ local oldest, newest = '', ''
 if count > 0 then
   local first = redis.call('XRANGE', msgs_key, '-', '+', 'COUNT', 1)
   local last = redis.call('XREVRANGE', msgs_key, '+', '-', 'COUNT', 1)
-  for _, pair in ipairs({{first, 'o'}, {last, 'n'}}) do
-    local fields = pair[1][1][2]
-    for i = 1, #fields, 2 do
-      if fields[i] == 't' then
-        if pair[2] == 'o' then oldest = fields[i + 1] else newest = fields[i + 1] end
-      end
-    end
-  end
+  oldest = entry_field(first[1], 't') or ''
+  newest = entry_field(last[1], 't') or ''
 end
 return {'ok', count, tonumber(meta[3]) or 0, meta[1], tonumber(meta[2]) or 0, oldest, newest}

@@ -13,25 +13,24 @@
 -- ARGV[5] queue id (slot index member)
 -- ARGV[6] budget: at most this many messages / idempotency keys removed per call
 -- Returns {'ok', removed, removed_bytes, deleted (0|1), more (0|1)} | fence reply
-local f = fence(KEYS[1])
+local state_key, meta_key, msgs_key, idem_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local idemx_key, rate_key, index_key, stats_key = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local now, cutoff, cap, idle = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local qid, budget = ARGV[5], tonumber(ARGV[6])
+local f = fence(state_key)
 if f then return f end
-local now = tonumber(ARGV[1])
-local cutoff = tonumber(ARGV[2])
-local cap = tonumber(ARGV[3])
-local idle = tonumber(ARGV[4])
-local budget = tonumber(ARGV[6])
 
 -- An index entry whose queue has no keys left is stale: drop it.
-if redis.call('EXISTS', KEYS[2], KEYS[3], KEYS[4], KEYS[5]) == 0 then
-  redis.call('SREM', KEYS[7], ARGV[5])
-  redis.call('HINCRBY', KEYS[8], 'qgen', 1)  -- its history is gone: never reuse its epoch
+if redis.call('EXISTS', meta_key, msgs_key, idem_key, idemx_key) == 0 then
+  redis.call('SREM', index_key, qid)
+  redis.call('HINCRBY', stats_key, 'qgen', 1)  -- its history is gone: never reuse its epoch
   return {'ok', 0, 0, 1, 0}
 end
 
-local meta = redis.call('HMGET', KEYS[2], 'seq', 'bytes', 'created', 'tseen')
+local meta = redis.call('HMGET', meta_key, 'seq', 'bytes', 'created', 'tseen')
 local seq = tonumber(meta[1]) or 0
 local held = tonumber(meta[2]) or 0
-local len = redis.call('XLEN', KEYS[3])
+local len = redis.call('XLEN', msgs_key)
 
 -- Messages leave oldest first, so the stream stays a contiguous run of seqs. Most
 -- queues have nothing due: read one entry first, then growing chunks.
@@ -41,15 +40,11 @@ local removed, bytes, more = 0, 0, 0
 local last_id, last_t = nil, nil
 local from, want = '-', math.max(1, math.min(over, 64))
 while removed < budget do
-  local chunk = redis.call('XRANGE', KEYS[3], from, '+', 'COUNT', math.min(want, budget - removed))
+  local chunk = redis.call('XRANGE', msgs_key, from, '+', 'COUNT', math.min(want, budget - removed))
   if #chunk == 0 then break end
   local stop = false
   for _, e in ipairs(chunk) do
-    local t, n = 0, 0
-    local fl = e[2]
-    for i = 1, #fl, 2 do
-      if fl[i] == 't' then t = tonumber(fl[i + 1]) elseif fl[i] == 'n' then n = tonumber(fl[i + 1]) end
-    end
+    local t, n = tonumber(entry_field(e, 't') or '0'), entry_size(e)
     if removed < over or t < cutoff then
       removed = removed + 1
       bytes = bytes + n
@@ -68,8 +63,8 @@ end
 -- the queue's last enqueue (used by the idle check below).
 local last_enq = nil
 if last_id then
-  local lseq = tonumber(string.sub(last_id, 1, string.find(last_id, '-', 1, true) - 1))
-  redis.call('XTRIM', KEYS[3], 'MINID', (lseq + 1) .. '-0')
+  local lseq = id_seq(last_id)
+  redis.call('XTRIM', msgs_key, 'MINID', (lseq + 1) .. '-0')
   len = len - removed
   if len == 0 and lseq == seq then last_enq = last_t end
   -- budget spent: the next entry may be due too; the caller calls again
@@ -79,10 +74,10 @@ end
 -- Expired idempotency keys (enqueue only expires a few per write).
 local left = budget - removed
 if left > 0 then
-  local old = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now, 'LIMIT', 0, left)
+  local old = redis.call('ZRANGEBYSCORE', idemx_key, '-inf', now, 'LIMIT', 0, left)
   if #old > 0 then
-    redis.call('HDEL', KEYS[4], unpack(old))
-    redis.call('ZREM', KEYS[5], unpack(old))
+    redis.call('HDEL', idem_key, unpack(old))
+    redis.call('ZREM', idemx_key, unpack(old))
     if #old == left then more = 1 end
   end
 else
@@ -93,8 +88,8 @@ end
 local fixed = held - bytes
 if len == 0 and fixed ~= 0 then bytes = held; fixed = 0 end
 if bytes ~= 0 or removed > 0 then
-  redis.call('HSET', KEYS[2], 'bytes', math.max(0, fixed))
-  slot_stats(KEYS[8], -removed, -bytes)
+  redis.call('HSET', meta_key, 'bytes', math.max(0, fixed))
+  slot_stats(stats_key, -removed, -bytes)
 end
 
 -- Idle check. The last enqueue time is known exactly when the newest message is
@@ -119,14 +114,14 @@ if len == 0 and idle >= 0 then
   elseif last_enq and meta[4] ~= seq .. ':' .. last_enq then
     mark = seq .. ':' .. last_enq  -- emptied here: later sweeps cannot see that time
   end
-  if now - since >= idle and more == 0 and redis.call('ZCARD', KEYS[5]) == 0 then
-    redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
-    redis.call('SREM', KEYS[7], ARGV[5])
+  if now - since >= idle and more == 0 and redis.call('ZCARD', idemx_key) == 0 then
+    redis.call('DEL', meta_key, msgs_key, idem_key, idemx_key, rate_key)
+    redis.call('SREM', index_key, qid)
     -- a queue created again under this name must not get the epoch it had (prelude pending_epoch)
-    redis.call('HINCRBY', KEYS[8], 'qgen', 1)
+    redis.call('HINCRBY', stats_key, 'qgen', 1)
     deleted = 1
   elseif mark then
-    redis.call('HSET', KEYS[2], 'tseen', mark)
+    redis.call('HSET', meta_key, 'tseen', mark)
   end
 end
 return {'ok', removed, bytes, deleted, more}
