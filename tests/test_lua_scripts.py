@@ -1,0 +1,355 @@
+"""Each Lua script's contract, on a real redis-server, one script at a time (no relay, no Spark).
+
+The scripts run exactly as the relay, the migrator, the retention job and `relayfleet restore`
+load them (relay/storage/scripts.py: prelude + file, by SHA), with the key names from
+relay/storage/keys.py. The last test fails when a script file has no test here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from relay.localredis import LocalRedis
+from relay.storage import keys as K
+from relay.storage import scripts
+from relay.storage.scripts import Script
+
+SLOT = 7
+QID = "q1"
+NOW = 1_700_000_000_000
+
+
+@pytest.fixture
+def r(redis_server: LocalRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def run(r: redis.Redis, script: Script, keys: Sequence[str], args: Sequence[bytes | str | int] = ()) -> Any:
+    """EVALSHA, loading the script first (as the runners do after NOSCRIPT)."""
+    if not r.script_exists(script.sha)[0]:
+        assert r.script_load(script.source) == script.sha
+    return r.evalsha(script.sha, len(keys), *keys, *args)
+
+
+def q() -> K.QueueKeys:
+    return K.queue_keys_for_id(SLOT, QID)
+
+
+def enqueue(
+    r: redis.Redis,
+    payload: bytes = b"hello",
+    *,
+    now: int = NOW,
+    ikey: str = "",
+    digest: str = "",
+    token: str = "tok",
+    resend: str = "",
+    rate: int = 100,
+    cap_msgs: int = 100,
+    cap_bytes: int = 1 << 20,
+) -> list[Any]:
+    k = q()
+    keys = (k.state, k.meta, k.msgs, k.idem, k.idemx, k.rate, k.index, k.stats)
+    args = (
+        payload,
+        now,
+        ikey,
+        digest,
+        "mid",
+        rate,
+        60_000,
+        cap_msgs,
+        cap_bytes,
+        86_400_000,
+        QID,
+        k.wake,
+        token,
+        resend,
+    )
+    return list(run(r, scripts.ENQUEUE, keys, args))
+
+
+def fence(r: redis.Redis, state: str) -> None:
+    r.set(K.slot_state(SLOT), state)
+
+
+def test_enqueue_stores_counts_dedups_limits_and_publishes(r: redis.Redis) -> None:
+    k = q()
+    sub = r.pubsub()  # type: ignore[no-untyped-call]
+    sub.subscribe(k.wake)
+    sub.get_message(timeout=1)
+    assert enqueue(r, b"abc", ikey="i1", digest="d1", token="t1") == [b"ok", 1, 1]
+    assert sub.get_message(timeout=2)["data"] == f"1:{NOW}".encode()
+    sub.close()
+    meta = r.hgetall(k.meta)
+    assert meta[b"seq"] == b"1"
+    assert meta[b"bytes"] == b"3"
+    assert meta[b"created"] == str(NOW).encode()
+    assert r.sismember(k.index, QID)
+    assert r.xrange(k.msgs) == [(b"1-0", {b"p": b"abc", b"t": str(NOW).encode(), b"m": b"mid", b"n": b"3"})]
+    stats = r.hgetall(k.stats)
+    assert (stats[b"msgs"], stats[b"bytes"], stats[b"enq"], stats[b"wcur"]) == (b"1", b"3", b"1", b"1")
+    # idempotency: same key + digest is a duplicate, another digest a conflict, '*' any payload
+    assert enqueue(r, b"abc", ikey="i1", digest="d1") == [b"dup", 1]
+    assert enqueue(r, b"xyz", ikey="i1", digest="d2") == [b"conflict", 1]
+    assert enqueue(r, b"xyz", ikey="i1", digest="*") == [b"dup", 1]
+    # a resend of an attempt that did store the message answers its seq, storing nothing
+    assert enqueue(r, b"abc", token="t1", resend="1") == [b"ok", 1, 0]
+    assert r.xlen(k.msgs) == 1
+    # caps and the rate limit
+    assert enqueue(r, b"x" * 10, cap_bytes=12) == [b"full", b"bytes"]
+    assert enqueue(r, b"x", cap_msgs=1) == [b"full", b"messages"]
+    assert enqueue(r, b"x", rate=1, now=NOW + 1000)[:1] == [b"rate"]
+    assert enqueue(r, b"x", rate=1, now=NOW + 1000)[1] == 59_000
+    assert enqueue(r, b"de", token="t2", now=NOW + 5)[:2] == [b"ok", 2]
+    # a new queue's seqs start above the restore floor
+    r.delete(*k.all_keys())
+    r.srem(k.index, QID)
+    r.set(K.SHARD_SEQ_FLOOR, 500)
+    assert enqueue(r, token="t3")[:2] == [b"ok", 501]
+
+
+def test_fenced_scripts_answer_the_fence_and_write_nothing(r: redis.Redis) -> None:
+    k = q()
+    for state, reply in (("migrating", [b"migrating"]), ("moved b 3", [b"moved", b"b", b"3"])):
+        fence(r, state)
+        assert enqueue(r) == reply
+        assert list(run(r, scripts.READ, (k.state, k.meta, k.msgs, k.stats), ("", 10, 1000, QID))) == reply
+        assert list(run(r, scripts.DRAIN, (k.state, k.meta, k.msgs, k.stats), (10, 1000, QID))) == reply
+        assert list(run(r, scripts.ACK, (k.state, k.meta, k.msgs, k.stats), ("upto", 5))) == reply
+        assert list(run(r, scripts.STATUS, (k.state, k.meta, k.msgs, k.stats), (QID,))) == reply
+        assert list(run(r, scripts.NONCE, (k.state, K.slot_nonces(SLOT)), ("a.b", NOW, 1000))) == reply
+        assert list(run(r, scripts.TRIM, trim_keys(), trim_args())) == reply
+        dc = (k.state, K.slot_didcomm(SLOT))
+        assert list(run(r, scripts.DC_GET, dc, ("f",))) == reply
+        assert list(run(r, scripts.DC_SET, dc, (1, "f", "v"))) == reply
+        assert list(run(r, scripts.DC_CLAIM, dc, ("k:x", "c1", "add"))) == reply
+        assert list(run(r, scripts.DC_LIST, dc, ("r:c1", "add", 5, "m"))) == reply
+        assert sorted(r.keys()) == [k.state.encode()]
+
+
+def test_read_status_drain_ack(r: redis.Redis) -> None:
+    k = q()
+    four = (k.state, k.meta, k.msgs, k.stats)
+    # an unknown queue: the pending epoch, the same from every script, and no state created
+    empty = list(run(r, scripts.READ, four, ("", 10, 1000, QID)))
+    assert empty[0] == b"ok"
+    assert empty[2:] == [0, []]
+    assert len(empty[1]) == 16
+    status = list(run(r, scripts.STATUS, four, (QID,)))
+    assert status == [b"ok", 0, 0, empty[1], 0, b"", b""]
+    assert list(run(r, scripts.DRAIN, four, (10, 1000, QID))) == [b"ok", empty[1], 0, [], 0]
+    assert r.keys() == []
+    for i in range(1, 6):
+        enqueue(r, b"m%d" % i, token=f"t{i}", now=NOW + i)
+    assert r.hget(k.meta, "epoch") == empty[1]  # the first enqueue keeps the epoch reads answered
+    status = list(run(r, scripts.STATUS, four, (QID,)))
+    assert status == [b"ok", 5, 10, empty[1], 5, str(NOW + 1).encode(), str(NOW + 5).encode()]
+    # read: from a seq, a limit, and a byte budget that still returns one message
+    got = list(run(r, scripts.READ, four, (2, 2, 1000, QID)))
+    assert [e[0] for e in got[3]] == [b"2-0", b"3-0"]
+    got = list(run(r, scripts.READ, four, ("", 10, 1, QID)))
+    assert [e[0] for e in got[3]] == [b"1-0"]
+    got = list(run(r, scripts.READ, four, ("", 10, 5, QID)))
+    assert [e[0] for e in got[3]] == [b"1-0", b"2-0"]
+    # ack: 'upto' and 'seqs', idempotent, counters follow
+    assert list(run(r, scripts.ACK, four, ("upto", 2))) == [b"ok", 2]
+    assert list(run(r, scripts.ACK, four, ("upto", 2))) == [b"ok", 0]
+    assert list(run(r, scripts.ACK, four, ("seqs", 4, 9))) == [b"ok", 1]
+    assert r.hget(k.meta, "bytes") == b"4"
+    assert r.hget(k.stats, "msgs") == b"2"
+    # drain: deletes exactly what it returns; 'more' while messages remain
+    got = list(run(r, scripts.DRAIN, four, (1, 1000, QID)))
+    assert [e[0] for e in got[3]] == [b"3-0"]
+    assert got[4] == 1
+    got = list(run(r, scripts.DRAIN, four, (10, 1000, QID)))
+    assert [e[0] for e in got[3]] == [b"5-0"]
+    assert got[4] == 0
+    assert got[2] == 5
+    assert r.xlen(k.msgs) == 0
+    assert r.hget(k.meta, "bytes") == b"0"
+    assert r.hget(k.stats, "bytes") == b"0"
+
+
+def test_nonce_accepts_once_within_its_lifetime(r: redis.Redis) -> None:
+    keys = (K.slot_state(SLOT), K.slot_nonces(SLOT))
+    assert list(run(r, scripts.NONCE, keys, ("k.n1", NOW, 1000))) == [b"ok", 1]
+    assert list(run(r, scripts.NONCE, keys, ("k.n1", NOW + 999, 1000))) == [b"ok", 0]
+    assert list(run(r, scripts.NONCE, keys, ("k.n1", NOW + 1000, 1000))) == [b"ok", 1]  # expired
+
+
+def trim_keys() -> tuple[str, ...]:
+    k = q()
+    return (k.state, k.meta, k.msgs, k.idem, k.idemx, k.rate, k.index, k.stats)
+
+
+def trim_args(
+    now: int = NOW, cutoff: int = 0, cap: int = -1, idle: int = -1, budget: int = 100
+) -> tuple[Any, ...]:
+    return (now, cutoff, cap, idle, QID, budget)
+
+
+def test_trim_age_cap_budget_idle_delete(r: redis.Redis) -> None:
+    k = q()
+    for i in range(1, 6):
+        enqueue(r, b"xx", token=f"t{i}", now=NOW + i * 1000, ikey=f"i{i}", digest="d")
+    # age: messages received before the cutoff go, oldest first
+    assert list(run(r, scripts.TRIM, trim_keys(), trim_args(NOW + 6000, cutoff=NOW + 2500))) == [
+        b"ok",
+        2,
+        4,
+        0,
+        0,
+    ]
+    assert [e[0] for e in r.xrange(k.msgs) or []][:1] == [b"3-0"]
+    assert r.hget(k.meta, "bytes") == b"6"
+    # cap, within a budget: 'more' until done; a repeat changes nothing
+    assert list(run(r, scripts.TRIM, trim_keys(), trim_args(NOW + 6000, cap=1, budget=1))) == [
+        b"ok",
+        1,
+        2,
+        0,
+        1,
+    ]
+    assert list(run(r, scripts.TRIM, trim_keys(), trim_args(NOW + 6000, cap=1, budget=2))) == [
+        b"ok",
+        1,
+        2,
+        0,
+        0,
+    ]
+    assert list(run(r, scripts.TRIM, trim_keys(), trim_args(NOW + 6000, cap=1))) == [b"ok", 0, 0, 0, 0]
+    assert r.xlen(k.msgs) == 1
+    assert r.hget(k.stats, "msgs") == b"1"
+    # idle: an emptied queue is deleted only once provably idle and its idempotency keys expired;
+    # the enqueue time of the last message is remembered in 'tseen'
+    run(r, scripts.ACK, (k.state, k.meta, k.msgs, k.stats), ("upto", 5))
+    late = NOW + 86_400_000 + 10_000  # past every idempotency key's expiry
+    first = list(run(r, scripts.TRIM, trim_keys(), trim_args(late, idle=late)))
+    assert first[3] == 0
+    assert r.hget(k.meta, "tseen") == f"5:{late}".encode()
+    deleted = list(run(r, scripts.TRIM, trim_keys(), trim_args(late + 10, idle=10)))
+    assert deleted[3] == 1
+    assert not r.exists(k.meta, k.msgs, k.idem, k.idemx, k.rate)
+    assert not r.sismember(k.index, QID)
+    assert r.hget(k.stats, "qgen") == b"1"  # a queue created again gets another epoch
+    # a stale index entry (no keys left) is dropped
+    r.sadd(k.index, QID)
+    assert list(run(r, scripts.TRIM, trim_keys(), trim_args())) == [b"ok", 0, 0, 1, 0]
+    assert not r.sismember(k.index, QID)
+    assert r.hget(k.stats, "qgen") == b"2"
+
+
+def test_didcomm_records(r: redis.Redis) -> None:
+    dc = (K.slot_state(SLOT), K.slot_didcomm(SLOT))
+    assert list(run(r, scripts.DC_SET, dc, (2, "a", "1", "b", "2"))) == [b"ok"]
+    assert list(run(r, scripts.DC_GET, dc, ("a", "b", "c"))) == [b"ok", b"1", b"2", None]
+    assert list(run(r, scripts.DC_SET, dc, (0, "a"))) == [b"ok"]  # delete only
+    assert list(run(r, scripts.DC_GET, dc, ("a",))) == [b"ok", None]
+    assert list(run(r, scripts.DC_GET, dc, ())) == [b"ok"]
+    assert list(run(r, scripts.DC_CLAIM, dc, ("k:x", "c1", "add"))) == [b"ok", 1]
+    assert list(run(r, scripts.DC_CLAIM, dc, ("k:x", "c2", "add"))) == [b"ok", 0]
+    assert list(run(r, scripts.DC_CLAIM, dc, ("k:x", "c2", "remove"))) == [b"ok", 0]
+    assert list(run(r, scripts.DC_CLAIM, dc, ("k:x", "c1", "remove"))) == [b"ok", 1]
+    assert list(run(r, scripts.DC_CLAIM, dc, ("k:x", "c1", "remove"))) == [b"ok", 1]
+    assert list(run(r, scripts.DC_LIST, dc, ("r:c", "add", 3, "m1", "m2", "m1"))) == [b"ok", 2]
+    assert list(run(r, scripts.DC_LIST, dc, ("r:c", "add", 3, "m3", "m4"))) == [b"full", 2]
+    assert list(run(r, scripts.DC_LIST, dc, ("r:c", "remove", 3, "m1"))) == [b"ok", 1]
+    assert r.hget(K.slot_didcomm(SLOT), "r:c") == b"m2"
+    assert list(run(r, scripts.DC_LIST, dc, ("r:c", "remove", 3, "m2"))) == [b"ok", 0]
+    assert not r.hexists(K.slot_didcomm(SLOT), "r:c")
+
+
+def test_slot_state_compare_and_set(r: redis.Redis) -> None:
+    st = (K.slot_state(SLOT),)
+    assert list(run(r, scripts.SLOT_STATE, st, ("migrating", ""))) == [1, b""]
+    assert list(run(r, scripts.SLOT_STATE, st, ("moved b 4", "importing"))) == [0, b"migrating"]
+    assert list(run(r, scripts.SLOT_STATE, st, ("moved b 4", "migrating"))) == [1, b"migrating"]
+    assert list(run(r, scripts.SLOT_STATE, st, ("", "moved a *"))) == [0, b"moved b 4"]
+    assert list(run(r, scripts.SLOT_STATE, st, ("", "moved b *"))) == [1, b"moved b 4"]
+    assert not r.exists(K.slot_state(SLOT))
+
+
+def test_slot_drop_only_in_an_allowed_state(r: redis.Redis) -> None:
+    k = q()
+    enqueue(r)
+    keys = (k.state, k.meta, k.msgs, k.index)
+    assert list(run(r, scripts.SLOT_DROP, keys, ("moved *",))) == [0, b""]
+    assert r.exists(k.meta, k.msgs, k.index) == 3
+    fence(r, "moved b 2")
+    assert list(run(r, scripts.SLOT_DROP, keys, ("migrating", "moved b *"))) == [1, 3]
+    assert not r.exists(k.meta, k.msgs, k.index)
+    assert r.get(k.state) == b"moved b 2"  # never deleted
+
+
+def test_import_stamp_and_boot_mark(r: redis.Redis) -> None:
+    k = q()
+    assert run(r, scripts.IMPORT_STAMP, (k.meta,)) == 0
+    enqueue(r)
+    r.hset(k.meta, "r", "other-run")
+    assert run(r, scripts.IMPORT_STAMP, (k.meta,)) == 1
+    assert not r.hexists(k.meta, "r")
+    mark = run(r, scripts.BOOT_MARK, (K.SHARD_BOOT,), ("",))
+    run_id = r.info("server")["run_id"]
+    assert mark.decode().startswith(f"{run_id}:")
+    assert r.get(K.SHARD_BOOT) == mark
+    assert run(r, scripts.BOOT_MARK, (K.SHARD_BOOT,), ("",)) == mark  # once per run
+    waited = run(r, scripts.BOOT_MARK, (K.SHARD_BOOT,), ("w",))  # a mode change re-marks
+    assert waited.decode().startswith(run_id)  # and the replication ID's first 12 digits
+    assert waited.endswith(b":w")
+    assert run(r, scripts.IMPORT_STAMP, (k.meta,)) == 1
+    assert r.hget(k.meta, "r") == waited.split(b":")[0]  # the run the mark names
+
+
+def test_lost_tail_new_run_rekeys_the_queue(r: redis.Redis) -> None:
+    """The prelude's check_boot: a queue last written by another Redis run gets a new epoch
+    and a seq jump; under a WAIT-confirmed mark (':w') the epoch stays, the seq still jumps."""
+    k = q()
+    r.set(K.SHARD_BOOT, "runA:1")
+    enqueue(r, token="t1")
+    epoch = r.hget(k.meta, "epoch")
+    assert r.hget(k.meta, "r") == b"runA"
+    r.set(K.SHARD_BOOT, "runB:2:w")
+    assert enqueue(r, token="t2")[:2] == [b"ok", 1_000_002]
+    assert r.hget(k.meta, "epoch") == epoch
+    assert r.hget(k.meta, "r") == b"runB"
+    r.set(K.SHARD_BOOT, "runC:3")
+    assert enqueue(r, token="t3")[:2] == [b"ok", 2_000_003]
+    assert r.hget(k.meta, "epoch") != epoch
+    assert r.hget(k.meta, "r") == b"runC"
+
+
+def test_restore_epoch(r: redis.Redis) -> None:
+    k = q()
+    enqueue(r)
+    r.hset(k.meta, "r", "run")
+    epoch = r.hget(k.meta, "epoch")
+    other = K.queue_keys_for_id(SLOT, "absent").meta
+    assert run(r, scripts.RESTORE_EPOCH, (k.meta, other), ("restore-1", 1000)) == 1
+    assert r.hget(k.meta, "seq") == b"1001"
+    assert r.hget(k.meta, "epoch") != epoch
+    assert not r.hexists(k.meta, "r")
+    assert not r.exists(other)
+
+
+def test_every_script_file_is_tested_here() -> None:
+    """Every lua/*.lua but the prelude is loaded by scripts.py and run by a test above."""
+    files = {
+        p.name[: -len(".lua")]
+        for p in resources.files("relay.storage").joinpath("lua").iterdir()
+        if p.name.endswith(".lua") and not p.name.startswith("_")
+    }
+    loaded = {s.name for s in vars(scripts).values() if isinstance(s, Script)}
+    assert files == loaded
+    here = Path(__file__).read_text("utf-8")
+    assert {f for f in files if f"scripts.{f.upper()}" not in here} == set()
