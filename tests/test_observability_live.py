@@ -186,7 +186,7 @@ def run_prometheus(tmp_path: Path, targets: list[str]) -> Iterator[Prometheus]:
     proc = Proc(popen)
     prom = Prometheus(f"http://127.0.0.1:{port}")
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # a starting TSDB on a loaded machine
         while True:
             with (
                 contextlib.suppress(OSError),
