@@ -15,8 +15,8 @@ from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import Counter, Histogram
 from yarl import URL
 
-from relay import logsafe, metrics
-from relay.api import health, queues
+from relay import logsafe, metrics, push, shard_health
+from relay.api import didcomm, fanout, health, inbox, live, openapi, pickup, queues
 from relay.api.auth import Authenticator
 from relay.api.context import CTX, Context
 from relay.api.errors import ApiError, error_response, overloaded
@@ -188,18 +188,6 @@ def _code_of(response: web.Response) -> str:
     return str(response.status)
 
 
-EXTRA_ROUTE_MODULES: list[str] = [
-    "relay.api.live",
-    "relay.api.pickup",
-    "relay.api.didcomm",
-    "relay.api.inbox",
-    "relay.api.fanout",
-    "relay.api.openapi",
-    "relay.push",
-    "relay.shard_health",
-]  # protocol modules register here (live, pickup, inbox, fan-out, openapi)
-
-
 def build_app(settings: Settings, fleet: Fleet) -> web.Application:
     app = web.Application(client_max_size=settings.max_payload * 2)
     service = QueueService(fleet, settings)
@@ -211,14 +199,16 @@ def build_app(settings: Settings, fleet: Fleet) -> web.Application:
     app.on_cleanup.append(_stop_guard)
     _add_observed(app, queues.routes, guard)  # first: the hottest routes are matched first
     _add_observed(app, health.routes)  # health, readiness and metrics answer even when overloaded
-    import importlib
-
-    for name in EXTRA_ROUTE_MODULES:
-        module = importlib.import_module(name)
-        _add_observed(app, module.routes, guard)
-        setup = getattr(module, "setup", None)
-        if setup is not None:
-            setup(app)
+    # the protocols' endpoints, in matching order, each module's lifecycle set up after its routes
+    _add_observed(app, live.routes, guard)
+    live.setup(app)
+    for routes in (pickup.routes, didcomm.routes):
+        _add_observed(app, routes, guard)
+    didcomm.setup(app)
+    for routes in (inbox.routes, fanout.routes, openapi.routes):
+        _add_observed(app, routes, guard)
+    push.setup(app)  # no endpoints: hooks the queue service (webhooks for offline queues)
+    shard_health.setup(app)  # no endpoints: the shard monitor's background task
     app.router.register_resource(_Unmatched(app.router))
     return app
 

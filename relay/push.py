@@ -28,7 +28,6 @@ from relay.protocol import b64encode
 
 log = logging.getLogger("relay.push")
 
-routes = web.RouteTableDef()  # no endpoints: this module only hooks the queue service
 
 MAX_PENDING = 10_000
 ATTEMPTS = 4

@@ -41,7 +41,6 @@ from relay.storage.store import ShardStore
 
 log = logging.getLogger("relay.shard_health")
 
-routes = web.RouteTableDef()  # no routes of its own: app.py wants the attribute
 
 _PIPELINE_SLOTS = 256  # small round trips: the event loop serves requests in between
 _STAT_FIELDS = ("msgs", "bytes", "wstart", "wcur", "wprev")

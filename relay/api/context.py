@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from aiohttp import web
 
@@ -12,11 +14,34 @@ from relay.service import QueueService
 from relay.settings import Settings
 
 
+class LiveConnection(Protocol):
+    """What the registry needs of a live session (relay/api/live.py LiveSession)."""
+
+    @property
+    def ws(self) -> web.WebSocketResponse: ...
+
+    @property
+    def displaced(self) -> asyncio.Event: ...
+
+
 @dataclass
 class LiveRegistry:
-    """Live WebSocket connections of this process, one per queue (newest wins)."""
+    """Live WebSocket connections of this process, one per queue (newest wins). The one
+    registry: pickup, push and the status answer ask it whether a queue is live."""
 
-    by_queue: dict[tuple[bytes, bytes], web.WebSocketResponse] = field(default_factory=dict)
+    by_queue: dict[tuple[bytes, bytes], LiveConnection] = field(default_factory=dict)
+
+    def take_over(self, key: tuple[bytes, bytes], conn: LiveConnection) -> None:
+        """Register `conn` as the queue's live connection; an older one is told it was displaced."""
+        old = self.by_queue.get(key)
+        self.by_queue[key] = conn
+        if old is not None and old is not conn:
+            old.displaced.set()
+
+    def release(self, key: tuple[bytes, bytes], conn: LiveConnection) -> None:
+        """Forget `conn` unless a newer connection already took the queue over."""
+        if self.by_queue.get(key) is conn:
+            del self.by_queue[key]
 
 
 @dataclass

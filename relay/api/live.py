@@ -24,7 +24,6 @@ import contextlib
 import logging
 import math
 import os
-import weakref
 from typing import Any
 
 import orjson
@@ -267,18 +266,6 @@ class LiveSession:
         await self.send({"type": "error", "code": code, "error": text})
 
 
-_sessions: weakref.WeakKeyDictionary[web.WebSocketResponse, LiveSession] = weakref.WeakKeyDictionary()
-
-
-def _take_over(c: Context, key: tuple[bytes, bytes], session: LiveSession) -> None:
-    """Register `session` as the queue's live connection; the older one closes itself with 4409."""
-    old = c.live.by_queue.get(key)
-    c.live.by_queue[key] = session.ws
-    _sessions[session.ws] = session
-    if old is not None and (displaced := _sessions.get(old)) is not None:
-        displaced.displaced.set()
-
-
 @routes.get("/v1/queues/{recipient}/live")
 async def live(request: web.Request) -> web.StreamResponse:
     c = ctx(request)
@@ -296,7 +283,7 @@ async def live(request: web.Request) -> web.StreamResponse:
     await ws.prepare(request)
     key = (recipient, channel)
     session = LiveSession(c, ws, recipient, channel, request.transport)
-    _take_over(c, key, session)
+    c.live.take_over(key, session)  # the older connection closes itself with 4409
     metrics.LIVE_CONNECTIONS.inc()
     sender = asyncio.get_running_loop().create_task(session.stream(from_seq))
     try:
@@ -305,8 +292,7 @@ async def live(request: web.Request) -> web.StreamResponse:
         # first the bookkeeping, with no await before it: it must run however the
         # connection ended (the sender's error, the client gone, this handler cancelled)
         sender.cancel()
-        if c.live.by_queue.get(key) is ws:
-            del c.live.by_queue[key]
+        c.live.release(key, session)
         metrics.LIVE_CONNECTIONS.dec()
         # then collect the sender's end (its errors were answered in _receive, or the
         # client is gone) and close, neither of which may raise out of the handler
@@ -377,8 +363,8 @@ async def _sender_ended(session: LiveSession, sender: asyncio.Task[None]) -> Non
 
 
 async def _close_all(app: web.Application) -> None:
-    for ws in list(app[CTX].live.by_queue.values()):
-        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"relay shutting down")
+    for conn in list(app[CTX].live.by_queue.values()):
+        await conn.ws.close(code=WSCloseCode.GOING_AWAY, message=b"relay shutting down")
 
 
 def setup(app: web.Application) -> None:
