@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from relay.fleet.sharding import (
@@ -53,9 +53,9 @@ from relay.fleet.sharding import (
     parse_slot_spec,
 )
 from relay.storage import keys as K
-from relay.storage import scripts, sentinel
+from relay.storage import script_runner, scripts, sentinel
 from relay.storage.connection import RedisTarget, RedisURLError
-from relay.storage.scripts import Script
+from relay.storage.script_runner import ScriptLoadFailed
 
 __all__ = [
     "CRASH_ENV",
@@ -252,26 +252,18 @@ class _Shard:
                     "confirmed it in time"
                 )
             return replies[:-1]
-        for attempt in (0, 1):
-            try:
-                pipe = self.client.pipeline(transaction=False)
-                for cmd in commands:
-                    pipe.execute_command(*cmd)
-                replies = list(await pipe.execute(raise_on_error=False))
-            except (RedisError, OSError) as exc:
-                raise self.fail(what, exc) from None
-            if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
-                try:
-                    for script in (scripts.SLOT_STATE, scripts.SLOT_DROP, scripts.IMPORT_STAMP):
-                        await self.client.script_load(script.source)
-                except (RedisError, OSError) as exc:
-                    raise self.fail("loading the migration scripts", exc) from None
-                continue  # every command these pipelines carry is safe to repeat
-            for r in replies:
-                if isinstance(r, Exception):
-                    raise self.fail(what, r)
-            return replies
-        raise AssertionError("unreachable")
+        try:
+            # every command these pipelines carry is safe to repeat, and a WAIT must follow
+            # the repeated writes: after a NOSCRIPT the whole batch runs again
+            replies = await script_runner.run_async(self.client, commands, _MIGRATION_SCRIPTS, "all")
+        except ScriptLoadFailed as exc:
+            raise self.fail("loading the migration scripts", exc.cause) from None
+        except (RedisError, OSError) as exc:
+            raise self.fail(what, exc) from None
+        for r in replies:
+            if isinstance(r, Exception):
+                raise self.fail(what, r)
+        return replies
 
     async def states(self, slots: Sequence[int]) -> dict[int, str | None]:
         out: dict[int, str | None] = {}
@@ -361,8 +353,8 @@ class _Shard:
         return out
 
 
-def _evalsha(script: Script, keys: Sequence[str], args: Sequence[str | int]) -> tuple[Any, ...]:
-    return ("EVALSHA", script.sha, len(keys), *keys, *args)
+_evalsha = script_runner.evalsha
+_MIGRATION_SCRIPTS = (scripts.SLOT_STATE, scripts.SLOT_DROP, scripts.IMPORT_STAMP)
 
 
 def _slot_keys(slot: int) -> tuple[str, ...]:

@@ -16,10 +16,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import redis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
 from relay.storage import keys as K
-from relay.storage import scripts, sentinel
+from relay.storage import script_runner, scripts, sentinel
+from relay.storage.script_runner import ScriptLoadFailed
 
 __all__ = [
     "MaintenanceError",
@@ -234,43 +235,37 @@ class ShardMaintenance:
                         if int(reply[4]):
                             again.append(item)
                 pending = again
+        except ScriptLoadFailed as exc:
+            raise self._fail("trimming queues", exc.cause) from None
         except (RedisError, OSError) as exc:
             raise self._fail("trimming queues", exc) from None
         return list(totals.values())
 
     def _trim_batch(self, items: Sequence[tuple[int, str]], policy: TrimPolicy) -> list[Any]:
-        replies = self._trim_send(items, policy)
-        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-        if missing:
-            # Redis restarted or flushed its script cache: load it and redo only those calls
-            self.client.script_load(scripts.TRIM.source)
-            for i, r in zip(missing, self._trim_send([items[i] for i in missing], policy), strict=True):
-                replies[i] = r
+        # Redis restarted or flushed its script cache: the runner loads it and redoes only
+        # the calls it refused (a call that ran must not run twice: its counts would be lost)
+        replies = script_runner.run(self.client, self._trim_calls(items, policy), (scripts.TRIM,), "missing")
         for r in replies:
             if isinstance(r, Exception):
                 raise r
         return replies
 
-    def _trim_send(self, items: Sequence[tuple[int, str]], policy: TrimPolicy) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
+    def _trim_calls(self, items: Sequence[tuple[int, str]], policy: TrimPolicy) -> list[tuple[Any, ...]]:
+        calls = []
         for slot, qid in items:
             q = K.queue_keys_for_id(slot, qid)
-            pipe.evalsha(
-                scripts.TRIM.sha,
-                8,
-                q.state,
-                q.meta,
-                q.msgs,
-                q.idem,
-                q.idemx,
-                q.rate,
-                q.index,
-                q.stats,
-                policy.now_ms,
-                policy.cutoff_ms,
-                policy.max_messages,
-                policy.idle_ms,
-                qid,
-                policy.budget,
+            calls.append(
+                script_runner.evalsha(
+                    scripts.TRIM,
+                    (q.state, q.meta, q.msgs, q.idem, q.idemx, q.rate, q.index, q.stats),
+                    (
+                        policy.now_ms,
+                        policy.cutoff_ms,
+                        policy.max_messages,
+                        policy.idle_ms,
+                        qid,
+                        policy.budget,
+                    ),
+                )
             )
-        return list(pipe.execute(raise_on_error=False))
+        return calls
