@@ -58,7 +58,7 @@ didcomm-e2e: venv-dev didcomm-toolchain
 chart-crds:
 	cp crds/*.yaml charts/relayfleet/crds/
 
-## release: wheel + sdist, the chart package, both images where a Docker daemon runs, all checked (dist/)
+## release: wheel + sdist, the chart package, both images (docker build where a daemon runs, else daemonless OCI archives as root: hack/images.sh), all checked (dist/)
 release: venv-dev control-plane
 	bash hack/release.sh
 

@@ -4,13 +4,16 @@
 #   dist/relayfleet-<v>-py3-none-any.whl, dist/relayfleet-<v>.tar.gz   (twine check --strict)
 #   dist/relayfleet-<v>.tgz                                            (helm lint --strict, helm package)
 #   dist/relayfleet-image-<v>.tar, dist/relayfleet-spark-image-<v>.tar (docker build + docker save,
-#                                                                       only where a Docker daemon answers)
+#                                                                       where a Docker daemon answers)
+#   else dist/relayfleet-image-<v>.oci.tar, dist/relayfleet-spark-image-<v>.oci.tar
+#        (hack/images.sh: the same images from Debian packages, no daemon, as root; each one run)
 #   dist/SHA256SUMS
 #
 # The version comes from pyproject.toml alone (hack/version.py --check fails on any drift).
 # Both Dockerfiles are linted with hadolint (errors fail the release) whether or not images can
-# be built. Without a daemon the images are not built and the script says so on stderr and in
-# dist/IMAGES-NOT-BUILT; RELAYFLEET_RELEASE_REQUIRE_IMAGES=1 makes that a failure.
+# be built. RELAYFLEET_RELEASE_IMAGES=daemonless takes the OCI path even where a daemon answers.
+# With neither a daemon nor root + debootstrap the images are not built and the script says so on
+# stderr and in dist/IMAGES-NOT-BUILT; RELAYFLEET_RELEASE_REQUIRE_IMAGES=1 makes that a failure.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "${root}"
@@ -49,15 +52,20 @@ log "chart"
 log "Dockerfiles (hadolint)"
 "${bin}/hadolint" --failure-threshold error Dockerfile Dockerfile.spark
 
-if docker info >/dev/null 2>&1; then
+if docker info >/dev/null 2>&1 && [[ "${RELAYFLEET_RELEASE_IMAGES:-auto}" != daemonless ]]; then
   for spec in "relayfleet:Dockerfile" "relayfleet-spark:Dockerfile.spark"; do
     name="${spec%%:*}" file="${spec#*:}"
     log "image ghcr.io/relayfleet/${name}:${version}"
     docker build -f "${file}" -t "ghcr.io/relayfleet/${name}:${version}" .
     docker save -o "dist/${name}-image-${version}.tar" "ghcr.io/relayfleet/${name}:${version}"
   done
+elif [[ "$(id -u)" -eq 0 ]] && command -v debootstrap >/dev/null; then
+  # No daemon: the same two images as OCI archives, built from Debian packages (hack/images.sh)
+  log "images without a Docker daemon (hack/images.sh): OCI archives"
+  wheels=(dist/*.whl)
+  PYTHON="${py}" bash hack/images.sh "${version}" "${root}/${wheels[0]}" "${root}/dist"
 else
-  reason="no Docker daemon answers 'docker info' (and no other image builder is installed)"
+  reason="no Docker daemon answers 'docker info', and the daemonless build (hack/images.sh) needs root and debootstrap"
   printf 'images ghcr.io/relayfleet/relayfleet:%s and relayfleet-spark:%s not built: %s\n' \
     "${version}" "${version}" "${reason}" >dist/IMAGES-NOT-BUILT
   log "IMAGES NOT BUILT: ${reason}"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Debian packages the test suite needs (real redis-server, Sentinel, nginx+nchan, wrk,
-# Prometheus, Pushgateway, shellcheck). `make test` runs this first: as root it installs what is
+# Prometheus, Pushgateway, shellcheck; debootstrap and skopeo for
+# make release's daemonless images). `make test` runs this first: as root it installs what is
 # missing; otherwise it fails with the exact command to run. Nothing is skipped for lack of them.
 set -euo pipefail
 
@@ -15,6 +16,8 @@ checks=(
   "prometheus             /usr/bin/promtool"
   "prometheus-pushgateway /usr/bin/prometheus-pushgateway"
   "shellcheck             /usr/bin/shellcheck"
+  "debootstrap            /usr/sbin/debootstrap"
+  "skopeo                 /usr/bin/skopeo"
 )
 
 # --check: report only, never install. SYSTEM_DEPS_ROOT: look under another root (tests).

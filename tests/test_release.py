@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import gzip
+import hashlib
+import importlib.util
+import io
+import json
+import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 STAMPED = [
@@ -47,3 +55,113 @@ def test_drift_is_found_and_sync_fixes_it(tmp_path: Path) -> None:
     assert version_py(tmp_path, "--sync").returncode == 0
     assert version_py(tmp_path, "--check").returncode == 0
     assert "relayfleet:9.8.7" in (tmp_path / "crds/relayshards.yaml").read_text()
+
+
+# --- daemonless images (hack/oci_image.py, used by hack/images.sh) ------------------------------
+
+
+def _oci() -> Any:
+    spec = importlib.util.spec_from_file_location("oci_image", ROOT / "hack" / "oci_image.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def test_image_configs_are_read_from_the_dockerfiles() -> None:
+    oci = _oci()
+    relay = oci.dockerfile_config((ROOT / "Dockerfile").read_text(), BASE_PATH)
+    assert relay["User"] == "10001:10001"
+    assert relay["Entrypoint"] == ["relayfleet"]
+    assert relay["Cmd"] == ["relay", "--host", "0.0.0.0", "--port", "8080"]
+    assert relay["ExposedPorts"] == {"8080/tcp": {}, "9090/tcp": {}}
+    assert f"PATH=/opt/venv/bin:{BASE_PATH}" in relay["Env"]
+    assert "PYTHONDONTWRITEBYTECODE=1" in relay["Env"]
+    assert "WorkingDir" not in relay
+    spark = oci.dockerfile_config((ROOT / "Dockerfile.spark").read_text(), BASE_PATH)
+    assert spark["User"] == "185:185"
+    assert spark["WorkingDir"] == "/app"
+    assert spark["Entrypoint"] == ["/usr/bin/tini", "--", "/opt/entrypoint.sh"]
+    assert "Cmd" not in spark
+    assert f"PATH=/opt/venv/bin:/opt/spark/bin:{BASE_PATH}" in spark["Env"]
+    assert "JAVA_HOME=/usr/lib/jvm/java-17-openjdk-amd64" in spark["Env"]
+    assert "PYTHONPATH=/app" in spark["Env"]
+    # `docker run IMAGE` vs `docker run IMAGE ARGS`: CMD is replaced, ENTRYPOINT kept
+    argv = oci.run_argv({"config": relay}, [])
+    assert argv[-6:] == ["relayfleet", "relay", "--host", "0.0.0.0", "--port", "8080"]
+    assert oci.run_argv({"config": relay}, ["--help"])[-2:] == ["relayfleet", "--help"]
+    assert "10001" in argv
+    assert "/" in argv
+
+
+def _tiny_rootfs(root: Path) -> None:
+    (root / "opt" / "venv" / "bin").mkdir(parents=True)
+    (root / "opt" / "venv" / "bin" / "tool").write_text("#!/bin/sh\necho hi\n")
+    (root / "opt" / "venv" / "bin" / "tool").chmod(0o755)
+    (root / "opt" / "venv" / "bin" / "alias").symlink_to("tool")
+    os.link(root / "opt" / "venv" / "bin" / "tool", root / "opt" / "hardlinked")
+    (root / "dev").mkdir()
+    (root / "dev" / "not-in-an-image").write_text("x")
+    (root / "etc").mkdir()
+    (root / "etc" / "passwd").write_text("root:x:0:0::/root:/bin/sh\n")
+
+
+def test_pack_writes_a_reproducible_oci_archive_that_skopeo_reads(tmp_path: Path) -> None:
+    oci = _oci()
+    rootfs = tmp_path / "rootfs"
+    _tiny_rootfs(rootfs)
+    config = oci.dockerfile_config((ROOT / "Dockerfile").read_text(), BASE_PATH)
+    first, second = tmp_path / "a.oci.tar", tmp_path / "b.oci.tar"
+    digest = oci.pack(rootfs, config, "9.9.9", first, 1_700_000_000)
+    (rootfs / "opt" / "venv" / "bin" / "tool").touch()  # a newer mtime is clamped to the epoch
+    assert oci.pack(rootfs, config, "9.9.9", second, 1_700_000_000) == digest
+    assert first.read_bytes() == second.read_bytes()
+
+    with tarfile.open(first) as archive:
+        names = archive.getnames()
+        assert {"oci-layout", "index.json"} <= set(names)
+        blobs = {
+            n.rsplit("/", 1)[1]: oci.blob_of(archive, n).read()
+            for n in names
+            if n.startswith("blobs/sha256/")
+        }
+        index = json.loads(oci.blob_of(archive, "index.json").read())
+    for digest_hex, data in blobs.items():
+        assert hashlib.sha256(data).hexdigest() == digest_hex
+    entry = index["manifests"][0]
+    assert entry["digest"] == digest
+    assert entry["annotations"]["org.opencontainers.image.ref.name"] == "9.9.9"
+    manifest = json.loads(blobs[digest.split(":")[1]])
+    image = json.loads(blobs[manifest["config"]["digest"].split(":")[1]])
+    assert image["config"] == config
+    assert image["os"] == "linux"
+    layer = gzip.decompress(blobs[manifest["layers"][0]["digest"].split(":")[1]])
+    assert image["rootfs"]["diff_ids"] == ["sha256:" + hashlib.sha256(layer).hexdigest()]
+    with tarfile.open(fileobj=io.BytesIO(layer)) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+    assert "dev" in members
+    assert "dev/not-in-an-image" not in members
+    assert members["opt/venv/bin/alias"].issym()
+    assert members["opt/hardlinked"].islnk() or members["opt/venv/bin/tool"].islnk()
+    assert all(m.mtime <= 1_700_000_000 for m in members.values())
+
+    out = tmp_path / "unpacked"
+    assert oci.unpack(first, out)["config"] == config
+    assert (out / "opt" / "venv" / "bin" / "tool").read_text() == "#!/bin/sh\necho hi\n"
+    assert os.access(out / "opt" / "venv" / "bin" / "tool", os.X_OK)
+
+    # skopeo (hack/system-deps.sh installs it) reads it as a registry client would
+    skopeo = shutil.which("skopeo")
+    assert skopeo, "skopeo missing: run hack/system-deps.sh"
+    proc = subprocess.run(
+        [skopeo, "inspect", "--config", f"oci-archive:{first}:9.9.9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["config"]["Entrypoint"] == ["relayfleet"]

@@ -12,7 +12,7 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parent.parent / "hack" / "system-deps.sh"
 PACKAGES = (
     "redis-server redis-tools redis-sentinel nginx libnginx-mod-nchan wrk prometheus "
-    "prometheus-pushgateway shellcheck"
+    "prometheus-pushgateway shellcheck debootstrap skopeo"
 )
 
 
