@@ -130,7 +130,7 @@ image() {
     mount --bind "$c" "$d/root/.cache/pip"
     exec chroot "$d" "$@"' in_root "${rfs}" "${cache}/pip" \
     /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root PIP_DEFAULT_TIMEOUT=180 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_CERT=/tmp/wheels/host-ca.pem PIP_INDEX_URL="${PIP_INDEX_URL:-https://pypi.org/simple}" sh -c '
+    SOURCE_DATE_EPOCH="${epoch}" PIP_CERT=/tmp/wheels/host-ca.pem PIP_INDEX_URL="${PIP_INDEX_URL:-https://pypi.org/simple}" sh -c '
     set -e
     python3.11 -m venv /opt/venv
     /opt/venv/bin/pip install -q --upgrade pip
@@ -213,7 +213,9 @@ from pyspark.sql import SparkSession
 s = SparkSession.builder.master("local[1]").appName("image-smoke").getOrCreate()
 print("rows", s.range(1000).selectExpr("sum(id) AS t").first()["t"])
 s.stop()'
-in_root "${run}" "${argv[@]}" >"${work}/spark-job.txt" 2>&1 || { tail -30 "${work}/spark-job.txt" >&2; exit 1; }
-grep -q '^rows 499500$' "${work}/spark-job.txt" || { log "the local PySpark job gave a wrong answer"; tail -20 "${work}/spark-job.txt" >&2; exit 1; }
+in_root "${run}" "${argv[@]}" >"${work}/spark-job.txt" 2>"${work}/spark-job.err" \
+  || { tail -30 "${work}/spark-job.err" >&2; exit 1; }
+grep -q '^rows 499500$' "${work}/spark-job.txt" \
+  || { log "the local PySpark job gave a wrong answer"; tail -20 "${work}/spark-job.txt" "${work}/spark-job.err" >&2; exit 1; }
 log "relayfleet-spark image: $(grep -m1 -o 'version [0-9.]*' "${work}/spark-version.txt"); local[1] job ok"
 log "images run in $((SECONDS - smoke)) s; total $((SECONDS - started)) s"

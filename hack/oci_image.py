@@ -120,7 +120,7 @@ class _Hashing(io.RawIOBase):
 def _layer(rootfs: Path, out: IO[bytes], epoch: int) -> tuple[str, str, int]:
     """Tar+gzip `rootfs` into `out`: (diff_id, blob digest, blob size)."""
     blob = _Hashing(out)
-    gz = gzip.GzipFile(fileobj=blob, mode="wb", compresslevel=6, mtime=0)
+    gz = gzip.GzipFile(fileobj=blob, mode="wb", compresslevel=1, mtime=0)
     diff = _Hashing(gz)
 
     def normalize(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
@@ -213,7 +213,9 @@ def unpack(archive: Path, dest: Path) -> dict[str, Any]:
         dest.mkdir(parents=True, exist_ok=True)
         for layer in manifest["layers"]:
             with tarfile.open(fileobj=blob(layer["digest"]), mode="r|gz") as tar:
-                tar.extractall(dest, numeric_owner=True, filter="tar")
+                tar.extractall(
+                    dest, numeric_owner=True, filter="fully_trusted"
+                )  # our own archive: keep modes (/tmp 1777)
     return config
 
 

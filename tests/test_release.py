@@ -106,6 +106,8 @@ def _tiny_rootfs(root: Path) -> None:
     os.link(root / "opt" / "venv" / "bin" / "tool", root / "opt" / "hardlinked")
     (root / "dev").mkdir()
     (root / "dev" / "not-in-an-image").write_text("x")
+    (root / "tmp").mkdir()
+    (root / "tmp").chmod(0o1777)  # the Spark user writes here: the mode must survive pack + unpack
     (root / "etc").mkdir()
     (root / "etc" / "passwd").write_text("root:x:0:0::/root:/bin/sh\n")
 
@@ -153,6 +155,7 @@ def test_pack_writes_a_reproducible_oci_archive_that_skopeo_reads(tmp_path: Path
     assert oci.unpack(first, out)["config"] == config
     assert (out / "opt" / "venv" / "bin" / "tool").read_text() == "#!/bin/sh\necho hi\n"
     assert os.access(out / "opt" / "venv" / "bin" / "tool", os.X_OK)
+    assert (out / "tmp").stat().st_mode & 0o7777 == 0o1777
 
     # skopeo (hack/system-deps.sh installs it) reads it as a registry client would
     skopeo = shutil.which("skopeo")
