@@ -47,12 +47,15 @@ cleanup() {
 trap cleanup EXIT
 
 # in_root DIR CMD...: CMD chrooted into DIR with /proc and /dev, in private mount + pid namespaces,
-# so nothing stays mounted and nothing keeps running when it ends (a SIGKILL of unshare kills all).
+# so nothing stays mounted and nothing keeps running when it ends. sh stays the namespace's pid 1
+# (no exec): a SIGKILL of unshare reaches it (--kill-child; the parent-death signal would be
+# cleared in CMD when it changes user) and the kernel then kills everything in the namespace.
 ns=(unshare --mount --propagation private --pid --fork --kill-child -- sh -c '
   set -e; d="$1"; shift
   mount -t proc proc "$d/proc"
   mount --rbind /dev "$d/dev"
-  exec chroot "$d" "$@"' in_root)
+  rc=0; chroot "$d" "$@" || rc=$?
+  exit "$rc"' in_root)
 in_root() { "${ns[@]}" "$@"; }
 # image_argv DIR [ARGS...]: into ${argv[@]}, `docker run IMAGE ARGS...` for the unpacked DIR: the
 # image's ENV only, its WORKDIR and USER, ENTRYPOINT + (ARGS or CMD) (hack/oci_image.py run-argv).
@@ -128,7 +131,8 @@ image() {
     mount -t proc proc "$d/proc"
     mount --rbind /dev "$d/dev"
     mount --bind "$c" "$d/root/.cache/pip"
-    exec chroot "$d" "$@"' in_root "${rfs}" "${cache}/pip" \
+    rc=0; chroot "$d" "$@" || rc=$?
+    exit "$rc"' in_root "${rfs}" "${cache}/pip" \
     /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root PIP_DEFAULT_TIMEOUT=180 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     SOURCE_DATE_EPOCH="${epoch}" PIP_CERT=/tmp/wheels/host-ca.pem PIP_INDEX_URL="${PIP_INDEX_URL:-https://pypi.org/simple}" sh -c '
     set -e
