@@ -108,7 +108,8 @@ EOF
     >"${work}/apt-${name}.log" 2>&1 || { tail -30 "${work}/apt-${name}.log" >&2; rm -rf "${tmp}"; exit 1; }
   rm -f "${tmp}/etc/resolv.conf"
   : >"${tmp}/etc/hostname"
-  mv "${tmp}" "${dir}"
+  # a concurrent release may have finished the same base first: keep theirs
+  mv -T "${tmp}" "${dir}" 2>/dev/null || rm -rf "${tmp}"
   log "base ${name}: built in $((SECONDS - started)) s"
   printf '%s\n' "${dir}"
 }
