@@ -444,6 +444,11 @@ def test_operator_moves_slots_off_a_replicated_shard_after_and_during_failovers(
         old.kill()
         wait_for("a replica promoted", lambda: _settled_primary_not(shard, old), timeout=30)
         move(Move(0, 8191, "a", "b"))
+        # the pod comes back as a replica, as its StatefulSet restarts it: with minReplicas 1
+        # the shard needs a replica left after the next kill to take writes at all
+        old.start()
+        wait_for("old primary rejoined", lambda: True if shard.role(old) == "slave" else None)
+        wait_for("Sentinels see both replicas", lambda: True if len(_online(shard.probe())) == 2 else None)
         assert current[0].slot_counts() == {"a": 8192, "b": 8192}
 
         # during one: kill the primary while the move runs, then run the move again
