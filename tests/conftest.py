@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -64,6 +65,16 @@ def redis_server() -> Iterator[LocalRedis]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def r(redis_server: LocalRedis) -> Iterator[redis.Redis]:
+    """A synchronous redis-py client of `redis_server`, closed after the test."""
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 class RelayTestServer(TestServer):

@@ -7,15 +7,13 @@ relay/storage/keys.py. The last test fails when a script file has no test here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import pytest
 import redis
 
-from relay.localredis import LocalRedis
 from relay.storage import keys as K
 from relay.storage import scripts
 from relay.storage.scripts import Script
@@ -23,15 +21,6 @@ from relay.storage.scripts import Script
 SLOT = 7
 QID = "q1"
 NOW = 1_700_000_000_000
-
-
-@pytest.fixture
-def r(redis_server: LocalRedis) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_server.url)
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def run(r: redis.Redis, script: Script, keys: Sequence[str], args: Sequence[bytes | str | int] = ()) -> Any:

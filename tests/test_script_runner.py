@@ -3,8 +3,6 @@ lost its script cache (SCRIPT FLUSH, as after a restart or a failover to a fresh
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -15,15 +13,6 @@ from relay.storage import script_runner, scripts
 from relay.storage.maintenance import ShardMaintenance, TrimPolicy
 
 SLOT = 11
-
-
-@pytest.fixture
-def r(redis_server: LocalRedis) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_server.url)
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def _batch() -> list[tuple[object, ...]]:
