@@ -26,10 +26,10 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -42,6 +42,8 @@ from relay.storage.boot import MARK_SCRIPT
 from relay.storage.connection import RedisConnectError, RedisTarget, RedisURLError
 from relay.storage.sentinel import NoPrimary, primary_url
 from relay.storage.snapshot import Replica, SnapshotError, fetch_rdb, load_rdb
+
+T = TypeVar("T")
 
 WRITES_PER_SECOND_BOUND = 1_000_000
 MARGIN_SECONDS = 60
@@ -433,18 +435,13 @@ def backup_main(argv: Sequence[str]) -> int:
     if args.keep < 1:
         p.error("--keep must be at least 1")
     progress = Reporter("backup", args.quiet)
-    try:
-        manifest = asyncio.run(
-            backup(read_url(args.redis_url, args.redis_url_file), args.to, args.shard, args.keep, progress)
-        )
-    except (BackupError, SnapshotError, RedisConnectError, RedisError, OSError, TimeoutError) as exc:
-        print(f"relayfleet backup: failed: {_safe(exc)}", file=sys.stderr)
-        return 1
-    except (RedisURLError, ShardMapError) as exc:
-        print(f"relayfleet backup: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(manifest.to_json()))
-    return 0
+    return _run_command(
+        "backup",
+        lambda: backup(
+            read_url(args.redis_url, args.redis_url_file), args.to, args.shard, args.keep, progress
+        ),
+        lambda manifest: manifest.to_json(),
+    )
 
 
 def restore_main(argv: Sequence[str]) -> int:
@@ -476,30 +473,43 @@ def restore_main(argv: Sequence[str]) -> int:
     if args.seq_jump is not None and args.seq_jump < 1:
         p.error("--seq-jump must be at least 1")
     progress = Reporter("restore", args.quiet)
-    try:
-        report = asyncio.run(
-            restore(
-                read_url(args.redis_url, args.redis_url_file),
-                args.source,
-                args.shard,
-                progress,
-                force=args.force,
-                seq_jump=args.seq_jump,
-                advertise_host=args.advertise_host,
-            )
-        )
-    except (BackupError, SnapshotError, RedisConnectError, RedisError, OSError, TimeoutError) as exc:
-        print(f"relayfleet restore: failed: {_safe(exc)}", file=sys.stderr)
-        return 1
-    except (RedisURLError, ShardMapError) as exc:
-        print(f"relayfleet restore: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(asdict(report)))
-    return 0
+    return _run_command(
+        "restore",
+        lambda: restore(
+            read_url(args.redis_url, args.redis_url_file),
+            args.source,
+            args.shard,
+            progress,
+            force=args.force,
+            seq_jump=args.seq_jump,
+            advertise_host=args.advertise_host,
+        ),
+        asdict,
+    )
 
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _run_command(name: str, run: Callable[[], Awaitable[T]], to_json: Callable[[T], Any]) -> int:
+    """Run one CLI command's coroutine: its JSON result on stdout and exit 0; a failure of the
+    shard or the disk exits 1 without secrets, a bad URL or map exits 2 (one line each)."""
+    try:
+        result = asyncio.run(_awaited(run))
+    except (BackupError, SnapshotError, RedisConnectError, RedisError, OSError, TimeoutError) as exc:
+        print(f"relayfleet {name}: failed: {_safe(exc)}", file=sys.stderr)
+        return 1
+    except (RedisURLError, ShardMapError) as exc:
+        print(f"relayfleet {name}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(to_json(result)))
+    return 0
+
+
+async def _awaited(run: Callable[[], Awaitable[T]]) -> T:
+    # the URL is read inside run(): a bad URL file is reported like any other bad argument
+    return await run()
 
 
 def _safe(exc: BaseException) -> str:
