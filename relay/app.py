@@ -20,7 +20,7 @@ from relay.api import didcomm, fanout, health, inbox, live, openapi, pickup, que
 from relay.api.auth import Authenticator
 from relay.api.context import CTX, Context
 from relay.api.errors import ApiError, error_response, overloaded
-from relay.fleet.routing import Fleet, MapSource
+from relay.fleet.routing import MapSource, ShardRouter
 from relay.fleet.sharding import ShardMap
 from relay.memguard import CLAIM, MemoryGuard, ceiling_bytes
 from relay.service import QueueService, TooManyWaiters, Unavailable
@@ -188,7 +188,7 @@ def _code_of(response: web.Response) -> str:
     return str(response.status)
 
 
-def build_app(settings: Settings, fleet: Fleet) -> web.Application:
+def build_app(settings: Settings, fleet: ShardRouter) -> web.Application:
     app = web.Application(client_max_size=settings.max_payload * 2)
     service = QueueService(fleet, settings)
     guard = MemoryGuard(ceiling_bytes(settings.max_rss_mb))
@@ -229,8 +229,8 @@ def _add_observed(app: web.Application, routes: web.RouteTableDef, guard: Memory
         web.RouteDef(d.method, d.path, observed(d.handler, guard), d.kwargs).register(app.router)
 
 
-async def start_fleet(shard_map: ShardMap, settings: Settings, source: MapSource | None) -> Fleet:
-    fleet = Fleet(shard_map, settings.limits, settings.credentials_dir)
+async def start_fleet(shard_map: ShardMap, settings: Settings, source: MapSource | None) -> ShardRouter:
+    fleet = ShardRouter(shard_map, settings.limits, settings.credentials_dir)
     await fleet.start(source)
     return fleet
 

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from relay import metrics
-from relay.fleet.routing import Fleet, Route
+from relay.fleet.routing import Route, ShardRouter
 from relay.settings import Settings
 from relay.storage.store import (
     EnqueueOutcome,
@@ -63,7 +63,7 @@ def now_ms() -> int:
 
 
 class QueueService:
-    def __init__(self, fleet: Fleet, settings: Settings) -> None:
+    def __init__(self, fleet: ShardRouter, settings: Settings) -> None:
         self.fleet = fleet
         self.settings = settings
         self.on_stored: OnStored | None = None

@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 
 from relay import metrics
 from relay.api.context import CTX
-from relay.fleet.routing import Fleet
+from relay.fleet.routing import ShardRouter
 from relay.storage import keys as K
 from relay.storage.maintenance import enqueue_rate
 from relay.storage.store import ShardStore
@@ -135,7 +135,9 @@ async def read_load(store: ShardStore, slots: list[int], now_ms: int) -> ShardLo
 class ShardHealth:
     """The background loop of one relay process."""
 
-    def __init__(self, fleet: Fleet, health_s: float, stats_s: float, lease_s: float | None = None) -> None:
+    def __init__(
+        self, fleet: ShardRouter, health_s: float, stats_s: float, lease_s: float | None = None
+    ) -> None:
         self.fleet = fleet
         self.health_s = health_s
         self.stats_s = stats_s

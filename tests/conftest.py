@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestServer
 from relay.api.context import CTX
 from relay.app import build_app, start_fleet
 from relay.client import RelayClient
-from relay.fleet.routing import Fleet, single_shard_map
+from relay.fleet.routing import ShardRouter, single_shard_map
 from relay.fleet.sharding import ShardMap
 from relay.localredis import LocalRedis
 from relay.serving import make_runner
@@ -92,7 +92,7 @@ class RelayTestServer(TestServer):
 class RunningRelay:
     base_url: str
     app: web.Application
-    fleet: Fleet
+    fleet: ShardRouter
     server: TestServer
 
     @property

@@ -288,7 +288,7 @@ async def test_slot_migration_moves_connections_keylists_and_queues(
 
     from relay.app import build_app
     from relay.fleet.migration import file_publisher, migrate_slots, write_map_file
-    from relay.fleet.routing import Fleet, file_source, load_file
+    from relay.fleet.routing import ShardRouter, file_source, load_file
     from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, slot_of
     from relay.settings import Settings
     from relay.storage import keys as K
@@ -300,7 +300,7 @@ async def test_slot_migration_moves_connections_keylists_and_queues(
     urls = {n: s.url for n, s in servers.items()}
     write_map_file(path, ShardMap("t", 1, urls, (SlotRange(0, SLOT_COUNT - 1, "a"),)))
     settings = Settings(auth="none", didcomm_seed_file=seed_file, public_url=PUBLIC)
-    fleet = Fleet(load_file(path), settings.limits)
+    fleet = ShardRouter(load_file(path), settings.limits)
     await fleet.start(file_source(path), poll_s=3600)  # only a MOVED reply makes it reload
     server = TestServer(build_app(settings, fleet), host="127.0.0.1")
     await server.start_server()

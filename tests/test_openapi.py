@@ -36,7 +36,7 @@ from schemathesis.specs.openapi.checks import (
 from relay.api.context import CTX
 from relay.api.openapi import document
 from relay.app import build_app, start_fleet
-from relay.fleet.routing import Fleet, single_shard_map
+from relay.fleet.routing import ShardRouter, single_shard_map
 from relay.localredis import LocalRedis, free_port
 from relay.settings import Settings
 
@@ -74,7 +74,7 @@ class RelayThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="relay", daemon=True)
         self.runner: web.AppRunner | None = None
-        self.fleet: Fleet | None = None
+        self.fleet: ShardRouter | None = None
         self.base_url = f"http://127.0.0.1:{settings.port}"
 
     def start(self) -> RelayThread:
@@ -193,7 +193,7 @@ def test_served_document_is_the_valid_openapi_31_document(relay_url: str, http: 
 
 def test_every_route_is_documented_and_every_documented_path_exists(relay_url: str) -> None:
     app = build_app(
-        Settings(auth="none"), Fleet(single_shard_map("redis://127.0.0.1:1/0"), Settings().limits)
+        Settings(auth="none"), ShardRouter(single_shard_map("redis://127.0.0.1:1/0"), Settings().limits)
     )
     served: set[tuple[str, str]] = set()
     for route in app.router.routes():

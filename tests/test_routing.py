@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from relay.fleet.migration import file_publisher, migrate_slots, write_map_file
-from relay.fleet.routing import Fleet, MapSource, file_source, load_file
+from relay.fleet.routing import MapSource, ShardRouter, file_source, load_file
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, even_split, slot_of
 from relay.localredis import LocalRedis
 from relay.service import QueueService
@@ -43,10 +43,10 @@ def map_path(tmp_path: Path) -> str:
 
 
 @pytest.fixture
-async def fleet(two_redis: tuple[LocalRedis, LocalRedis], map_path: str) -> AsyncIterator[Fleet]:
+async def fleet(two_redis: tuple[LocalRedis, LocalRedis], map_path: str) -> AsyncIterator[ShardRouter]:
     a, b = two_redis
     write_map_file(map_path, _all_on("a", {"a": a.url, "b": b.url}))
-    f = Fleet(load_file(map_path), QueueLimits())
+    f = ShardRouter(load_file(map_path), QueueLimits())
     await f.start(file_source(map_path), poll_s=3600)  # reloads only when asked: the tests drive them
     try:
         yield f
@@ -73,7 +73,7 @@ async def test_file_source_sees_every_rewrite_even_within_one_clock_tick(tmp_pat
     assert await source() is None
 
 
-async def test_install_takes_newer_maps_only(fleet: Fleet) -> None:
+async def test_install_takes_newer_maps_only(fleet: ShardRouter) -> None:
     m = fleet.map
     assert not await fleet.install(m)  # same map
     newer = m.with_slots(range(10), "b")
@@ -84,7 +84,7 @@ async def test_install_takes_newer_maps_only(fleet: Fleet) -> None:
     assert fleet.map == newer
 
 
-async def test_concurrent_refreshes_share_one_read(fleet: Fleet, map_path: str) -> None:
+async def test_concurrent_refreshes_share_one_read(fleet: ShardRouter, map_path: str) -> None:
     calls = 0
     inner = fleet._source
     assert inner is not None
@@ -104,7 +104,7 @@ async def test_concurrent_refreshes_share_one_read(fleet: Fleet, map_path: str) 
     assert fleet.map.shard_for_slot(1) == "b"
 
 
-async def test_stale_map_meets_moved_then_reloads_and_retries(fleet: Fleet, map_path: str) -> None:
+async def test_stale_map_meets_moved_then_reloads_and_retries(fleet: ShardRouter, map_path: str) -> None:
     """A relay whose map still names the old owner gets MOVED, reloads the file and succeeds."""
     service = QueueService(fleet, Settings(auth="none"))
     recipient, channel = os.urandom(32), b""
@@ -130,7 +130,7 @@ async def test_stale_map_meets_moved_then_reloads_and_retries(fleet: Fleet, map_
     assert [m.payload for m in got.messages] == [b"one", b"two"]
 
 
-async def test_waiter_follows_its_queue_to_the_new_shard(fleet: Fleet, map_path: str) -> None:
+async def test_waiter_follows_its_queue_to_the_new_shard(fleet: ShardRouter, map_path: str) -> None:
     service = QueueService(fleet, Settings(auth="none"))
     recipient, channel = os.urandom(32), b"c"
     slot = slot_of(recipient, channel)
@@ -150,7 +150,7 @@ async def test_waiter_follows_its_queue_to_the_new_shard(fleet: Fleet, map_path:
     assert loop.time() - t < 2.0  # woken by b's publish, not by a timeout
 
 
-async def test_new_shard_in_the_map_gets_a_store_and_hub(fleet: Fleet) -> None:
+async def test_new_shard_in_the_map_gets_a_store_and_hub(fleet: ShardRouter) -> None:
     c = LocalRedis(binary=DEBIAN_REDIS).start()
     try:
         m = fleet.map

@@ -1,6 +1,6 @@
 """The shard map in a Kubernetes ConfigMap (key ``shardmap.json``): relays watch it, the operator writes it.
 
-`configmap_source` is a `MapSource` for `relay.fleet.routing.Fleet`: the first call
+`configmap_source` is a `MapSource` for `relay.fleet.routing.ShardRouter`: the first call
 reads the ConfigMap directly (startup fails clearly when it is missing or invalid);
 after that a background thread keeps a watch open and the source hands out each newer
 map once. The thread is plain blocking I/O on purpose: the kubernetes client is

@@ -40,7 +40,9 @@ def single_shard_map(redis_url: str, fleet: str = "default") -> ShardMap:
 MapSource = Callable[[], Awaitable[ShardMap | None]]
 
 
-class Fleet:
+class ShardRouter:
+    """Routes a queue to its shard's store and wakeup hub under the shard map in use, and swaps maps."""
+
     def __init__(self, shard_map: ShardMap, limits: QueueLimits, credentials_dir: str | None = None) -> None:
         self.map = shard_map
         self.limits = limits
