@@ -19,7 +19,7 @@ from relayfleet_operator.planning import (
     target_counts,
     validate_moves,
 )
-from relayfleet_operator.rebalance import ANNOTATION, Action, decide, moves_status, progress, remaining
+from relayfleet_operator.rebalance_states import ANNOTATION, Action, decide, moves_status, progress, remaining
 from relayfleet_operator.spec import parse_shard
 from relayfleet_operator.status import Observed, set_condition, shard_status
 

@@ -1,4 +1,4 @@
-"""kopf handlers: registration and wiring only; the work is in shards.py and rebalancer.py.
+"""kopf handlers: registration and wiring only; the work is in shards.py and rebalance_controller.py.
 
 Importing this module registers the handlers with kopf's default registry.
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 import kopf
 
-from relayfleet_operator import fleet, rebalancer, shards
+from relayfleet_operator import fleet, rebalance_controller, shards
 from relayfleet_operator.kube import Kube
 from relayfleet_operator.spec import GROUP, REBALANCE_PLURAL, SHARD_PLURAL, VERSION
 
@@ -96,4 +96,4 @@ async def shard_deleted(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 @kopf.timer(GROUP, VERSION, REBALANCE_PLURAL, interval=REBALANCE_TICK_SECONDS)
 async def rebalance_tick(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     busy = memo.get("rebalancing")
-    await rebalancer.advance(_ctx(memo), body, busy if isinstance(busy, set) else set())
+    await rebalance_controller.advance(_ctx(memo), body, busy if isinstance(busy, set) else set())

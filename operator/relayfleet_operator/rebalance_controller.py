@@ -1,4 +1,4 @@
-"""Driving one RelayRebalance through its states against the API (see rebalance.py for the
+"""Driving one RelayRebalance through its states against the API (see rebalance_states.py for the
 states). Called repeatedly by a kopf timer; each call does at most one step, except
 Rebalancing, which runs the remaining moves to the end (recording each in status.moves so a
 restarted operator picks up where this one stopped)."""
@@ -23,7 +23,7 @@ from relayfleet_operator.planning import (
     plan_drain,
     validate_moves,
 )
-from relayfleet_operator.rebalance import (
+from relayfleet_operator.rebalance_states import (
     ANNOTATION,
     STOP,
     Action,
