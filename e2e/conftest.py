@@ -3,7 +3,7 @@ a namespace with the chart installed, and a way to reach Services from the test 
 
 * ``--kubeconfig PATH`` / ``RELAYFLEET_KUBECONFIG``: a real cluster (kind: e2e/kind/run.sh).
   Pods run for real; Services are reached through ``kubectl port-forward``.
-* otherwise: the session's kwok cluster (tests/k8s_cluster.py). e2e/podrunner.py stands in
+* otherwise: the session's kwok cluster (tests/support/k8s_cluster.py). e2e/podrunner.py stands in
   for the kubelet of one extra node; the kwok nodes get a NoSchedule taint for the duration so
   every pod of the test lands there. Services are reached through the runner's address table.
 """
@@ -28,9 +28,9 @@ import pytest
 from e2e.env import FLEET, RELEASE, Env
 
 if TYPE_CHECKING:  # at run time pytest_plugins imports it, after assertion rewriting is set up
-    from tests.k8s_cluster import KubeCluster
+    from tests.support.k8s_cluster import KubeCluster
 
-pytest_plugins = ["tests.k8s_cluster"]
+pytest_plugins = ["tests.support.k8s_cluster"]
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "relayfleet"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # only a type here; conftest's pytest_plugins imports the module
-    from tests.k8s_cluster import KubeCluster
+    from tests.support.k8s_cluster import KubeCluster
 
 
 RELEASE = "relayfleet"

@@ -36,7 +36,7 @@ from e2e.podrunner import TREES_ENV
 from e2e.test_user_path import TIMINGS, http_get, phase, relay_url, shard, shard_map, slots_of, wait_for
 from e2e.workload import Workload
 from relay.fleet.sharding import SLOT_COUNT
-from tests.k8s_cluster import KubeCluster
+from tests.support.k8s_cluster import KubeCluster
 
 PREVIOUS = "51f511e"
 PREVIOUS_IMAGE = "ghcr.io/relayfleet/relayfleet:0.1.0"

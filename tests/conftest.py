@@ -24,11 +24,11 @@ from relay.serving import make_runner
 from relay.settings import Settings
 
 pytest_plugins = [
-    "tests.k8s_cluster",
-    "tests.spark_session",
-    "tests.soak_option",
-    "tests.operator_support",
-    "tests.didcomm_agents",
+    "tests.support.k8s_cluster",
+    "tests.support.spark_session",
+    "tests.support.soak_option",
+    "tests.support.operator_harness",
+    "tests.support.didcomm_stock_agents",
 ]
 
 DEBIAN_REDIS = "/usr/bin/redis-server"

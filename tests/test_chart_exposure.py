@@ -18,8 +18,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.k8s_cluster import KubeCluster
-from tests.operator_support import namespace, wait_for
+from tests.support.k8s_cluster import KubeCluster
+from tests.support.operator_harness import namespace, wait_for
 from tests.test_crds import CHART, HELM, K8S_VERSION, needs_helm, render
 from tests.test_observability import DASHBOARDS, dashboard_queries
 

@@ -12,7 +12,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.k8s_cluster import KubeCluster, pinned_kube_version
+from tests.support.k8s_cluster import KubeCluster, pinned_kube_version
 
 T = TypeVar("T")
 

@@ -18,7 +18,7 @@ import yaml
 from relayfleet_operator import crds
 from relayfleet_operator.kube import Kube
 
-from tests.k8s_cluster import KubeCluster
+from tests.support.k8s_cluster import KubeCluster
 from tests.test_crds import CRDS, crd, needs_helm, render
 
 VERSION = crds.crd_version(crd("relayshards.yaml"))

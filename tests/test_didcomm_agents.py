@@ -47,7 +47,7 @@ from relay.fleet.migration import write_map_file
 from relay.fleet.routing import load_file
 from relay.fleet.sharding import even_split
 from relay.localredis import LocalRedis, free_port
-from tests.didcomm_agents import AcaPy, AgentError, CredoAgent, Toolchain, tail, toolchain
+from tests.support.didcomm_stock_agents import AcaPy, AgentError, CredoAgent, Toolchain, tail, toolchain
 from tests.support.fleet_harness import RelayProc, spawn_relay, stop_relays, wait_ready
 
 pytestmark = [

@@ -1,5 +1,5 @@
 """The DIDComm mediator end to end over real sockets and a real redis-server, with the PyNaCl
-test agent of tests/didcomm_agent.py: invitation → DID Exchange → mediation → keylist →
+test agent of tests/support/didcomm_test_agent.py: invitation → DID Exchange → mediation → keylist →
 forward from an anonymous sender → Pickup 2.0, over HTTP and the WebSocket."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from relay.didcomm import keys as dk
 from relay.didcomm.envelope import pack
 from relay.localredis import LocalRedis
 from tests.conftest import RelayFactory, RunningRelay
-from tests.didcomm_agent import Agent, forward_envelope, inner_message, msg
+from tests.support.didcomm_test_agent import Agent, forward_envelope, inner_message, msg
 
 PUBLIC = "https://relay.example.test"
 

@@ -30,9 +30,14 @@ from typing import Any
 
 import pytest
 
-from tests.sentinel_support import DOWN_AFTER_MS, SPURIOUS_DOWN_AFTER_MS, ReplicatedShard, needs_sentinel
 from tests.support.faults import report, start_relay, stop_relay
 from tests.support.fleet_harness import RelayProc, Workload, make_queues
+from tests.support.sentinel_shard import (
+    DOWN_AFTER_MS,
+    SPURIOUS_DOWN_AFTER_MS,
+    ReplicatedShard,
+    needs_sentinel,
+)
 
 pytestmark = [pytest.mark.faults, needs_sentinel, pytest.mark.timeout(240)]
 

@@ -19,7 +19,7 @@ import pytest
 from relay.localredis import LocalRedis
 from tests.support.faults import call, report, start_relay, stop_relay
 from tests.support.fleet_harness import DEBIAN_REDIS, QueueSpec, Workload, _q, make_queues
-from tests.tcp_proxy import tcp_proxy
+from tests.support.tcp_proxy import tcp_proxy
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 

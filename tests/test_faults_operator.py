@@ -16,13 +16,13 @@ import time
 
 import pytest
 
-from tests.operator_support import (
+from tests.support.faults import report
+from tests.support.fleet_harness import Workload, make_queues
+from tests.support.operator_harness import (
     KwokFleet,
     rebalance,
     wait_for,
 )
-from tests.support.faults import report
-from tests.support.fleet_harness import Workload, make_queues
 
 pytestmark = [pytest.mark.faults, pytest.mark.k8s]
 

@@ -31,7 +31,6 @@ from relay.fleet.routing import load_file
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange
 from relay.localredis import LocalRedis
 from relay.storage import keys as K
-from tests.sentinel_support import DEBIAN_REDIS, ReplicatedShard, needs_sentinel
 from tests.support.faults import report
 from tests.support.fleet_harness import (
     RelayProc,
@@ -42,6 +41,7 @@ from tests.support.fleet_harness import (
     stop_relays,
     wait_ready,
 )
+from tests.support.sentinel_shard import DEBIAN_REDIS, ReplicatedShard, needs_sentinel
 
 pytestmark = [pytest.mark.faults, needs_sentinel, pytest.mark.timeout(240)]
 

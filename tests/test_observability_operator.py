@@ -1,5 +1,5 @@
 """The operator's side of the dashboard and rules, against the real operator: it runs on the
-kwok cluster (tests/k8s_cluster.py) and joins a second shard with an automatic rebalance, while
+kwok cluster (tests/support/k8s_cluster.py) and joins a second shard with an automatic rebalance, while
 a real Prometheus scrapes its /metrics with the chart's rendered rules. Every dashboard query
 and alert expression over `relayfleet_operator_*` series is then evaluated; each dashboard
 query returns data, except those over relayfleet_operator_errors_total, which has a series
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.operator_support import (
+from tests.support.operator_harness import (
     KwokFleet,
 )
 from tests.test_observability import (

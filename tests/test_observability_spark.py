@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.spark_session import FleetFactory, Seed, recipient_on, seed
+from tests.support.spark_session import FleetFactory, Seed, recipient_on, seed
 from tests.test_observability import (
     ROOT,
     alert_rules,

@@ -1,4 +1,4 @@
-"""Replicated managed Redis and backups against a real API server (tests/k8s_cluster.py).
+"""Replicated managed Redis and backups against a real API server (tests/support/k8s_cluster.py).
 
 Bare kube-apiserver: the CRD's new fields, defaults and CEL rules, and every object the
 builders make for a replicated shard with backups accepted by server-side dry-run. kwok
@@ -21,8 +21,8 @@ from relayfleet_operator import builders
 from relayfleet_operator.spec import parse_shard
 
 from relay.fleet.sharding import is_sentinel_url, parse_sentinel_url
-from tests.k8s_cluster import KubeCluster
-from tests.operator_support import KwokFleet, create, get, namespace, shard, wait_for
+from tests.support.k8s_cluster import KubeCluster
+from tests.support.operator_harness import KwokFleet, create, get, namespace, shard, wait_for
 
 pytestmark = pytest.mark.k8s
 

@@ -1,4 +1,4 @@
-"""RelayShard / RelayRebalance against a real API server (built from source, tests/k8s_cluster.py).
+"""RelayShard / RelayRebalance against a real API server (built from source, tests/support/k8s_cluster.py).
 
 Bare kube-apiserver: the CRDs' schemas, defaults, CEL rules and scale subresource, and the
 chart's server-side dry-run. kwok cluster (controllers + fake nodes): the operator, run as a
@@ -23,8 +23,8 @@ import yaml
 from relayfleet_operator import migration
 
 from relay.storage.connection import RedisTarget
-from tests.k8s_cluster import KubeCluster
-from tests.operator_support import (
+from tests.support.k8s_cluster import KubeCluster
+from tests.support.operator_harness import (
     ROOT,
     KwokFleet,
     conditions,
@@ -35,8 +35,8 @@ from tests.operator_support import (
     shard,
     wait_for,
 )
+from tests.support.tls_pki import make_pki
 from tests.test_crds import HELM, helm
-from tests.tls_support import make_pki
 
 pytestmark = pytest.mark.k8s
 

@@ -13,7 +13,13 @@ from relayfleet_operator.planning import Move
 from relay.fleet.sharding import ShardMap, SlotRange
 from relay.localredis import LocalRedis
 from relay.storage import keys as K
-from tests.operator_support import PAYLOAD_BYTES, enqueue_messages, read_queue, read_queues, recipients_on
+from tests.support.operator_harness import (
+    PAYLOAD_BYTES,
+    enqueue_messages,
+    read_queue,
+    read_queues,
+    recipients_on,
+)
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 

@@ -417,7 +417,7 @@ def test_operator_moves_slots_off_a_replicated_shard_after_and_during_failovers(
 
     from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange
     from relay.localredis import LocalRedis
-    from tests.operator_support import enqueue_messages, read_queues, recipients_on
+    from tests.support.operator_harness import enqueue_messages, read_queues, recipients_on
 
     shard = local_shard
     wait_for("Sentinels see both replicas", lambda: True if len(_online(shard.probe())) == 2 else None)

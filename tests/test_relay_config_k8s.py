@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.k8s_cluster import KubeCluster
-from tests.operator_support import KwokFleet, apply, create, get, namespace, shard, wait_for
+from tests.support.k8s_cluster import KubeCluster
+from tests.support.operator_harness import KwokFleet, apply, create, get, namespace, shard, wait_for
 from tests.test_relay_config import FULL_RELAY
 
 pytestmark = pytest.mark.k8s

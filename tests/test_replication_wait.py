@@ -24,9 +24,9 @@ import pytest
 import redis
 
 from relay.storage import keys as K
-from tests.sentinel_support import ReplicatedShard, needs_sentinel
 from tests.support.faults import call, start_relay, stop_relay
 from tests.support.fleet_harness import b64
+from tests.support.sentinel_shard import ReplicatedShard, needs_sentinel
 
 pytestmark = [needs_sentinel, pytest.mark.timeout(120)]
 

@@ -1,4 +1,4 @@
-"""The shard map from a ConfigMap, against a real kube-apiserver (tests/k8s_cluster.py).
+"""The shard map from a ConfigMap, against a real kube-apiserver (tests/support/k8s_cluster.py).
 
 The source's first read, its watch handing out each newer map once, invalid updates
 skipped, the publisher's optimistic concurrency; and a relay process started with
@@ -22,8 +22,8 @@ from relay.fleet.configmap import KEY, ConfigMapSource, configmap_name, configma
 from relay.fleet.migration import MapConflict, migrate_slots
 from relay.fleet.sharding import ShardMap, ShardMapError, even_split, slot_of
 from relay.localredis import LocalRedis
-from tests.k8s_cluster import KubeCluster
 from tests.support.fleet_harness import DEBIAN_REDIS, b64, spawn_relay, stop_relays, wait_ready
+from tests.support.k8s_cluster import KubeCluster
 
 pytestmark = pytest.mark.k8s
 

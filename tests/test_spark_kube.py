@@ -18,8 +18,8 @@ from kubernetes import client
 from relay.fleet.sharding import ShardMap
 from relay.storage import keys as K
 from spark_jobs import rebalance, retention
-from tests.k8s_cluster import KubeCluster
-from tests.spark_session import FleetFactory, Seed, recipient_on, seed
+from tests.support.k8s_cluster import KubeCluster
+from tests.support.spark_session import FleetFactory, Seed, recipient_on, seed
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -22,7 +22,7 @@ from relay.storage.store import QueueLimits
 from spark_jobs import retention
 from spark_jobs.retention import RetentionPolicy
 from spark_jobs.shard_io import split_tasks
-from tests.spark_session import FleetFactory, Seed, ack_upto, recipient_on, seed
+from tests.support.spark_session import FleetFactory, Seed, ack_upto, recipient_on, seed
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

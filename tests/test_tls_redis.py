@@ -23,7 +23,7 @@ from relay.storage.maintenance import ShardMaintenance
 from relay.storage.store import QueueLimits, ShardStore
 from relay.storage.wakeups import WakeupHub
 from tests.conftest import RelayFactory
-from tests.tls_support import Pki, make_pki, tls_redis
+from tests.support.tls_pki import Pki, make_pki, tls_redis
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -174,7 +174,7 @@ def test_spark_retention_against_tls_shards(spark: SparkSession, pki: Pki) -> No
     from spark_jobs import retention
     from spark_jobs.retention import RetentionPolicy
     from spark_jobs.shard_io import split_tasks
-    from tests.spark_session import Seed, seed
+    from tests.support.spark_session import Seed, seed
 
     servers = [tls_redis(pki, auth_clients="yes", password=PASSWORD) for _ in range(2)]
     try:

@@ -24,8 +24,8 @@ import pytest
 import yaml
 
 from relay.localredis import LocalRedis, free_port
-from tests.k8s_cluster import KubeCluster
-from tests.operator_support import namespace, wait_for
+from tests.support.k8s_cluster import KubeCluster
+from tests.support.operator_harness import namespace, wait_for
 
 pytestmark = pytest.mark.k8s
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,7 +28,7 @@ import redis
 from relay.protocol import b64decode
 from tests.hostile.conftest import RelayWith
 from tests.hostile.harness import Relay, recipient, start_redis, start_relay
-from tests.tcp_proxy import tcp_proxy
+from tests.support.tcp_proxy import tcp_proxy
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,6 +1,6 @@
 """Shared support of the operator tests (no tests here).
 
-kubectl helpers against a real API server (tests/k8s_cluster.py), the CRDs installed once
+kubectl helpers against a real API server (tests/support/k8s_cluster.py), the CRDs installed once
 per cluster, a fresh namespace per test, RelayShard/RelayRebalance documents, the operator
 as a subprocess, and queues seeded straight into a shard's Redis. The `kwok_fleet` fixture
 puts them together on the kwok cluster: a namespace, its operator (not yet started), real
@@ -31,7 +31,6 @@ from relay.fleet.sharding import SLOT_COUNT, loads_shard_map
 from relay.localredis import LocalRedis, free_port
 from relay.storage import keys as K
 from relay.storage.store import QueueLimits, ShardStore
-from tests.k8s_cluster import KubeCluster
 from tests.support.fleet_harness import (
     DEBIAN_REDIS,
     RelayProc,
@@ -40,8 +39,9 @@ from tests.support.fleet_harness import (
     stop_relays,
     wait_ready,
 )
+from tests.support.k8s_cluster import KubeCluster
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 Queues = dict[bytes, list[tuple[int, bytes]]]  # recipient -> (seq, payload) of each message
 

@@ -1,6 +1,6 @@
 """Pytest plugin: real Kubernetes control planes for tests, built from source.
 
-Register it from ``tests/conftest.py`` with ``pytest_plugins = ["tests.k8s_cluster"]``.
+Register it from ``tests/conftest.py`` with ``pytest_plugins = ["tests.support.k8s_cluster"]``.
 
 Session-scoped fixtures (both yield a :class:`KubeCluster`):
 
@@ -53,7 +53,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from kubernetes.client import ApiClient
 from kubernetes.config import kube_config
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO_ROOT / "hack" / "control-plane.sh"
 KUBECONFIG_ENV = "RELAYFLEET_KUBECONFIG"
 K8S_FIXTURES = frozenset({"kube_apiserver", "kwok_cluster"})

@@ -31,7 +31,7 @@ import pytest
 
 from relay.localredis import free_port
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TOOLCHAIN_SCRIPT = REPO_ROOT / "hack" / "didcomm-toolchain.sh"
 CREDO_AGENT = REPO_ROOT / "e2e" / "didcomm" / "credo" / "agent.mjs"
 
