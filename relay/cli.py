@@ -195,7 +195,7 @@ def _bench(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    from spark_jobs.planning import plan_main
+    from spark_jobs.load_planner import plan_main
 
     return plan_main(argv)
 

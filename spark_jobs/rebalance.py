@@ -5,7 +5,7 @@
 
 Spark tasks, one per (shard, slot range), read every slot's statistics
 (messages, bytes, enqueue rate: O(1) per slot, no payload) from all shards in
-parallel. The driver plans moves with spark_jobs.planning and prints a
+parallel. The driver plans moves with spark_jobs.load_planner and prints a
 before/after balance table on stderr. With --dry-run the plan is printed as
 JSON on stdout; otherwise it becomes a RelayRebalance proposal
 (relayfleet.dev/v1alpha1) that the operator executes once approved.
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relay.fleet.sharding import ShardMap
-from spark_jobs.planning import (
+from spark_jobs.load_planner import (
     Plan,
     PlanningError,
     SlotLoad,

@@ -7,7 +7,7 @@ import pytest
 import relayfleet_operator.builders as builders
 import relayfleet_operator.planning as op_planning
 
-import spark_jobs.planning as spark_planning
+import spark_jobs.load_planner as spark_planning
 from relay.fleet import configmap, contract
 from relay.fleet.contract import MapStore, MapWriteConflict, Move, PlanError, move_from_json, parse_slots
 from relay.fleet.sharding import ShardMap, ShardMapError, even_split, parse_slot_spec
@@ -77,7 +77,7 @@ async def test_update_loop_recomputes_after_a_lost_race() -> None:
 
 def test_spark_proposal_moves_read_back_by_the_operator() -> None:
     """The moves a Spark proposal carries are exactly what the operator parses."""
-    from spark_jobs.planning import SlotLoad, plan
+    from spark_jobs.load_planner import SlotLoad, plan
     from spark_jobs.rebalance import proposal_spec
 
     shard_map = even_split("f", {"a": "redis://a", "b": "redis://b"})

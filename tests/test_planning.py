@@ -12,7 +12,7 @@ import pytest
 
 from relay.fleet.contract import Move
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, even_split
-from spark_jobs.planning import Plan, PlanningError, SlotLoad, plan, plan_main, slot_loads
+from spark_jobs.load_planner import Plan, PlanningError, SlotLoad, plan, plan_main, slot_loads
 from tests.support.spark_session import FleetFactory, Seed, seed
 
 URLS = {name: f"redis://127.0.0.1:{6400 + i}/0" for i, name in enumerate("abcd")}

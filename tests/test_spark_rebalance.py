@@ -18,7 +18,7 @@ from relay.fleet.sharding import ShardMap, even_split
 from relay.storage import keys as K
 from relay.storage.store import QueueLimits, ShardStore
 from spark_jobs import rebalance
-from spark_jobs.planning import Plan, SlotLoad, plan, slot_loads
+from spark_jobs.load_planner import Plan, SlotLoad, plan, slot_loads
 from spark_jobs.shard_io import SlotTask, split_tasks
 from tests.support.spark_session import FleetFactory, Seed, seed
 from tests.test_planning import naive
