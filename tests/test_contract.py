@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import relayfleet_operator.builders as builders
-import relayfleet_operator.planning as op_planning
+import relayfleet_operator.weight_planner as op_planning
 
 import spark_jobs.load_planner as spark_planning
 from relay.fleet import configmap, contract

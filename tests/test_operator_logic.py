@@ -9,7 +9,10 @@ from typing import Any
 import pytest
 from relayfleet_operator.executor import MoveFailed, Outcome, run_moves
 from relayfleet_operator.fleet import founder
-from relayfleet_operator.planning import (
+from relayfleet_operator.rebalance_states import ANNOTATION, Action, decide, moves_status, progress, remaining
+from relayfleet_operator.spec import parse_shard
+from relayfleet_operator.status import Observed, set_condition, shard_status
+from relayfleet_operator.weight_planner import (
     Move,
     PlanError,
     apply_moves,
@@ -19,9 +22,6 @@ from relayfleet_operator.planning import (
     target_counts,
     validate_moves,
 )
-from relayfleet_operator.rebalance_states import ANNOTATION, Action, decide, moves_status, progress, remaining
-from relayfleet_operator.spec import parse_shard
-from relayfleet_operator.status import Observed, set_condition, shard_status
 
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, even_split
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 from relayfleet_operator import migration
-from relayfleet_operator.planning import Move
+from relayfleet_operator.weight_planner import Move
 
 from relay.fleet.sharding import ShardMap, SlotRange
 from relay.localredis import LocalRedis

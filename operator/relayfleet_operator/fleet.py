@@ -20,8 +20,8 @@ from relay.fleet.contract import MapChange, MapWriteConflict, Obj
 from relay.fleet.sharding import ShardMap
 from relayfleet_operator import builders, metrics, migration
 from relayfleet_operator.kube import Conflict, Kube
-from relayfleet_operator.planning import Move
 from relayfleet_operator.spec import API_VERSION, SHARD_KIND, ExternalRedis, ShardSpec, SpecError, parse_shard
+from relayfleet_operator.weight_planner import Move
 
 _MAP_WRITE_ATTEMPTS = 8
 

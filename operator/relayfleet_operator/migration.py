@@ -20,7 +20,7 @@ from relay.fleet import migration as fleet_migration
 from relay.fleet.sharding import ShardMap
 from relay.storage import keys
 from relay.storage.sentinel import async_client
-from relayfleet_operator.planning import Move
+from relayfleet_operator.weight_planner import Move
 
 
 class MoveError(RuntimeError):

@@ -15,14 +15,6 @@ from relay.fleet.sharding import ShardMap
 from relayfleet_operator import fleet, metrics, migration
 from relayfleet_operator.executor import MoveFailed, Outcome, run_moves
 from relayfleet_operator.kube import KubeError
-from relayfleet_operator.planning import (
-    Move,
-    PlanError,
-    move_from_json,
-    plan_by_weight,
-    plan_drain,
-    validate_moves,
-)
 from relayfleet_operator.rebalance_states import (
     ANNOTATION,
     STOP,
@@ -36,6 +28,14 @@ from relayfleet_operator.rebalance_states import (
 from relayfleet_operator.shards import notify
 from relayfleet_operator.spec import API_VERSION, REBALANCE_KIND
 from relayfleet_operator.status import now_rfc3339, set_condition
+from relayfleet_operator.weight_planner import (
+    Move,
+    PlanError,
+    move_from_json,
+    plan_by_weight,
+    plan_drain,
+    validate_moves,
+)
 
 log = logging.getLogger("relayfleet.operator")
 

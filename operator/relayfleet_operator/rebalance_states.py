@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay.fleet.contract import Obj
-from relayfleet_operator.planning import Move, move_from_json
+from relayfleet_operator.weight_planner import Move, move_from_json
 
 ANNOTATION = "relayfleet.dev/rebalance"
 APPROVE, STOP, REFRESH = "approve", "stop", "refresh"
