@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from relayfleet_operator.executor import MoveFailed, Outcome, run_moves
-from relayfleet_operator.fleet import founder
+from relayfleet_operator.fleet_state import founder
 from relayfleet_operator.rebalance_states import ANNOTATION, Action, decide, moves_status, progress, remaining
 from relayfleet_operator.spec import parse_shard
 from relayfleet_operator.status import Observed, set_condition, shard_status

@@ -11,7 +11,7 @@ from typing import Any
 
 import kopf
 
-from relayfleet_operator import fleet, rebalance_controller, shards
+from relayfleet_operator import fleet_state, rebalance_controller, shards
 from relayfleet_operator.kube import Kube
 from relayfleet_operator.spec import GROUP, REBALANCE_PLURAL, SHARD_PLURAL, VERSION
 
@@ -20,9 +20,9 @@ RESYNC_SECONDS = float(os.environ.get("RELAYFLEET_OPERATOR_RESYNC_SECONDS", "30"
 REBALANCE_TICK_SECONDS = float(os.environ.get("RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS", "2"))
 
 
-def _ctx(memo: kopf.Memo) -> fleet.Context:
+def _ctx(memo: kopf.Memo) -> fleet_state.Context:
     ctx = memo.get("ctx")
-    if not isinstance(ctx, fleet.Context):
+    if not isinstance(ctx, fleet_state.Context):
         raise kopf.TemporaryError("operator context not initialised yet", delay=1)
     return ctx
 
@@ -49,14 +49,14 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     kube = memo.get("kube")
     if not isinstance(kube, Kube):  # started by kopf directly, not through main.run
         kube = Kube.from_config(os.environ.get("RELAYFLEET_OPERATOR_KUBECONFIG"))
-    memo["ctx"] = fleet.Context(kube=kube)
+    memo["ctx"] = fleet_state.Context(kube=kube)
     memo["rebalancing"] = set()
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     ctx = memo.get("ctx")
-    if isinstance(ctx, fleet.Context):
+    if isinstance(ctx, fleet_state.Context):
         await ctx.kube.close()
 
 

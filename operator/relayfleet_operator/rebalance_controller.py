@@ -12,7 +12,7 @@ from typing import Any
 
 from relay.fleet.contract import Obj
 from relay.fleet.sharding import ShardMap
-from relayfleet_operator import fleet, metrics, migration
+from relayfleet_operator import fleet_state, metrics, migration
 from relayfleet_operator.executor import MoveFailed, Outcome, run_moves
 from relayfleet_operator.kube import KubeError
 from relayfleet_operator.rebalance_states import (
@@ -45,12 +45,12 @@ def _where(body: Mapping[str, Any]) -> tuple[str, str]:
     return str(meta.get("namespace") or "default"), str(meta["name"])
 
 
-async def _patch_status(ctx: fleet.Context, body: Mapping[str, Any], status: Obj) -> None:
+async def _patch_status(ctx: fleet_state.Context, body: Mapping[str, Any], status: Obj) -> None:
     namespace, name = _where(body)
     await ctx.kube.merge_patch(API_VERSION, REBALANCE_KIND, namespace, name, {"status": status}, "status")
 
 
-async def _consume_annotation(ctx: fleet.Context, body: Mapping[str, Any]) -> None:
+async def _consume_annotation(ctx: fleet_state.Context, body: Mapping[str, Any]) -> None:
     namespace, name = _where(body)
     patch = {"metadata": {"annotations": {ANNOTATION: None}}}
     await ctx.kube.merge_patch(API_VERSION, REBALANCE_KIND, namespace, name, patch)
@@ -70,7 +70,7 @@ def _conditions(body: Mapping[str, Any], phase: Phase, message: str) -> list[Obj
 
 
 async def _to_phase(
-    ctx: fleet.Context, body: Mapping[str, Any], phase: Phase, message: str, **extra: Any
+    ctx: fleet_state.Context, body: Mapping[str, Any], phase: Phase, message: str, **extra: Any
 ) -> None:
     gen = int((body.get("metadata") or {}).get("generation") or 0)
     status: Obj = {
@@ -86,7 +86,7 @@ async def _to_phase(
         notify(body, phase.value, message, warning=phase == Phase.NOT_READY)
 
 
-async def advance(ctx: fleet.Context, body: Mapping[str, Any], busy: set[tuple[str, str]]) -> None:
+async def advance(ctx: fleet_state.Context, body: Mapping[str, Any], busy: set[tuple[str, str]]) -> None:
     """One step of the state machine for `body` (skipped while a step is already running)."""
     key = _where(body)
     if key in busy:
@@ -129,19 +129,19 @@ async def advance(ctx: fleet.Context, body: Mapping[str, Any], busy: set[tuple[s
 
 
 async def _weights_and_urls(
-    ctx: fleet.Context, namespace: str, fleet_name: str, shard_map: ShardMap
+    ctx: fleet_state.Context, namespace: str, fleet_name: str, shard_map: ShardMap
 ) -> tuple[dict[str, int], dict[str, str], list[Obj]]:
-    members = await fleet.fleet_shards(ctx.kube, namespace, fleet_name)
-    weights = {n: w for n, w in fleet.weights_of(members).items() if n in shard_map.shards}
-    urls = await fleet.fleet_urls(ctx.kube, members)
+    members = await fleet_state.fleet_shards(ctx.kube, namespace, fleet_name)
+    weights = {n: w for n, w in fleet_state.weights_of(members).items() if n in shard_map.shards}
+    urls = await fleet_state.fleet_urls(ctx.kube, members)
     return weights, urls, members
 
 
-async def _propose(ctx: fleet.Context, body: Mapping[str, Any]) -> None:
+async def _propose(ctx: fleet_state.Context, body: Mapping[str, Any]) -> None:
     namespace, _ = _where(body)
     spec = body.get("spec") or {}
     fleet_name = str(spec.get("fleet") or "")
-    shard_map, _ = await fleet.read_shard_map(ctx.kube, namespace, fleet_name)
+    shard_map, _ = await fleet_state.read_shard_map(ctx.kube, namespace, fleet_name)
     if shard_map is None:
         msg = f"fleet {fleet_name} has no shard map yet: create a RelayShard with spec.fleet={fleet_name}"
         await _to_phase(ctx, body, Phase.NOT_READY, msg)
@@ -185,7 +185,7 @@ async def _propose(ctx: fleet.Context, body: Mapping[str, Any]) -> None:
     await _to_phase(ctx, body, Phase.PROPOSAL_READY, msg, **extra)
 
 
-async def _execute(ctx: fleet.Context, body: Mapping[str, Any]) -> None:
+async def _execute(ctx: fleet_state.Context, body: Mapping[str, Any]) -> None:
     namespace, name = _where(body)
     spec = body.get("spec") or {}
     fleet_name = str(spec.get("fleet") or "")
@@ -205,25 +205,25 @@ async def _execute(ctx: fleet.Context, body: Mapping[str, Any]) -> None:
                 await _patch_status(ctx, body, {"moves": entries, "progress": progress(entries)})
 
         try:
-            shard_map, _ = await fleet.read_shard_map(ctx.kube, namespace, fleet_name)
+            shard_map, _ = await fleet_state.read_shard_map(ctx.kube, namespace, fleet_name)
             if shard_map is None:
                 await _to_phase(ctx, body, Phase.NOT_READY, f"fleet {fleet_name} has no shard map")
                 return
             _, urls, members = await _weights_and_urls(ctx, namespace, fleet_name, shard_map)
-            owners = fleet.specs_of(members)
+            owners = fleet_state.specs_of(members)
 
             async def run_one(i: int) -> None:
                 move = move_from_json(entries[i])
-                current, _ = await fleet.read_shard_map(ctx.kube, namespace, fleet_name)
+                current, _ = await fleet_state.read_shard_map(ctx.kube, namespace, fleet_name)
                 if current is None:
-                    raise fleet.FleetError(f"fleet {fleet_name} lost its shard map")
-                if fleet.move_progress(current, move) == "done":
+                    raise fleet_state.FleetError(f"fleet {fleet_name} lost its shard map")
+                if fleet_state.move_progress(current, move) == "done":
                     entries[i].update(state="Done", finishedAt=entries[i].get("finishedAt") or now_rfc3339())
                     await persist()
                     return
                 entries[i].update(state="Migrating", startedAt=now_rfc3339(), message="")
                 await persist()
-                result = await fleet.execute_move(
+                result = await fleet_state.execute_move(
                     ctx, namespace, fleet_name, current, move, urls, owners, "rebalance"
                 )
                 entries[i].update(

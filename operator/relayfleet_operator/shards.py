@@ -15,7 +15,7 @@ import kopf
 
 from relay.fleet.contract import Obj
 from relay.fleet.sharding import ShardMap, ShardMapError
-from relayfleet_operator import builders, fleet, metrics, migration
+from relayfleet_operator import builders, fleet_state, metrics, migration
 from relayfleet_operator.kube import KubeError
 from relayfleet_operator.replication import probe as probe_replication
 from relayfleet_operator.spec import API_VERSION, SHARD_KIND, ManagedRedis, ShardSpec, SpecError, parse_shard
@@ -49,7 +49,7 @@ def notify(body: Mapping[str, Any], reason: str, message: str, warning: bool = F
         pass
 
 
-async def write_status(ctx: fleet.Context, body: Mapping[str, Any], status: Obj) -> None:
+async def write_status(ctx: fleet_state.Context, body: Mapping[str, Any], status: Obj) -> None:
     meta = body.get("metadata") or {}
     try:
         await ctx.kube.merge_patch(
@@ -60,7 +60,7 @@ async def write_status(ctx: fleet.Context, body: Mapping[str, Any], status: Obj)
             raise
 
 
-async def _observe(ctx: fleet.Context, shard: ShardSpec, url: str | None) -> Observed:
+async def _observe(ctx: fleet_state.Context, shard: ShardSpec, url: str | None) -> Observed:
     kube = ctx.kube
     dep = await kube.get("apps/v1", "Deployment", shard.namespace, builders.relay_name(shard.name))
     sts = None
@@ -76,14 +76,14 @@ async def _observe(ctx: fleet.Context, shard: ShardSpec, url: str | None) -> Obs
     if shard.backup is not None:
         cron = await kube.get("batch/v1", "CronJob", shard.namespace, builders.backup_name(shard.name))
         last_backup = ((cron or {}).get("status") or {}).get("lastSuccessfulTime")
-    shard_map, _ = await fleet.read_shard_map(kube, shard.namespace, shard.fleet)
+    shard_map, _ = await fleet_state.read_shard_map(kube, shard.namespace, shard.fleet)
     return Observed(
         last_backup=last_backup if isinstance(last_backup, str) else None,
         deployment=dep,
         statefulset=sts,
         redis_reachable=reachable,
         redis_endpoint=builders.endpoint_of(url) if url else None,
-        slot_count=fleet.owned_by(shard_map, shard.name),
+        slot_count=fleet_state.owned_by(shard_map, shard.name),
         shard_map_epoch=shard_map.epoch if shard_map else None,
         in_shard_map=shard_map is not None and shard.name in shard_map.shards,
         migrating=ctx.moving.get((shard.namespace, shard.fleet)),
@@ -91,7 +91,7 @@ async def _observe(ctx: fleet.Context, shard: ShardSpec, url: str | None) -> Obs
     )
 
 
-async def relay_secrets_digest(ctx: fleet.Context, shard: ShardSpec) -> str | None:
+async def relay_secrets_digest(ctx: fleet_state.Context, shard: ShardSpec) -> str | None:
     """Digest of the Secrets spec.relay mounts (None when it mounts none): rotating a token
     rolls the relays on the next reconcile (resync period)."""
     refs = builders.relay_secret_refs(shard)
@@ -105,7 +105,7 @@ async def relay_secrets_digest(ctx: fleet.Context, shard: ShardSpec) -> str | No
     return builders.secrets_hash(shard, values)
 
 
-async def reconcile(ctx: fleet.Context, body: Mapping[str, Any], *, announce: bool) -> Obj:
+async def reconcile(ctx: fleet_state.Context, body: Mapping[str, Any], *, announce: bool) -> Obj:
     """Make the world match one RelayShard; returns the status written.
 
     Idempotent: the change handlers and the periodic resync both call it, and the resync is
@@ -117,13 +117,13 @@ async def reconcile(ctx: fleet.Context, body: Mapping[str, Any], *, announce: bo
         metrics.ERRORS.labels("RelayShard", "SpecError").inc()
         notify(body, "InvalidSpec", str(exc), warning=True)
         raise kopf.PermanentError(str(exc)) from None
-    if fleet.deleting(body):
+    if fleet_state.deleting(body):
         return {}
     previous = body.get("status") or {}
     url: str | None = None
     try:
         async with ctx.locks.fleet(shard.namespace, shard.fleet):
-            url = await fleet.redis_url(ctx.kube, shard)
+            url = await fleet_state.redis_url(ctx.kube, shard)
             digest = await relay_secrets_digest(ctx, shard)
             for obj in builders.shard_children(shard, digest):
                 await ctx.kube.apply(obj)
@@ -131,21 +131,21 @@ async def reconcile(ctx: fleet.Context, body: Mapping[str, Any], *, announce: bo
                 if await ctx.kube.get(*group[0][:2], shard.namespace, group[0][2]) is not None:
                     for api_version, kind, name in group:
                         await ctx.kube.delete(api_version, kind, shard.namespace, name)
-            members = await fleet.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
-            owners = fleet.specs_of(members)
+            members = await fleet_state.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
+            owners = fleet_state.specs_of(members)
             for obj in builders.fleet_objects(shard.namespace, shard.fleet, owners):
                 await ctx.kube.apply(obj)
-            await fleet.set_credentials(ctx.kube, shard.namespace, shard.fleet, shard.name, url, owners)
+            await fleet_state.set_credentials(ctx.kube, shard.namespace, shard.fleet, shard.name, url, owners)
             public = builders.strip_credentials(url)
-            founder = fleet.founder(members)
+            founder = fleet_state.founder(members)
 
             def join(m: ShardMap | None) -> ShardMap | None:
                 if m is None and founder not in (None, shard.name):
                     return None  # the founder creates the map; this shard joins it afterwards
                 return builders.join_shard_map(m, shard.fleet, shard.name, public)
 
-            before, _ = await fleet.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
-            after, written = await fleet.update_shard_map(
+            before, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
+            after, written = await fleet_state.update_shard_map(
                 ctx.kube, shard.namespace, shard.fleet, join, owners
             )
         if written and after is not None:
@@ -162,7 +162,7 @@ async def reconcile(ctx: fleet.Context, body: Mapping[str, Any], *, announce: bo
             else:
                 notify(body, "ShardMapUpdated", f"Redis URL updated in the shard map (epoch {after.epoch})")
         seen = await _observe(ctx, shard, url)
-    except (KubeError, fleet.FleetError, ShardMapError) as exc:
+    except (KubeError, fleet_state.FleetError, ShardMapError) as exc:
         metrics.ERRORS.labels("RelayShard", type(exc).__name__).inc()
         metrics.RECONCILES.labels("RelayShard", "error").inc()
         status = shard_status(shard, previous, Observed(error=str(exc), redis_endpoint=None))
@@ -219,14 +219,16 @@ def _was_not_degraded(previous: Mapping[str, Any]) -> bool:
     return cond is None or cond.get("status") != "True"
 
 
-async def _safe_status(ctx: fleet.Context, body: Mapping[str, Any], status: Obj) -> None:
+async def _safe_status(ctx: fleet_state.Context, body: Mapping[str, Any], status: Obj) -> None:
     try:
         await write_status(ctx, body, status)
     except KubeError:
         log.warning("could not write the status of %s", (body.get("metadata") or {}).get("name"))
 
 
-async def _propose_join_rebalance(ctx: fleet.Context, shard: ShardSpec, body: Mapping[str, Any]) -> None:
+async def _propose_join_rebalance(
+    ctx: fleet_state.Context, shard: ShardSpec, body: Mapping[str, Any]
+) -> None:
     """spec.autoRebalance: a new shard asks for its share of the fleet's slots at once."""
     obj = {
         "apiVersion": API_VERSION,
@@ -251,7 +253,7 @@ async def _propose_join_rebalance(ctx: fleet.Context, shard: ShardSpec, body: Ma
 # --- deletion ---------------------------------------------------------------------------------
 
 
-async def drain(ctx: fleet.Context, body: Mapping[str, Any]) -> None:
+async def drain(ctx: fleet_state.Context, body: Mapping[str, Any]) -> None:
     """Finalizer: move every slot of this shard to the others by weight, then leave the map.
 
     Returns when the shard may go; raises kopf.TemporaryError to be called again later.
@@ -266,16 +268,16 @@ async def drain(ctx: fleet.Context, body: Mapping[str, Any]) -> None:
         raise kopf.TemporaryError(f"waiting: {ctx.moving[key]}", delay=RETRY_SECONDS)
     previous = body.get("status") or {}
     async with lock:
-        members = await fleet.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
-        owners = fleet.specs_of(members)
-        shard_map, _ = await fleet.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
-        owned = fleet.owned_by(shard_map, shard.name)
+        members = await fleet_state.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
+        owners = fleet_state.specs_of(members)
+        shard_map, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
+        owned = fleet_state.owned_by(shard_map, shard.name)
         drop_map = False
         if shard_map is not None and owned:
             # Only shards already in the map (reconciled at least once) can take slots.
             weights = {
                 n: w
-                for n, w in fleet.weights_of(members).items()
+                for n, w in fleet_state.weights_of(members).items()
                 if n != shard.name and n in shard_map.shards
             }
             others = sorted(n for n in shard_map.shards if n != shard.name)
@@ -291,15 +293,15 @@ async def drain(ctx: fleet.Context, body: Mapping[str, Any]) -> None:
         def change(m: ShardMap | None) -> ShardMap | None:
             return None if m is None or drop_map else builders.leave_shard_map(m, shard.name)
 
-        left, _ = await fleet.update_shard_map(
+        left, _ = await fleet_state.update_shard_map(
             ctx.kube, shard.namespace, shard.fleet, change, [o for o in owners if o.name != shard.name]
         )
-        await fleet.set_credentials(ctx.kube, shard.namespace, shard.fleet, shard.name, None, [])
+        await fleet_state.set_credentials(ctx.kube, shard.namespace, shard.fleet, shard.name, None, [])
     notify(body, "LeftFleet", f"left fleet {shard.fleet}" + ("" if left else "; it was the last shard"))
     await _delete_children(ctx, shard)
 
 
-async def _delete_children(ctx: fleet.Context, shard: ShardSpec) -> None:
+async def _delete_children(ctx: fleet_state.Context, shard: ShardSpec) -> None:
     """Remove the shard's own objects once its slots are gone, newest first, instead of
     leaving them to the garbage collector: they go before the finalizer is released, on
     clusters whose garbage collector is slow or stalled too. Claims (data) are kept."""
@@ -311,7 +313,7 @@ async def _delete_children(ctx: fleet.Context, shard: ShardSpec) -> None:
 
 
 async def _last_shard(
-    ctx: fleet.Context, body: Mapping[str, Any], shard: ShardSpec, shard_map: ShardMap, previous: Obj
+    ctx: fleet_state.Context, body: Mapping[str, Any], shard: ShardSpec, shard_map: ShardMap, previous: Obj
 ) -> None:
     """No other shard can take the slots: allow deletion only if nothing would be lost."""
     annotations = (body.get("metadata") or {}).get("annotations") or {}
@@ -319,7 +321,7 @@ async def _last_shard(
         notify(body, "ForceDelete", f"{FORCE_DELETE}=true: deleting the last shard without moving data", True)
         return
     try:
-        url = await fleet.redis_url(ctx.kube, shard)
+        url = await fleet_state.redis_url(ctx.kube, shard)
         has_data = await migration.holds_data(url, shard_map.slots_of(shard.name))
         unknown = ""
     except Exception as exc:  # failing to look means "assume data"
@@ -341,7 +343,7 @@ async def _last_shard(
 
 
 async def _move_away(
-    ctx: fleet.Context,
+    ctx: fleet_state.Context,
     body: Mapping[str, Any],
     shard: ShardSpec,
     shard_map: ShardMap,
@@ -350,7 +352,9 @@ async def _move_away(
     previous: Obj,
 ) -> None:
     key = (shard.namespace, shard.fleet)
-    urls = await fleet.fleet_urls(ctx.kube, await fleet.fleet_shards(ctx.kube, shard.namespace, shard.fleet))
+    urls = await fleet_state.fleet_urls(
+        ctx.kube, await fleet_state.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
+    )
     entries = [dict(e) for e in (previous.get("drain") or {}).get("moves") or ()]
     plan = [move_from_json(e) for e in entries]
     # A kept plan is reused while its targets still exist; otherwise plan afresh.
@@ -368,14 +372,14 @@ async def _move_away(
         for i, move in enumerate(plan):
             if entries[i].get("state") == "Done":
                 continue
-            current, _ = await fleet.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
+            current, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
             if current is None:
                 raise kopf.TemporaryError("the shard map disappeared", delay=RETRY_SECONDS)
             try:
-                if fleet.move_progress(current, move) == "done":
+                if fleet_state.move_progress(current, move) == "done":
                     entries[i]["state"] = "Done"
                     continue
-            except fleet.FleetError as exc:
+            except fleet_state.FleetError as exc:
                 # Someone else moved these slots: forget the kept plan and plan again.
                 await _safe_status(ctx, body, {"drain": None})
                 raise kopf.TemporaryError(
@@ -384,7 +388,7 @@ async def _move_away(
             entries[i]["state"] = "Migrating"
             await _drain_status(ctx, body, shard, previous, entries, i, current)
             try:
-                result = await fleet.execute_move(
+                result = await fleet_state.execute_move(
                     ctx, shard.namespace, shard.fleet, current, move, urls, owners, "drain"
                 )
             except Exception as exc:
@@ -401,7 +405,7 @@ async def _move_away(
                 "SlotsMoved",
                 f"slots {move.slots} -> {move.target} ({result.keys} keys, {result.bytes} B)",
             )
-        done_map, _ = await fleet.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
+        done_map, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
         await _drain_status(ctx, body, shard, previous, entries, len(entries), done_map)
     finally:
         ctx.moving.pop(key, None)
@@ -415,7 +419,7 @@ def _entry_state(entries: list[Obj], move: Move) -> str:
 
 
 async def _drain_status(
-    ctx: fleet.Context,
+    ctx: fleet_state.Context,
     body: Mapping[str, Any],
     shard: ShardSpec,
     previous: Obj,
@@ -431,7 +435,7 @@ async def _drain_status(
     status = shard_status(
         shard,
         previous,
-        Observed(draining=True, migrating=msg, slot_count=fleet.owned_by(shard_map, shard.name)),
+        Observed(draining=True, migrating=msg, slot_count=fleet_state.owned_by(shard_map, shard.name)),
     )
     status["drain"] = {"moves": entries}
     await _safe_status(ctx, body, status)
