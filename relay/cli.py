@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 # imported only when run (plain imports, so mypy and import-linter see them): the
 # planner is spark_jobs' driver-free half, bench a tool, backup needs only Redis.
 def _bench(argv: list[str]) -> int:
-    from relay.bench import main as bench_main
+    from relayfleet_testing.bench import main as bench_main
 
     return bench_main(argv)
 
@@ -248,7 +248,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if cmd == "relay":
         return _relay(args)
     if cmd == "dev":
-        from relay.dev import run_dev
+        from relayfleet_testing.devfleet.fleet import run_dev
 
         return run_dev(port=args.port, shards=args.shards, demo=not args.no_demo, auth=args.auth)
     if cmd == "keygen":

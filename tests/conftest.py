@@ -13,13 +13,13 @@ import pytest
 import redis
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from relayfleet_testing.localredis import LocalRedis
 
 from relay.api.context import CTX
 from relay.app import build_app, start_fleet
 from relay.client import RelayClient
 from relay.fleet.routing import ShardRouter, single_shard_map
 from relay.fleet.sharding import ShardMap
-from relay.localredis import LocalRedis
 from relay.serving import make_runner
 from relay.settings import Settings
 

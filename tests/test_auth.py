@@ -20,8 +20,8 @@ import orjson
 import pytest
 import redis
 from nacl.signing import SigningKey
+from relayfleet_testing.localredis import LocalRedis, free_port
 
-from relay.localredis import LocalRedis, free_port
 from relay.protocol import b64decode, b64encode, canonical, keypair, sign_headers
 from tests.conftest import RelayFactory, RunningRelay
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from relayfleet_testing.localredis import LocalRedis
 
 from relay import backup as B
-from relay.localredis import LocalRedis
 from relay.storage import keys as K
 from relay.storage.store import QueueLimits, ShardStore
 

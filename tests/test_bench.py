@@ -11,12 +11,12 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from relayfleet_testing.bench import main, report, scenarios, targets, wrk
+from relayfleet_testing.bench.loadgen import Conn, _dechunk, closed_loop
+from relayfleet_testing.bench.procs import BenchError, Procs, free_port, wait_port
+from relayfleet_testing.bench.results import Results, Row, percentile
+from relayfleet_testing.localredis import LocalRedis
 
-from relay.bench import main, report, scenarios, targets, wrk
-from relay.bench.loadgen import Conn, _dechunk, closed_loop
-from relay.bench.procs import BenchError, Procs, free_port, wait_port
-from relay.bench.results import Results, Row, percentile
-from relay.localredis import LocalRedis
 from relay.storage.store import QueueLimits
 from tests.conftest import RelayFactory
 
@@ -273,7 +273,7 @@ def test_report_write_keeps_hand_written_text(tmp_path: Path) -> None:
 
 
 def test_bench_writes_under_the_current_directory_not_next_to_the_module(tmp_path: Path) -> None:
-    from relay.bench.runner import default_output
+    from relayfleet_testing.bench.runner import default_output
 
     assert default_output(tmp_path) == tmp_path / "benchmarks.md"
     (tmp_path / "docs").mkdir()

@@ -13,9 +13,9 @@ import pytest
 import redis
 from relayfleet_operator import builders
 from relayfleet_operator.spec import ExternalRedis, ManagedRedis, SpecError, parse_shard, quantity_bytes
+from relayfleet_testing.localredis import free_port
 
 from relay.fleet.sharding import SLOT_COUNT, ShardMapError, parse_sentinel_url, parse_shard_map
-from relay.localredis import free_port
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 

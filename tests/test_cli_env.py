@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from relayfleet_testing.localredis import LocalRedis
 
 from relay import cli
-from relay.localredis import LocalRedis
 from relay.settings import DEPRECATED_ENV, RELAY_ENV, Settings
 from tests.conftest import RelayFactory
 

@@ -41,12 +41,12 @@ import aiohttp
 import pytest
 import pytest_asyncio
 import redis
+from relayfleet_testing.localredis import LocalRedis, free_port
 
 from relay.didcomm import keys as dk
 from relay.fleet.migration import write_map_file
 from relay.fleet.routing import load_file
 from relay.fleet.sharding import even_split
-from relay.localredis import LocalRedis, free_port
 from tests.support.didcomm_stock_agents import AcaPy, AgentError, CredoAgent, Toolchain, tail, toolchain
 from tests.support.fleet_harness import RelayProc, spawn_relay, stop_relays, wait_ready
 

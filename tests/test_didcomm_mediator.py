@@ -13,10 +13,10 @@ from typing import Any
 import aiohttp
 import pytest
 import redis
+from relayfleet_testing.localredis import LocalRedis
 
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import pack
-from relay.localredis import LocalRedis
 from tests.conftest import RelayFactory, RunningRelay
 from tests.support.didcomm_test_agent import Agent, forward_envelope, inner_message, msg
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from relayfleet_testing.localredis import LocalRedis
 
 from relay.client import RelayClient
-from relay.localredis import LocalRedis
 from relay.protocol import b64encode, keypair
 from relay.storage.store import QueueLimits
 from tests.conftest import RelayFactory, RunningRelay

@@ -25,8 +25,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
+from relayfleet_testing.localredis import LocalRedis
 
-from relay.localredis import LocalRedis
 from tests.support.faults import call, report, start_relay, stop_relay
 from tests.support.fleet_harness import (
     DEBIAN_REDIS,

@@ -22,8 +22,8 @@ import redis
 import yaml
 from relayfleet_operator import builders
 from relayfleet_operator.spec import parse_shard
+from relayfleet_testing.localredis import LocalRedis
 
-from relay.localredis import LocalRedis
 from relay.protocol import keypair, sign_headers
 from tests.support.faults import stop_relay
 from tests.support.fleet_harness import DEBIAN_REDIS, RelayProc, spawn_relay, wait_ready

@@ -17,11 +17,11 @@ import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from relayfleet_testing.localredis import LocalRedis
 
 from relay.api.auth import parse_header
 from relay.api.errors import ApiError
 from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
-from relay.localredis import LocalRedis
 from tests.support.faults import report, start_relay, stop_relay
 from tests.support.fleet_harness import DEBIAN_REDIS, RelayProc
 

@@ -15,10 +15,10 @@ from typing import Any
 import aiohttp
 import pytest
 import redis
+from relayfleet_testing.localredis import LocalRedis
 
 from relay.api.inbox import inbox_recipient
 from relay.client import RelayClient
-from relay.localredis import LocalRedis
 from relay.protocol import b64decode, b64encode
 from relay.storage import keys as K
 from relay.storage.maintenance import ShardMaintenance, TrimPolicy

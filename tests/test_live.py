@@ -8,12 +8,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
 from relay.api import live as live_module
 from relay.api.live import CLOSE_DISPLACED
 from relay.client import LiveClosed, LiveConnection, RelayClient, RelayError, received
-from relay.localredis import LocalRedis
 from relay.protocol import b64encode, keypair, sign_headers
 from tests.conftest import RelayFactory, RunningRelay
 

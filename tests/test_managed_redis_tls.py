@@ -17,8 +17,8 @@ import pytest
 import redis
 from relayfleet_operator import builders
 from relayfleet_operator.spec import ManagedRedis, SpecError, parse_shard
+from relayfleet_testing.localredis import free_port
 
-from relay.localredis import free_port
 from relay.storage import keys as K
 from relay.storage.connection import RedisTarget
 from relay.storage.store import QueueLimits, ShardStore

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from relayfleet_testing.localredis import LocalRedis
 
 from relay.fleet.migration import (
     MapConflict,
@@ -24,7 +25,6 @@ from relay.fleet.migration import (
 )
 from relay.fleet.routing import load_file
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, slot_of
-from relay.localredis import LocalRedis
 from relay.storage import keys as K
 from relay.storage.store import QueueLimits, ShardStore
 

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from relayfleet_testing.localredis import LocalRedis
 
 from relay.fleet.migration import MigrationReport, Progress, file_publisher, migrate_slots, write_map_file
 from relay.fleet.routing import load_file
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange
-from relay.localredis import LocalRedis
 from relay.storage import keys as K
 from tests.support.faults import report
 from tests.support.fleet_harness import (

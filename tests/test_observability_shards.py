@@ -10,9 +10,9 @@ import time
 import aiohttp
 import pytest
 import redis
+from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
-from relay.localredis import LocalRedis
 from relay.shard_health import MONITOR, ShardHealth, read_load
 from relay.storage import keys as K
 from tests.conftest import RunningRelay

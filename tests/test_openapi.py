@@ -23,6 +23,7 @@ import requests
 import schemathesis
 from aiohttp import web
 from hypothesis import HealthCheck, Phase, given, settings
+from relayfleet_testing.localredis import LocalRedis, free_port
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.result import Err
@@ -37,7 +38,6 @@ from relay.api.context import CTX
 from relay.api.openapi import document
 from relay.app import build_app, start_fleet
 from relay.fleet.routing import ShardRouter, single_shard_map
-from relay.localredis import LocalRedis, free_port
 from relay.settings import Settings
 
 EXAMPLES = int(os.environ.get("RELAY_FUZZ_EXAMPLES", "40"))

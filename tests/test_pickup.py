@@ -15,9 +15,9 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from relayfleet_testing.localredis import LocalRedis
 
 from relay.client import RelayClient, RelayError
-from relay.localredis import LocalRedis
 from relay.protocol import b64decode, b64encode, keypair, sign_headers
 from tests.conftest import RelayFactory, RunningRelay
 

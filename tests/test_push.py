@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from relayfleet_testing.localredis import LocalRedis, free_port
 
 from relay import metrics
 from relay.api.context import CTX
-from relay.localredis import LocalRedis, free_port
 from relay.protocol import b64encode, keypair
 from relay.push import NOTIFIER, PushNotifier
 from tests.conftest import RelayFactory, RunningRelay

@@ -10,9 +10,9 @@ import time
 import aiohttp
 import pytest
 import redis
+from relayfleet_testing.localredis import LocalRedis
 
 from relay.client import RelayClient, RelayError
-from relay.localredis import LocalRedis
 from relay.protocol import b64encode
 from relay.storage import keys as K
 from relay.storage.store import QueueLimits

@@ -6,8 +6,8 @@ import asyncio
 import ssl
 
 import pytest
+from relayfleet_testing.localredis import LocalRedis
 
-from relay.localredis import LocalRedis
 from relay.storage.connection import (
     RedisConnectError,
     RedisTarget,

@@ -24,9 +24,9 @@ from relayfleet_operator import builders, replication
 from relayfleet_operator.redis_scripts import PRE_STOP_REDIS, START_REDIS, START_SENTINEL
 from relayfleet_operator.spec import parse_shard
 from relayfleet_operator.status import Observed, shard_status
+from relayfleet_testing.localredis import free_port
 
 from relay.fleet.sharding import SentinelTarget
-from relay.localredis import free_port
 
 DEBIAN = Path("/usr/bin")
 PASSWORD = "pw-Xy_9"
@@ -414,9 +414,9 @@ def test_operator_moves_slots_off_a_replicated_shard_after_and_during_failovers(
     primary SIGKILLed mid-move and the move run again, as the operator retries it."""
     from relayfleet_operator.migration import MoveError, holds_data, migrate_range
     from relayfleet_operator.weight_planner import Move
+    from relayfleet_testing.localredis import LocalRedis
 
     from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange
-    from relay.localredis import LocalRedis
     from tests.support.operator_harness import enqueue_messages, read_queues, recipients_on
 
     shard = local_shard

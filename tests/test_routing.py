@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from relayfleet_testing.localredis import LocalRedis
 
 from relay.fleet.migration import file_publisher, migrate_slots, write_map_file
 from relay.fleet.routing import MapSource, ShardRouter, file_source, load_file
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, even_split, slot_of
-from relay.localredis import LocalRedis
 from relay.service import QueueService
 from relay.settings import Settings
 from relay.storage.store import QueueLimits

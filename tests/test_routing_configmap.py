@@ -17,11 +17,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 from kubernetes import client
+from relayfleet_testing.localredis import LocalRedis
 
 from relay.fleet.configmap import KEY, ConfigMapSource, configmap_name, configmap_publisher, configmap_reader
 from relay.fleet.migration import MapConflict, migrate_slots
 from relay.fleet.sharding import ShardMap, ShardMapError, even_split, slot_of
-from relay.localredis import LocalRedis
 from tests.support.fleet_harness import DEBIAN_REDIS, b64, spawn_relay, stop_relays, wait_ready
 from tests.support.k8s_cluster import KubeCluster
 

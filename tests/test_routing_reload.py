@@ -15,10 +15,10 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+from relayfleet_testing.localredis import LocalRedis
 
 from relay.fleet.migration import file_publisher, migrate_slots, write_map_file
 from relay.fleet.sharding import ShardMap
-from relay.localredis import LocalRedis
 from tests.support.fleet_harness import (
     DEBIAN_REDIS,
     FleetProcs,

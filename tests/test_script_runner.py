@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import redis
 import redis.asyncio as aioredis
+from relayfleet_testing.localredis import LocalRedis
 
-from relay.localredis import LocalRedis
 from relay.storage import keys as K
 from relay.storage import script_runner, scripts
 from relay.storage.maintenance import ShardMaintenance, TrimPolicy

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from relayfleet_testing.localredis import free_port
 
 from relay.fleet.sharding import (
     SLOT_COUNT,
@@ -29,7 +30,6 @@ from relay.fleet.sharding import (
     parse_slot_spec,
     slot_of,
 )
-from relay.localredis import free_port
 
 URLS = {"a": "redis://10.0.0.5:6379/0", "b": "redis://10.0.0.6:6379/0"}
 

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
+from relayfleet_testing.localredis import LocalRedis
 
-from relay.localredis import LocalRedis
 from relay.storage import keys as K
 from relay.storage.pipeline import ScriptBatcher, StoreUnavailable
 from relay.storage.scripts import STATUS

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import aiohttp
 import pytest
 import redis
+from relayfleet_testing.localredis import LocalRedis
 
 from relay.fleet.migration import file_publisher, file_reader, migrate_slots, write_map_file
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange
-from relay.localredis import LocalRedis
 from relay.storage import keys as K
 from relay.storage.maintenance import ShardMaintenance
 from relay.storage.store import QueueLimits, ShardStore

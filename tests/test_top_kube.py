@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 import yaml
+from relayfleet_testing.localredis import LocalRedis, free_port
 
-from relay.localredis import LocalRedis, free_port
 from tests.support.k8s_cluster import KubeCluster
 from tests.support.operator_harness import namespace, wait_for
 

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
+from relayfleet_testing.localredis import LocalRedis
 
-from relay.localredis import LocalRedis
 from tests.hostile.harness import Relay, start_redis, start_relay
 
 HEADER_TIMEOUT_S = 2.0

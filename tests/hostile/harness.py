@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-
-from relay.localredis import LocalRedis, free_port
+from relayfleet_testing.localredis import LocalRedis, free_port
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 

@@ -28,8 +28,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-
-from relay.localredis import free_port
+from relayfleet_testing.localredis import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOOLCHAIN_SCRIPT = REPO_ROOT / "hack" / "didcomm-toolchain.sh"

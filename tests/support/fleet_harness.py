@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from relayfleet_testing.localredis import LocalRedis, free_port
 
 from relay.fleet.migration import MigrationReport, file_publisher, migrate_slots, write_map_file
 from relay.fleet.routing import load_file
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, even_split, slot_of
-from relay.localredis import LocalRedis, free_port
 from tests.support.history import History
 
 DEBIAN_REDIS = "/usr/bin/redis-server"

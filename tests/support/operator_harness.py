@@ -26,9 +26,9 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
+from relayfleet_testing.localredis import LocalRedis, free_port
 
 from relay.fleet.sharding import SLOT_COUNT, loads_shard_map
-from relay.localredis import LocalRedis, free_port
 from relay.storage import keys as K
 from relay.storage.store import QueueLimits, ShardStore
 from tests.support.fleet_harness import (

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from relayfleet_testing.localredis import LocalRedis, free_port
 
 from relay.fleet.sharding import SentinelTarget
-from relay.localredis import LocalRedis, free_port
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 DEBIAN_SENTINEL = "/usr/bin/redis-sentinel"

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pytest
+from relayfleet_testing.localredis import LocalRedis
 
 from relay.fleet.sharding import ShardMap, SlotRange
-from relay.localredis import LocalRedis
 from relay.storage import keys as K
 from relay.storage.store import EnqueueOutcome, QueueLimits, ShardStore
 

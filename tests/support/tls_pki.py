@@ -11,8 +11,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-from relay.localredis import LocalRedis, RedisTls
+from relayfleet_testing.localredis import LocalRedis, RedisTls
 
 REDIS = "/usr/bin/redis-server"
 

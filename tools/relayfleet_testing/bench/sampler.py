@@ -7,7 +7,7 @@ process runs (user or system time), and records the Python stack at each tick. T
 C code is charged to the Python frame that called it; time in the event loop between
 callbacks lands on the next Python frame to run.
 
-Run: python relay/bench/sampler.py OUT.collapsed [--hz N] -m MODULE [ARGS...]
+Run: python tools/relayfleet_testing/bench/sampler.py OUT.collapsed [--hz N] -m MODULE [ARGS...]
 (as a script, so it works for trees without this file; the working directory comes
 first on sys.path, as with ``python -m``). SIGUSR1 starts sampling afresh, SIGUSR2
 stops it (so startup is left out); the collapsed stacks are written on exit.

@@ -24,16 +24,16 @@ from types import FrameType
 from typing import TypeVar
 
 import uvloop
+from relayfleet_testing.bench import profile, report, scenarios, targets
+from relayfleet_testing.bench.procs import BenchError, Procs, raise_nofile_limit
+from relayfleet_testing.bench.results import Results, Row, size_label
+from relayfleet_testing.bench.scenarios import Run
+from relayfleet_testing.bench.targets import RedisServer, Target
 
-from relay.bench import profile, report, scenarios, targets
-from relay.bench.procs import BenchError, Procs, raise_nofile_limit
-from relay.bench.results import Results, Row, size_label
-from relay.bench.scenarios import Run
-from relay.bench.targets import RedisServer, Target
 from relay.helpfmt import EnvHelpFormatter
 
 T = TypeVar("T")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def default_output(cwd: Path | None = None) -> Path:

@@ -1,5 +1,5 @@
 import sys
 
-from relay.bench import main
+from relayfleet_testing.bench import main
 
 sys.exit(main(sys.argv[1:]))

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from relay.bench.procs import BenchError, Procs, wait_exit
+from relayfleet_testing.bench.procs import BenchError, Procs, wait_exit
 
 WRK = "/usr/bin/wrk"
 

@@ -11,8 +11,9 @@ import sys
 import tempfile
 import time
 
+from relayfleet_testing.localredis import LocalRedis
+
 from relay.fleet.sharding import even_split
-from relay.localredis import LocalRedis
 
 
 def run_dev(port: int, shards: int, demo: bool, auth: str) -> int:
@@ -42,7 +43,7 @@ def run_dev(port: int, shards: int, demo: bool, auth: str) -> int:
         asyncio.run(wait_ready(url, 30))
         print(f"relay ready: {url}   (Ctrl-C stops everything)", flush=True)
         if demo:
-            from relay.demo import run_demo
+            from relayfleet_testing.devfleet.demo import run_demo
 
             asyncio.run(run_demo(url))
             return 0

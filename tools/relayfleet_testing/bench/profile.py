@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from relay.bench.procs import BenchError, Procs, wait_exit
+from relayfleet_testing.bench.procs import BenchError, Procs, wait_exit
 
 
 def py_spy() -> str:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
 
-from relay.bench.results import Results, Row, size_label
+from relayfleet_testing.bench.results import Results, Row, size_label
 
 # Targets of issue 9, on this class of machine (2 cores, generator on the same machine).
 TARGET_ENQUEUE_RATE = 15000.0

@@ -1,6 +1,6 @@
 """What minReplicas costs: enqueue throughput and latency with and without WAIT, one run.
 
-``python -m relay.bench.wait_cost [--seconds S] [--rounds N] [--connections C] [--size B]``
+``python -m relayfleet_testing.bench.wait_cost [--seconds S] [--rounds N] [--connections C] [--size B]``
 
 Starts a primary and one replica (redis-server, diskless replication, AOF everysec as a
 shard runs), one Sentinel watching them, and two relay processes on the same Sentinel
@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import redis
+from relayfleet_testing.bench.loadgen import Conn, HttpError, build_request
+from relayfleet_testing.bench.procs import BenchError, Procs, free_port, wait_port
 
-from relay.bench.loadgen import Conn, HttpError, build_request
-from relay.bench.procs import BenchError, Procs, free_port, wait_port
 from relay.fleet.sharding import SentinelTarget
 
 
@@ -152,7 +152,9 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m relay.bench.wait_cost", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m relayfleet_testing.bench.wait_cost", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--seconds", type=float, default=8.0, help="per round (no env)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per relay, alternating (no env)")
     p.add_argument("--connections", type=int, default=32, help="closed-loop connections (no env)")

@@ -6,10 +6,10 @@ redis-server; rounds alternate between targets so load drifts hit them alike.
 Per run: wrk warm-up, then utime + stime of the server (and its Redis) from
 /proc before and after a measured wrk run, divided by the requests answered.
 
-Run: python -m relay.bench.cpu [--tree LABEL=DIR ...] [--ceiling] [--rounds N]
+Run: python -m relayfleet_testing.bench.cpu [--tree LABEL=DIR ...] [--ceiling] [--rounds N]
 A tree is a directory holding a ``relay`` package (e.g. ``git archive HEAD relay |
 tar -x -C /tmp/base``); the relay is started from it with this interpreter.
-``--cpu-profile DIR`` runs each server under relay/bench/sampler.py (CPU-time
+``--cpu-profile DIR`` runs each server under tools/relayfleet_testing/bench/sampler.py (CPU-time
 samples; py-spy's wall-clock samples overstate writes that wake another process)
 and profiles one extra run per target, not counted in the figures.
 """
@@ -26,10 +26,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relay.bench import profile, wrk
-from relay.bench.procs import BenchError, Child, Procs, free_port
-from relay.bench.scenarios import OCTET, recipient
-from relay.bench.targets import REPO, RedisServer, Target, relay_python, start_redis, wait_http
+from relayfleet_testing.bench import profile, wrk
+from relayfleet_testing.bench.procs import BenchError, Child, Procs, free_port
+from relayfleet_testing.bench.scenarios import OCTET, recipient
+from relayfleet_testing.bench.targets import REPO, RedisServer, Target, relay_python, start_redis, wait_http
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 SAMPLER = Path(__file__).with_name("sampler.py")
@@ -61,7 +61,7 @@ async def _start(procs: Procs, label: str, tree: Path | None, sample_dir: Path |
     samples = sample_dir / f"{label}.collapsed.txt" if sample_dir else None
     python = [relay_python()] + ([str(SAMPLER), str(samples)] if samples else [])
     if tree is None:  # the empty-handler ceiling
-        argv = [*python, "-m", "relay.bench.ceiling", "--port", str(port)]
+        argv = [*python, "-m", "relayfleet_testing.bench.ceiling", "--port", str(port)]
         child: Child = procs.start(label, argv, cwd=REPO)
         kind = "aiohttp"
     else:
@@ -162,7 +162,9 @@ async def run(args: argparse.Namespace, subjects: list[tuple[str, Path | None]])
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m relay.bench.cpu", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m relayfleet_testing.bench.cpu", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--tree", action="append", metavar="LABEL=DIR", help="a tree holding relay/ (repeatable)")
     p.add_argument("--ceiling", action="store_true", help="also the aiohttp empty-handler ceiling")
     p.add_argument("--rounds", type=int, default=3)
@@ -177,7 +179,7 @@ def main(argv: list[str]) -> int:
     try:
         return asyncio.run(run(args, _subjects(args)))
     except BenchError as exc:
-        print(f"relay.bench.cpu: {exc}", file=sys.stderr)
+        print(f"relayfleet_testing.bench.cpu: {exc}", file=sys.stderr)
         return 1
 
 

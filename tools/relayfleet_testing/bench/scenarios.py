@@ -1,7 +1,7 @@
 """The measurements: each function runs one scenario against one target and returns a Row.
 
 Throughput scenarios drive wrk; latency, read+ack and idle long-polls use the own
-generator (relay.bench.loadgen). A scenario never starts or stops servers: the
+generator (relayfleet_testing.bench.loadgen). A scenario never starts or stops servers: the
 runner owns their lifetimes.
 """
 
@@ -22,12 +22,12 @@ from pathlib import Path
 import aiohttp
 import orjson
 import redis.asyncio as aioredis
+from relayfleet_testing.bench import wrk
+from relayfleet_testing.bench.loadgen import Conn, HttpError, Response, build_request, closed_loop, open_many
+from relayfleet_testing.bench.procs import BenchError, Procs, wait_exit
+from relayfleet_testing.bench.results import Row, percentile
+from relayfleet_testing.bench.targets import RedisServer, Target
 
-from relay.bench import wrk
-from relay.bench.loadgen import Conn, HttpError, Response, build_request, closed_loop, open_many
-from relay.bench.procs import BenchError, Procs, wait_exit
-from relay.bench.results import Row, percentile
-from relay.bench.targets import RedisServer, Target
 from relay.storage import keys as K
 from relay.storage import scripts
 from relay.storage.store import QueueLimits, ShardStore

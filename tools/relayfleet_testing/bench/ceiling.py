@@ -5,7 +5,7 @@ enqueue reads the body and answers a fixed 201, a long-poll GET parks on an
 in-process future that the next enqueue to the same recipient resolves. What a
 relay process can reach on this machine is bounded by these numbers.
 
-Run: python -m relay.bench.ceiling --port P
+Run: python -m relayfleet_testing.bench.ceiling --port P
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def build_app() -> web.Application:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m relay.bench.ceiling")
+    parser = argparse.ArgumentParser(prog="python -m relayfleet_testing.bench.ceiling")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)

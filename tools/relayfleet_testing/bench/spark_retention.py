@@ -1,6 +1,6 @@
 """Retention sweep benchmark: Spark vs a single-threaded redis-py sweeper, same data.
 
-    python -m spark_jobs.bench [--queues 100000] [--messages 1000000] [--shards 3]
+    python -m relayfleet_testing.bench.spark_retention [--queues 100000] [--messages 1000000] [--shards 3]
         [--master local[2]] [--json PATH]
 
 Starts its own redis-server shards on free ports, seeds them through the real
@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from relayfleet_testing.localredis import free_port, redis_server_binary
 
 from relay.fleet.sharding import ShardMap, even_split
-from relay.localredis import free_port, redis_server_binary
 from relay.storage import keys as K
 from relay.storage.store import QueueLimits, ShardStore
 from spark_jobs.retention import RetentionPolicy, run_sweep, sweep_sequential
@@ -148,7 +148,9 @@ def _totals(rows: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m spark_jobs.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m relayfleet_testing.bench.spark_retention", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--queues", type=int, default=100_000)
     p.add_argument("--messages", type=int, default=1_000_000)
     p.add_argument("--shards", type=int, default=3)

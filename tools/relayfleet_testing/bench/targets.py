@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis.asyncio as aioredis
+from relayfleet_testing.bench.loadgen import Conn, HttpError
+from relayfleet_testing.bench.procs import BenchError, Child, Procs, child_pids, free_port, rss_kib, wait_port
 
-from relay.bench.loadgen import Conn, HttpError
-from relay.bench.procs import BenchError, Child, Procs, child_pids, free_port, rss_kib, wait_port
 from relay.storage.keys import b64
 
 REDIS_SERVER = "/usr/bin/redis-server"
@@ -25,7 +25,7 @@ NGINX = "/usr/sbin/nginx"
 NCHAN_MODULE = "/usr/lib/nginx/modules/ngx_nchan_module.so"
 NCHAN_CONF = Path("/work/shared/peers/nchan.conf")
 RELAY_PYTHON = Path("/work/main/.venv/bin/python")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @dataclass
@@ -149,7 +149,7 @@ async def start_ceiling(procs: Procs, processes: int) -> Target:
     for _ in range(processes):
         port = free_port()
         child = procs.start(
-            "aiohttp-ceiling", [sys.executable, "-m", "relay.bench.ceiling", "--port", str(port)]
+            "aiohttp-ceiling", [sys.executable, "-m", "relayfleet_testing.bench.ceiling", "--port", str(port)]
         )
         target.ports.append(port)
         target.children.append(child)
