@@ -24,7 +24,6 @@ from relay.storage.maintenance import ShardMaintenance
 
 GROUP = "relayfleet.dev"
 VERSION = "v1alpha1"
-SHARD_MAP_KEY = SHARDMAP_KEY  # the fleet contract's data key
 DEFAULT_TASK_SLOTS = 512
 
 
@@ -138,10 +137,10 @@ def load_shard_map(path: str | None, configmap: str | None) -> ShardMap:
         except client.ApiException as exc:
             raise JobError(f"cannot read ConfigMap {namespace}/{name}: {exc.status} {exc.reason}") from None
         data: dict[str, str] = cm.data or {}
-        if SHARD_MAP_KEY not in data:
-            raise JobError(f"ConfigMap {namespace}/{name} has no key {SHARD_MAP_KEY}")
+        if SHARDMAP_KEY not in data:
+            raise JobError(f"ConfigMap {namespace}/{name} has no key {SHARDMAP_KEY}")
         try:
-            return loads_shard_map(data[SHARD_MAP_KEY])
+            return loads_shard_map(data[SHARDMAP_KEY])
         except ShardMapError as exc:
             raise JobError(f"ConfigMap {namespace}/{name}: {exc}") from None
     raise UsageError("one of --shard-map or --shard-map-configmap is required")

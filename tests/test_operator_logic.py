@@ -13,16 +13,14 @@ from relayfleet_operator.rebalance_states import ANNOTATION, Action, decide, mov
 from relayfleet_operator.spec import parse_shard
 from relayfleet_operator.status import Observed, set_condition, shard_status
 from relayfleet_operator.weight_planner import (
-    Move,
-    PlanError,
     apply_moves,
-    move_from_json,
     plan_by_weight,
     plan_drain,
     target_counts,
     validate_moves,
 )
 
+from relay.fleet.contract import Move, PlanError, move_from_json
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, even_split
 
 URLS = {"a": "redis://a/0", "b": "redis://b/0", "c": "redis://c/0"}

@@ -8,9 +8,9 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 from relayfleet_operator import migration
-from relayfleet_operator.weight_planner import Move
 from relayfleet_testing.localredis import LocalRedis
 
+from relay.fleet.contract import Move
 from relay.fleet.sharding import ShardMap, SlotRange
 from relay.storage import keys as K
 from tests.support.operator_harness import (

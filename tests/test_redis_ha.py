@@ -413,9 +413,9 @@ def test_operator_moves_slots_off_a_replicated_shard_after_and_during_failovers(
     RelayShard deletion runs): half the slots after a failover, the other half with the new
     primary SIGKILLed mid-move and the move run again, as the operator retries it."""
     from relayfleet_operator.migration import MoveError, holds_data, migrate_range
-    from relayfleet_operator.weight_planner import Move
     from relayfleet_testing.localredis import LocalRedis
 
+    from relay.fleet.contract import Move
     from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange
     from tests.support.operator_harness import enqueue_messages, read_queues, recipients_on
 

@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relay.fleet import contract
-from relay.fleet.contract import MapChange, MapWriteConflict, Obj
+from relay.fleet.contract import MapChange, MapWriteConflict, Move, Obj
 from relay.fleet.sharding import ShardMap
 from relayfleet_operator import builders, metrics, migration
 from relayfleet_operator.kube import Conflict, Kube
 from relayfleet_operator.spec import API_VERSION, SHARD_KIND, ExternalRedis, ShardSpec, SpecError, parse_shard
-from relayfleet_operator.weight_planner import Move
 
 _MAP_WRITE_ATTEMPTS = 8
 

@@ -17,10 +17,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from relay.fleet import migration as fleet_migration
+from relay.fleet.contract import Move
 from relay.fleet.sharding import ShardMap
 from relay.storage import keys
 from relay.storage.sentinel import async_client
-from relayfleet_operator.weight_planner import Move
 
 
 class MoveError(RuntimeError):

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from relay.fleet.contract import Obj
+from relay.fleet.contract import Move, Obj, PlanError, move_from_json
 from relay.fleet.sharding import ShardMap
 from relayfleet_operator import fleet_state, metrics, migration
 from relayfleet_operator.executor import MoveFailed, Outcome, run_moves
@@ -28,14 +28,7 @@ from relayfleet_operator.rebalance_states import (
 from relayfleet_operator.shards import notify
 from relayfleet_operator.spec import API_VERSION, REBALANCE_KIND
 from relayfleet_operator.status import now_rfc3339, set_condition
-from relayfleet_operator.weight_planner import (
-    Move,
-    PlanError,
-    move_from_json,
-    plan_by_weight,
-    plan_drain,
-    validate_moves,
-)
+from relayfleet_operator.weight_planner import plan_by_weight, plan_drain, validate_moves
 
 log = logging.getLogger("relayfleet.operator")
 

@@ -17,8 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from relay.fleet.contract import Obj
-from relayfleet_operator.weight_planner import Move, move_from_json
+from relay.fleet.contract import Move, Obj, move_from_json
 
 ANNOTATION = "relayfleet.dev/rebalance"
 APPROVE, STOP, REFRESH = "approve", "stop", "refresh"

@@ -13,14 +13,14 @@ from typing import Any, cast
 
 import kopf
 
-from relay.fleet.contract import Obj
+from relay.fleet.contract import Move, Obj, PlanError, move_from_json
 from relay.fleet.sharding import ShardMap, ShardMapError
 from relayfleet_operator import builders, fleet_state, metrics, migration
 from relayfleet_operator.kube import KubeError
 from relayfleet_operator.replication import probe as probe_replication
 from relayfleet_operator.spec import API_VERSION, SHARD_KIND, ManagedRedis, ShardSpec, SpecError, parse_shard
 from relayfleet_operator.status import Observed, condition, now_rfc3339, shard_status
-from relayfleet_operator.weight_planner import Move, PlanError, move_from_json, plan_drain
+from relayfleet_operator.weight_planner import plan_drain
 
 FORCE_DELETE = "relayfleet.dev/force-delete"
 # How long a failed or blocked step waits before kopf calls the handler again.

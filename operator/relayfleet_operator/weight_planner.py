@@ -10,12 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
-# The Move shape, its JSON and the slot-range syntax are the fleet contract shared with
-# the Spark planner and the relay; re-exported here for the operator's modules.
-from relay.fleet.contract import Move as Move
-from relay.fleet.contract import PlanError as PlanError
-from relay.fleet.contract import move_from_json as move_from_json
-from relay.fleet.contract import parse_slots as parse_slots
+from relay.fleet.contract import Move, PlanError
 from relay.fleet.sharding import SLOT_COUNT, ShardMap
 
 
