@@ -230,24 +230,15 @@ async def _propose_join_rebalance(
     ctx: fleet_state.Context, shard: ShardSpec, body: Mapping[str, Any]
 ) -> None:
     """spec.autoRebalance: a new shard asks for its share of the fleet's slots at once."""
-    obj = {
-        "apiVersion": API_VERSION,
-        "kind": "RelayRebalance",
-        "metadata": {
-            "name": f"{shard.name}-join",
-            "namespace": shard.namespace,
-            "labels": builders.labels(shard.fleet, shard.name, "rebalance"),
-            "ownerReferences": [builders.owner_reference(shard, controller=False)],
-        },
-        "spec": {"fleet": shard.fleet, "mode": "weight", "autoApprove": True},
-    }
+    obj = builders.join_rebalance(shard)
     try:
         await ctx.kube.create(obj)
     except KubeError as exc:
         if exc.status != 409:
             raise
         return
-    notify(body, "RebalanceProposed", f"created RelayRebalance {shard.name}-join (autoRebalance)")
+    name = builders.join_rebalance_name(shard)
+    notify(body, "RebalanceProposed", f"created RelayRebalance {name} (autoRebalance)")
 
 
 # --- deletion ---------------------------------------------------------------------------------

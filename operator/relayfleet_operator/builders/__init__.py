@@ -8,13 +8,15 @@ One module per object kind (the layout of CloudNativePG's `pkg/specs`); this pac
 exposes them all, so callers write `builders.relay_deployment(shard)`:
 
 - names            object names, labels, selectors, ports and paths
-- meta             owner references, metadata, security contexts, resources, config digest
+- meta             owner references, object metadata, config digest, the managed-Redis spec
 - urls             a shard's Redis URL and addresses (credentials Secret, shard map, status)
 - redis_conf       redis.conf text and the password include file
+- pods             pod-spec pieces: security contexts, resources, volumes, mounts, claims
 - deployments      the relay Deployment (env, mounted Secrets, scheduling, secrets digest)
 - services, statefulsets, configmaps, secrets, network_policies, pdbs, rbac
                    one Kubernetes kind each
 - backup           the backup claim and CronJob
+- rebalances       the RelayRebalance a new shard proposes (spec.autoRebalance)
 - shardmap         shard-map arithmetic (first map, join, leave) and reading its ConfigMap
 - children         what one shard / one fleet owns, in apply order; what a spec retires
 """
@@ -38,17 +40,7 @@ from relayfleet_operator.builders.deployments import (
     relay_secret_refs,
     secrets_hash,
 )
-from relayfleet_operator.builders.meta import (
-    config_hash,
-    container_resources,
-    container_security,
-    fleet_meta,
-    fleet_owner_references,
-    managed_spec,
-    owner_reference,
-    pod_security,
-    shard_meta,
-)
+from relayfleet_operator.builders.meta import config_hash, fleet_owner_references, owner_reference
 from relayfleet_operator.builders.names import (
     CONFIG_HASH,
     CREDENTIALS_DIR,
@@ -73,6 +65,7 @@ from relayfleet_operator.builders.names import (
     redis_config_name,
     redis_ha_name,
     redis_name,
+    redis_selector,
     relay_account_name,
     relay_name,
     relay_selector,
@@ -85,6 +78,7 @@ from relayfleet_operator.builders.names import (
 from relayfleet_operator.builders.network_policies import redis_network_policy, sentinel_network_policy
 from relayfleet_operator.builders.pdbs import redis_pdb, relay_pdb, sentinel_pdb
 from relayfleet_operator.builders.rbac import relay_role, relay_role_binding, relay_service_account
+from relayfleet_operator.builders.rebalances import join_rebalance, join_rebalance_name
 from relayfleet_operator.builders.redis_conf import redis_auth_conf, redis_conf
 from relayfleet_operator.builders.secrets import credentials_secret, redis_password_secret
 from relayfleet_operator.builders.services import (
@@ -143,25 +137,22 @@ __all__ = [
     "backup_name",
     "backup_objects",
     "config_hash",
-    "container_resources",
-    "container_security",
     "credentials_name",
     "credentials_secret",
     "endpoint_of",
-    "fleet_meta",
     "fleet_objects",
     "fleet_owner_references",
     "fleet_service",
     "fleet_service_name",
     "initial_shard_map",
+    "join_rebalance",
+    "join_rebalance_name",
     "join_shard_map",
     "labels",
     "leave_shard_map",
     "managed_redis_host",
     "managed_redis_url",
-    "managed_spec",
     "owner_reference",
-    "pod_security",
     "redis_auth_conf",
     "redis_conf",
     "redis_config_map",
@@ -175,6 +166,7 @@ __all__ = [
     "redis_password_secret",
     "redis_pdb",
     "redis_pod_host",
+    "redis_selector",
     "redis_statefulset",
     "relay_account_name",
     "relay_deployment",
@@ -201,7 +193,6 @@ __all__ = [
     "shard_children",
     "shard_map_configmap",
     "shard_map_from_configmap",
-    "shard_meta",
     "shardmap_name",
     "strip_credentials",
 ]

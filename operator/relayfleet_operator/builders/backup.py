@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from relay.fleet.contract import Obj
-from relayfleet_operator.builders.meta import container_security, pod_security, shard_meta
+from relayfleet_operator.builders.meta import shard_meta
 from relayfleet_operator.builders.names import (
     CREDENTIALS_DIR,
     LABEL_REDIS_CLIENT,
@@ -11,6 +11,14 @@ from relayfleet_operator.builders.names import (
     backup_name,
     credentials_name,
     labels,
+)
+from relayfleet_operator.builders.pods import (
+    claim_spec,
+    container_security,
+    mount,
+    pod_security,
+    scratch_volume,
+    secret_volume,
 )
 from relayfleet_operator.spec import (
     Backup,
@@ -30,12 +38,7 @@ def backup_claim(shard: ShardSpec) -> Obj:
     """The claim the backups live on. No owner reference: deleting the shard keeps its
     backups (they are what a restore needs after a mistake)."""
     backup = _backup_spec(shard)
-    spec: Obj = {
-        "accessModes": ["ReadWriteOnce"],
-        "resources": {"requests": {"storage": backup.storage_size}},
-    }
-    if backup.storage_class:
-        spec["storageClassName"] = backup.storage_class
+    spec = claim_spec(backup.storage_size, backup.storage_class)
     meta = shard_meta(backup_name(shard.name), shard, "backup")
     del meta["ownerReferences"]
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
@@ -67,9 +70,9 @@ def backup_cronjob(shard: ShardSpec) -> Obj:
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
         "securityContext": container_security(),
         "volumeMounts": [
-            {"name": "credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True},
-            {"name": "backups", "mountPath": BACKUP_DIR},
-            {"name": "tmp", "mountPath": "/tmp"},
+            mount("credentials", CREDENTIALS_DIR, read_only=True),
+            mount("backups", BACKUP_DIR),
+            mount("tmp", "/tmp"),
         ],
     }
     return {
@@ -98,18 +101,14 @@ def backup_cronjob(shard: ShardSpec) -> Obj:
                             "securityContext": pod_security(RELAY_UID),
                             "containers": [container],
                             "volumes": [
-                                {
-                                    "name": "credentials",
-                                    "secret": {
-                                        "secretName": credentials_name(shard.fleet),
-                                        "items": [{"key": shard.name, "path": shard.name}],
-                                    },
-                                },
+                                secret_volume(
+                                    "credentials", credentials_name(shard.fleet), {shard.name: shard.name}
+                                ),
                                 {
                                     "name": "backups",
                                     "persistentVolumeClaim": {"claimName": backup_name(shard.name)},
                                 },
-                                {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+                                scratch_volume("tmp", "64Mi"),
                             ],
                         },
                     },

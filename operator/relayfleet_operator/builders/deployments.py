@@ -6,12 +6,7 @@ import hashlib
 from collections.abc import Sequence
 
 from relay.fleet.contract import Obj
-from relayfleet_operator.builders.meta import (
-    container_resources,
-    container_security,
-    pod_security,
-    shard_meta,
-)
+from relayfleet_operator.builders.meta import shard_meta
 from relayfleet_operator.builders.names import (
     CREDENTIALS_DIR,
     RELAY_PORT,
@@ -23,6 +18,14 @@ from relayfleet_operator.builders.names import (
     relay_name,
     relay_selector,
     shardmap_name,
+)
+from relayfleet_operator.builders.pods import (
+    container_resources,
+    container_security,
+    mount,
+    pod_security,
+    scratch_volume,
+    secret_volume,
 )
 from relayfleet_operator.spec import (
     RelayConfig,
@@ -70,17 +73,8 @@ def _relay_secret_volumes(relay: RelayConfig) -> tuple[list[Obj], list[Obj]]:
     mounts: list[Obj] = []
     for _, ref, path in _relay_secret_files(relay):
         vol = path.rsplit("/", 2)[1]
-        volumes.append(
-            {
-                "name": vol,
-                "secret": {
-                    "secretName": ref.name,
-                    "items": [{"key": ref.key, "path": vol}],
-                    "defaultMode": 0o440,
-                },
-            }
-        )
-        mounts.append({"name": vol, "mountPath": f"{RELAY_SECRETS_DIR}/{vol}", "readOnly": True})
+        volumes.append(secret_volume(vol, ref.name, {ref.key: vol}, mode=0o440))
+        mounts.append(mount(vol, f"{RELAY_SECRETS_DIR}/{vol}", read_only=True))
     return volumes, mounts
 
 
@@ -152,8 +146,8 @@ def relay_deployment(shard: ShardSpec, secrets_digest: str | None = None) -> Obj
         "resources": container_resources(shard.resources),
         "securityContext": container_security(),
         "volumeMounts": [
-            {"name": "credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True},
-            {"name": "tmp", "mountPath": "/tmp"},
+            mount("credentials", CREDENTIALS_DIR, read_only=True),
+            mount("tmp", "/tmp"),
             *secret_mounts,
         ],
     }
@@ -183,11 +177,8 @@ def relay_deployment(shard: ShardSpec, secrets_digest: str | None = None) -> Obj
                     "terminationGracePeriodSeconds": 70,  # longer than the longest long-poll (60 s)
                     "containers": [container],
                     "volumes": [
-                        {
-                            "name": "credentials",
-                            "secret": {"secretName": credentials_name(shard.fleet), "optional": True},
-                        },
-                        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+                        secret_volume("credentials", credentials_name(shard.fleet), optional=True),
+                        scratch_volume("tmp", "64Mi"),
                         *secret_volumes,
                     ],
                     **_relay_pod_scheduling(shard.relay),

@@ -1,5 +1,5 @@
-"""Pieces every builder uses: owner references, object metadata, security contexts,
-resources, the config digest, the managed-Redis part of a spec."""
+"""Metadata every builder uses: owner references, a shard's or a fleet's object metadata;
+and the config digest and the managed-Redis part of a spec."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from relayfleet_operator.spec import (
     API_VERSION,
     SHARD_KIND,
     ManagedRedis,
-    Resources,
     ShardSpec,
 )
 
@@ -51,29 +50,6 @@ def fleet_meta(name: str, namespace: str, fleet: str, component: str, owners: Se
     if owners:
         meta["ownerReferences"] = fleet_owner_references(owners)
     return meta
-
-
-def container_resources(res: Resources) -> Obj:
-    return {kind: dict(values) for kind, values in res.items() if values}
-
-
-def pod_security(uid: int) -> Obj:
-    return {
-        "runAsNonRoot": True,
-        "runAsUser": uid,
-        "runAsGroup": uid,
-        "fsGroup": uid,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-
-
-def container_security() -> Obj:
-    return {
-        "allowPrivilegeEscalation": False,
-        "readOnlyRootFilesystem": True,
-        "runAsNonRoot": True,
-        "capabilities": {"drop": ["ALL"]},
-    }
 
 
 def managed_spec(shard: ShardSpec) -> ManagedRedis:

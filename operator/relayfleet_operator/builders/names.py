@@ -88,6 +88,10 @@ def selector_string(shard: str) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(relay_selector(shard).items()))
 
 
+def redis_selector(shard: str) -> dict[str, str]:
+    return {LABEL_SHARD: shard, LABEL_COMPONENT: "redis"}
+
+
 def sentinel_selector(shard: ShardSpec) -> dict[str, str]:
     return {LABEL_SHARD: shard.name, LABEL_COMPONENT: "sentinel"}
 

@@ -8,10 +8,10 @@ from relayfleet_operator.builders.names import (
     LABEL_COMPONENT,
     LABEL_FLEET,
     LABEL_REDIS_CLIENT,
-    LABEL_SHARD,
     REDIS_PORT,
     SENTINEL_PORT,
     redis_name,
+    redis_selector,
     sentinel_name,
     sentinel_selector,
 )
@@ -42,7 +42,7 @@ def redis_network_policy(shard: ShardSpec) -> Obj:
         "kind": "NetworkPolicy",
         "metadata": shard_meta(redis_name(shard.name), shard, "redis"),
         "spec": {
-            "podSelector": {"matchLabels": {LABEL_SHARD: shard.name, LABEL_COMPONENT: "redis"}},
+            "podSelector": {"matchLabels": redis_selector(shard.name)},
             "policyTypes": ["Ingress"],
             "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": REDIS_PORT}]}],
         },

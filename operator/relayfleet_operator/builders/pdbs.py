@@ -7,9 +7,8 @@ from collections.abc import Mapping
 from relay.fleet.contract import Obj
 from relayfleet_operator.builders.meta import shard_meta
 from relayfleet_operator.builders.names import (
-    LABEL_COMPONENT,
-    LABEL_SHARD,
     redis_name,
+    redis_selector,
     relay_name,
     relay_selector,
     sentinel_name,
@@ -19,12 +18,7 @@ from relayfleet_operator.spec import ShardSpec
 
 
 def relay_pdb(shard: ShardSpec) -> Obj:
-    return {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": shard_meta(relay_name(shard.name), shard, "relay"),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": relay_selector(shard.name)}},
-    }
+    return _pdb(relay_name(shard.name), shard, "relay", relay_selector(shard.name))
 
 
 def _pdb(name: str, shard: ShardSpec, component: str, selector: Mapping[str, str]) -> Obj:
@@ -38,7 +32,7 @@ def _pdb(name: str, shard: ShardSpec, component: str, selector: Mapping[str, str
 
 def redis_pdb(shard: ShardSpec) -> Obj:
     """One Redis node down at a time (a drain never takes the primary and its last replica)."""
-    return _pdb(redis_name(shard.name), shard, "redis", {LABEL_SHARD: shard.name, LABEL_COMPONENT: "redis"})
+    return _pdb(redis_name(shard.name), shard, "redis", redis_selector(shard.name))
 
 
 def sentinel_pdb(shard: ShardSpec) -> Obj:

@@ -9,17 +9,22 @@ from relayfleet_operator.builders.meta import fleet_meta, shard_meta
 from relayfleet_operator.builders.names import (
     LABEL_COMPONENT,
     LABEL_FLEET,
-    LABEL_SHARD,
     REDIS_PORT,
     SENTINEL_PORT,
     fleet_service_name,
     redis_name,
+    redis_selector,
     relay_name,
     relay_selector,
     sentinel_name,
     sentinel_selector,
 )
 from relayfleet_operator.spec import ShardSpec
+
+
+def _http_ports() -> list[Obj]:
+    """Port 80 onto the relay container's named port."""
+    return [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
 
 
 def relay_service(shard: ShardSpec) -> Obj:
@@ -30,7 +35,7 @@ def relay_service(shard: ShardSpec) -> Obj:
         "spec": {
             "type": "ClusterIP",
             "selector": relay_selector(shard.name),
-            "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+            "ports": _http_ports(),
         },
     }
 
@@ -45,7 +50,7 @@ def redis_headless_service(shard: ShardSpec) -> Obj:
             # Clients address the one pod by the Service name; it must resolve before Ready
             # is known so the operator can wait on it.
             "publishNotReadyAddresses": True,
-            "selector": {LABEL_SHARD: shard.name, LABEL_COMPONENT: "redis"},
+            "selector": redis_selector(shard.name),
             "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}],
         },
     }
@@ -77,6 +82,6 @@ def fleet_service(namespace: str, fleet: str, owners: Sequence[ShardSpec]) -> Ob
         "spec": {
             "type": "ClusterIP",
             "selector": {LABEL_FLEET: fleet, LABEL_COMPONENT: "relay"},
-            "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+            "ports": _http_ports(),
         },
     }

@@ -10,18 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from relay.fleet.contract import Obj
-from relayfleet_operator.builders.meta import (
-    config_hash,
-    container_resources,
-    container_security,
-    managed_spec,
-    pod_security,
-    shard_meta,
-)
+from relayfleet_operator.builders.meta import config_hash, managed_spec, shard_meta
 from relayfleet_operator.builders.names import (
     CONFIG_HASH,
-    LABEL_COMPONENT,
-    LABEL_SHARD,
     REDIS_PORT,
     REDIS_TLS_DIR,
     REDIS_UID,
@@ -31,9 +22,20 @@ from relayfleet_operator.builders.names import (
     redis_config_name,
     redis_ha_name,
     redis_name,
+    redis_selector,
     sentinel_master_name,
     sentinel_name,
     sentinel_selector,
+)
+from relayfleet_operator.builders.pods import (
+    claim_spec,
+    config_map_volume,
+    container_resources,
+    container_security,
+    mount,
+    pod_security,
+    scratch_volume,
+    secret_volume,
 )
 from relayfleet_operator.builders.redis_conf import redis_conf
 from relayfleet_operator.builders.urls import redis_pod_host, sentinel_addresses
@@ -48,15 +50,8 @@ SENTINEL_FAILOVER_TIMEOUT_MS = 30000
 def redis_statefulset(shard: ShardSpec) -> Obj:
     managed = managed_spec(shard)
     name = redis_name(shard.name)
-    selector = {LABEL_SHARD: shard.name, LABEL_COMPONENT: "redis"}
+    selector = redis_selector(shard.name)
     conf = redis_conf(managed.appendfsync, managed.maxmemory_bytes, tls=managed.tls_secret is not None)
-    password_env = {"name": "REDISCLI_AUTH", "valueFrom": {"secretKeyRef": {"name": name, "key": "password"}}}
-    claim_spec: Obj = {
-        "accessModes": ["ReadWriteOnce"],
-        "resources": {"requests": {"storage": managed.storage_size}},
-    }
-    if managed.storage_class:
-        claim_spec["storageClassName"] = managed.storage_class
     tls_cli = f"--tls --cacert {REDIS_TLS_DIR}/ca.crt " if managed.tls_secret else ""
     ping = ["sh", "-c", f"redis-cli {tls_cli}-p 6379 ping | grep -q PONG"]
     sts: Obj = {
@@ -85,7 +80,7 @@ def redis_statefulset(shard: ShardSpec) -> Obj:
                             "name": "redis",
                             "image": managed.image,
                             "command": ["redis-server", "/etc/redis/redis.conf"],
-                            "env": [password_env],
+                            "env": [_password_env(shard)],
                             "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
                             "readinessProbe": {"exec": {"command": ping}, "periodSeconds": 5},
                             "livenessProbe": {
@@ -96,22 +91,16 @@ def redis_statefulset(shard: ShardSpec) -> Obj:
                             "resources": container_resources(managed.resources),
                             "securityContext": container_security(),
                             "volumeMounts": [
-                                {"name": "data", "mountPath": "/data"},
-                                {"name": "config", "mountPath": "/etc/redis", "readOnly": True},
+                                mount("data", "/data"),
+                                mount("config", "/etc/redis", read_only=True),
                                 # Not under /etc/redis: a read-only ConfigMap volume holds no mount point.
-                                {"name": "secret", "mountPath": "/etc/redis-secret", "readOnly": True},
+                                mount("secret", "/etc/redis-secret", read_only=True),
                             ],
                         }
                     ],
                     "volumes": [
-                        {"name": "config", "configMap": {"name": redis_config_name(shard.name)}},
-                        {
-                            "name": "secret",
-                            "secret": {
-                                "secretName": name,
-                                "items": [{"key": "auth.conf", "path": "auth.conf"}],
-                            },
-                        },
+                        config_map_volume("config", redis_config_name(shard.name)),
+                        secret_volume("secret", name, {"auth.conf": "auth.conf"}),
                     ],
                 },
             },
@@ -120,17 +109,15 @@ def redis_statefulset(shard: ShardSpec) -> Obj:
                     "apiVersion": "v1",
                     "kind": "PersistentVolumeClaim",
                     "metadata": {"name": "data", "labels": labels(shard.fleet, shard.name, "redis")},
-                    "spec": claim_spec,
+                    "spec": claim_spec(managed.storage_size, managed.storage_class),
                 }
             ],
         },
     }
     if managed.tls_secret:
         pod = sts["spec"]["template"]["spec"]
-        pod["containers"][0]["volumeMounts"].append(
-            {"name": "tls", "mountPath": REDIS_TLS_DIR, "readOnly": True}
-        )
-        pod["volumes"].append({"name": "tls", "secret": {"secretName": managed.tls_secret}})
+        pod["containers"][0]["volumeMounts"].append(mount("tls", REDIS_TLS_DIR, read_only=True))
+        pod["volumes"].append(secret_volume("tls", managed.tls_secret))
     return _replicated(shard, sts) if managed.sentinel else sts
 
 
@@ -169,8 +156,12 @@ def _password_env(shard: ShardSpec) -> Obj:
     }
 
 
-def _script_volumes() -> list[Obj]:
-    return [{"name": "run", "emptyDir": {"sizeLimit": "1Mi"}}]
+def _script_volumes(shard: ShardSpec) -> list[Obj]:
+    """The start-up scripts (executable) and the scratch space they write to."""
+    return [
+        config_map_volume("scripts", redis_ha_name(shard.name), mode=0o555),
+        scratch_volume("run", "1Mi"),
+    ]
 
 
 def _replicated(shard: ShardSpec, sts: Obj) -> Obj:
@@ -191,13 +182,12 @@ def _replicated(shard: ShardSpec, sts: Obj) -> Obj:
     container["lifecycle"] = {"preStop": {"exec": {"command": ["sh", "/scripts/pre-stop-redis.sh"]}}}
     container["volumeMounts"] = [
         *container["volumeMounts"],
-        {"name": "scripts", "mountPath": "/scripts", "readOnly": True},
-        {"name": "run", "mountPath": "/run/redis"},
+        mount("scripts", "/scripts", read_only=True),
+        mount("run", "/run/redis"),
     ]
     pod["volumes"] = [
         *pod["volumes"],
-        {"name": "scripts", "configMap": {"name": redis_ha_name(shard.name), "defaultMode": 0o555}},
-        *_script_volumes(),
+        *_script_volumes(shard),
     ]
     return sts
 
@@ -254,18 +244,12 @@ def sentinel_statefulset(shard: ShardSpec) -> Obj:
                             "resources": {"requests": {"cpu": "20m", "memory": "32Mi"}},
                             "securityContext": container_security(),
                             "volumeMounts": [
-                                {"name": "scripts", "mountPath": "/scripts", "readOnly": True},
-                                {"name": "run", "mountPath": "/run/sentinel"},
+                                mount("scripts", "/scripts", read_only=True),
+                                mount("run", "/run/sentinel"),
                             ],
                         }
                     ],
-                    "volumes": [
-                        {
-                            "name": "scripts",
-                            "configMap": {"name": redis_ha_name(shard.name), "defaultMode": 0o555},
-                        },
-                        *_script_volumes(),
-                    ],
+                    "volumes": _script_volumes(shard),
                 },
             },
         },
