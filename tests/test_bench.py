@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
 import time
@@ -11,10 +12,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from relayfleet_testing.bench import main, report, scenarios, targets, wrk
+from relayfleet_testing.bench import cpu, cputime, layers, main, report, scenarios, targets, wrk
 from relayfleet_testing.bench.loadgen import Conn, _dechunk, closed_loop
-from relayfleet_testing.bench.procs import BenchError, Procs, free_port, wait_port
+from relayfleet_testing.bench.procs import BenchError, Child, Procs, free_port, wait_port
 from relayfleet_testing.bench.results import Results, Row, percentile
+from relayfleet_testing.bench.scenarios import OCTET
 from relayfleet_testing.localredis import LocalRedis
 
 from relay.storage.store import QueueLimits
@@ -279,3 +281,165 @@ def test_bench_writes_under_the_current_directory_not_next_to_the_module(tmp_pat
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "benchmarks.md").write_text("# Benchmarks\n")
     assert default_output(tmp_path) == tmp_path / "docs" / "benchmarks.md"
+
+
+# -- CPU per message (issue 19) -------------------------------------------------------------
+
+_BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
+
+
+def _wait_for_line(child: Child, text: str, within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    while text not in child.output():
+        assert child.alive(), child.log_tail()
+        assert time.monotonic() < deadline, f"no {text!r} from {child.name}"
+        time.sleep(0.02)
+
+
+def test_cpu_of_a_process_tree_counts_live_and_reaped_children(procs: Procs) -> None:
+    # the parent burns 0.3 s itself, then a child that burns 0.4 s and is reaped, then one
+    # that burns 0.2 s and stays alive: the tree has all three, the parent alone only its own
+    code = (
+        "import os, sys, time\n"
+        + _BURN.format(s=0.3)
+        + "pid = os.fork()\n"
+        + "if pid == 0:\n"
+        + "".join("    " + line + "\n" for line in _BURN.format(s=0.4).splitlines())
+        + "    os._exit(0)\n"
+        + "os.waitpid(pid, 0)\n"
+        + "if os.fork() == 0:\n"
+        + "".join("    " + line + "\n" for line in _BURN.format(s=0.2).splitlines())
+        + "    print('burnt', flush=True)\n"
+        + "    time.sleep(30)\n"
+        + "    os._exit(0)\n"
+        + "time.sleep(30)\n"
+    )
+    child = procs.start("burner", [sys.executable, "-c", code], capture=True)
+    try:
+        _wait_for_line(child, "burnt")
+        own = cputime.cpu_seconds(child.pid)
+        tree = cputime.tree_cpu_seconds(child.pid)
+        assert 0.28 <= own < 0.6
+        assert 0.85 <= tree < 1.5  # 0.3 + 0.4 + 0.2, plus interpreter start-ups
+        assert cputime.total_cpu_seconds([child.pid, child.pid]) == pytest.approx(2 * tree, abs=0.05)
+    finally:
+        procs.stop_all()
+    assert cputime.tree_cpu_seconds(child.pid) == 0.0  # gone: nothing more to count
+
+
+def test_cpu_window_per_message() -> None:
+    window = cputime.CpuWindow(server_s=0.5, redis_s=0.25, messages=10000)
+    assert window.values() == pytest.approx({"server_cpu_us": 50.0, "redis_cpu_us": 25.0, "cpu_us": 75.0})
+    assert all(math.isnan(v) for v in cputime.CpuWindow(1.0, 1.0, 0).per_message_us())
+
+
+@pytest.mark.skipif(WRK_MISSING, reason="wrk is not installed")
+async def test_enqueue_run_measures_relay_and_redis_cpu_per_message(procs: Procs) -> None:
+    redis = await targets.start_redis(procs, aof=True)
+    relay = await targets.start_relay(procs, redis.url, 1)
+    try:
+        row = await scenarios.enqueue(scenarios.Run(procs, 1, 1), relay, 4096, 8, redis)
+        await redis.flushall()  # with AOF: flush, rewrite, and wait for the rewrite's fork
+        assert await redis.info_memory_mib() < 5
+    finally:
+        procs.stop_all()
+    v = row.values
+    assert v["errors"] == 0
+    assert v["rate"] > 0
+    # every stored message costs the relay and Redis some CPU, far less than a second
+    assert 1 < v["server_cpu_us"] < 1e5
+    assert 1 < v["redis_cpu_us"] < 1e5
+    assert v["cpu_us"] == pytest.approx(v["server_cpu_us"] + v["redis_cpu_us"])
+
+
+@pytest.mark.skipif(WRK_MISSING, reason="wrk is not installed")
+async def test_layers_answer_like_the_relay(procs: Procs) -> None:
+    ports = {layer: free_port() for layer in layers.LAYERS}
+    children = {
+        layer: procs.start(
+            layer,
+            [sys.executable, "-m", "relayfleet_testing.bench.layers", "--layer", layer, "--port", str(port)],
+            cwd=targets.REPO,
+        )
+        for layer, port in ports.items()
+    }
+    try:
+        for layer, port in ports.items():
+            await targets.wait_http(port, "/readyz", children[layer])
+            conn = await Conn.open("127.0.0.1", port)
+            try:
+                for body in (b"x" * 70000, b"", b"y" * 256):  # a body over many reads, none, a small one
+                    resp = await conn.request("POST", "/v1/queues/abc/messages", body, tuple(OCTET.items()))
+                    assert (layer, resp.status, resp.body) == (layer, 201, b'{"seq":1,"duplicate":false}')
+            finally:
+                conn.close()
+        target = targets.Target("layer", "aiohttp", [ports["protocol"]], [children["protocol"]])
+        row = await scenarios.enqueue(scenarios.Run(procs, 1, 0), target, 256, 4)
+    finally:
+        procs.stop_all()
+    assert row.values["errors"] == 0
+    assert row.values["server_cpu_us"] > 0
+    assert math.isnan(row.values["redis_cpu_us"])  # no Redis given: not measured, not zero
+
+
+def _issue19_results(cpu_relay: float, cpu_nchan: float) -> Results:
+    res = Results()
+    for size, relay_rate, nchan_rate in ((256, 11000.0, 10000.0), (4096, 9000.0, 10000.0)):
+        for target, rate, cpu_us in (
+            ("relay-1p", relay_rate, cpu_relay),
+            ("nchan-redis", nchan_rate, cpu_nchan),
+        ):
+            res.add(
+                Row(
+                    "enqueue",
+                    target,
+                    {"size": size, "conns": 64},
+                    {"rate": rate, "server_cpu_us": cpu_us - 30, "redis_cpu_us": 30.0, "cpu_us": cpu_us},
+                )
+            )
+    res.add(
+        Row("limit", "redis enqueue.lua", {"size": 256, "conns": 64}, {"rate": 9000.0, "redis_cpu_us": 31.5})
+    )
+    return res
+
+
+def test_report_issue19_targets_table() -> None:
+    text = report.render(_issue19_results(80.0, 100.0), "full", "relayfleet bench", {}, "now", 1.0, 64, [])
+    assert text.index("### Issue 19 targets") < text.index("### Issue 9 targets")
+    assert (
+        "| enqueue 256 B: relay-1p / nchan-redis msg/s | ≥ 1.0 x | 1.10 (11,000 / 10,000 msg/s) | met |"
+        in text
+    )
+    assert (
+        "| enqueue 4 KiB: relay-1p / nchan-redis msg/s | ≥ 1.0 x | 0.90 (9,000 / 10,000 msg/s) | missed |"
+        in text
+    )
+    cpu_row = "enqueue 4 KiB: (relay + Redis) / (nginx + Redis) CPU per message"
+    assert f"| {cpu_row} | ≤ 1.0 x | 0.80 (80.0 / 100.0 µs) | met |" in text
+    assert "| enqueue 64 KiB: relay-1p / nchan-redis msg/s | ≥ 1.0 x | - | not measured |" in text
+    assert "3 of 4 measured issue 19 targets met." in text
+    # the split per target and size, and Redis's own cost per enqueue.lua call
+    assert "| relay-1p | 4 KiB | 64 | 9,000 | 50.0 | 30.0 | 80.0 |" in text
+    assert "| redis enqueue.lua | 256 B | 64 | 9,000 | - | 31.5 | 31.5 |" in text
+    worse = report.render(_issue19_results(120.0, 100.0), "full", "relayfleet bench", {}, "now", 1.0, 64, [])
+    assert "CPU per message | ≤ 1.0 x | 1.20 (120.0 / 100.0 µs) | missed |" in worse
+
+
+def test_cpu_tool_summary_compares_with_nchan() -> None:
+    relay = cpu.Subject("this", targets.Target("this", "relay", []), None)
+    nchan = cpu.Subject(cpu.NCHAN, targets.Target(cpu.NCHAN, "nchan-redis", []), None)
+    layer = cpu.Subject("layer:protocol", targets.Target("layer:protocol", "aiohttp", []), None)
+    relay.runs[256] = [cpu.Measured(60.0, 30.0, 5000.0), cpu.Measured(70.0, 30.0, 4000.0)]
+    nchan.runs[256] = [cpu.Measured(20.0, 80.0, 9000.0)]
+    layer.runs[256] = [cpu.Measured(15.0, math.nan, 20000.0)]
+    text = cpu.summary([relay, nchan, layer], [256], 64, 8)
+    assert "| this | 256 B | 90, 100 | 65.0 | 30.0 | 95.0 | 0.95 | 4,500 |" in text
+    assert "| nchan-redis | 256 B | 100 | 20.0 | 80.0 | 100.0 | 1.00 | 9,000 |" in text
+    assert "| layer:protocol | 256 B | 15 | 15.0 | - | 15.0 | 0.15 | 20,000 |" in text
+
+
+def test_cpu_tool_refuses_unknown_layers_and_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cpu.main(["--layers", "protocol,bogus"]) == 1
+    assert "unknown layer 'bogus'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cpu.main(["--size", "256,x"])

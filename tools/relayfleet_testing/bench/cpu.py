@@ -1,15 +1,21 @@
-"""CPU time per enqueue: the figure that survives a shared machine.
+"""CPU time per enqueue, server + Redis: the figure that survives a shared machine.
 
-Throughput on two shared cores moves with everyone else's load; the CPU a server
-process spends per answered request moves much less. Each target gets its own
-redis-server; rounds alternate between targets so load drifts hit them alike.
-Per run: wrk warm-up, then utime + stime of the server (and its Redis) from
-/proc before and after a measured wrk run, divided by the requests answered.
+Throughput on two shared cores moves with everyone else's load; the CPU a server and
+its Redis spend per stored message moves much less. Each subject gets its own
+redis-server; rounds alternate between subjects (and sizes) so load drifts hit them
+alike. Per run: a wrk warm-up, then utime + stime of the server's processes and of its
+redis-server over the measured wrk run (relayfleet_testing.bench.cputime), divided by the 2xx
+answers; Redis is flushed (and its AOF rewritten) after every run, outside the window.
 
-Run: python -m relayfleet_testing.bench.cpu [--tree LABEL=DIR ...] [--ceiling] [--rounds N]
+Run: python -m relayfleet_testing.bench.cpu [--tree LABEL=DIR ...] [--nchan] [--layers [L,...]]
+     [--ceiling] [--size 256,4096,65536] [--rounds N]
 A tree is a directory holding a ``relay`` package (e.g. ``git archive HEAD relay |
 tar -x -C /tmp/base``); the relay is started from it with this interpreter.
-``--cpu-profile DIR`` runs each server under tools/relayfleet_testing/bench/sampler.py (CPU-time
+``--nchan`` adds the peer: nginx + nchan with Redis storage (master + worker + Redis),
+restarted before each of its runs so its shared memory starts empty.
+``--layers`` adds the HTTP stack at several depths with a fixed 201 and no Redis
+(tools/relayfleet_testing/bench/layers.py: protocol, lowlevel, app, relay-http): what each layer costs.
+``--cpu-profile DIR`` runs each Python server under tools/relayfleet_testing/bench/sampler.py (CPU-time
 samples; py-spy's wall-clock samples overstate writes that wake another process)
 and profiles one extra run per target, not counted in the figures.
 """
@@ -18,147 +24,243 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
 import statistics
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relayfleet_testing.bench import profile, wrk
+from relayfleet_testing.bench import profile, scenarios, wrk
+from relayfleet_testing.bench.layers import LAYERS
 from relayfleet_testing.bench.procs import BenchError, Child, Procs, free_port
+from relayfleet_testing.bench.results import size_label
 from relayfleet_testing.bench.scenarios import OCTET, recipient
-from relayfleet_testing.bench.targets import REPO, RedisServer, Target, relay_python, start_redis, wait_http
+from relayfleet_testing.bench.targets import (
+    REPO,
+    RedisServer,
+    Target,
+    relay_python,
+    start_nchan,
+    start_redis,
+    wait_http,
+)
 
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 SAMPLER = Path(__file__).with_name("sampler.py")
+NCHAN = "nchan-redis"
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_S  # fields 14 and 15 of stat(5)
+@dataclass(frozen=True)
+class Measured:
+    server_us: float
+    redis_us: float  # NaN for subjects without Redis
+    rate: float
+
+    @property
+    def total_us(self) -> float:
+        return self.server_us + (0.0 if math.isnan(self.redis_us) else self.redis_us)
 
 
 @dataclass
 class Subject:
     label: str
     target: Target
-    redis: RedisServer
-    runs: list[tuple[float, float, float]] = field(default_factory=list)  # µs/req, redis µs/req, req/s
+    redis: RedisServer | None
+    runs: dict[int, list[Measured]] = field(default_factory=dict)  # by message size
     samples: Path | None = None  # collapsed stacks written by the sampler on exit
+    # nchan: a fresh nginx before each run (its shared memory keeps every message)
+    restart: Callable[[], Awaitable[Target]] | None = None
 
     @property
     def pid(self) -> int:
         return self.target.children[0].pid
 
+    @property
+    def python(self) -> bool:
+        return self.restart is None
 
-async def _start(procs: Procs, label: str, tree: Path | None, sample_dir: Path | None) -> Subject:
-    redis = await start_redis(procs, aof=True)
+
+@dataclass(frozen=True)
+class Spec:
+    label: str
+    kind: str  # relay | ceiling | layer | nchan
+    tree: Path | None = None
+    layer: str = ""
+
+
+async def _start_python(procs: Procs, spec: Spec, sample_dir: Path | None) -> Subject:
+    redis = await start_redis(procs, aof=True) if spec.kind == "relay" else None
     port = free_port()
-    samples = sample_dir / f"{label}.collapsed.txt" if sample_dir else None
+    samples = sample_dir / f"{spec.label}.collapsed.txt" if sample_dir else None
     python = [relay_python()] + ([str(SAMPLER), str(samples)] if samples else [])
-    if tree is None:  # the empty-handler ceiling
+    cwd = REPO
+    if spec.kind == "ceiling":
         argv = [*python, "-m", "relayfleet_testing.bench.ceiling", "--port", str(port)]
-        child: Child = procs.start(label, argv, cwd=REPO)
+        kind = "aiohttp"
+    elif spec.kind == "layer":
+        argv = [*python, "-m", "relayfleet_testing.bench.layers", "--layer", spec.layer, "--port", str(port)]
         kind = "aiohttp"
     else:
+        assert redis is not None
+        assert spec.tree is not None
         argv = [*python, "-m", "relay", "--host", "127.0.0.1", "--port", str(port)]
         argv += ["--redis-url", redis.url, "--auth", "none"]
         # `-m` puts the working directory first on sys.path: the tree's relay package is used
-        child = procs.start(label, argv, cwd=tree)
+        cwd = spec.tree
         kind = "relay"
+    child: Child = procs.start(spec.label, argv, cwd=cwd)
     await wait_http(port, "/readyz", child)
-    return Subject(label, Target(label, kind, [port], [child]), redis, samples=samples)
+    return Subject(spec.label, Target(spec.label, kind, [port], [child]), redis, samples=samples)
 
 
-def _script(s: Subject, size: int) -> str:
-    # fresh recipients each run: no queue comes near the rate limit or its caps
-    paths = [s.target.enqueue_path(recipient()) for _ in range(wrk.pool_size(size, 4096))]
-    return wrk.lua_script("POST", paths, [], OCTET, filler_size=size)
+async def _start_nchan(procs: Procs) -> Subject:
+    redis = await start_redis(procs, aof=True)
+    current: list[Target] = []
+
+    async def restart() -> Target:
+        for old in current:
+            for child in old.children:
+                procs.stop(child)
+        current[:] = [(await start_nchan(procs, redis.url))[1]]
+        return current[0]
+
+    target = await restart()
+    return Subject(NCHAN, target, redis, restart=restart)
 
 
 async def _measure(procs: Procs, s: Subject, size: int, conns: int, seconds: int, warmup: int) -> None:
-    script = _script(s, size)
-    urls = s.target.urls()
-    if warmup:
-        await wrk.run(procs, urls, [script], conns, 1, warmup, "wrk-warmup")
-    before, rbefore = cpu_seconds(s.pid), cpu_seconds(s.redis.child.pid)
-    res = await wrk.run(procs, urls, [script], conns, 1, seconds, "wrk")
-    cpu, rcpu = cpu_seconds(s.pid) - before, cpu_seconds(s.redis.child.pid) - rbefore
-    s.target.check_alive()
-    if res.errors or res.requests == 0:
-        raise BenchError(f"{s.label}: {res.errors} errors in {res.requests} requests")
-    s.runs.append((cpu / res.requests * 1e6, rcpu / res.requests * 1e6, res.rate))
+    if s.restart is not None:
+        s.target = await s.restart()
+    row = await scenarios.enqueue(scenarios.Run(procs, seconds, warmup), s.target, size, conns, s.redis)
+    if s.redis is not None:
+        await s.redis.flushall()  # outside the window: every run starts from an empty Redis
+    v = row.values
+    if v["errors"] or v["rate"] <= 0:
+        raise BenchError(f"{s.label}: {v['errors']:.0f} errors ({row.note or 'no request completed'})")
+    m = Measured(v["server_cpu_us"], v["redis_cpu_us"], v["rate"])
+    s.runs.setdefault(size, []).append(m)
+    redis = "     -" if math.isnan(m.redis_us) else f"{m.redis_us:6.1f}"
     print(
-        f"{s.label:>12}: {s.runs[-1][0]:6.1f} µs/req  (redis {s.runs[-1][1]:5.1f})  {res.rate:8,.0f} req/s"
-        f"  load {os.getloadavg()[0]:.2f}",
+        f"{s.label:>14} {size_label(size):>6}: {m.total_us:7.1f} µs/msg  (server {m.server_us:6.1f}, "
+        f"redis {redis})  {m.rate:8,.0f} msg/s  load {os.getloadavg()[0]:.2f}",
         flush=True,
     )
 
 
-def _subjects(args: argparse.Namespace) -> list[tuple[str, Path | None]]:
-    subjects: list[tuple[str, Path | None]] = []
+def _specs(args: argparse.Namespace) -> list[Spec]:
+    specs: list[Spec] = []
     for spec in args.tree or [f"this={REPO}"]:
         label, eq, path = spec.partition("=")
         tree = Path(path if eq else label).resolve()
         if not (tree / "relay" / "__init__.py").exists():
             raise BenchError(f"{tree} holds no relay package")
-        subjects.append((label if eq else tree.name, tree))
+        specs.append(Spec(label if eq else tree.name, "relay", tree))
+    if args.nchan:
+        specs.append(Spec(NCHAN, "nchan"))
     if args.ceiling:
-        subjects.append(("aiohttp", None))
+        specs.append(Spec("aiohttp", "ceiling"))
+    if args.layers:
+        names = LAYERS if args.layers == "all" else tuple(args.layers.split(","))
+        for name in names:
+            if name not in LAYERS:
+                raise BenchError(f"--layers: unknown layer {name!r} (known: {', '.join(LAYERS)})")
+            specs.append(Spec(f"layer:{name}", "layer", layer=name))
     for d in (args.profile, args.cpu_profile):
         if d:
             Path(d).mkdir(parents=True, exist_ok=True)
-    return subjects
+    return specs
 
 
-async def _cpu_profile(procs: Procs, s: Subject, args: argparse.Namespace) -> None:
+async def _cpu_profile(procs: Procs, s: Subject, args: argparse.Namespace, size: int) -> None:
     assert s.samples is not None
-    script = _script(s, args.size)
+    script = _script(s, size)
     await wrk.run(procs, s.target.urls(), [script], args.connections, 1, args.warmup or 1, "wrk-warmup")
     os.kill(s.pid, signal.SIGUSR1)
     await wrk.run(procs, s.target.urls(), [script], args.connections, 1, args.seconds)
     os.kill(s.pid, signal.SIGUSR2)
     procs.stop(s.target.children[0])  # the sampler writes its file on exit
     total, text = profile.summarize(s.samples.read_text(), top=40)
-    s.samples.with_suffix("").with_suffix(".top.txt").write_text(text)
-    print(
-        f"{s.label}: {total} CPU samples, top frames in {s.samples.with_suffix('').with_suffix('.top.txt')}"
-    )
+    top = s.samples.with_suffix("").with_suffix(".top.txt")
+    top.write_text(text)
+    print(f"{s.label}: {total} CPU samples, top frames in {top}")
 
 
-async def run(args: argparse.Namespace, subjects: list[tuple[str, Path | None]]) -> int:
+def _script(s: Subject, size: int) -> str:
+    paths = [s.target.enqueue_path(recipient()) for _ in range(wrk.pool_size(size, 4096))]
+    return wrk.lua_script("POST", paths, [], OCTET, filler_size=size)
+
+
+def summary(subjects: list[Subject], sizes: list[int], connections: int, seconds: int) -> str:
+    """The markdown table of medians; ``÷ nchan`` compares total CPU per message with the peer's."""
+    peer = next((s for s in subjects if s.label == NCHAN), None)
+    lines = [
+        f"enqueue, wrk -t1 -c{connections}, {seconds} s runs; µs of CPU per stored message (median of runs)",
+        "| server | size | total µs/msg (runs) | server µs/msg | Redis µs/msg | total µs/msg | ÷ nchan "
+        "| msg/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for size in sizes:
+        nchan_total = statistics.median(m.total_us for m in peer.runs[size]) if peer else math.nan
+        for s in subjects:
+            runs = s.runs.get(size, [])
+            if not runs:
+                continue
+            total = statistics.median(m.total_us for m in runs)
+            server = statistics.median(m.server_us for m in runs)
+            redis_runs = [m.redis_us for m in runs if not math.isnan(m.redis_us)]
+            redis = f"{statistics.median(redis_runs):.1f}" if redis_runs else "-"
+            ratio = "-" if math.isnan(nchan_total) or not nchan_total else f"{total / nchan_total:.2f}"
+            rate = statistics.median(m.rate for m in runs)
+            each = ", ".join(f"{m.total_us:.0f}" for m in runs)
+            lines.append(
+                f"| {s.label} | {size_label(size)} | {each} | {server:.1f} | {redis} | {total:.1f} "
+                f"| {ratio} | {rate:,.0f} |"
+            )
+    return "\n".join(lines)
+
+
+async def run(args: argparse.Namespace, specs: list[Spec]) -> int:
+    sizes: list[int] = args.size
     with tempfile.TemporaryDirectory(prefix="relay-cpu-") as tmp, Procs(Path(tmp)) as procs:
         sample_dir = Path(args.cpu_profile) if args.cpu_profile else None
-        started = [await _start(procs, label, tree, sample_dir) for label, tree in subjects]
+        started = [
+            await (_start_nchan(procs) if spec.kind == "nchan" else _start_python(procs, spec, sample_dir))
+            for spec in specs
+        ]
         await asyncio.sleep(args.settle)  # startup work (shard-health round) is not measured
         for _ in range(args.rounds):
-            for s in started:
-                await _measure(procs, s, args.size, args.connections, args.seconds, args.warmup)
+            for size in sizes:
+                for s in started:
+                    await _measure(procs, s, size, args.connections, args.seconds, args.warmup)
         if args.profile:
             out = Path(args.profile)
             for s in started:
+                if not s.python:
+                    continue
                 async with profile.recording(procs, s.pid, out, s.label, args.seconds) as prof:
                     await wrk.run(
-                        procs, s.target.urls(), [_script(s, args.size)], args.connections, 1, args.seconds
+                        procs, s.target.urls(), [_script(s, sizes[0])], args.connections, 1, args.seconds
                     )
                 print(f"{s.label}: {prof.samples} samples, top frames in {prof.text}")
         for s in started:
             if s.samples is not None:
-                await _cpu_profile(procs, s, args)
-    print(f"\n{args.size} B enqueue, wrk -t1 -c{args.connections}, {args.seconds} s runs")
-    print("| server | CPU µs per enqueue (runs) | median | Redis µs per enqueue | req/s |")
-    print("|---|---|---|---|---|")
-    for s in started:
-        us = ", ".join(f"{r[0]:.0f}" for r in s.runs)
-        med = statistics.median(r[0] for r in s.runs)
-        rmed = statistics.median(r[1] for r in s.runs)
-        rate = statistics.median(r[2] for r in s.runs)
-        print(f"| {s.label} | {us} | {med:.1f} | {rmed:.0f} | {rate:,.0f} |")
+                await _cpu_profile(procs, s, args, sizes[0])
+    print()
+    print(summary(started, sizes, args.connections, args.seconds))
     return 0
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of byte counts: {text!r}") from None
+    if not sizes or any(s <= 0 for s in sizes):
+        raise argparse.ArgumentTypeError(f"not a list of byte counts: {text!r}")
+    return sizes
 
 
 def main(argv: list[str]) -> int:
@@ -166,18 +268,28 @@ def main(argv: list[str]) -> int:
         prog="python -m relayfleet_testing.bench.cpu", description=__doc__.split("\n")[0]
     )
     p.add_argument("--tree", action="append", metavar="LABEL=DIR", help="a tree holding relay/ (repeatable)")
+    p.add_argument("--nchan", action="store_true", help="also nginx + nchan with Redis storage (the peer)")
     p.add_argument("--ceiling", action="store_true", help="also the aiohttp empty-handler ceiling")
+    p.add_argument(
+        "--layers",
+        nargs="?",
+        const="all",
+        metavar="L,...",
+        help=f"also the HTTP stack at several depths, fixed 201, no Redis (default all: {','.join(LAYERS)})",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=int, default=8)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--settle", type=float, default=3.0, help="seconds between start and the first run")
-    p.add_argument("--size", type=int, default=256)
+    p.add_argument(
+        "--size", type=_sizes, default=[256], help="message bytes, comma-separated (256,4096,65536)"
+    )
     p.add_argument("--connections", type=int, default=64)
-    p.add_argument("--profile", metavar="DIR", help="then one py-spy run per target (not counted)")
-    p.add_argument("--cpu-profile", metavar="DIR", help="then one CPU-time sampled run per target")
+    p.add_argument("--profile", metavar="DIR", help="then one py-spy run per Python server (not counted)")
+    p.add_argument("--cpu-profile", metavar="DIR", help="then one CPU-time sampled run per Python server")
     args = p.parse_args(argv)
     try:
-        return asyncio.run(run(args, _subjects(args)))
+        return asyncio.run(run(args, _specs(args)))
     except BenchError as exc:
         print(f"relayfleet_testing.bench.cpu: {exc}", file=sys.stderr)
         return 1

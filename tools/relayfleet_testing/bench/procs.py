@@ -70,7 +70,9 @@ def child_pids(pid: int) -> list[int]:
     out: list[int] = []
     with contextlib.suppress(OSError):
         for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as f:
+            path = f"/proc/{pid}/task/{task}/children"
+            # a thread may end between the listing and the read: skip it, keep the others
+            with contextlib.suppress(OSError), open(path, encoding="ascii") as f:
                 out.extend(int(p) for p in f.read().split())
     return out
 

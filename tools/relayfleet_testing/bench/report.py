@@ -25,6 +25,10 @@ TARGET_WAKE_P50_MS = 2.0
 TARGET_WAKE_P99_MS = 10.0
 TARGET_RSS_PER_POLL_KIB = 15.0
 TARGET_READ_ACK_RATE = 100000.0
+# Targets of issue 19, ratios within one run: relay-1p against nginx + nchan with Redis storage.
+ISSUE19_SIZES = (256, 4096, 65536)
+TARGET_RATE_VS_NCHAN = 1.0  # relay-1p msg/s ÷ nchan-redis msg/s, at least
+TARGET_CPU_VS_NCHAN = 1.0  # (relay + Redis) CPU per message ÷ (nginx + Redis) CPU per message, at most
 
 
 def _cmd(argv: list[str]) -> str:
@@ -273,6 +277,60 @@ def _ratios(res: Results, main_conns: int) -> list[str]:
     return [*lines, ""]
 
 
+def _enqueue_cpu(res: Results) -> list[str]:
+    rows = [r for r in res.select("enqueue") if "cpu_us" in r.values or "server_cpu_us" in r.values]
+    limits = [r for r in res.select("limit") if "redis_cpu_us" in r.values]
+    if not rows and not limits:
+        return []
+    lines = ["### Enqueue CPU per stored message", ""]
+    lines.append(
+        "utime + stime over the measured wrk run only (not its warm-up) ÷ the 2xx answers of that run. "
+        "server = the relay process(es) / nginx master + worker / the aiohttp ceiling; Redis = the one "
+        "redis-server all targets share (with its AOF fsync thread and rewrite forks), flushed and its "
+        "AOF rewritten before each run, with any fork a run started waited for before its window "
+        "closes. Read from /proc (clock ticks of 10 ms: ±0.01 s per window). `redis XADD` / "
+        "`redis enqueue.lua` rows: Redis CPU per command under redis-benchmark."
+    )
+    lines.append("")
+    body = [
+        [
+            r.target,
+            size_label(_int(r, "size")),
+            str(r.params["conns"]),
+            _num(r.values.get("rate")),
+            _num(r.values.get("server_cpu_us"), 1),
+            _num(r.values.get("redis_cpu_us"), 1),
+            _num(r.values.get("cpu_us"), 1),
+        ]
+        for r in sorted(rows, key=lambda r: (_int(r, "size"), _int(r, "conns")))
+    ]
+    body += [
+        [
+            r.target,
+            size_label(_int(r, "size")),
+            str(r.params["conns"]),
+            _num(r.values.get("rate")),
+            "-",
+            _num(r.values.get("redis_cpu_us"), 1),
+            _num(r.values.get("redis_cpu_us"), 1),
+        ]
+        for r in limits
+    ]
+    lines += _table(
+        [
+            "target",
+            "size",
+            "connections",
+            "msg/s",
+            "server CPU µs/msg",
+            "Redis CPU µs/msg",
+            "total µs/msg",
+        ],
+        body,
+    )
+    return [*lines, ""]
+
+
 def _read_ack(res: Results) -> list[str]:
     rows = res.select("read_ack")
     if not rows:
@@ -416,6 +474,67 @@ def _verdict(value: float | None, ok: bool) -> str:
     return "met" if ok else "missed"
 
 
+def _finite(values: dict[str, float], key: str) -> float | None:
+    x = values.get(key)
+    return None if x is None or math.isnan(x) else x
+
+
+def _issue19(res: Results, main_conns: int) -> list[str]:
+    rows: list[list[str]] = []
+    met = measured = 0
+    for size in ISSUE19_SIZES:
+        label = size_label(size)
+        relay = res.find("enqueue", "relay-1p", size=size, conns=main_conns)
+        nchan = res.find("enqueue", "nchan-redis", size=size, conns=main_conns)
+        rv = relay.values if relay else {}
+        nv = nchan.values if nchan else {}
+        for name, key, goal, shown_unit, better_low in (
+            (f"enqueue {label}: relay-1p / nchan-redis msg/s", "rate", TARGET_RATE_VS_NCHAN, "msg/s", False),
+            (
+                f"enqueue {label}: (relay + Redis) / (nginx + Redis) CPU per message",
+                "cpu_us",
+                TARGET_CPU_VS_NCHAN,
+                "µs",
+                True,
+            ),
+        ):
+            a, b = _finite(rv, key), _finite(nv, key)
+            ratio = a / b if a is not None and b else None
+            ok = ratio is not None and (ratio <= goal if better_low else ratio >= goal)
+            goal_text = f"{'≤' if better_low else '≥'} {goal:.1f} x"
+            if ratio is None:
+                rows.append([name, goal_text, "-", "not measured"])
+                continue
+            measured += 1
+            met += ok
+            digits = 1 if key == "cpu_us" else 0
+            rows.append(
+                [
+                    name,
+                    goal_text,
+                    f"{ratio:.2f} ({_num(a, digits)} / {_num(b, digits)} {shown_unit})",
+                    "met" if ok else "missed",
+                ]
+            )
+    if not measured:
+        return []
+    lines = ["### Issue 19 targets", ""]
+    lines.append(
+        "relay-1p against nginx + nchan with Redis storage (one nginx worker), same run, same "
+        f"redis-server, wrk with {main_conns} connections. msg/s counts 2xx answers of the measured "
+        "run. CPU per message = (utime + stime of the server's processes + of redis-server over the "
+        "measured run) ÷ its 2xx answers: relay process + Redis against nginx master and worker + "
+        "Redis (the split is in “Enqueue CPU per stored message”). A ratio of CPU per message holds "
+        "on a loaded machine far better than one of msg/s. Reproduce with the command above; compare "
+        "source trees, or repeat the CPU figure in alternating rounds, with "
+        "`python -m relayfleet_testing.bench.cpu --nchan --size 256,4096,65536`."
+    )
+    lines.append("")
+    lines += _table(["target", "goal", "measured (relay / nchan)", "verdict"], rows)
+    lines += ["", f"{met} of {measured} measured issue 19 targets met. Issue 9 targets, for regressions:", ""]
+    return lines
+
+
 def _targets(res: Results, main_conns: int) -> list[str]:
     rate = res.value("enqueue", "relay-1p", "rate", size=256, conns=main_conns)
     ceiling = res.value("enqueue", "aiohttp-1p", "rate", size=256, conns=main_conns)
@@ -533,9 +652,11 @@ def render(
     lines += [f"- {n}" for n in notes]
     lines.append("")
     for section in (
+        _issue19(res, main_conns),
         _targets(res, main_conns),
         _calibration(res),
         _enqueue(res, main_conns),
+        _enqueue_cpu(res),
         _ratios(res, main_conns),
         _read_ack(res),
         _longpoll(res),
@@ -552,7 +673,7 @@ _HEADER = """# Benchmarks
 Side-by-side numbers for the relay, measured in one run on one machine against
 the physical limit (redis-benchmark), the Python HTTP ceiling (aiohttp + uvloop
 empty handlers) and the peer a user would pick instead (nginx + nchan). Run
-`relayfleet bench` (a few minutes) or `relayfleet bench --quick` (under a minute);
+`relayfleet bench` (a few minutes) or `relayfleet bench --quick` (about a minute);
 each run rewrites only its own generated section below.
 """
 

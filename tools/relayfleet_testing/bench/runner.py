@@ -50,7 +50,7 @@ class Plan:
     mode: str
     seconds: int
     warmup: int
-    sizes: list[int]
+    sizes: list[int]  # enqueue sizes of the relay and nchan (issue 19's targets need all three)
     connections: int
     sweep_connections: list[int]
     sweep_targets: list[str]
@@ -65,6 +65,8 @@ class Plan:
     fanout_sizes: list[int]
     longpoll_targets: list[str]
     aof: bool = True
+    # enqueue sizes of the limit (redis-benchmark) and aiohttp-ceiling runs; None: every size
+    side_sizes: list[int] | None = None
     profile_dir: Path | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -75,7 +77,8 @@ def make_plan(quick: bool) -> Plan:
             mode="quick",
             seconds=2,
             warmup=1,
-            sizes=[256],
+            sizes=[256, 4096, 65536],
+            side_sizes=[256],
             connections=64,
             sweep_connections=[],
             sweep_targets=[],
@@ -118,6 +121,7 @@ class Bench:
         self.results = Results()
         self.run = Run(procs, plan.seconds, plan.warmup)
         self.t0 = time.monotonic()
+        self.redis: RedisServer | None = None  # the one redis-server every target shares
 
     def log(self, text: str) -> None:
         print(f"[{time.monotonic() - self.t0:5.0f}s] {text}", file=sys.stderr, flush=True)
@@ -143,7 +147,9 @@ class Bench:
             size_label(int(val)) if key == "size" else f"{key}={val}" for key, val in row.params.items()
         )
         shown = " ".join(
-            f"{k}={val:,.2f}" for k, val in v.items() if k in ("rate", "msg_rate", "p50_ms", "p99_ms")
+            f"{k}={val:,.2f}"
+            for k, val in v.items()
+            if k in ("rate", "msg_rate", "p50_ms", "p99_ms", "server_cpu_us", "redis_cpu_us")
         )
         self.log(f"{row.scenario:<11} {row.target:<18} {params:<32} {shown}")
 
@@ -151,7 +157,7 @@ class Bench:
 
     async def main(self) -> None:
         plan = self.plan
-        redis = await targets.start_redis(self.procs, aof=plan.aof)
+        redis = self.redis = await targets.start_redis(self.procs, aof=plan.aof)
         self.log(f"redis-server on port {redis.port} (AOF {'everysec' if plan.aof else 'off'})")
         await self.peers(redis)
         await self.limits(redis)
@@ -218,7 +224,7 @@ class Bench:
         if not scenarios.have_redis_benchmark():
             self.results.skip("limit", "redis", "redis-benchmark is not installed")
             return
-        for size in self.plan.sizes:
+        for size in self.plan.side_sizes or self.plan.sizes:
             rows = await self.attempt(
                 "limit",
                 "redis",
@@ -238,7 +244,7 @@ class Bench:
                 if processes == 1:
                     for row in await scenarios.calibrate(self.run, t, "/empty", plan.connections):
                         self.record(row)
-                for size in plan.sizes:
+                for size in plan.side_sizes or plan.sizes:
                     await self.attempt("enqueue", t.name, partial(self.enqueue, t, size))
                 if t.name in plan.sweep_targets:
                     for c in plan.sweep_connections:
@@ -314,10 +320,10 @@ class Bench:
                 "relay-enqueue-256B",
                 self.plan.seconds + self.plan.warmup,
             ) as prof:
-                row = await scenarios.enqueue(self.run, t, size, conns)
+                row = await scenarios.enqueue(self.run, t, size, conns, self.redis)
             self.plan.notes.append(prof.summary())
         else:
-            row = await scenarios.enqueue(self.run, t, size, conns)
+            row = await scenarios.enqueue(self.run, t, size, conns, self.redis)
         self.record(row)
 
     async def longpoll(self, t: Target) -> None:
@@ -353,7 +359,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         description="Side-by-side benchmarks (see docs/benchmarks.md).",
         formatter_class=EnvHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true", help="fewer scenarios and shorter runs: under one minute")
+    p.add_argument("--quick", action="store_true", help="fewer scenarios and shorter runs: about a minute")
     p.add_argument(
         "--output",
         type=Path,

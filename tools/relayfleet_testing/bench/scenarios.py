@@ -23,6 +23,7 @@ import aiohttp
 import orjson
 import redis.asyncio as aioredis
 from relayfleet_testing.bench import wrk
+from relayfleet_testing.bench.cputime import CpuWindow
 from relayfleet_testing.bench.loadgen import Conn, HttpError, Response, build_request, closed_loop, open_many
 from relayfleet_testing.bench.procs import BenchError, Procs, wait_exit
 from relayfleet_testing.bench.results import Row, percentile
@@ -106,6 +107,18 @@ async def _redis_benchmark(
     )
 
 
+async def _measured_limit(
+    run: Run, redis: RedisServer, connections: int, n: int, keyspace: int, cmd: list[str]
+) -> Row:
+    """A redis-benchmark run and Redis's CPU per command over it (for the Redis side of enqueue)."""
+    await redis.settle()
+    before = redis.cpu_seconds()
+    row = await _redis_benchmark(run, redis.port, connections, n, keyspace, cmd)
+    await redis.settle()
+    row.values["redis_cpu_us"] = (redis.cpu_seconds() - before) / n * 1e6
+    return row
+
+
 async def redis_limit(run: Run, redis: RedisServer, size: int, connections: int, seconds: float) -> list[Row]:
     """redis-benchmark, pipelined 16 deep (the relay coalesces calls into pipelines).
 
@@ -119,7 +132,7 @@ async def redis_limit(run: Run, redis: RedisServer, size: int, connections: int,
     xadd = ["XADD", "rfbench:{__rand_int__}", "MAXLEN", "~", "100", "*", "p", payload]
     probe = await _redis_benchmark(run, redis.port, connections, 5000, xadd_keys, xadd)
     n = max(5000, int(probe.values["rate"] * seconds))
-    row = await _redis_benchmark(run, redis.port, connections, n, xadd_keys, xadd)
+    row = await _measured_limit(run, redis, connections, n, xadd_keys, xadd)
     row.target, row.params = "redis XADD", {"size": size, "conns": connections}
     await redis.flushall()
 
@@ -142,7 +155,7 @@ async def redis_limit(run: Run, redis: RedisServer, size: int, connections: int,
     budget = max(5000, (1 << 30) // (size + 256))
     probe = await _redis_benchmark(run, redis.port, connections, min(5000, budget), 1, script_cmd)
     n = min(budget, max(5000, int(probe.values["rate"] * seconds)))
-    script_row = await _redis_benchmark(run, redis.port, connections, n, 1, script_cmd)
+    script_row = await _measured_limit(run, redis, connections, n, 1, script_cmd)
     script_row.target, script_row.params = "redis enqueue.lua", {"size": size, "conns": connections}
     await redis.flushall()
     return [row, script_row]
@@ -178,13 +191,32 @@ def _enqueue_scripts(target: Target, size: int) -> list[str]:
     ]
 
 
-async def enqueue(run: Run, target: Target, size: int, connections: int) -> Row:
+async def enqueue(
+    run: Run, target: Target, size: int, connections: int, redis: RedisServer | None = None
+) -> Row:
+    """Messages stored per second, and the CPU the server and ``redis`` spent per stored message.
+
+    The CPU window is the measured wrk run alone: it opens after the warm-up has ended
+    and Redis has no fork left from it, and closes when wrk has exited (the server) and
+    Redis has finished any AOF rewrite the run started (Redis). Without ``redis`` the
+    Redis column is NaN.
+    """
     scripts_ = _enqueue_scripts(target, size)
     threads = len(target.ports)  # one wrk thread per server process
     if run.warmup:
         await wrk.run(run.procs, target.urls(), scripts_, connections, threads, run.warmup, "wrk-warmup")
+    if redis is not None:
+        await redis.settle()
+    server0 = target.cpu_seconds()
+    redis0 = redis.cpu_seconds() if redis is not None else 0.0
     res = await wrk.run(run.procs, target.urls(), scripts_, connections, threads, run.seconds, "wrk")
+    server_s = target.cpu_seconds() - server0
+    redis_s = math.nan
+    if redis is not None:
+        await redis.settle()
+        redis_s = redis.cpu_seconds() - redis0
     target.check_alive()
+    cpu = CpuWindow(server_s, redis_s, max(0, res.requests - res.errors))
     note = "no request completed within the run" if res.requests == 0 else ""
     if res.errors:
         note = await diagnose(
@@ -194,7 +226,13 @@ async def enqueue(run: Run, target: Target, size: int, connections: int) -> Row:
         "enqueue",
         target.name,
         {"size": size, "conns": connections},
-        {"rate": res.ok_rate, "p50_ms": res.p50_ms, "p99_ms": res.p99_ms, "errors": float(res.errors)},
+        {
+            "rate": res.ok_rate,
+            "p50_ms": res.p50_ms,
+            "p99_ms": res.p99_ms,
+            "errors": float(res.errors),
+            **cpu.values(),
+        },
         note,
     )
 

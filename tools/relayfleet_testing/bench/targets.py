@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis.asyncio as aioredis
+from relayfleet_testing.bench.cputime import total_cpu_seconds
 from relayfleet_testing.bench.loadgen import Conn, HttpError
 from relayfleet_testing.bench.procs import BenchError, Child, Procs, child_pids, free_port, rss_kib, wait_port
 
@@ -75,6 +76,10 @@ class Target:
     def rss_kib(self) -> int:
         return sum(rss_kib(p) for p in self.server_pids())
 
+    def cpu_seconds(self) -> float:
+        """CPU of every server process (nginx: master and workers) so far."""
+        return total_cpu_seconds(c.pid for c in self.children)
+
     def check_alive(self) -> None:
         for c in self.children:
             if not c.alive():
@@ -85,15 +90,39 @@ class Target:
 class RedisServer:
     port: int
     child: Child
+    aof: bool = False
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    def cpu_seconds(self) -> float:
+        """redis-server's CPU so far, its background threads and forks (AOF rewrites) included."""
+        return total_cpu_seconds([self.child.pid])
+
     async def flushall(self) -> None:
+        """Empty Redis between runs, and leave nothing of the last run running or pending.
+
+        With AOF, the file is also rewritten (now nearly empty), so every run starts from
+        the same AOF size and an automatic rewrite during a run is caused by that run's
+        writes alone; the rewrite's fork is waited for, so its CPU stays out of the next
+        run's window.
+        """
         client = aioredis.Redis(port=self.port)
         try:
+            await _settle(client)
             await client.flushall()
+            if self.aof:
+                await client.bgrewriteaof()
+                await _settle(client)
+        finally:
+            await client.aclose()
+
+    async def settle(self, within: float = 60.0) -> None:
+        """Wait until no AOF rewrite or snapshot fork is running or scheduled."""
+        client = aioredis.Redis(port=self.port)
+        try:
+            await _settle(client, within)
         finally:
             await client.aclose()
 
@@ -106,6 +135,18 @@ class RedisServer:
         return float(info["used_memory"]) / (1 << 20)
 
 
+async def _settle(client: aioredis.Redis, within: float = 60.0) -> None:
+    deadline = time.monotonic() + within
+    busy = ("aof_rewrite_in_progress", "aof_rewrite_scheduled", "rdb_bgsave_in_progress")
+    while True:
+        info = await client.info("persistence")
+        if not any(int(info.get(k, 0)) for k in busy):
+            return
+        if time.monotonic() > deadline:
+            raise BenchError(f"redis-server: a background save or AOF rewrite still ran after {within:.0f} s")
+        await asyncio.sleep(0.02)
+
+
 async def start_redis(procs: Procs, aof: bool) -> RedisServer:
     port = free_port()
     data = procs.workdir / f"redis-{port}"
@@ -116,7 +157,7 @@ async def start_redis(procs: Procs, aof: bool) -> RedisServer:
     argv += ["--appendonly", "yes" if aof else "no", "--appendfsync", "everysec"]
     child = procs.start("redis-server", argv)
     await wait_port(port, child)
-    return RedisServer(port, child)
+    return RedisServer(port, child, aof)
 
 
 async def wait_http(port: int, path: str, child: Child, within: float = 30.0) -> None:

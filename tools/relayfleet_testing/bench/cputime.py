@@ -1,0 +1,70 @@
+"""CPU time of process trees from /proc: what a server and its Redis spend per message.
+
+On a shared machine throughput follows everyone else's load; the CPU a process spends
+per answered request moves much less. A process tree's CPU is counted as utime + stime
+of the root and every live descendant, plus cutime + cstime of each (children it has
+already reaped), so a fork that ends between two readings (Redis's AOF rewrite, an
+nginx worker) moves its time from one term to the other instead of vanishing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from relayfleet_testing.bench.procs import child_pids
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        # the command name (field 2) may hold spaces and parentheses: split after its last ")"
+        return f.read().rpartition(")")[2].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (all its threads); fields 14 and 15 of proc(5)."""
+    fields = _stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) * _TICK_S
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime + cutime + cstime of ``pid``, plus the same of every live descendant.
+
+    0 when the process is gone (a stopped server contributes nothing further).
+    """
+    try:
+        fields = _stat_fields(pid)
+    except (OSError, ValueError):
+        return 0.0
+    own = sum(int(fields[i]) for i in (11, 12, 13, 14)) * _TICK_S  # utime stime cutime cstime
+    return own + sum(tree_cpu_seconds(child) for child in child_pids(pid))
+
+
+def total_cpu_seconds(pids: Iterable[int]) -> float:
+    return sum(tree_cpu_seconds(p) for p in pids)
+
+
+@dataclass(frozen=True)
+class CpuWindow:
+    """CPU seconds a server and its Redis spent between two readings, and per message."""
+
+    server_s: float
+    redis_s: float
+    messages: int
+
+    def per_message_us(self) -> tuple[float, float, float]:
+        """(server, Redis, total) µs per message; NaN without messages."""
+        if self.messages <= 0:
+            nan = float("nan")
+            return nan, nan, nan
+        server = self.server_s / self.messages * 1e6
+        redis = self.redis_s / self.messages * 1e6
+        return server, redis, server + redis
+
+    def values(self) -> dict[str, float]:
+        """The Row values of one enqueue run."""
+        server, redis, total = self.per_message_us()
+        return {"server_cpu_us": server, "redis_cpu_us": redis, "cpu_us": total}
