@@ -54,9 +54,9 @@ def test_processes_resolve_service_names_through_the_table(tmp_path: Path) -> No
     table.write_text(json.dumps({"relayfleet-a-redis.ns.svc:6379": ["127.0.0.1:5999"]}))
     code = (
         "import socket, uvloop\n"
-        "from relay.fleet import migration\n"
+        "from relay.fleet.migration import shard_ops\n"
         "print(socket.getaddrinfo('relayfleet-a-redis.ns.svc', 6379)[0][4])\n"
-        "print(migration._address('a', 'redis://:pw@relayfleet-a-redis.ns.svc:6379/0'))\n"
+        "print(shard_ops.migrate_address('a', 'redis://:pw@relayfleet-a-redis.ns.svc:6379/0'))\n"
         "print(uvloop.run.__module__)\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{PODENV}{os.pathsep}{ROOT}", "RELAYFLEET_E2E_ADDRESSES": str(table)}

@@ -258,7 +258,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(json.dumps({"public": b64encode(public), "private": b64encode(private)}))
         return 0
     if cmd == "migrate":
-        from relay.fleet.migration import migrate_main
+        from relay.fleet.migration.command import migrate_main
 
         return migrate_main(args.shard_map, args.slots, args.to)
     if cmd == "operator":

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from relay.fleet.migration import CRASH_ENV, CRASH_EXIT, STEPS
+from relay.fleet.migration.crash_points import CRASH_ENV, CRASH_EXIT, STEPS
 from relay.fleet.sharding import slot_of
 from relay.storage import keys as K
 from tests.support.fleet_harness import (

@@ -54,7 +54,7 @@ class _MigrateTargets(importlib.abc.MetaPathFinder):
     """Redis's MIGRATE is issued by the operator but connected by redis-server itself, which
     resolves names in libc, past this table: translate the target address it is given."""
 
-    MODULE = "relay.fleet.migration"
+    MODULE = "relay.fleet.migration.shard_ops"
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if name != self.MODULE:
@@ -67,7 +67,7 @@ class _MigrateTargets(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             run(module)
-            original = module._address
+            original = module.migrate_address
 
             def address(shard: str, url: str) -> Any:
                 got = original(shard, url)
@@ -77,7 +77,7 @@ class _MigrateTargets(importlib.abc.MetaPathFinder):
                 host, _, port = random.choice(targets).rpartition(":")
                 return dataclasses.replace(got, host=host, port=int(port))
 
-            module._address = address
+            module.migrate_address = address
 
         loader.exec_module = exec_module
         return spec

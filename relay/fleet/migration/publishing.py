@@ -1,0 +1,20 @@
+"""The hand-off between the protocol and whoever keeps the shard map: after each flipped batch
+the protocol offers the next map to a `PublishMap`, and rebuilds on `CurrentMap` when the
+keeper answers `MapConflict`. Implemented for a file (`map_file`) and for the ConfigMap
+(`relay.fleet.configmap`)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from relay.fleet.migration.errors import MigrationError
+from relay.fleet.sharding import ShardMap
+
+__all__ = ["CurrentMap", "MapConflict", "PublishMap"]
+
+PublishMap = Callable[[ShardMap], Awaitable[ShardMap | None]]
+CurrentMap = Callable[[], Awaitable[ShardMap]]
+
+
+class MapConflict(MigrationError):
+    """A publisher found a map newer than the one it was given (someone else published)."""
