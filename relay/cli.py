@@ -9,6 +9,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any, NoReturn
 
 from relay.fleet.sharding import ShardMapError, is_sentinel_url, parse_sentinel_url
@@ -140,13 +141,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="relayfleet", description="Sharded store-and-forward relay for E2EE messaging")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_relay_args(sub.add_parser("relay", help="run a relay process", epilog=_relay_epilog()))
-    dev = sub.add_parser("dev", help="local Redis shard(s) + relay, with a short demo")
-    _flag(dev, "--port", env="RELAY_PORT", default=8080, parse=_port, kind="a port number", help="HTTP port")
-    dev.add_argument("--shards", type=int, default=1, help="local shards to start [no env; default 1]")
-    dev.add_argument("--no-demo", action="store_true", help="skip the demo [no env; default off]")
-    _flag(dev, "--auth", env="RELAY_AUTH", default="ed25519", parse=_choice("ed25519", "none"),
-          kind="ed25519 or none", help="request authentication")  # fmt: skip
-    _log_level(dev)
     mig = sub.add_parser("migrate", help="move slots to a shard, online")
     mig.add_argument("--shard-map", required=True, metavar="FILE", help="shard map file [no env; required]")
     mig.add_argument("--slots", required=True, metavar="A-B", help="slot range to move [no env; required]")
@@ -162,7 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--all-namespaces", action="store_true", help="watch all namespaces [no env; default off]"
     )
     _log_level(op)
-    sub.add_parser("bench", help="side-by-side benchmarks: [--quick]")
     sub.add_parser("backup", help="snapshot a shard's Redis into a backup directory (see backup --help)")
     sub.add_parser("restore", help="restore a shard from a backup, with new epochs (see restore --help)")
     top = sub.add_parser("top", help="live figures of a fleet from its relays' /metrics")
@@ -182,18 +175,84 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --kube: pod IPs, not the API proxy [no env; default off]",
     )
+    # commands of other distributions: listed here, parsed by their own main (see --help there)
+    plugins = _plugin_commands()
+    for name, text in TOOL_COMMANDS.items():
+        sub.add_parser(name, help=text + ("" if name in plugins else f" (needs {TOOLS_DIST})"))
+    for name, ep in sorted(plugins.items()):
+        if name not in TOOL_COMMANDS and name not in sub.choices:
+            sub.add_parser(name, help=f"from {ep.dist.name if ep.dist else ep.value} (see {name} --help)")
     return parser
+
+
+# -- commands of other distributions ------------------------------------------------------------
+# An entry point in COMMANDS_GROUP names a `main(argv: list[str]) -> int`; `relayfleet NAME ARGS`
+# calls it with ARGS. The relay never imports those distributions by name (import-linter
+# contract "tools"): the benchmarks and the local dev fleet are relayfleet-testing's
+# (tools/pyproject.toml), not part of the relayfleet wheel or image.
+COMMANDS_GROUP = "relayfleet.commands"
+TOOLS_DIST = "relayfleet-testing"
+# relayfleet-testing's commands, named in --help (and in the one-line hint) even when absent
+TOOL_COMMANDS = {
+    "bench": "side-by-side benchmarks: [--quick]",
+    "dev": "local Redis shard(s) + relay, with a short demo",
+    "demo": "the short demo against a running relay",
+}
+
+
+def _plugin_commands() -> dict[str, EntryPoint]:
+    return {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)}
+
+
+def _run_plugin(name: str, argv: list[str]) -> int | None:
+    """Run the command `name` of another distribution; None when no distribution provides it."""
+    ep = _plugin_commands().get(name)
+    if ep is None:
+        if name in TOOL_COMMANDS:
+            print(
+                f"relayfleet: `{name}` comes with the tools: pip install {TOOLS_DIST} "
+                "(in a checkout: make venv, or pip install -e tools)",
+                file=sys.stderr,
+            )
+            return 2
+        return None
+    command: Callable[[list[str]], int] = ep.load()
+    return int(command(argv))
+
+
+# For those commands' own parsers: the same flag, env and exit-2 rules as the built-in ones.
+def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    return _Parser(prog=prog, description=description)
+
+
+env_flag = _flag
+port_number = _port
+one_of = _choice
+log_level_flag = _log_level
+
+
+def parse_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parse `argv`, fill every flag not given from its variable and set up logging, as `main`
+    does for the built-in commands; a bad value exits 2 with one line."""
+    args = parser.parse_args(argv)
+    try:
+        _resolve_env(args)
+    except ConfigError as exc:
+        parser.exit(2, f"relayfleet: {exc}\n")
+    _log_setup(args)
+    return args
+
+
+def _log_setup(args: argparse.Namespace) -> None:
+    logging.basicConfig(
+        level=getattr(args, "log_level", None) or "INFO",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
 
 # Subcommands with a parser of their own get their arguments untouched. Each is
 # imported only when run (plain imports, so mypy and import-linter see them): the
-# planner is spark_jobs' driver-free half, bench a tool, backup needs only Redis.
-def _bench(argv: list[str]) -> int:
-    from relayfleet_testing.bench import main as bench_main
-
-    return bench_main(argv)
-
-
+# planner is spark_jobs' driver-free half, backup needs only Redis.
 def _plan(argv: list[str]) -> int:
     from spark_jobs.load_planner import plan_main
 
@@ -213,27 +272,30 @@ def _restore(argv: list[str]) -> int:
 
 
 _PASSTHROUGH: dict[str, Callable[[list[str]], int]] = {
-    "bench": _bench,
     "plan": _plan,
     "backup": _backup,
     "restore": _restore,
 }
 
 
+_BUILTIN = frozenset({"relay", "migrate", "plan", "keygen", "operator", "backup", "restore", "top"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _PASSTHROUGH:
         return int(_PASSTHROUGH[argv[0]](argv[1:]))
+    if argv and argv[0] not in _BUILTIN and not argv[0].startswith("-"):
+        code = _run_plugin(argv[0], argv[1:])
+        if code is not None:
+            return code
     args = build_parser().parse_args(argv)
     try:
         _resolve_env(args)
     except ConfigError as exc:
         print(f"relayfleet: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=getattr(args, "log_level", None) or "INFO",
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    _log_setup(args)
     try:
         return _dispatch(args)
     except (ShardMapError, ConfigError, RedisURLError) as exc:
@@ -247,10 +309,6 @@ def _dispatch(args: argparse.Namespace) -> int:
     cmd = args.command
     if cmd == "relay":
         return _relay(args)
-    if cmd == "dev":
-        from relayfleet_testing.devfleet.fleet import run_dev
-
-        return run_dev(port=args.port, shards=args.shards, demo=not args.no_demo, auth=args.auth)
     if cmd == "keygen":
         from relay.protocol import b64encode, keypair
 

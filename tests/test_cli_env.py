@@ -130,7 +130,7 @@ def test_operator_namespace_new_and_old_name(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.parametrize(
-    "command", ["relay", "dev", "migrate", "operator", "top", "plan", "bench", "backup", "restore"]
+    "command", ["relay", "dev", "demo", "migrate", "operator", "top", "plan", "bench", "backup", "restore"]
 )
 def test_every_flag_in_every_help_screen_names_env_and_default(command: str) -> None:
     out = run_cli(command, "--help")

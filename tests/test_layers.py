@@ -78,7 +78,10 @@ def test_import_contracts_hold() -> None:
     """The import-linter contracts in pyproject.toml (also run by `make lint`)."""
     root = Path(__file__).resolve().parent.parent
     lint_imports = Path(sys.executable).with_name("lint-imports")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "operator")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), str(root / "operator"), str(root / "tools")]),
+    }
     out = subprocess.run(
         [str(lint_imports)], cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False
     )

