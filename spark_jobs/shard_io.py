@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from relay.fleet import credentials
-from relay.fleet.contract import SHARDMAP_KEY
+from relay.fleet.contract import shard_map_from_configmap_data
 from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
 from relay.storage.maintenance import ShardMaintenance
 
@@ -136,13 +136,10 @@ def load_shard_map(path: str | None, configmap: str | None) -> ShardMap:
             cm = client.CoreV1Api().read_namespaced_config_map(name, namespace)
         except client.ApiException as exc:
             raise JobError(f"cannot read ConfigMap {namespace}/{name}: {exc.status} {exc.reason}") from None
-        data: dict[str, str] = cm.data or {}
-        if SHARDMAP_KEY not in data:
-            raise JobError(f"ConfigMap {namespace}/{name} has no key {SHARDMAP_KEY}")
         try:
-            return loads_shard_map(data[SHARDMAP_KEY])
+            return shard_map_from_configmap_data(cm.data, f"{namespace}/{name}")
         except ShardMapError as exc:
-            raise JobError(f"ConfigMap {namespace}/{name}: {exc}") from None
+            raise JobError(str(exc)) from None
     raise UsageError("one of --shard-map or --shard-map-configmap is required")
 
 

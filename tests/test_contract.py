@@ -8,7 +8,7 @@ import relayfleet_operator.builders as builders
 import relayfleet_operator.weight_planner as op_planning
 
 import spark_jobs.load_planner as spark_planning
-from relay.fleet import configmap, contract
+from relay.fleet import contract
 from relay.fleet.contract import MapStore, MapWriteConflict, Move, PlanError, move_from_json, parse_slots
 from relay.fleet.sharding import ShardMap, ShardMapError, even_split, parse_slot_spec
 
@@ -37,8 +37,26 @@ def test_one_slot_range_syntax(text: str, error: str) -> None:
 
 
 def test_one_configmap_name_and_key() -> None:
-    assert builders.shardmap_name("f") == configmap.configmap_name("f") == "relayfleet-f-shardmap"
-    assert builders.SHARDMAP_KEY == configmap.KEY == contract.SHARDMAP_KEY == "shardmap.json"
+    """The operator builds and reads the ConfigMap through the contract, as the relay does."""
+    assert contract.shardmap_configmap_name("f") == "relayfleet-f-shardmap"
+    assert contract.SHARDMAP_KEY == "shardmap.json"
+    shard_map = even_split("f", {"a": "redis://a", "b": "redis://b"})
+    cm = builders.shard_map_configmap("ns", shard_map, [])
+    assert cm["metadata"]["name"] == "relayfleet-f-shardmap"
+    assert cm["data"] == contract.shard_map_configmap_data(shard_map) == {"shardmap.json": shard_map.dumps()}
+    assert builders.shard_map_from_configmap(cm) == shard_map
+    assert contract.shard_map_from_configmap_data(cm["data"], "ns/relayfleet-f-shardmap") == shard_map
+
+
+@pytest.mark.parametrize(
+    ("data", "error"),
+    [(None, "ConfigMap ns/m has no key shardmap.json"), ({"shardmap.json": "{"}, "ConfigMap ns/m: ")],
+)
+def test_one_configmap_reader(data: dict[str, str] | None, error: str) -> None:
+    with pytest.raises(ShardMapError, match=error):
+        contract.shard_map_from_configmap_data(data, "ns/m")
+    with pytest.raises(ShardMapError, match=error):
+        builders.shard_map_from_configmap({"metadata": {"namespace": "ns", "name": "m"}, "data": data})
 
 
 async def test_update_loop_recomputes_after_a_lost_race() -> None:

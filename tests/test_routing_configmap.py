@@ -19,7 +19,8 @@ import pytest
 from kubernetes import client
 from relayfleet_testing.localredis import LocalRedis
 
-from relay.fleet.configmap import KEY, ConfigMapSource, configmap_name, configmap_publisher, configmap_reader
+from relay.fleet.configmap import ConfigMapSource, configmap_publisher, configmap_reader
+from relay.fleet.contract import SHARDMAP_KEY, shardmap_configmap_name
 from relay.fleet.migration import MapConflict, migrate_slots
 from relay.fleet.sharding import ShardMap, ShardMapError, even_split, slot_of
 from tests.support.fleet_harness import DEBIAN_REDIS, b64, spawn_relay, stop_relays, wait_ready
@@ -37,7 +38,7 @@ def kubeconfig(kube_apiserver: KubeCluster) -> str:
 
 @pytest.fixture
 def cm_name() -> str:
-    return configmap_name(f"t{uuid.uuid4().hex[:8]}")
+    return shardmap_configmap_name(f"t{uuid.uuid4().hex[:8]}")
 
 
 def _map(epoch: int) -> ShardMap:
@@ -69,11 +70,13 @@ async def test_source_reads_then_watches(kubeconfig: str, kube_apiserver: KubeCl
         # an invalid edit is skipped: the relay keeps its last good map
         with kube_apiserver.api_client() as api:
             core = client.CoreV1Api(api)
-            core.patch_namespaced_config_map(cm_name, NS, {"data": {KEY: '{"fleet": "test", "epoch": 3}'}})
+            core.patch_namespaced_config_map(
+                cm_name, NS, {"data": {SHARDMAP_KEY: '{"fleet": "test", "epoch": 3}'}}
+            )
             await asyncio.sleep(1.0)
             assert await source() is None
             # an older epoch is never handed out either
-            core.patch_namespaced_config_map(cm_name, NS, {"data": {KEY: _map(1).dumps()}})
+            core.patch_namespaced_config_map(cm_name, NS, {"data": {SHARDMAP_KEY: _map(1).dumps()}})
             await asyncio.sleep(1.0)
             assert await source() is None
         await publish(_map(4))

@@ -53,7 +53,7 @@ class Context:
 
 
 async def read_shard_map(kube: Kube, namespace: str, fleet: str) -> tuple[ShardMap | None, Obj | None]:
-    cm = await kube.get("v1", "ConfigMap", namespace, builders.shardmap_name(fleet))
+    cm = await kube.get("v1", "ConfigMap", namespace, contract.shardmap_configmap_name(fleet))
     return builders.shard_map_from_configmap(cm), cm
 
 
@@ -199,7 +199,7 @@ async def update_shard_map(
 
     The read-recompute-conditional-write loop is the fleet contract's
     (`relay.fleet.contract.update_shard_map`); this side supplies the API calls."""
-    name = builders.shardmap_name(fleet)
+    name = contract.shardmap_configmap_name(fleet)
 
     async def read() -> tuple[ShardMap | None, Obj | None]:
         return await read_shard_map(kube, namespace, fleet)

@@ -29,25 +29,21 @@ from relay.fleet.contract import (
     SHARDMAP_KEY,
     MapStore,
     MapWriteConflict,
-    shardmap_configmap_name,
+    shard_map_configmap_data,
+    shard_map_from_configmap_data,
     update_shard_map,
 )
 from relay.fleet.migration import MapConflict
 from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
 
 __all__ = [
-    "KEY",
     "ConfigMapSource",
-    "configmap_name",
     "configmap_publisher",
     "configmap_reader",
     "configmap_source",
 ]
 
 log = logging.getLogger("relay.configmap")
-
-KEY = SHARDMAP_KEY  # the fleet contract's name and key (relay.fleet.contract)
-configmap_name = shardmap_configmap_name
 
 
 def _core_api(kubeconfig: str | None) -> Any:
@@ -80,14 +76,7 @@ def kube_core_api(kubeconfig: str | None = None) -> Any:
 
 
 def _parse(cm: Any, where: str) -> ShardMap:
-    data = getattr(cm, "data", None) or {}
-    text = data.get(KEY)
-    if not text:
-        raise ShardMapError(f"ConfigMap {where} has no key {KEY}")
-    try:
-        return loads_shard_map(text)
-    except ShardMapError as exc:
-        raise ShardMapError(f"ConfigMap {where}: {exc}") from None
+    return shard_map_from_configmap_data(getattr(cm, "data", None), where)
 
 
 class ConfigMapSource:
@@ -245,14 +234,14 @@ def configmap_publisher(
             if exc.status == 404:
                 return None, None
             raise failed(exc) from None
-        current = (cm.data or {}).get(KEY)
+        current = (cm.data or {}).get(SHARDMAP_KEY)
         return (loads_shard_map(current) if current else None), cm
 
     def write_blocking(new_map: ShardMap, cm: Any) -> None:
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
-        body_data = {KEY: new_map.dumps()}
+        body_data = shard_map_configmap_data(new_map)
         try:
             if cm is None:
                 meta = client.V1ObjectMeta(name=name, namespace=namespace)

@@ -4,8 +4,9 @@
   ({"slots": "A-B", "from", "to", "bytes", "messages"}) as the Spark rebalance job writes it
   into a RelayRebalance proposal and the operator reads it back;
 - slot ranges ("A-B" or "A"), parsed in one place (`relay.fleet.sharding.parse_slot_range`);
-- the shard-map ConfigMap: its name and data key (DESIGN §4), and the optimistic-concurrency
-  update loop both writers (the operator, `relay.fleet.configmap`) run over their own clients;
+- the shard-map ConfigMap: its name, its `data` both ways (DESIGN §4), and the
+  optimistic-concurrency update loop both writers (the operator, `relay.fleet.configmap`) run
+  over their own clients;
 - `Obj`, the alias for a JSON object / Kubernetes object.
 
 Pure and stdlib-only, like `relay.fleet.sharding` below it: importing it pulls in no
@@ -18,7 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from relay.fleet.sharding import ShardMap, ShardMapError, parse_slot_range
+from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map, parse_slot_range
 
 Obj = dict[str, Any]
 """A JSON object: a Kubernetes object, a status block, a plan document."""
@@ -29,6 +30,23 @@ SHARDMAP_KEY = "shardmap.json"
 def shardmap_configmap_name(fleet: str) -> str:
     """The ConfigMap a fleet's shard map lives in (DESIGN §4)."""
     return f"relayfleet-{fleet}-shardmap"
+
+
+def shard_map_configmap_data(shard_map: ShardMap) -> dict[str, str]:
+    """The ConfigMap `data` that carries `shard_map`."""
+    return {SHARDMAP_KEY: shard_map.dumps()}
+
+
+def shard_map_from_configmap_data(data: Mapping[str, str] | None, where: str) -> ShardMap:
+    """The shard map a ConfigMap's `data` carries; ShardMapError naming the ConfigMap (`where`,
+    "namespace/name") when the key is missing or the map breaks the contract."""
+    text = (data or {}).get(SHARDMAP_KEY)
+    if not text:
+        raise ShardMapError(f"ConfigMap {where} has no key {SHARDMAP_KEY}")
+    try:
+        return loads_shard_map(text)
+    except ShardMapError as exc:
+        raise ShardMapError(f"ConfigMap {where}: {exc}") from None
 
 
 class PlanError(ValueError):

@@ -57,7 +57,6 @@ from relayfleet_operator.builders.names import (
     RELAY_UID,
     SENTINEL_PORT,
     SENTINELS_PER_SHARD,
-    SHARDMAP_KEY,
     backup_name,
     credentials_name,
     fleet_service_name,
@@ -73,7 +72,6 @@ from relayfleet_operator.builders.names import (
     sentinel_master_name,
     sentinel_name,
     sentinel_selector,
-    shardmap_name,
 )
 from relayfleet_operator.builders.network_policies import redis_network_policy, sentinel_network_policy
 from relayfleet_operator.builders.pdbs import redis_pdb, relay_pdb, sentinel_pdb
@@ -130,7 +128,6 @@ __all__ = [
     "SENTINEL_FAILOVER_TIMEOUT_MS",
     "SENTINEL_PORT",
     "SENTINEL_QUORUM",
-    "SHARDMAP_KEY",
     "Ref",
     "backup_claim",
     "backup_cronjob",
@@ -193,6 +190,5 @@ __all__ = [
     "shard_children",
     "shard_map_configmap",
     "shard_map_from_configmap",
-    "shardmap_name",
     "strip_credentials",
 ]

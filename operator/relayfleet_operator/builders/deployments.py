@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from relay.fleet.contract import Obj
+from relay.fleet.contract import Obj, shardmap_configmap_name
 from relayfleet_operator.builders.meta import shard_meta
 from relayfleet_operator.builders.names import (
     CREDENTIALS_DIR,
@@ -17,7 +17,6 @@ from relayfleet_operator.builders.names import (
     relay_account_name,
     relay_name,
     relay_selector,
-    shardmap_name,
 )
 from relayfleet_operator.builders.pods import (
     container_resources,
@@ -129,7 +128,7 @@ def relay_deployment(shard: ShardSpec, secrets_digest: str | None = None) -> Obj
             "--port",
             str(RELAY_PORT),
             "--shard-map-configmap",
-            f"{shard.namespace}/{shardmap_name(shard.fleet)}",
+            f"{shard.namespace}/{shardmap_configmap_name(shard.fleet)}",
         ],
         "env": relay_env(shard),
         "ports": [{"name": "http", "containerPort": RELAY_PORT, "protocol": "TCP"}],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from relay.fleet import contract
 from relayfleet_operator.spec import ShardSpec
 
 MANAGER = "relayfleet-operator"
@@ -10,7 +9,6 @@ LABEL_FLEET = "relayfleet.dev/fleet"
 LABEL_SHARD = "relayfleet.dev/shard"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 CONFIG_HASH = "relayfleet.dev/config-hash"
-SHARDMAP_KEY = contract.SHARDMAP_KEY
 RELAY_PORT = 8080
 REDIS_PORT = 6379
 SENTINEL_PORT = 26379
@@ -47,10 +45,6 @@ def redis_ha_name(shard: str) -> str:
 
 def backup_name(shard: str) -> str:
     return f"relayfleet-{shard}-backup"
-
-
-def shardmap_name(fleet: str) -> str:
-    return contract.shardmap_configmap_name(fleet)
 
 
 def fleet_service_name(fleet: str) -> str:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from relay.fleet.contract import Obj
+from relay.fleet.contract import Obj, shardmap_configmap_name
 from relayfleet_operator.builders.meta import fleet_meta
-from relayfleet_operator.builders.names import relay_account_name, shardmap_name
+from relayfleet_operator.builders.names import relay_account_name
 from relayfleet_operator.spec import ShardSpec
 
 
@@ -28,7 +28,7 @@ def relay_role(namespace: str, fleet: str, owners: Sequence[ShardSpec]) -> Obj:
             {
                 "apiGroups": [""],
                 "resources": ["configmaps"],
-                "resourceNames": [shardmap_name(fleet)],
+                "resourceNames": [shardmap_configmap_name(fleet)],
                 "verbs": ["get", "list", "watch"],
             }
         ],

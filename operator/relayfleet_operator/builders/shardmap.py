@@ -3,18 +3,16 @@ map back from its ConfigMap."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
+from relay.fleet.contract import shard_map_from_configmap_data
 from relay.fleet.sharding import (
     SLOT_COUNT,
     ShardMap,
     ShardMapError,
     SlotRange,
-    parse_shard_map,
 )
-from relayfleet_operator.builders.names import SHARDMAP_KEY
 
 
 def initial_shard_map(fleet: str, shard: str, url: str) -> ShardMap:
@@ -50,12 +48,5 @@ def leave_shard_map(current: ShardMap, shard: str) -> ShardMap | None:
 def shard_map_from_configmap(cm: Mapping[str, Any] | None) -> ShardMap | None:
     if not cm:
         return None
-    data = cm.get("data") or {}
-    text = data.get(SHARDMAP_KEY)
-    if text is None:
-        raise ShardMapError(f"ConfigMap has no {SHARDMAP_KEY!r} key")
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        raise ShardMapError(f"{SHARDMAP_KEY} is not valid JSON: {exc}") from None
-    return parse_shard_map(doc)
+    meta = cm.get("metadata") or {}
+    return shard_map_from_configmap_data(cm.get("data"), f"{meta.get('namespace')}/{meta.get('name')}")
