@@ -11,55 +11,26 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from aiohttp import hdrs, web
-from aiohttp.web_protocol import RequestPayloadError
-from prometheus_client import Counter, Histogram
 from yarl import URL
 
 from relay import logsafe, metrics, push, shard_health
 from relay.api import didcomm, fanout, health, inbox, live, openapi, pickup, queues
 from relay.api.auth import Authenticator
 from relay.api.context import CTX, Context
-from relay.api.errors import ApiError, error_response, overloaded
+from relay.api.errors import overloaded
+from relay.api.failures import code_of, error_for
+from relay.fastpath import FastConnection, FastEndpoint
 from relay.fleet.routing import MapSource, ShardRouter
 from relay.fleet.sharding import ShardMap
 from relay.memguard import CLAIM, MemoryGuard, ceiling_bytes
-from relay.service import QueueService, TooManyWaiters, Unavailable
-from relay.serving import describe_parse_error, make_runner, raise_nofile_limit
+from relay.metrics import RouteSeries
+from relay.service import QueueService
+from relay.serving import FAST_PROTOCOL, make_runner, raise_nofile_limit
 from relay.settings import Settings
-from relay.storage.store import StoreRejected
 
 log = logging.getLogger("relay.app")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 400: "bad_request"}
-
-
-def _error_for(exc: BaseException) -> web.Response:
-    if isinstance(exc, ApiError):
-        return exc.response()
-    if isinstance(exc, Unavailable):
-        return error_response(
-            503,
-            exc.code,
-            f"temporarily unavailable: {exc.reason}",
-            {"Retry-After": str(exc.retry_after_s)},
-            {"retryAfterMs": exc.retry_after_s * 1000},
-        )
-    if isinstance(exc, TooManyWaiters):
-        return error_response(503, "too_many_waiters", "too many waiting requests", {"Retry-After": "1"})
-    if isinstance(exc, StoreRejected):
-        return error_response(507, "storage_full", "the shard is out of memory; nothing was stored")
-    if isinstance(exc, RequestPayloadError):  # the parser refused the body mid-read (e.g. chunk size)
-        code, text = describe_parse_error(exc.__cause__)
-        return error_response(400, code, text, {"Connection": "close"})
-    if isinstance(exc, web.HTTPException):
-        code = _HTTP_CODES.get(exc.status, "http_error")
-        return error_response(
-            exc.status, code, exc.reason.lower(), {k: v for k, v in exc.headers.items() if k == "Allow"}
-        )
-    log.error("unhandled exception in a request handler: %s", logsafe.describe(exc))
-    return error_response(500, "internal_error", "internal error")
 
 
 def _overloaded() -> web.Response:
@@ -76,7 +47,7 @@ def observed(handler: Handler, guard: MemoryGuard | None = None) -> Handler:
     registration instead: aiohttp builds a per-request middleware chain (and adds a
     current-app fixer) for any app with middlewares, which cost ~3 µs per enqueue.
     """
-    by_method: dict[str, _Series] = {}  # one route: its label children, resolved once
+    by_method: dict[str, RouteSeries] = {}  # one route: its label children, resolved once
 
     async def observe(request: web.Request) -> web.StreamResponse:
         start = time.perf_counter()
@@ -91,44 +62,24 @@ def observed(handler: Handler, guard: MemoryGuard | None = None) -> Handler:
                 guard.release(request.get(CLAIM, 0))
             raise
         except Exception as exc:  # every failure becomes a JSON error, never a traceback
-            response = _error_for(exc)
+            response = error_for(exc)
         if guard is not None and guard.claimed:  # a big body's claim ends with its request
             guard.release(request.get(CLAIM, 0))
         status = response.status
         if status >= 400 and isinstance(response, web.Response) and response.body is not None:
-            metrics.REJECTED.labels(_code_of(response)).inc()
+            metrics.REJECTED.labels(code_of(response)).inc()
         series = by_method.get(request.method)
         if series is None:
             resource = request.match_info.route.resource
             label = (
                 "unmatched" if resource is None or isinstance(resource, _Unmatched) else resource.canonical
             )
-            series = by_method[request.method] = _Series(label, request.method)
+            series = by_method[request.method] = RouteSeries(label, request.method)
         series.count(status)
         series.timer.observe(time.perf_counter() - start)
         return response
 
     return observe
-
-
-class _Series:
-    """A route's request metrics for one method: label children resolved once."""
-
-    __slots__ = ("counters", "method", "route", "timer")
-
-    def __init__(self, route: str, method: str) -> None:
-        self.route = route
-        self.method = method
-        self.counters: dict[int, Counter] = {}
-        self.timer: Histogram = metrics.loop_only(metrics.REQUEST_SECONDS.labels(route, method))
-
-    def count(self, status: int) -> None:
-        counter = self.counters.get(status)
-        if counter is None:
-            counter = self.counters[status] = metrics.loop_only(
-                metrics.REQUESTS.labels(self.route, self.method, str(status))
-            )
-        counter.inc()
 
 
 class _Unmatched(web.AbstractResource):
@@ -178,16 +129,6 @@ class _Unmatched(web.AbstractResource):
         raise web.HTTPNotFound()
 
 
-def _code_of(response: web.Response) -> str:
-    body = response.body
-    if isinstance(body, bytes):
-        marker = body.find(b'"code":"')
-        if marker >= 0:
-            end = body.find(b'"', marker + 8)
-            return body[marker + 8 : end].decode("ascii", "replace")[:40]
-    return str(response.status)
-
-
 def build_app(settings: Settings, fleet: ShardRouter) -> web.Application:
     app = web.Application(client_max_size=settings.max_payload * 2)
     service = QueueService(fleet, settings)
@@ -210,6 +151,9 @@ def build_app(settings: Settings, fleet: ShardRouter) -> web.Application:
     push.setup(app)  # no endpoints: hooks the queue service (webhooks for offline queues)
     shard_health.setup(app)  # no endpoints: the shard monitor's background task
     app.router.register_resource(_Unmatched(app.router))
+    if settings.http_fastpath:
+        endpoint = FastEndpoint(context)
+        app[FAST_PROTOCOL] = lambda server: FastConnection(server, endpoint)
     return app
 
 

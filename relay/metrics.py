@@ -219,6 +219,25 @@ def loop_only(child: M) -> M:
     return child
 
 
+class RouteSeries:
+    """A route's request metrics for one method: label children resolved once (the aiohttp
+    route wrapper and the enqueue fast path count the same series)."""
+
+    __slots__ = ("counters", "method", "route", "timer")
+
+    def __init__(self, route: str, method: str) -> None:
+        self.route = route
+        self.method = method
+        self.counters: dict[int, Counter] = {}
+        self.timer: Histogram = loop_only(REQUEST_SECONDS.labels(route, method))
+
+    def count(self, status: int) -> None:
+        counter = self.counters.get(status)
+        if counter is None:
+            counter = self.counters[status] = loop_only(REQUESTS.labels(self.route, self.method, str(status)))
+        counter.inc()
+
+
 DIDCOMM_MESSAGES = Counter(
     "relayfleet_didcomm_messages_total",
     "DIDComm messages the mediator handled, by message type (family/version/name) and result",

@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
@@ -97,34 +98,52 @@ def describe_parse_error(exc: BaseException | None) -> tuple[str, str]:
     return "bad_request", "malformed HTTP request"
 
 
+class Connection(Protocol):
+    """What the guard needs of a client connection: aiohttp's (GuardedRequestHandler) or
+    the enqueue fast path's (relay/fastpath.py FastConnection)."""
+
+    def waiting_for_headers(self) -> bool: ...
+
+    def idle(self) -> bool: ...
+
+    def shed(self) -> None: ...
+
+    def drain(self) -> None:
+        """At shutdown: take no new request; close once the answers owed are written."""
+
+    def busy(self) -> bool:
+        """At shutdown: answers still owed that the server must wait for."""
+
+
 class ConnectionGuard:
     """Open client connections of one server, and which of them wait for headers."""
 
-    __slots__ = ("cap", "header_timeout_s", "loop", "open", "pending")
+    __slots__ = ("cap", "header_timeout_s", "keepalive_timeout_s", "loop", "open", "pending")
 
     def __init__(self, settings: Settings, loop: asyncio.AbstractEventLoop) -> None:
         self.cap = connection_cap(settings)
         self.header_timeout_s = settings.header_timeout_s
+        self.keepalive_timeout_s = settings.keepalive_timeout_s
         self.loop = loop
-        self.open: dict[GuardedRequestHandler, None] = {}  # insertion order = age
+        self.open: dict[Connection, None] = {}  # insertion order = age
         # armed for the header timeout; entries that made progress are dropped lazily
-        self.pending: dict[GuardedRequestHandler, None] = {}
+        self.pending: dict[Connection, None] = {}
 
-    def opened(self, conn: GuardedRequestHandler) -> None:
+    def opened(self, conn: Connection) -> None:
         self.open[conn] = None
         if len(self.open) > self.cap:
             self._make_room(conn)
 
-    def closed(self, conn: GuardedRequestHandler) -> None:
+    def closed(self, conn: Connection) -> None:
         self.open.pop(conn, None)
         self.pending.pop(conn, None)
 
-    def _make_room(self, newcomer: GuardedRequestHandler) -> None:
+    def _make_room(self, newcomer: Connection) -> None:
         victim = self._oldest_waiting_for_headers() or self._oldest_idle(newcomer)
         metrics.CONNECTIONS_SHED.inc()
         (victim or newcomer).shed()
 
-    def _oldest_waiting_for_headers(self) -> GuardedRequestHandler | None:
+    def _oldest_waiting_for_headers(self) -> Connection | None:
         while self.pending:
             conn = next(iter(self.pending))
             del self.pending[conn]
@@ -132,7 +151,7 @@ class ConnectionGuard:
                 return conn
         return None
 
-    def _oldest_idle(self, newcomer: GuardedRequestHandler) -> GuardedRequestHandler | None:
+    def _oldest_idle(self, newcomer: Connection) -> Connection | None:
         for conn in self.open:  # only walked at the cap, with no slowloris left to shed
             if conn is not newcomer and conn.idle():
                 return conn
@@ -205,6 +224,12 @@ class GuardedRequestHandler(RequestHandler):
         log.debug("closed a connection to stay under the connection cap (%d)", self._guard.cap)
         self.force_close()
 
+    def drain(self) -> None:
+        pass  # aiohttp's own shutdown closes its connections once their handlers are done
+
+    def busy(self) -> bool:
+        return False  # waited for by aiohttp's own shutdown
+
     # -- errors: JSON, logged without request bytes -------------------------------------
     def handle_error(
         self,
@@ -235,13 +260,44 @@ class GuardedRequestHandler(RequestHandler):
         log.error("HTTP layer error: %s", name)
 
 
+# The enqueue fast path's protocol factory (relay/fastpath.py), set on the app by build_app
+# when RELAY_HTTP_FASTPATH is on: connections start there and are handed to aiohttp's.
+FastFactory = Callable[["GuardedServer"], asyncio.Protocol]
+FAST_PROTOCOL: web.AppKey[FastFactory] = web.AppKey("relayfleet_fast_protocol")
+
+
 class GuardedServer(web.Server):
-    """aiohttp's Server handing out GuardedRequestHandler protocols."""
+    """aiohttp's Server handing out GuardedRequestHandler protocols (or, with the fast path
+    on, fast-path connections that hand themselves to one for anything but an enqueue)."""
 
     guard: ConnectionGuard
+    fast: FastFactory | None
 
-    def __call__(self) -> RequestHandler:
+    # asyncio's protocol factory: any protocol does (aiohttp types it narrower)
+    def __call__(self) -> asyncio.Protocol:  # type: ignore[override]
+        if self.fast is not None:
+            return self.fast(self)
+        return self.aiohttp_protocol()
+
+    def aiohttp_protocol(self) -> GuardedRequestHandler:
         return GuardedRequestHandler(self, loop=self._loop, guard=self.guard, **self._kwargs)
+
+    def pre_shutdown(self) -> None:
+        super().pre_shutdown()
+        for conn in list(self.guard.open):
+            conn.drain()
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        # fast-path connections may owe answers Redis has not given yet: wait for them as
+        # aiohttp waits for its handlers (its own are waited for by super()), then close
+        loop = self.guard.loop
+        deadline = loop.time() + (timeout or 0.0)
+        while any(c.busy() for c in self.guard.open) and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)  # polled at shutdown only: no event per request to keep
+        for conn in list(self.guard.open):
+            if not isinstance(conn, RequestHandler):
+                conn.shed()
+        await super().shutdown(timeout)
 
 
 class GuardedAppRunner(web.AppRunner):
@@ -254,6 +310,7 @@ class GuardedAppRunner(web.AppRunner):
         server.__class__ = GuardedServer  # same object, our protocol factory
         assert isinstance(server, GuardedServer)
         server.guard = ConnectionGuard(self._settings, asyncio.get_running_loop())
+        server.fast = self._app.get(FAST_PROTOCOL)
         return server
 
 

@@ -60,6 +60,7 @@ RELAY_ENV: tuple[EnvVar, ...] = (
     EnvVar("RELAY_BODY_TIMEOUT_S", "30", "a request body must arrive within this long"),
     EnvVar("RELAY_HEADER_TIMEOUT_S", "10", "request headers must arrive within this long"),
     EnvVar("RELAY_KEEPALIVE_TIMEOUT_S", "75", "idle keep-alive connections close after this long"),
+    EnvVar("RELAY_HTTP_FASTPATH", "1", "serve clean enqueues without aiohttp's request machinery (0: off)"),
     EnvVar("RELAY_MAX_CONNECTIONS", "0", "open client connections (0: open-files limit - 128)"),
     EnvVar("RELAY_MAX_FANOUT_BYTES", "33554432", "fan-out recipients x payload bytes"),
     EnvVar("RELAY_MAX_RSS_MB", "0", "refuse new work above this RSS (0: the cgroup limit, if any)"),
@@ -172,6 +173,29 @@ def env_int(name: str, default: int) -> int:
     return parse_env(name, default, int, "an integer")
 
 
+_BOOLS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
+
+
+def _bool(raw: str) -> bool:
+    value = _BOOLS.get(raw.strip().lower())
+    if value is None:
+        raise ValueError(raw)
+    return value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    return parse_env(name, default, _bool, "one of 1/0, true/false, yes/no, on/off")
+
+
 @dataclass(frozen=True)
 class Settings:
     host: str = "127.0.0.1"
@@ -205,6 +229,8 @@ class Settings:
     header_timeout_s: float = 10.0
     # An idle keep-alive connection closes after this long.
     keepalive_timeout_s: float = 75.0
+    # Clean enqueues served by relay/fastpath.py, everything else by aiohttp (off: all by aiohttp).
+    http_fastpath: bool = True
     # Open client connections at once; 0: the open-files limit minus a reserve of 128.
     max_connections: int = 0
     # Fan-out: recipients x payload bytes at most this, else 413 fanout_too_large.
@@ -253,6 +279,7 @@ class Settings:
             ),
             "header_timeout_s": env_float("RELAY_HEADER_TIMEOUT_S", d.header_timeout_s),
             "keepalive_timeout_s": env_float("RELAY_KEEPALIVE_TIMEOUT_S", d.keepalive_timeout_s),
+            "http_fastpath": env_bool("RELAY_HTTP_FASTPATH", d.http_fastpath),
             "max_connections": env_int("RELAY_MAX_CONNECTIONS", d.max_connections),
             "max_fanout_bytes": env_int("RELAY_MAX_FANOUT_BYTES", d.max_fanout_bytes),
             "max_rss_mb": env_int("RELAY_MAX_RSS_MB", d.max_rss_mb),

@@ -73,9 +73,14 @@ class Authenticator:
             raise unauthorized("nonce was already used")
 
     def verify_enqueue(self, request: web.Request) -> None:
+        if self.tokens:
+            self.verify_enqueue_header(request.headers.get("Authorization"))
+
+    def verify_enqueue_header(self, header: str | None) -> None:
+        """401 unless `header` carries one of the enqueue tokens (when any are configured)."""
         if not self.tokens:
             return
-        header = request.headers.get("Authorization", "")
+        header = header or ""
         scheme, _, token = header.partition(" ")
         if scheme != "Bearer" or not any(hmac.compare_digest(token.strip().encode(), t) for t in self.tokens):
             raise unauthorized("enqueue requires a valid bearer token", "Bearer")

@@ -95,7 +95,11 @@ def wait(request: web.Request, settings: Settings) -> float:
 
 
 def idempotency_key(request: web.Request) -> str:
-    raw = request.headers.get("Idempotency-Key")
+    return idempotency_value(request.headers.get("Idempotency-Key"))
+
+
+def idempotency_value(raw: str | None) -> str:
+    """The Idempotency-Key header's value checked (absent: ""), whatever the transport."""
     if raw is None:
         return ""
     if not _PRINTABLE.match(raw):
@@ -111,6 +115,11 @@ async def payload(request: web.Request, cap: int) -> bytes:
         if exc.status != 413:
             raise
         raise ApiError(413, "payload_too_large", f"payload exceeds max size ({cap} bytes)") from exc
+    return non_empty(body)
+
+
+def non_empty(body: bytes) -> bytes:
+    """A message body as the contract wants it: 400 empty_payload when empty."""
     if not body:
         raise bad_request("payload must not be empty", "empty_payload")
     return body

@@ -86,16 +86,19 @@ async def enqueue(request: web.Request) -> web.Response:
     # the app cancels handlers whose client left (for long-polls); the bookkeeping of a
     # stored message (metrics, push notification) runs on Redis's reply, not in this handler
     outcome = await c.service.enqueue(recipient, channel, payload, key)
+    status, body = enqueue_answer(outcome)
+    return web.Response(status=status, body=body, content_type="application/json")
+
+
+def enqueue_answer(outcome: EnqueueOutcome) -> tuple[int, bytes]:
+    """(status, JSON body) of an enqueue Redis answered; ApiError for a refused one.
+    Shared by this handler and the HTTP fast path (relay/fastpath.py)."""
     if (err := enqueue_error(outcome)) is not None:
         raise err
     # exactly what orjson writes for {"seq": n, "duplicate": b}, shaped directly
     if outcome.kind == "duplicate":
-        return _json_bytes(b'{"seq":%d,"duplicate":true}' % outcome.seq, 200)
-    return _json_bytes(b'{"seq":%d,"duplicate":false}' % outcome.seq, 201)
-
-
-def _json_bytes(body: bytes, status: int) -> web.Response:
-    return web.Response(status=status, body=body, content_type="application/json")
+        return 200, b'{"seq":%d,"duplicate":true}' % outcome.seq
+    return 201, b'{"seq":%d,"duplicate":false}' % outcome.seq
 
 
 @routes.get("/v1/queues/{recipient}/messages")

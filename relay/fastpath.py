@@ -1,0 +1,516 @@
+"""The enqueue fast path: clean `POST /v1/queues/{recipient}/messages` requests served
+without aiohttp's request machinery, everything else handed to aiohttp.
+
+Every connection starts on `FastConnection`, a callback-based asyncio protocol: no Task,
+no Request/Response objects, no router per request. It parses a deliberately narrow
+grammar (HTTP/1.1, the exact enqueue path with at most `?channel=<base64url>`,
+token-named ASCII headers, one Content-Length within the payload cap, no
+Transfer-Encoding, Content-Encoding, Expect, Upgrade or Connection other than
+keep-alive, no duplicated header). The request is validated by the same functions as
+the aiohttp handler (relay/api/params, auth, queues, failures), sent with
+QueueService.enqueue (a future resolved from Redis's reply callback) and answered from
+that future's done callback, in request order under pipelining.
+
+Anything else — another route, a malformed or unusual request, a body that would
+claim memory — is not its business: at that request's boundary (once the answers
+owed before it are written) the connection, with every byte buffered, is handed to
+aiohttp's hardened protocol (relay/serving.py GuardedRequestHandler), which answers
+it exactly as it answers every request when this path is off (RELAY_HTTP_FASTPATH=0).
+
+Until the handoff this protocol keeps the same bounds as that handler: the header
+timeout (armed at connect and at a new request's first byte), the keep-alive idle
+timeout, the body timeout (408), the connection cap (ConnectionGuard), the memory
+guard (503 overloaded), and the same metrics. It logs nothing about a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import socket
+import time
+from collections import deque
+from typing import TYPE_CHECKING, cast
+
+from aiohttp import web
+from aiohttp.helpers import rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.web_response import Response
+
+from relay import metrics
+from relay.api import params
+from relay.api.context import Context
+from relay.api.errors import ApiError, error_response, overloaded
+from relay.api.failures import code_of, error_for
+from relay.api.queues import enqueue_answer
+from relay.memguard import CLAIM_FROM
+from relay.metrics import RouteSeries
+from relay.storage.store import EnqueueOutcome
+
+if TYPE_CHECKING:
+    from relay.serving import GuardedServer
+
+ROUTE = "/v1/queues/{recipient}/messages"  # the aiohttp route's canonical name (metrics label)
+
+# The one request line served here. Anything else (percent-escapes, other query
+# parameters, a fragment, another version) goes to aiohttp, which parses URLs fully.
+_REQUEST_LINE = re.compile(
+    rb"POST /v1/queues/([A-Za-z0-9_-]{1,200})/messages(?:\?channel=([A-Za-z0-9_-]{0,200}))? HTTP/1\.1"
+)
+# A header line: a token name, optional whitespace, a value of visible ASCII, spaces and tabs.
+_HEADER = re.compile(
+    rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*((?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?)[ \t]*"
+)
+_DIGITS = re.compile(rb"[0-9]{1,18}")
+# Headers whose presence changes framing or the connection: aiohttp's business.
+_FOREIGN = frozenset((b"transfer-encoding", b"content-encoding", b"expect", b"upgrade", b"http2-settings"))
+MAX_HEAD = 8190  # aiohttp's own line limit: a longer head is left to aiohttp, and its answer
+MAX_LINES = 64  # more header lines than any client sends: aiohttp's business
+_PREFIX = b"POST /v1/queues/"
+
+_SERVER = SERVER_SOFTWARE.encode()
+_REASONS = {201: b"Created", 200: b"OK"}
+
+
+def _ok_bytes(status: int, body: bytes) -> bytes:
+    """What aiohttp writes for web.Response(status, body, content_type="application/json")."""
+    return (
+        b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+        b"Date: %s\r\nServer: %s\r\n\r\n%s"
+        % (
+            status,
+            _REASONS[status],
+            len(body),
+            rfc822_formatted_time().encode(),
+            _SERVER,
+            body,
+        )
+    )
+
+
+def response_bytes(response: Response, close: bool) -> bytes:
+    """A built web.Response as aiohttp serialises it on an HTTP/1.1 connection."""
+    body = response.body
+    assert isinstance(body, bytes)
+    lines = [b"HTTP/1.1 %d %s" % (response.status, response.reason.encode())]
+    headers = response.headers
+    for name, value in headers.items():
+        lines.append(f"{name}: {value}".encode())
+    if "Content-Length" not in headers:
+        lines.append(b"Content-Length: %d" % len(body))
+    if "Date" not in headers:
+        lines.append(b"Date: " + rfc822_formatted_time().encode())
+    if "Server" not in headers:
+        lines.append(b"Server: " + _SERVER)
+    if close and "Connection" not in headers:
+        lines.append(b"Connection: close")
+    lines.append(b"")
+    lines.append(body)
+    return b"\r\n".join(lines)
+
+
+class FastEndpoint:
+    """What every fast connection of one app shares: the context, limits and metric series."""
+
+    __slots__ = ("auth", "cap", "ctx", "guard", "memory", "series", "service", "settings")
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.service = ctx.service
+        self.auth = ctx.auth
+        self.memory = ctx.memory
+        self.cap = ctx.settings.max_payload
+        self.series = RouteSeries(ROUTE, "POST")
+
+    def accepts_body(self, length: int) -> bool:
+        # a body that would claim memory (relay/memguard.py) is left to aiohttp's path
+        return length <= self.cap and (length < CLAIM_FROM or self.memory.ceiling is None)
+
+
+FAST_ENDPOINT = web.AppKey("relayfleet_fast_endpoint", FastEndpoint)
+
+
+class _Answer:
+    """One request's answer slot, in request order; the done callback of its enqueue."""
+
+    __slots__ = ("close", "conn", "data", "start")
+
+    def __init__(self, conn: FastConnection, start: float) -> None:
+        self.conn = conn
+        self.start = start
+        self.data: bytes | None = None
+        self.close = False
+
+    def __call__(self, future: asyncio.Future[EnqueueOutcome]) -> None:
+        conn = self.conn
+        try:
+            status, body = enqueue_answer(future.result())
+        except (
+            Exception,
+            asyncio.CancelledError,
+        ) as exc:  # refused by Redis or failed: the shared JSON answer
+            conn.refused(self, exc)
+            return
+        conn.endpoint.series.count(status)
+        conn.endpoint.series.timer.observe(time.perf_counter() - self.start)
+        self.data = _ok_bytes(status, body)
+        conn.flush()
+
+
+class FastConnection(asyncio.Protocol):
+    """One client connection while it sends clean enqueues (see the module docstring)."""
+
+    __slots__ = (
+        "_answers",
+        "_armed_count",
+        "_body_have",
+        "_body_parts",
+        "_body_timer",
+        "_buf",
+        "_closing",
+        "_guard",
+        "_handing_off",
+        "_header_timer",
+        "_idle_since",
+        "_keepalive_timer",
+        "_loop",
+        "_pending_request",
+        "_requests",
+        "endpoint",
+        "server",
+        "transport",
+    )
+
+    def __init__(self, server: GuardedServer, endpoint: FastEndpoint) -> None:
+        self.server = server
+        self.endpoint = endpoint
+        self._guard = server.guard
+        self._loop = server.guard.loop
+        self.transport: asyncio.Transport | None = None
+        self._buf = b""
+        self._answers: deque[_Answer] = deque()
+        self._requests = 0  # complete header blocks seen
+        self._armed_count = 0
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._keepalive_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._idle_since = 0.0
+        # a request whose head was parsed and whose body is still arriving
+        self._pending_request: tuple[bytes, bytes | None, bytes | None, bytes | None, int, float] | None = (
+            None
+        )
+        self._body_parts: list[bytes] = []
+        self._body_have = 0
+        self._handing_off = False
+        self._closing = False
+
+    # -- connection lifecycle ---------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no asyncio subclass
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):  # closed already
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._arm_headers()
+        self._idle_since = self._loop.time()
+        self._arm_keepalive()
+        self._guard.opened(self)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        # answers still owed are counted when Redis replies (the messages are stored once)
+        self.transport = None
+        self._cancel_timers()
+        self._guard.closed(self)
+
+    def eof_received(self) -> bool | None:
+        return None  # as aiohttp's protocol: the transport closes
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._header_timer, self._keepalive_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._keepalive_timer = self._body_timer = None
+
+    def _close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        self._cancel_timers()
+
+    # -- ConnectionGuard's view (same as GuardedRequestHandler's) ---------------------
+    def waiting_for_headers(self) -> bool:
+        return self.transport is not None and self._requests == self._armed_count and not self._handing_off
+
+    def idle(self) -> bool:
+        return (
+            self.transport is not None
+            and not self._answers
+            and not self._buf
+            and self._pending_request is None
+            and not self._handing_off
+        )
+
+    def shed(self) -> None:
+        self._close()
+
+    # -- timers -------------------------------------------------------------------------
+    def _arm_headers(self) -> None:
+        guard = self._guard
+        self._armed_count = self._requests
+        self._header_timer = self._loop.call_later(guard.header_timeout_s, self._headers_due)
+        guard.pending[self] = None
+
+    def _headers_due(self) -> None:
+        self._header_timer = None
+        self._guard.pending.pop(self, None)
+        if self.waiting_for_headers() and self._pending_request is None:
+            metrics.HEADER_TIMEOUTS.inc()
+            self._close()
+        elif self._buf and self._pending_request is None and not self._handing_off and self.transport:
+            self._arm_headers()  # a later request's head began before this timer was due
+
+    def _arm_keepalive(self) -> None:
+        timeout = self._guard.keepalive_timeout_s
+        if timeout > 0 and self._keepalive_timer is None:
+            self._keepalive_timer = self._loop.call_at(self._idle_since + timeout, self._keepalive_due)
+
+    def _keepalive_due(self) -> None:
+        self._keepalive_timer = None
+        if not self.idle():
+            return  # re-armed when it next goes idle
+        due = self._idle_since + self._guard.keepalive_timeout_s
+        if self._loop.time() < due:
+            self._keepalive_timer = self._loop.call_at(due, self._keepalive_due)
+        else:
+            self._close()
+
+    def _body_due(self) -> None:
+        self._body_timer = None
+        if self._pending_request is None or self.transport is None:
+            return
+        start = self._pending_request[5]
+        self._pending_request = None
+        self._body_parts = []
+        timeout_s = self.endpoint.settings.body_timeout_s
+        exc = ApiError(
+            408, "body_timeout", f"request body not received within {timeout_s:g} s", {"Connection": "close"}
+        )
+        answer = _Answer(self, start)
+        self._answers.append(answer)
+        self.transport.pause_reading()
+        self._closing = True
+        self.refused(answer, exc)
+
+    # -- reading ------------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        if self._handing_off:  # read before the pause took hold: aiohttp's too
+            self._buf += data
+            return
+        if self._pending_request is not None:
+            self._body_parts.append(data)
+            self._body_have += len(data)
+            if self._body_have >= self._pending_request[4]:
+                self._body_complete()
+            return
+        # bytes of a request head with no timer running arm the header timeout
+        if self._header_timer is None:
+            self._arm_headers()
+        self._buf = self._buf + data if self._buf else data
+        self._parse()
+
+    def _parse(self) -> None:
+        while self._buf and not self._handing_off and self.transport is not None:
+            buf = self._buf
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > MAX_HEAD or not self._may_become_enqueue(buf):
+                    self._hand_off_soon()  # aiohttp refuses a bad line as soon as it sees it
+                return
+            request = self._request_head(buf[:end])
+            if request is None:
+                self._hand_off_soon()
+                return
+            self._requests += 1
+            recipient, channel, key, authorization, length = request
+            start = time.perf_counter()
+            body_start = end + 4
+            if len(buf) - body_start >= length:
+                self._buf = buf[body_start + length :]
+                self._dispatch(
+                    recipient, channel, key, authorization, buf[body_start : body_start + length], start
+                )
+                continue
+            self._buf = b""
+            self._pending_request = (recipient, channel, key, authorization, length, start)
+            rest = buf[body_start:]
+            self._body_parts = [rest] if rest else []
+            self._body_have = len(rest)
+            self._body_timer = self._loop.call_later(self.endpoint.settings.body_timeout_s, self._body_due)
+            return
+
+    def _body_complete(self) -> None:
+        assert self._pending_request is not None
+        recipient, channel, key, authorization, length, start = self._pending_request
+        self._pending_request = None
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        joined = self._body_parts[0] if len(self._body_parts) == 1 else b"".join(self._body_parts)
+        self._body_parts = []
+        self._buf = joined[length:]
+        self._dispatch(recipient, channel, key, authorization, joined[:length], start)
+        self._parse()
+
+    @staticmethod
+    def _may_become_enqueue(partial: bytes) -> bool:
+        """Whether an incomplete head is still a clean enqueue so far (checked only for
+        heads split across reads)."""
+        n = min(len(partial), len(_PREFIX))
+        if partial[:n] != _PREFIX[:n]:
+            return False
+        lines = partial.split(b"\r\n")[:-1]  # the last one may be incomplete
+        if not lines:
+            return True
+        if not partial.isascii() or _REQUEST_LINE.fullmatch(lines[0]) is None:
+            return False
+        return all(_HEADER.fullmatch(line) is not None for line in lines[1:])
+
+    def _request_head(
+        self, head: bytes
+    ) -> tuple[bytes, bytes | None, bytes | None, bytes | None, int] | None:
+        """The enqueue fields of a head this path serves, else None (aiohttp's business)."""
+        if not head.isascii():
+            return None
+        lines = head.split(b"\r\n")
+        if len(lines) > MAX_LINES:
+            return None
+        line = _REQUEST_LINE.fullmatch(lines[0])
+        if line is None:
+            return None
+        length = -1
+        key = authorization = None
+        seen: set[bytes] = set()
+        for raw in lines[1:]:
+            header = _HEADER.fullmatch(raw)
+            if header is None:
+                return None
+            name = header[1].lower()
+            if name in seen or name in _FOREIGN:
+                return None
+            seen.add(name)
+            if name == b"content-length":
+                value = header[2]
+                if _DIGITS.fullmatch(value) is None:
+                    return None
+                length = int(value)
+            elif name == b"idempotency-key":
+                key = header[2]
+            elif name == b"authorization":
+                authorization = header[2]
+            elif name == b"connection" and header[2].lower() != b"keep-alive":
+                return None
+        if length < 0 or not self.endpoint.accepts_body(length):
+            return None
+        return line[1], line[2], key, authorization, length
+
+    # -- serving --------------------------------------------------------------------------
+    def _dispatch(
+        self,
+        recipient_text: bytes,
+        channel_text: bytes | None,
+        key: bytes | None,
+        authorization: bytes | None,
+        body: bytes,
+        start: float,
+    ) -> None:
+        endpoint = self.endpoint
+        answer = _Answer(self, start)
+        self._answers.append(answer)
+        try:
+            if endpoint.memory.over:
+                raise overloaded()
+            # the aiohttp handler's steps, in its order (relay/api/queues.py enqueue)
+            recipient = params.recipient_key(recipient_text.decode())
+            channel = params.channel_value(channel_text.decode()) if channel_text else b""
+            idempotency_key = params.idempotency_value(None if key is None else key.decode())
+            endpoint.auth.verify_enqueue_header(None if authorization is None else authorization.decode())
+            payload = params.non_empty(body)
+            future = endpoint.service.enqueue(recipient, channel, payload, idempotency_key)
+        except Exception as exc:
+            self.refused(answer, exc)
+            return
+        future.add_done_callback(answer)
+
+    def refused(self, answer: _Answer, exc: BaseException) -> None:
+        """Answer `exc` as the aiohttp path would (relay/app.py observed)."""
+        response = (
+            error_for(exc)
+            if isinstance(exc, Exception)
+            else error_response(500, "internal_error", "internal error")
+        )
+        status = response.status
+        metrics.REJECTED.labels(code_of(response)).inc()
+        series = self.endpoint.series
+        series.count(status)
+        series.timer.observe(time.perf_counter() - answer.start)
+        answer.close = answer.close or response.headers.get("Connection") == "close"
+        answer.data = response_bytes(response, answer.close)
+        self.flush()
+
+    def flush(self) -> None:
+        """Write the answers that are ready, in request order."""
+        answers = self._answers
+        transport = self.transport
+        while answers and answers[0].data is not None:
+            answer = answers.popleft()
+            if transport is None:
+                continue
+            transport.write(answer.data)  # type: ignore[arg-type]
+            if answer.close:
+                self._closing = True
+        if answers or transport is None:
+            return
+        if self._closing:
+            self._close()
+        elif self._handing_off:
+            self._hand_off()
+        elif not self._buf and self._pending_request is None:
+            self._idle_since = self._loop.time()
+            self._arm_keepalive()
+
+    # -- handing the connection to aiohttp -----------------------------------------------
+    def _hand_off_soon(self) -> None:
+        self._handing_off = True
+        assert self.transport is not None
+        self.transport.pause_reading()
+        if not self._answers:
+            self._hand_off()
+
+    def _hand_off(self) -> None:
+        transport = self.transport
+        assert transport is not None
+        data, self._buf = self._buf, b""
+        self._cancel_timers()
+        self._guard.closed(self)
+        self.transport = None
+        handler = self.server.aiohttp_protocol()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if data:
+            handler.data_received(data)
+        if not transport.is_closing():
+            transport.resume_reading()
+
+    # -- graceful shutdown --------------------------------------------------------------
+    def drain(self) -> None:
+        """Stop taking requests: close now if idle, else once the answers owed are written."""
+        self._closing = True
+        if self.transport is not None and not self._answers:
+            self._close()
+        elif self.transport is not None:
+            self.transport.pause_reading()
+
+    def busy(self) -> bool:
+        return self.transport is not None and bool(self._answers)

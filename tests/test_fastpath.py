@@ -1,0 +1,289 @@
+"""The enqueue fast path (relay/fastpath.py) over raw sockets, against a real redis-server:
+its own edges (handoff, pipelining, split requests, timeouts, a client that leaves) and
+a differential check that it answers exactly as the aiohttp path (RELAY_HTTP_FASTPATH=0)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+
+from relay import metrics
+from relay.fastpath import FastConnection
+from relay.localredis import LocalRedis
+from relay.protocol import b64encode
+from relay.serving import GuardedRequestHandler, GuardedServer
+from relay.storage.store import QueueLimits
+from tests.conftest import RelayFactory, RunningRelay
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    def comparable(self) -> tuple[int, list[tuple[str, str]], bytes]:
+        """All but Date, and the rate limit's retryAfterMs (it counts down between the two)."""
+        body = re.sub(rb'"retryAfterMs":[0-9]{5}', b'"retryAfterMs":NNNNN', self.body)
+        return self.status, [(k, v) for k, v in self.headers if k.lower() != "date"], body
+
+
+def port_of(relay: RunningRelay) -> int:
+    port = urlsplit(relay.base_url).port
+    assert port is not None
+    return port
+
+
+def server_of(relay: RunningRelay) -> GuardedServer:
+    runner = relay.server.runner
+    assert runner is not None
+    server = runner.server
+    assert isinstance(server, GuardedServer)
+    return server
+
+
+def enqueue_request(recipient: bytes, body: bytes = b"hello", extra: str = "", query: str = "") -> bytes:
+    head = (
+        f"POST /v1/queues/{b64encode(recipient)}/messages{query} HTTP/1.1\r\nHost: relay\r\n"
+        f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+    )
+    return head.encode() + body
+
+
+async def read_answer(reader: asyncio.StreamReader) -> Answer:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    lines = head[:-4].decode().split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = [(k, v.strip()) for k, _, v in (line.partition(":") for line in lines[1:])]
+    length = int(next(v for k, v in headers if k.lower() == "content-length"))
+    body = await asyncio.wait_for(reader.readexactly(length), 10)
+    return Answer(status, headers, body)
+
+
+async def closed(reader: asyncio.StreamReader, within: float) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(1), within) == b""
+    except (TimeoutError, ConnectionResetError):
+        return False
+
+
+async def exchange(relay: RunningRelay, raw: bytes, answers: int = 1) -> tuple[list[Answer], bool]:
+    """Send `raw`, read `answers` answers; and whether the relay then closed the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    try:
+        writer.write(raw)
+        got = [await read_answer(reader) for _ in range(answers)]
+        return got, await closed(reader, 0.3)
+    finally:
+        writer.close()
+
+
+@pytest.fixture
+async def both(redis_server: LocalRedis, relay_factory: RelayFactory) -> tuple[RunningRelay, RunningRelay]:
+    limits = QueueLimits(rate_count=3, rate_window_ms=60_000)
+    common = {"limits": limits, "max_payload": 1000, "enqueue_tokens": ("tok-1",), "body_timeout_s": 0.5}
+    fast = await relay_factory(redis_server.url, http_fastpath=True, **common)
+    slow = await relay_factory(redis_server.url, http_fastpath=False, **common)
+    return fast, slow
+
+
+BEARER = "Authorization: Bearer tok-1\r\n"
+
+# name -> (request for a recipient, answers expected); each relay gets its own recipient
+CASES: dict[str, Callable[[bytes], bytes]] = {
+    "stored": lambda r: enqueue_request(r, extra=BEARER),
+    "stored on a channel": lambda r: enqueue_request(r, extra=BEARER, query="?channel=" + b64encode(b"ch")),
+    "empty channel": lambda r: enqueue_request(r, extra=BEARER, query="?channel="),
+    "no token": lambda r: enqueue_request(r),
+    "wrong token": lambda r: enqueue_request(r, extra="Authorization: Bearer nope\r\n"),
+    "empty payload": lambda r: enqueue_request(r, b"", extra=BEARER),
+    "too large": lambda r: enqueue_request(r, b"x" * 1001, extra=BEARER),
+    "compressed": lambda r: enqueue_request(r, extra=BEARER + "Content-Encoding: gzip\r\n"),
+    "bad recipient": lambda r: enqueue_request(r[:31], extra=BEARER),
+    "bad channel": lambda r: enqueue_request(r, extra=BEARER, query="?channel=" + b64encode(b"c" * 65)),
+    "bad idempotency key": lambda r: enqueue_request(r, extra=BEARER + "Idempotency-Key: a\tb\r\n"),
+    "duplicate and conflict": lambda r: (
+        enqueue_request(r, b"one", extra=BEARER + "Idempotency-Key: k1\r\n")
+        + enqueue_request(r, b"one", extra=BEARER + "Idempotency-Key: k1\r\n")
+        + enqueue_request(r, b"two", extra=BEARER + "Idempotency-Key: k1\r\n")
+    ),
+    "rate limited": lambda r: b"".join(enqueue_request(r, extra=BEARER) for _ in range(4)),
+    "malformed header": lambda r: enqueue_request(r, extra=BEARER + "Bad Header: x\r\n"),
+    "chunked": lambda r: (
+        f"POST /v1/queues/{b64encode(r)}/messages HTTP/1.1\r\nHost: relay\r\n{BEARER}"
+        "Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    ).encode(),
+    "connection close": lambda r: enqueue_request(r, extra=BEARER + "Connection: close\r\n"),
+}
+ANSWERS = {"duplicate and conflict": 3, "rate limited": 4}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_fast_path_answers_as_aiohttp_does(both: tuple[RunningRelay, RunningRelay], case: str) -> None:
+    fast, slow = both
+    results = []
+    for relay in (fast, slow):
+        results.append(await exchange(relay, CASES[case](os.urandom(32)), ANSWERS.get(case, 1)))
+    (fast_answers, fast_closed), (slow_answers, slow_closed) = results
+    assert [a.comparable() for a in fast_answers] == [a.comparable() for a in slow_answers]
+    assert fast_closed == slow_closed
+
+
+async def test_body_timeout_answers_as_aiohttp_does(both: tuple[RunningRelay, RunningRelay]) -> None:
+    results = []
+    for relay in both:
+        request = enqueue_request(os.urandom(32), b"0123456789", extra=BEARER)
+        results.append(await exchange(relay, request[:-4]))
+    (fast_answers, fast_closed), (slow_answers, _) = results
+    assert fast_answers[0].status == 408
+    assert [a.comparable() for a in fast_answers] == [a.comparable() for a in slow_answers]
+    # both say Connection: close; aiohttp first lingers reading the announced body, this closes
+    assert fast_closed
+
+
+def protocols(relay: RunningRelay) -> list[type]:
+    return [type(c) for c in server_of(relay).guard.open]
+
+
+async def test_handoff_mid_keepalive(relay: RunningRelay) -> None:
+    r = os.urandom(32)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    try:
+        writer.write(enqueue_request(r, b"one"))
+        first = await read_answer(reader)
+        assert (first.status, first.body) == (201, b'{"seq":1,"duplicate":false}')
+        assert protocols(relay) == [FastConnection]
+        path = f"/v1/queues/{b64encode(r)}/messages"
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: relay\r\n\r\n".encode())
+        read = await read_answer(reader)
+        assert read.status == 200
+        assert b'"seq":1' in read.body
+        assert protocols(relay) == [GuardedRequestHandler]  # handed over, for good
+        writer.write(enqueue_request(r, b"two"))
+        second = await read_answer(reader)
+        assert (second.status, second.body) == (201, b'{"seq":2,"duplicate":false}')
+    finally:
+        writer.close()
+
+
+async def test_pipelined_requests_answered_in_order(relay: RunningRelay) -> None:
+    r = os.urandom(32)
+    path = f"/v1/queues/{b64encode(r)}/messages"
+    requests = b"".join(enqueue_request(r, b"m%d" % i) for i in range(20))
+    requests += f"GET {path}?limit=100 HTTP/1.1\r\nHost: relay\r\n\r\n".encode()
+    requests += enqueue_request(r, b"after")
+    answers, was_closed = await exchange(relay, requests, 22)
+    assert [a.body for a in answers[:20]] == [b'{"seq":%d,"duplicate":false}' % (i + 1) for i in range(20)]
+    assert answers[20].status == 200
+    assert answers[20].body.count(b'"seq"') == 20
+    assert answers[21].body == b'{"seq":21,"duplicate":false}'
+    assert not was_closed
+
+
+async def test_request_split_byte_by_byte(relay: RunningRelay) -> None:
+    r = os.urandom(32)
+    raw = enqueue_request(r, b"dribbled", extra="Idempotency-Key: k\r\n") * 2
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    try:
+        for i in range(len(raw)):
+            writer.write(raw[i : i + 1])
+            await writer.drain()
+            await asyncio.sleep(0)
+        answers = [await read_answer(reader) for _ in range(2)]
+        assert [(a.status, a.body) for a in answers] == [
+            (201, b'{"seq":1,"duplicate":false}'),
+            (200, b'{"seq":1,"duplicate":true}'),
+        ]
+        assert protocols(relay) == [FastConnection]
+    finally:
+        writer.close()
+
+
+async def test_header_timeout_on_the_fast_path(redis_server: LocalRedis, relay_factory: RelayFactory) -> None:
+    relay = await relay_factory(redis_server.url, header_timeout_s=0.5)
+    before = metrics.HEADER_TIMEOUTS._value.get()
+    raw = enqueue_request(os.urandom(32))
+    # at connect: a partial head never completed
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    writer.write(raw[:30])
+    started = time.monotonic()
+    assert await closed(reader, 3)
+    assert 0.4 < time.monotonic() - started < 2
+    writer.close()
+    # at a new request's first byte, after an answered one, once the first timer went by
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    writer.write(raw)
+    assert (await read_answer(reader)).status == 201
+    await asyncio.sleep(0.7)
+    writer.write(raw[:30])
+    started = time.monotonic()
+    assert await closed(reader, 3)
+    assert 0.4 < time.monotonic() - started < 2
+    writer.close()
+    assert metrics.HEADER_TIMEOUTS._value.get() == before + 2
+
+
+async def test_keepalive_timeout_on_the_fast_path(
+    redis_server: LocalRedis, relay_factory: RelayFactory
+) -> None:
+    relay = await relay_factory(redis_server.url, keepalive_timeout_s=0.5)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    try:
+        writer.write(enqueue_request(os.urandom(32)))
+        assert (await read_answer(reader)).status == 201
+        started = time.monotonic()
+        assert await closed(reader, 3)
+        assert 0.4 < time.monotonic() - started < 2
+    finally:
+        writer.close()
+
+
+def requests_counted(status: str) -> float:
+    value = metrics.REGISTRY.get_sample_value(
+        "relayfleet_http_requests_total",
+        {"route": "/v1/queues/{recipient}/messages", "method": "POST", "status": status},
+    )
+    return value or 0.0
+
+
+async def test_client_leaving_before_redis_answers(relay: RunningRelay, redis_server: LocalRedis) -> None:
+    r = os.urandom(32)
+    enqueued = metrics.MESSAGES.labels("enqueued")._value.get()
+    answered = requests_counted("201")
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        admin.client_pause(600, all=False)  # write commands (the enqueue) wait in Redis
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+        writer.write(enqueue_request(r, b"orphan"))
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.close()  # gone before Redis answered
+        await asyncio.sleep(1.0)
+    finally:
+        admin.close()
+    async with relay.client() as c:
+        batch = await c.read(r)
+    assert [(m.seq, m.payload) for m in batch.messages] == [(1, b"orphan")]  # stored once
+    assert metrics.MESSAGES.labels("enqueued")._value.get() == enqueued + 1
+    assert requests_counted("201") == answered + 1
+
+
+async def test_switch_off_serves_everything_with_aiohttp(
+    redis_server: LocalRedis, relay_factory: RelayFactory
+) -> None:
+    relay = await relay_factory(redis_server.url, http_fastpath=False)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    try:
+        writer.write(enqueue_request(os.urandom(32)))
+        assert (await read_answer(reader)).status == 201
+        assert protocols(relay) == [GuardedRequestHandler]
+    finally:
+        writer.close()
