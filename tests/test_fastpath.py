@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
+from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
 from relay.fastpath import FastConnection
-from relay.localredis import LocalRedis
 from relay.protocol import b64encode
 from relay.serving import GuardedRequestHandler, GuardedServer
 from relay.storage.store import QueueLimits
