@@ -277,7 +277,7 @@ def _ratios(res: Results, main_conns: int) -> list[str]:
     return [*lines, ""]
 
 
-def _enqueue_cpu(res: Results) -> list[str]:
+def _enqueue_cpu(res: Results, main_conns: int) -> list[str]:
     rows = [r for r in res.select("enqueue") if "cpu_us" in r.values or "server_cpu_us" in r.values]
     limits = [r for r in res.select("limit") if "redis_cpu_us" in r.values]
     if not rows and not limits:
@@ -302,7 +302,10 @@ def _enqueue_cpu(res: Results) -> list[str]:
             _num(r.values.get("redis_cpu_us"), 1),
             _num(r.values.get("cpu_us"), 1),
         ]
-        for r in sorted(rows, key=lambda r: (_int(r, "size"), _int(r, "conns")))
+        # the main connection count first (the runs the other tables show), then the sweep
+        for r in sorted(
+            rows, key=lambda r: (_int(r, "conns") != main_conns, _int(r, "size"), _int(r, "conns"))
+        )
     ]
     body += [
         [
@@ -656,7 +659,7 @@ def render(
         _targets(res, main_conns),
         _calibration(res),
         _enqueue(res, main_conns),
-        _enqueue_cpu(res),
+        _enqueue_cpu(res, main_conns),
         _ratios(res, main_conns),
         _read_ack(res),
         _longpoll(res),
