@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from relayfleet_operator import migration
+from relayfleet_operator import shard_redis
 
 from relay.storage.connection import RedisTarget
 from tests.support.k8s_cluster import KubeCluster
@@ -329,7 +329,7 @@ def test_deleting_a_shard_moves_its_slots_first(kwok_fleet: KwokFleet) -> None:
     counts = m.slot_counts()
     assert counts == {"b": 4096, "c": 12288}  # by weight 1:3
     fleet.history_intact(expected)
-    assert not asyncio.run(migration.holds_data(fleet.servers["a"].url, range(16384)))  # source cleaned
+    assert not asyncio.run(shard_redis.holds_data(fleet.servers["a"].url, range(16384)))  # source cleaned
 
     # The last shards: c can leave (b takes its slots); b, alone with data, cannot.
     fleet.cluster.kubectl("-n", ns, "delete", "rshard", "c", "--wait=false")
@@ -446,7 +446,7 @@ async def test_deleting_a_shard_under_traffic_keeps_the_history(kwok_fleet: Kwok
     assert verdict.ok, f"{verdict.render()}\n{fleet.relay_logs()}"
     assert verdict.counts["messages_acknowledged"] > 50
     assert fleet.shard_map().slot_counts() == {"b": 8192, "c": 8192}
-    assert not await migration.holds_data(fleet.servers["a"].url, range(16384))
+    assert not await shard_redis.holds_data(fleet.servers["a"].url, range(16384))
 
 
 def test_managed_tls_shard_gets_a_rediss_url_with_its_ca(kwok_fleet: KwokFleet, tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator, Sequence
 
 import pytest
-from relayfleet_operator import migration
+from relayfleet_operator import shard_redis
 from relayfleet_testing.localredis import LocalRedis
 
 from relay.fleet.contract import Move
@@ -39,18 +39,18 @@ def two_shards() -> Iterator[ShardMap]:
 
 async def test_probes_see_data_and_bytes(two_shards: ShardMap) -> None:
     url_a, url_b = two_shards.shards["a"], two_shards.shards["b"]
-    assert await migration.ping(url_a)
-    assert not await migration.ping("redis://127.0.0.1:1/0", limit_s=0.5)
-    assert not await migration.holds_data(url_a, range(16384))
+    assert await shard_redis.ping(url_a)
+    assert not await shard_redis.ping("redis://127.0.0.1:1/0", limit_s=0.5)
+    assert not await shard_redis.holds_data(url_a, range(16384))
     (r,) = recipients_on(range(0, 8192), 1, seed=5)
     await enqueue_messages(url_a, [r], 3)
     slot = K.queue_keys(r, b"").slot
-    assert await migration.holds_data(url_a, range(16384))
-    assert not await migration.holds_data(url_a, [s for s in range(16384) if s != slot])
-    stats = await migration.slot_bytes(url_a, [slot])
+    assert await shard_redis.holds_data(url_a, range(16384))
+    assert not await shard_redis.holds_data(url_a, [s for s in range(16384) if s != slot])
+    stats = await shard_redis.slot_bytes(url_a, [slot])
     assert stats[slot][0] == 3
     assert stats[slot][1] == 3 * PAYLOAD_BYTES
-    (est,) = await migration.estimate([Move(slot, slot, "a", "b")], {"a": url_a, "b": url_b})
+    (est,) = await shard_redis.estimate([Move(slot, slot, "a", "b")], {"a": url_a, "b": url_b})
     assert (est.messages, est.bytes) == (3, 3 * PAYLOAD_BYTES)
 
 
@@ -69,16 +69,16 @@ async def test_migrate_range_moves_data_and_publishes_only_its_slots(two_shards:
         return current
 
     move = Move(8192, 16383, "a", "b")
-    result = await migration.migrate_range(two_shards, move, {"a": url_a, "b": url_b}, publish)
+    result = await shard_redis.migrate_range(two_shards, move, {"a": url_a, "b": url_b}, publish)
     assert result.keys > 0
     assert result.bytes == 20 * 4 * PAYLOAD_BYTES
     assert current.slot_counts() == {"a": 8192, "b": 8192}
     assert all(target == "b" and all(8192 <= s <= 16383 for s in slots) for slots, target in published)
     for r in recipients:
         assert await read_queue(url_b, r) == before[r]
-    assert not await migration.holds_data(url_a, range(8192, 16384))
+    assert not await shard_redis.holds_data(url_a, range(8192, 16384))
     # Running the same move again (a restarted operator) finds it done and changes nothing.
-    again = await migration.migrate_range(current, move, {"a": url_a, "b": url_b}, publish)
+    again = await shard_redis.migrate_range(current, move, {"a": url_a, "b": url_b}, publish)
     assert again.keys == 0
     assert current.slot_counts() == {"a": 8192, "b": 8192}
 
@@ -88,5 +88,5 @@ async def test_migration_failure_is_a_clear_error(two_shards: ShardMap) -> None:
         raise AssertionError("nothing may be published")
 
     bad_urls = {"a": two_shards.shards["a"], "b": "redis://127.0.0.1:1/0"}
-    with pytest.raises(migration.MoveError):
-        await migration.migrate_range(two_shards, Move(0, 10, "a", "b"), bad_urls, publish)
+    with pytest.raises(shard_redis.MoveError):
+        await shard_redis.migrate_range(two_shards, Move(0, 10, "a", "b"), bad_urls, publish)

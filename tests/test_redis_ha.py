@@ -412,7 +412,7 @@ def test_operator_moves_slots_off_a_replicated_shard_after_and_during_failovers(
     """Scale-in of a replicated shard through the operator's migration adapter (what a
     RelayShard deletion runs): half the slots after a failover, the other half with the new
     primary SIGKILLed mid-move and the move run again, as the operator retries it."""
-    from relayfleet_operator.migration import MoveError, holds_data, migrate_range
+    from relayfleet_operator.shard_redis import MoveError, holds_data, migrate_range
     from relayfleet_testing.localredis import LocalRedis
 
     from relay.fleet.contract import Move

@@ -18,7 +18,7 @@ from typing import Any
 from relay.fleet import contract
 from relay.fleet.contract import MapChange, MapWriteConflict, Move, Obj
 from relay.fleet.sharding import ShardMap
-from relayfleet_operator import builders, metrics, migration
+from relayfleet_operator import builders, metrics, shard_redis
 from relayfleet_operator.kube import Conflict, Kube
 from relayfleet_operator.spec import API_VERSION, SHARD_KIND, ExternalRedis, ShardSpec, SpecError, parse_shard
 
@@ -277,14 +277,14 @@ async def execute_move(
     urls: Mapping[str, str],
     owners: Sequence[ShardSpec],
     cause: str,
-) -> migration.MoveResult:
+) -> shard_redis.MoveResult:
     """One range through the migration adapter; the map is published at each flip."""
 
     async def publish(slots: Sequence[int], target: str) -> ShardMap:
         return await publish_move(ctx.kube, namespace, fleet_name, slots, target, owners)
 
     try:
-        result = await migration.migrate_range(shard_map, move, urls, publish)
+        result = await shard_redis.migrate_range(shard_map, move, urls, publish)
     except Exception:
         metrics.MIGRATIONS.labels(cause, "error").inc()
         raise

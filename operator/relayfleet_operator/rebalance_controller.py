@@ -12,7 +12,7 @@ from typing import Any
 
 from relay.fleet.contract import Move, Obj, PlanError, move_from_json
 from relay.fleet.sharding import ShardMap
-from relayfleet_operator import fleet_state, metrics, migration
+from relayfleet_operator import fleet_state, metrics, shard_redis
 from relayfleet_operator.executor import MoveFailed, Outcome, run_moves
 from relayfleet_operator.kube import KubeError
 from relayfleet_operator.rebalance_states import (
@@ -159,7 +159,7 @@ async def _propose(ctx: fleet_state.Context, body: Mapping[str, Any]) -> None:
         await _to_phase(ctx, body, Phase.NOT_READY, f"invalid proposal: {exc}", proposalSource=None)
         return
     if source == "operator" or not any(m.bytes for m in moves):
-        moves = await migration.estimate(moves, urls)
+        moves = await shard_redis.estimate(moves, urls)
     entries = moves_status(moves)
     extra: Obj = {
         "proposalSource": source,

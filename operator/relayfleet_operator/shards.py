@@ -15,7 +15,7 @@ import kopf
 
 from relay.fleet.contract import Move, Obj, PlanError, move_from_json
 from relay.fleet.sharding import ShardMap, ShardMapError
-from relayfleet_operator import builders, fleet_state, metrics, migration
+from relayfleet_operator import builders, fleet_state, metrics, shard_redis
 from relayfleet_operator.kube import KubeError
 from relayfleet_operator.replication import probe as probe_replication
 from relayfleet_operator.spec import API_VERSION, SHARD_KIND, ManagedRedis, ShardSpec, SpecError, parse_shard
@@ -71,7 +71,7 @@ async def _observe(ctx: fleet_state.Context, shard: ShardSpec, url: str | None) 
         if url is not None and sts is not None:
             replication = await probe_replication(url, now_rfc3339())
     elif url is not None:
-        reachable = await migration.ping(url)
+        reachable = await shard_redis.ping(url)
     last_backup = None
     if shard.backup is not None:
         cron = await kube.get("batch/v1", "CronJob", shard.namespace, builders.backup_name(shard.name))
@@ -313,7 +313,7 @@ async def _last_shard(
         return
     try:
         url = await fleet_state.redis_url(ctx.kube, shard)
-        has_data = await migration.holds_data(url, shard_map.slots_of(shard.name))
+        has_data = await shard_redis.holds_data(url, shard_map.slots_of(shard.name))
         unknown = ""
     except Exception as exc:  # failing to look means "assume data"
         has_data, unknown = True, f" (could not check: {type(exc).__name__})"
@@ -354,7 +354,7 @@ async def _move_away(
             plan = plan_drain(shard_map, [shard.name], weights)
         except PlanError as exc:
             raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from None
-        plan = await migration.estimate(plan, urls)
+        plan = await shard_redis.estimate(plan, urls)
         entries = [{**m.to_json(), "state": "Pending"} for m in plan]
     total = sum(m.size for m in plan)
     notify(body, "Draining", f"moving {total} slots in {len(plan)} ranges to {', '.join(sorted(weights))}")
