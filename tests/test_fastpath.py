@@ -287,3 +287,21 @@ async def test_switch_off_serves_everything_with_aiohttp(
         assert protocols(relay) == [GuardedRequestHandler]
     finally:
         writer.close()
+
+
+async def test_shutdown_writes_the_answers_owed(relay: RunningRelay, redis_server: LocalRedis) -> None:
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        admin.client_pause(500, all=False)  # the enqueue is still in Redis when shutdown starts
+        reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+        writer.write(enqueue_request(os.urandom(32), b"last"))
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        closing = asyncio.create_task(relay.server.close())
+        answer = await read_answer(reader)
+        assert (answer.status, answer.body) == (201, b'{"seq":1,"duplicate":false}')
+        assert await closed(reader, 3)
+        await closing
+        writer.close()
+    finally:
+        admin.close()
