@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, NoReturn
 
@@ -118,12 +118,10 @@ def _log_level(p: argparse.ArgumentParser) -> None:
 
 
 def _operator_epilog() -> str:
-    from relay.settings import OPERATOR_ENV
+    # the operator owns its variables (and reads them once, in OperatorSettings.from_env)
+    from relayfleet_operator.config import env_help
 
-    width = max(len(v.name) for v in OPERATOR_ENV)
-    lines = ["environment (no flag; read once at start):"]
-    lines += [f"  {v.name:<{width}}  {v.help} [default {v.default}]" for v in OPERATOR_ENV]
-    return "\n".join(lines)
+    return env_help()
 
 
 def _relay_epilog() -> str:
@@ -320,17 +318,13 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return migrate_main(args.shard_map, args.slots, args.to)
     if cmd == "operator":
-        from relay.settings import check_operator_env
+        from relayfleet_operator.config import OperatorSettings
+        from relayfleet_operator.main import run
 
-        check_operator_env()  # ConfigError: exit 2, one line (main)
-        try:
-            from relayfleet_operator.main import run
-        except ImportError as exc:
-            print(
-                f"relayfleet: the operator needs the [operator] extra ({exc.name} missing)", file=sys.stderr
-            )
-            return 1
-        return run(args.namespace, args.all_namespaces)
+        # read once, before anything starts: a ConfigError is one line, exit 2 (main);
+        # the flags, resolved with their variables already, win over what the settings read
+        settings = replace(OperatorSettings.from_env(), namespace=args.namespace, log_level=args.log_level)
+        return run(args.namespace, args.all_namespaces, settings)
     if cmd == "top":
         from relay.top import top_main
 

@@ -70,34 +70,6 @@ RELAY_ENV: tuple[EnvVar, ...] = (
     EnvVar("RELAY_DIDCOMM_REDELIVER_S", "10", "a Pickup delivery not acknowledged goes out again after"),
 )
 
-# What `relayfleet operator` reads besides its flags (the operator reads some at import time,
-# for kopf's decorators; relay/cli.py checks them first so a bad value is one line, exit 2).
-OPERATOR_ENV: tuple[EnvVar, ...] = (
-    EnvVar("RELAYFLEET_OPERATOR_HEALTH_PORT", "8080", "kopf liveness endpoint (/healthz)"),
-    EnvVar("RELAYFLEET_OPERATOR_METRICS_PORT", "9090", "Prometheus /metrics (0 disables)"),
-    EnvVar("RELAYFLEET_OPERATOR_RESYNC_SECONDS", "30", "re-apply period of every RelayShard"),
-    EnvVar("RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS", "2", "step period of every RelayRebalance"),
-    EnvVar("RELAYFLEET_OPERATOR_RETRY_SECONDS", "15", "wait before retrying a failed or blocked step"),
-    EnvVar("RELAYFLEET_OPERATOR_CRDS_DIR", "none", "apply the CRD files there at start (guarded)"),
-    EnvVar("RELAYFLEET_OPERATOR_KUBECONFIG", "none", "kubeconfig (else KUBECONFIG, else in-cluster)"),
-)
-
-
-def check_operator_env() -> None:
-    """ConfigError for a bad operator variable, before the operator module reads it."""
-    for name in ("RELAYFLEET_OPERATOR_HEALTH_PORT", "RELAYFLEET_OPERATOR_METRICS_PORT"):
-        port = env_int(name, 0)
-        if not 0 <= port <= 65535:
-            raise ConfigError(f"{name} must be a port number, got {port}")
-    for name in (
-        "RELAYFLEET_OPERATOR_RESYNC_SECONDS",
-        "RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS",
-        "RELAYFLEET_OPERATOR_RETRY_SECONDS",
-    ):
-        if env_float(name, 1.0) <= 0:
-            raise ConfigError(f"{name} must be a positive number of seconds")
-
-
 # Old name -> new name (prefix policy, docs/design-decisions.md): read with a warning.
 DEPRECATED_ENV: dict[str, str] = {
     "RELAYFLEET_SHARD_HEALTH_INTERVAL": "RELAY_SHARD_HEALTH_INTERVAL_S",

@@ -44,6 +44,8 @@ class Context:
     """Everything handlers share; lives in kopf's memo."""
 
     kube: Kube
+    # how long a failed or blocked step waits before kopf calls the handler again
+    retry_seconds: float = 15.0
     locks: Locks = field(default_factory=Locks)
     # Which fleets are moving slots right now, and for what (shown in shard conditions).
     moving: dict[tuple[str, str], str] = field(default_factory=dict)

@@ -1,23 +1,23 @@
 """kopf handlers: registration and wiring only; the work is in shards.py and rebalance_controller.py.
 
-Importing this module registers the handlers with kopf's default registry.
+`register(registry, settings)` adds them to a kopf registry (main.run does, with the
+settings read once at start); importing this module registers nothing and reads no
+environment, so the periods come from OperatorSettings, not from import time.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import kopf
 
 from relayfleet_operator import fleet_state, rebalance_controller, shards
+from relayfleet_operator.config import OperatorSettings
 from relayfleet_operator.kube import Kube
 from relayfleet_operator.spec import GROUP, REBALANCE_PLURAL, SHARD_PLURAL, VERSION
 
 FINALIZER = "relayfleet.dev/drain"
-RESYNC_SECONDS = float(os.environ.get("RELAYFLEET_OPERATOR_RESYNC_SECONDS", "30"))
-REBALANCE_TICK_SECONDS = float(os.environ.get("RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS", "2"))
 
 
 def _ctx(memo: kopf.Memo) -> fleet_state.Context:
@@ -27,7 +27,6 @@ def _ctx(memo: kopf.Memo) -> fleet_state.Context:
     return ctx
 
 
-@kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.finalizer = FINALIZER
     # kopf's bookkeeping goes to status.kopf (the CRDs preserve it) and to one annotation
@@ -46,21 +45,19 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # the CRDs first: no dynamic scanning, which would need cluster-wide list on namespaces
     # that least-privilege RBAC does not grant (kopf retried ~60 s on the 403 at start-up).
     settings.scanning.disabled = True
-    kube = memo.get("kube")
-    if not isinstance(kube, Kube):  # started by kopf directly, not through main.run
-        kube = Kube.from_config(os.environ.get("RELAYFLEET_OPERATOR_KUBECONFIG"))
-    memo["ctx"] = fleet_state.Context(kube=kube)
+    kube, config = memo.get("kube"), memo.get("settings")
+    if not isinstance(kube, Kube) or not isinstance(config, OperatorSettings):
+        raise kopf.PermanentError("start the operator through relayfleet_operator.main.run")
+    memo["ctx"] = fleet_state.Context(kube=kube, retry_seconds=config.retry_seconds)
     memo["rebalancing"] = set()
 
 
-@kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     ctx = memo.get("ctx")
     if isinstance(ctx, fleet_state.Context):
         await ctx.kube.close()
 
 
-@kopf.on.probe(id="kube")
 async def probe_kube(memo: kopf.Memo, **_: Any) -> str:
     """Liveness detail: the API server answers our own client too."""
     ctx = _ctx(memo)
@@ -71,20 +68,15 @@ async def probe_kube(memo: kopf.Memo, **_: Any) -> str:
 # --- RelayShard ---------------------------------------------------------------------------------
 
 
-@kopf.on.create(GROUP, VERSION, SHARD_PLURAL)
-@kopf.on.update(GROUP, VERSION, SHARD_PLURAL)
-@kopf.on.resume(GROUP, VERSION, SHARD_PLURAL)
 async def shard_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     await shards.reconcile(_ctx(memo), body, announce=True)
 
 
-@kopf.timer(GROUP, VERSION, SHARD_PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
 async def shard_resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Periodic re-apply: corrects drift in child objects and refreshes status."""
     await shards.reconcile(_ctx(memo), body, announce=False)
 
 
-@kopf.on.delete(GROUP, VERSION, SHARD_PLURAL)
 async def shard_deleted(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Holds the finalizer until the shard's slots live elsewhere."""
     await shards.drain(_ctx(memo), body)
@@ -93,7 +85,22 @@ async def shard_deleted(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 # --- RelayRebalance -----------------------------------------------------------------------------
 
 
-@kopf.timer(GROUP, VERSION, REBALANCE_PLURAL, interval=REBALANCE_TICK_SECONDS)
 async def rebalance_tick(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     busy = memo.get("rebalancing")
     await rebalance_controller.advance(_ctx(memo), body, busy if isinstance(busy, set) else set())
+
+
+def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> None:
+    """Every handler above, on `registry`, with the periods `settings` gives."""
+    kopf.on.startup(registry=registry)(startup)
+    kopf.on.cleanup(registry=registry)(cleanup)
+    kopf.on.probe(id="kube", registry=registry)(probe_kube)
+    for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
+        on(GROUP, VERSION, SHARD_PLURAL, registry=registry)(shard_changed)
+    resync = settings.resync_seconds
+    kopf.timer(GROUP, VERSION, SHARD_PLURAL, interval=resync, initial_delay=resync, registry=registry)(
+        shard_resync
+    )
+    kopf.on.delete(GROUP, VERSION, SHARD_PLURAL, registry=registry)(shard_deleted)
+    tick = settings.rebalance_tick_seconds
+    kopf.timer(GROUP, VERSION, REBALANCE_PLURAL, interval=tick, registry=registry)(rebalance_tick)

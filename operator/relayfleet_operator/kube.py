@@ -103,11 +103,12 @@ class Kube:
 
     @classmethod
     def from_config(cls, kubeconfig: str | None = None, context: str | None = None) -> Kube:
-        """KUBECONFIG (or the given file) when present, else the in-cluster service account."""
+        """The given kubeconfig file (OperatorSettings.kubeconfig: RELAYFLEET_OPERATOR_KUBECONFIG
+        or KUBECONFIG), else ~/.kube/config when present, else the in-cluster service account."""
         from kubernetes import client, config  # only configuration loading
 
         cfg = client.Configuration()
-        path = kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or None
+        path = kubeconfig
         default = os.path.expanduser("~/.kube/config")
         if path or os.path.exists(default):
             config.load_kube_config(  # type: ignore[no-untyped-call]

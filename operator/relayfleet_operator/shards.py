@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import datetime
 import logging
-import os
 import time
 from collections.abc import Mapping
 from typing import Any, cast
@@ -23,8 +22,6 @@ from relayfleet_operator.status import Observed, condition, now_rfc3339, shard_s
 from relayfleet_operator.weight_planner import plan_drain
 
 FORCE_DELETE = "relayfleet.dev/force-delete"
-# How long a failed or blocked step waits before kopf calls the handler again.
-RETRY_SECONDS = float(os.environ.get("RELAYFLEET_OPERATOR_RETRY_SECONDS", "15"))
 log = logging.getLogger("relayfleet.operator")
 
 
@@ -170,7 +167,7 @@ async def reconcile(ctx: fleet_state.Context, body: Mapping[str, Any], *, announ
         await _safe_status(ctx, body, status)
         if announce or condition(previous, "Degraded") is None or _was_not_degraded(previous):
             notify(body, "ReconcileError", str(exc), warning=True)
-        raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from None
+        raise kopf.TemporaryError(str(exc), delay=ctx.retry_seconds) from None
     status = shard_status(shard, previous, seen)
     await write_status(ctx, body, status)
     _export_redis(shard, previous, status)
@@ -256,7 +253,7 @@ async def drain(ctx: fleet_state.Context, body: Mapping[str, Any]) -> None:
     key = (shard.namespace, shard.fleet)
     lock = ctx.locks.fleet(*key)
     if lock.locked() and key in ctx.moving:
-        raise kopf.TemporaryError(f"waiting: {ctx.moving[key]}", delay=RETRY_SECONDS)
+        raise kopf.TemporaryError(f"waiting: {ctx.moving[key]}", delay=ctx.retry_seconds)
     previous = body.get("status") or {}
     async with lock:
         members = await fleet_state.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
@@ -276,7 +273,7 @@ async def drain(ctx: fleet_state.Context, body: Mapping[str, Any]) -> None:
                 await _move_away(ctx, body, shard, shard_map, weights, owners, previous)
             elif others:
                 why = f"no shard can take the slots yet ({', '.join(others)} are leaving the fleet too)"
-                raise kopf.TemporaryError(why, delay=RETRY_SECONDS)
+                raise kopf.TemporaryError(why, delay=ctx.retry_seconds)
             else:
                 await _last_shard(ctx, body, shard, shard_map, previous)
                 drop_map = True  # the fleet ends with its last shard
@@ -330,7 +327,7 @@ async def _last_shard(
     await _safe_status(ctx, body, status)
     notify(body, "DeletionBlocked", why, warning=True)
     metrics.ERRORS.labels("RelayShard", "DeletionBlocked").inc()
-    raise kopf.TemporaryError(why, delay=RETRY_SECONDS)
+    raise kopf.TemporaryError(why, delay=ctx.retry_seconds)
 
 
 async def _move_away(
@@ -353,7 +350,7 @@ async def _move_away(
         try:
             plan = plan_drain(shard_map, [shard.name], weights)
         except PlanError as exc:
-            raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from None
+            raise kopf.TemporaryError(str(exc), delay=ctx.retry_seconds) from None
         plan = await shard_redis.estimate(plan, urls)
         entries = [{**m.to_json(), "state": "Pending"} for m in plan]
     total = sum(m.size for m in plan)
@@ -365,7 +362,7 @@ async def _move_away(
                 continue
             current, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
             if current is None:
-                raise kopf.TemporaryError("the shard map disappeared", delay=RETRY_SECONDS)
+                raise kopf.TemporaryError("the shard map disappeared", delay=ctx.retry_seconds)
             try:
                 if fleet_state.move_progress(current, move) == "done":
                     entries[i]["state"] = "Done"
@@ -374,7 +371,7 @@ async def _move_away(
                 # Someone else moved these slots: forget the kept plan and plan again.
                 await _safe_status(ctx, body, {"drain": None})
                 raise kopf.TemporaryError(
-                    f"drain plan is stale ({exc}); planning again", delay=RETRY_SECONDS
+                    f"drain plan is stale ({exc}); planning again", delay=ctx.retry_seconds
                 ) from None
             entries[i]["state"] = "Migrating"
             await _drain_status(ctx, body, shard, previous, entries, i, current)
@@ -388,7 +385,7 @@ async def _move_away(
                 await _drain_status(ctx, body, shard, previous, entries, i, current)
                 notify(body, "MoveFailed", f"slots {move.slots} -> {move.target}: {exc}", warning=True)
                 raise kopf.TemporaryError(
-                    f"moving slots {move.slots} failed: {exc}", delay=RETRY_SECONDS
+                    f"moving slots {move.slots} failed: {exc}", delay=ctx.retry_seconds
                 ) from None
             entries[i].update(state="Done", bytesMoved=result.bytes, keysMoved=result.keys)
             notify(
