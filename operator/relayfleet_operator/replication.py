@@ -1,7 +1,8 @@
 """What a managed shard's replication looks like now: the primary and each replica's lag.
 
-`probe` asks every Sentinel of the shard which node is the primary (and counts the ones that
-answer), then reads INFO replication from that primary; for a shard without replicas it
+`probe` asks every Sentinel of the shard which node is the primary and counts the ones that
+answer (relay.storage.sentinel.survey_primary, the relay's own Sentinel client), then reads
+INFO replication from that primary; for a shard without replicas it
 reads INFO replication from the one node. `replication_status` turns the answers into the
 RelayShard's status.redis, and is pure so tests can feed it INFO text.
 """
@@ -9,7 +10,6 @@ RelayShard's status.redis, and is pure so tests can feed it INFO text.
 from __future__ import annotations
 
 import asyncio
-import collections
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +17,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from relay.fleet.contract import Obj
-from relay.fleet.sharding import SentinelTarget, is_sentinel_url, parse_sentinel_url
+from relay.fleet.sharding import is_sentinel_url, parse_sentinel_url
+from relay.storage.sentinel import survey_primary
 
 _TIMEOUT_S = 2.0
 
@@ -83,37 +84,6 @@ def replication_status(
     return out
 
 
-async def _ask(target: SentinelTarget, host: str, port: int) -> tuple[bool, tuple[str, int] | None]:
-    """(whether the Sentinel answered, the primary it names if any)."""
-    client = aioredis.Redis(
-        host=host,
-        port=port,
-        password=target.sentinel_password,
-        socket_timeout=_TIMEOUT_S,
-        socket_connect_timeout=_TIMEOUT_S,
-    )
-    try:
-        reply = await asyncio.wait_for(client.sentinel_get_master_addr_by_name(target.service), _TIMEOUT_S)
-    except (RedisError, OSError, TimeoutError):
-        return False, None
-    finally:
-        await client.aclose()
-    if not isinstance(reply, list | tuple) or len(reply) != 2:
-        return True, None
-    name, number = reply
-    return True, ((name.decode() if isinstance(name, bytes) else str(name)), int(number))
-
-
-async def sentinel_primary(target: SentinelTarget) -> tuple[tuple[str, int] | None, int]:
-    """(the primary most Sentinels name, how many Sentinels answered at all)."""
-    answers = await asyncio.gather(*(_ask(target, h, p) for h, p in target.sentinels))
-    named = [primary for _, primary in answers if primary is not None]
-    reachable = sum(1 for answered, _ in answers if answered)
-    if not named:
-        return None, reachable
-    return collections.Counter(named).most_common(1)[0][0], reachable
-
-
 async def _info(host: str, port: int, password: str | None, username: str | None) -> dict[str, Any]:
     client = aioredis.Redis(
         host=host,
@@ -145,7 +115,7 @@ async def probe(url: str, now: str) -> Obj:
     try:
         if is_sentinel_url(url):
             target = parse_sentinel_url(url)
-            found, reachable = await sentinel_primary(target)
+            found, reachable = await survey_primary(target, _TIMEOUT_S)
             if found is None:
                 why = "no Sentinel answers" if reachable == 0 else "no Sentinel names a primary"
                 return {"observedAt": now, "sentinelsReachable": reachable, "message": why}

@@ -5,7 +5,8 @@ as a ``redis+sentinel://`` URL, see relay/fleet/sharding.py). Everything that op
 connections asks here where the primary is:
 
 - ``ask_primary``: SENTINEL get-master-addr-by-name, trying each Sentinel in turn
-  (the one that answered last first). Sentinels may lag a failover, so a connection
+  (the one that answered last first); ``survey_primary`` asks them all at once and
+  counts who answered (status reports: the operator). Sentinels may lag a failover, so a connection
   also checks ROLE once open (callers do: the hot path, wakeups); a demoted primary
   is never written to.
 - ``SentinelWatch``: one connection per process and service subscribed to
@@ -20,6 +21,7 @@ connections asks here where the primary is:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -80,32 +82,73 @@ async def _sentinel_connection(
 _last_good: dict[tuple[tuple[str, int], ...], int] = {}  # which Sentinel answered last, per set
 
 
+async def _ask(target: SentinelTarget, host: str, port: int, timeout: float) -> Any:
+    """One Sentinel's reply to get-master-addr-by-name (a hiredis.ReplyError is returned, not
+    raised); OSError or TimeoutError when it does not answer in time."""
+    writer: asyncio.StreamWriter | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer, rd = await _sentinel_connection(target, host, port)
+            return await _command(reader, writer, rd, "SENTINEL", "get-master-addr-by-name", target.service)
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def _named(reply: Any) -> tuple[str, int] | None:
+    """The (host, port) a get-master-addr-by-name reply names, if it names one."""
+    if isinstance(reply, list) and len(reply) == 2:
+        return reply[0].decode(), int(reply[1])
+    return None
+
+
 async def ask_primary(target: SentinelTarget, timeout: float = _ASK_TIMEOUT_S) -> tuple[str, int]:
-    """(host, port) of the service's primary as a Sentinel names it; NoPrimary when none does."""
+    """(host, port) of the service's primary as a Sentinel names it; NoPrimary when none does.
+    The Sentinels are asked in turn, the one that answered last first: the first answer wins
+    (the hot path wants it fast; a connection checks ROLE afterwards anyway)."""
     sentinels = target.sentinels
     start = _last_good.get(sentinels, 0)
     reasons: list[str] = []
     for i in range(len(sentinels)):
         idx = (start + i) % len(sentinels)
         host, port = sentinels[idx]
-        writer: asyncio.StreamWriter | None = None
         try:
-            async with asyncio.timeout(timeout):
-                reader, writer, rd = await _sentinel_connection(target, host, port)
-                reply = await _command(
-                    reader, writer, rd, "SENTINEL", "get-master-addr-by-name", target.service
-                )
+            primary = _named(await _ask(target, host, port, timeout))
         except (OSError, TimeoutError) as exc:
             reasons.append(f"{host}:{port} {type(exc).__name__}")
             continue
-        finally:
-            if writer is not None:
-                writer.close()
-        if isinstance(reply, list) and len(reply) == 2:
+        if primary is not None:
             _last_good[sentinels] = idx
-            return reply[0].decode(), int(reply[1])
+            return primary
         reasons.append(f"{host}:{port} knows no primary")
     raise NoPrimary(f"no Sentinel named a primary for {target.service}: {'; '.join(reasons)}")
+
+
+async def survey_primary(
+    target: SentinelTarget, timeout: float = _ASK_TIMEOUT_S
+) -> tuple[tuple[str, int] | None, int]:
+    """Every Sentinel asked at once: (the primary most of them name, or None; how many
+    answered at all). For status reports (the operator's status.redis), where how many
+    Sentinels are reachable matters and a lagging one must not decide the primary."""
+    replies = await asyncio.gather(
+        *(_ask(target, host, port, timeout) for host, port in target.sentinels), return_exceptions=True
+    )
+    named: list[tuple[str, int]] = []
+    answered = 0
+    for reply in replies:
+        if isinstance(reply, (OSError, TimeoutError)):
+            continue
+        if isinstance(reply, BaseException):
+            raise reply
+        if isinstance(reply, hiredis.ReplyError):  # e.g. NOAUTH: it is up, but tells us nothing
+            continue
+        answered += 1
+        primary = _named(reply)
+        if primary is not None:
+            named.append(primary)
+    if not named:
+        return None, answered
+    return collections.Counter(named).most_common(1)[0][0], answered
 
 
 def role_is_primary(reply: object) -> bool:
