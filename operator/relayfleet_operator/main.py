@@ -86,7 +86,9 @@ def run(namespace: str | None, all_namespaces: bool, settings: OperatorSettings 
     try:
         if settings.metrics_port:
             metrics.serve(settings.metrics_port)
-        registry = kopf.OperatorRegistry()
+        # kopf's default registry: it already holds kopf's own login handlers (kubeconfig,
+        # in-cluster); a fresh registry would start without credentials
+        registry = kopf.get_default_registry()
         handlers.register(registry, settings)
         kopf.run(
             registry=registry,
