@@ -16,22 +16,11 @@ from relayfleet_operator.spec import ExternalRedis, ManagedRedis, SpecError, par
 from relayfleet_testing.localredis import free_port
 
 from relay.fleet.sharding import SLOT_COUNT, ShardMapError, parse_sentinel_url, parse_shard_map
+from tests.support.shard_specs import MANAGED, shard_body
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 
 
-def shard_body(name: str = "a", **spec: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"fleet": "main", "redis": {"managed": {}}}
-    base.update(spec)
-    return {
-        "apiVersion": "relayfleet.dev/v1alpha1",
-        "kind": "RelayShard",
-        "metadata": {"name": name, "namespace": "ns1", "uid": f"uid-{name}", "generation": 3},
-        "spec": base,
-    }
-
-
-MANAGED = parse_shard(shard_body())
 EXTERNAL = parse_shard(shard_body("b", redis={"external": {"url": "redis://:pw@10.0.0.9:6380/0"}}))
 
 

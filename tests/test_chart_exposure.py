@@ -18,10 +18,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.support.chart import CHART, HELM, K8S_VERSION, needs_helm, render
 from tests.support.k8s_cluster import KubeCluster
+from tests.support.observability import DASHBOARDS, dashboard_queries
 from tests.support.operator_harness import namespace, wait_for
-from tests.test_crds import CHART, HELM, K8S_VERSION, needs_helm, render
-from tests.test_observability import DASHBOARDS, dashboard_queries
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "gateway-api-subset-crds.yaml"
 

@@ -18,8 +18,8 @@ import yaml
 from relayfleet_operator import crds
 from relayfleet_operator.kube import Kube
 
+from tests.support.chart import CRDS, crd, needs_helm, render
 from tests.support.k8s_cluster import KubeCluster
-from tests.test_crds import CRDS, crd, needs_helm, render
 
 VERSION = crds.crd_version(crd("relayshards.yaml"))
 

@@ -3,13 +3,7 @@ object the chart renders and the operator builds (kubernetes-validate, strict)."
 
 from __future__ import annotations
 
-import glob
 import json
-import os
-import re
-import shutil
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
@@ -20,25 +14,19 @@ from relayfleet_operator import builders
 from relayfleet_operator.spec import parse_shard
 
 from relay.fleet.sharding import even_split
+from tests.support.chart import (
+    CHART,
+    CRDS,
+    K8S_VERSION,
+    crd,
+    helm,
+    needs_helm,
+    render,
+    schema_of,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-CRDS = ROOT / "crds"
-CHART = ROOT / "charts" / "relayfleet"
-K8S_VERSION = "1.36"  # the control plane tests run against (hack/control-plane.sh)
 # Kinds kubernetes-validate has no schema for; the monitoring ones are checked by shape below.
 NO_SCHEMA = {"ServiceMonitor", "PrometheusRule"}
-
-
-def crd(name: str) -> dict[str, Any]:
-    doc: dict[str, Any] = yaml.safe_load((CRDS / name).read_text())
-    return doc
-
-
-def schema_of(doc: dict[str, Any]) -> dict[str, Any]:
-    version = doc["spec"]["versions"][0]
-    assert version["name"] == "v1alpha1"
-    result: dict[str, Any] = version["schema"]["openAPIV3Schema"]
-    return result
 
 
 # --- the CRDs -----------------------------------------------------------------------------------
@@ -216,33 +204,6 @@ def test_every_built_object_passes_kubernetes_validate() -> None:
 # --- the chart, rendered by helm ----------------------------------------------------------------
 
 
-def helm_binary() -> str | None:
-    """The pinned helm hack/control-plane.sh builds (without building it), else PATH."""
-    explicit = os.environ.get("RELAYFLEET_HELM")
-    if explicit:
-        return explicit
-    script = (
-        (ROOT / "hack" / "control-plane.sh").read_text()
-        if (ROOT / "hack" / "control-plane.sh").exists()
-        else ""
-    )
-    pin = re.search(r'^HELM_VERSION="(v[0-9.]+)"', script, re.MULTILINE)
-    version = pin.group(1) if pin else "*"
-    cache = os.environ.get("RELAYFLEET_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "relayfleet"
-    )
-    for pattern in (f"{cache}/helm/{version}/bin/helm", str(ROOT / ".cache" / "k8s" / "*" / "bin" / "helm")):
-        found = sorted(glob.glob(pattern))
-        if found:
-            return found[-1]
-    return shutil.which("helm")
-
-
-HELM = helm_binary()
-needs_helm = pytest.mark.skipif(
-    HELM is None, reason="helm not built yet: run hack/control-plane.sh (or set RELAYFLEET_HELM)"
-)
-
 EVERYTHING_ON = [
     "metrics.serviceMonitor.enabled=true",
     "metrics.prometheusRule.enabled=true",
@@ -251,31 +212,6 @@ EVERYTHING_ON = [
     "spark.retention.maxAgeSeconds=3600",
     "spark.rebalance.autoApprove=true",
 ]
-
-
-def helm(*args: str) -> str:
-    assert HELM is not None
-    proc = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, f"helm {' '.join(args)} failed:\n{proc.stderr}"
-    return proc.stdout
-
-
-def render(*sets: str, include_crds: bool = True) -> list[dict[str, Any]]:
-    # as on a cluster running the Prometheus operator, so monitoring objects render too
-    args = [
-        "template",
-        "relayfleet",
-        str(CHART),
-        "--namespace",
-        "relay",
-        "--api-versions",
-        "monitoring.coreos.com/v1",
-    ]
-    if include_crds:
-        args.append("--include-crds")
-    for s in sets:
-        args += ["--set", s]
-    return [d for d in yaml.safe_load_all(helm(*args)) if d]
 
 
 @needs_helm

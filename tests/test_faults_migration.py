@@ -24,7 +24,7 @@ import redis
 from relay.storage import keys as K
 from tests.support.faults import report
 from tests.support.fleet_harness import FleetProcs, final_placement_problems, fleet_procs
-from tests.test_migration_crash import (
+from tests.support.migration_crash import (
     HI,
     LO,
     check_fillers,

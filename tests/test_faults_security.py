@@ -25,10 +25,10 @@ from relayfleet_operator.spec import parse_shard
 from relayfleet_testing.localredis import LocalRedis
 
 from relay.protocol import keypair, sign_headers
+from tests.support.chart import HELM, helm
 from tests.support.faults import stop_relay
 from tests.support.fleet_harness import DEBIAN_REDIS, RelayProc, spawn_relay, wait_ready
-from tests.test_builders import MANAGED, shard_body
-from tests.test_crds import HELM, helm
+from tests.support.shard_specs import MANAGED, shard_body
 
 pytestmark = [pytest.mark.faults]
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,8 +22,8 @@ from relayfleet_testing.localredis import free_port
 from relay.storage import keys as K
 from relay.storage.connection import RedisTarget
 from relay.storage.store import QueueLimits, ShardStore
+from tests.support.shard_specs import shard_body
 from tests.support.tls_pki import make_pki
-from tests.test_builders import shard_body
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 TLS = parse_shard(shard_body("t", redis={"managed": {"tls": {"secretName": "shard-t-tls"}}}))

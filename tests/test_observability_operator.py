@@ -9,20 +9,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support.operator_harness import (
-    KwokFleet,
-)
-from tests.test_observability import (
+from tests.support.observability import (
     alert_rules,
     dashboard_queries,
     metric_names,
     promql,
     rendered_rule_groups,
 )
-from tests.test_observability_live import pytestmark as live_marks
-from tests.test_observability_live import run_prometheus, wait_until
+from tests.support.operator_harness import (
+    KwokFleet,
+)
+from tests.support.prometheus import NEEDS_PROMETHEUS, run_prometheus, wait_until
 
-pytestmark = [*live_marks[:2]]
+pytestmark = [*NEEDS_PROMETHEUS]
 
 ERRORS = "relayfleet_operator_errors_total"
 

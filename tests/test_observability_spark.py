@@ -19,22 +19,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.spark_session import FleetFactory, Seed, recipient_on, seed
-from tests.test_observability import (
-    ROOT,
+from tests.support.chart import ROOT
+from tests.support.observability import (
     alert_rules,
     dashboard_queries,
     metric_names,
     promql,
     rendered_rule_groups,
 )
-from tests.test_observability_live import Proc, free_port, run_prometheus, wait_until
-from tests.test_observability_live import pytestmark as live_marks
+from tests.support.prometheus import NEEDS_PROMETHEUS, Proc, free_port, run_prometheus, wait_until
+from tests.support.spark_session import FleetFactory, Seed, recipient_on, seed
 
 PUSHGATEWAY = "/usr/bin/prometheus-pushgateway"
 
 pytestmark = [
-    *live_marks[:2],
+    *NEEDS_PROMETHEUS,
     pytest.mark.skipif(not os.path.exists(PUSHGATEWAY), reason="apt-get install prometheus-pushgateway"),
     # Two local[2] Spark jobs take ~80 s on an idle 2-core machine and several times that
     # while other suites share it; the deadlines only guard against a hang.

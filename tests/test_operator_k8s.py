@@ -23,6 +23,7 @@ import yaml
 from relayfleet_operator import shard_redis
 
 from relay.storage.connection import RedisTarget
+from tests.support.chart import HELM, helm
 from tests.support.k8s_cluster import KubeCluster
 from tests.support.operator_harness import (
     ROOT,
@@ -36,7 +37,6 @@ from tests.support.operator_harness import (
     wait_for,
 )
 from tests.support.tls_pki import make_pki
-from tests.test_crds import HELM, helm
 
 pytestmark = pytest.mark.k8s
 

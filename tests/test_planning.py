@@ -13,6 +13,7 @@ import pytest
 from relay.fleet.contract import Move
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, even_split
 from spark_jobs.load_planner import Plan, PlanningError, SlotLoad, plan, plan_main, slot_loads
+from tests.support.naive_planner import naive
 from tests.support.spark_session import FleetFactory, Seed, seed
 
 URLS = {name: f"redis://127.0.0.1:{6400 + i}/0" for i, name in enumerate("abcd")}
@@ -35,28 +36,6 @@ def apply(m: ShardMap, moves: Sequence[Move]) -> ShardMap:
         assert all(m.shard_for_slot(s) == mv.source for s in range(mv.start, mv.end + 1))
         out = out.with_slots(range(mv.start, mv.end + 1), mv.target)
     return out
-
-
-def naive(m: ShardMap, load: Sequence[float], nbytes: Sequence[int], tol: float) -> tuple[int, float]:
-    """Bytes-blind reference: peel slots off the end of the hottest shard's last range
-    onto the coldest shard until every shard is within tolerance. (bytes moved, max/mean)"""
-    owner = [m.shard_for_slot(s) for s in range(SLOT_COUNT)]
-    per = {s: 0.0 for s in m.shards}
-    for s in range(SLOT_COUNT):
-        per[owner[s]] += load[s]
-    mean = sum(per.values()) / len(per)
-    moved = 0
-    for _ in range(SLOT_COUNT):
-        hot = max(per, key=lambda s: per[s])
-        if per[hot] <= mean * (1 + tol):
-            break
-        cold = min(per, key=lambda s: per[s])
-        slot = max(s for s in range(SLOT_COUNT) if owner[s] == hot)
-        owner[slot] = cold
-        per[hot] -= load[slot]
-        per[cold] += load[slot]
-        moved += nbytes[slot]
-    return moved, max(per.values()) / mean
 
 
 def test_balanced_fleet_stays_put() -> None:

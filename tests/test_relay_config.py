@@ -14,43 +14,8 @@ from relayfleet_operator import builders
 from relayfleet_operator.spec import RESERVED_RELAY_ENV, SpecError, parse_shard
 
 from relay.settings import enqueue_tokens_from_env, env_secret
-from tests.test_builders import shard_body
-from tests.test_crds import crd, schema_of
-
-FULL_RELAY: dict[str, Any] = {
-    "enqueueTokensSecretRef": {"name": "relay-tokens"},
-    "pushWebhookSecretRef": {"name": "push", "key": "endpoint"},
-    "didcommSeedSecretRef": {"name": "didcomm", "key": "seed"},
-    "publicURL": "https://relay.example.com",
-    "env": [{"name": "RELAY_MAX_WAITERS", "value": "5000"}, {"name": "RELAY_LOG_LEVEL", "value": "DEBUG"}],
-    "podTemplate": {
-        "affinity": {
-            "podAntiAffinity": {
-                "preferredDuringSchedulingIgnoredDuringExecution": [
-                    {
-                        "weight": 100,
-                        "podAffinityTerm": {
-                            "topologyKey": "kubernetes.io/hostname",
-                            "labelSelector": {"matchLabels": {"relayfleet.dev/shard": "a"}},
-                        },
-                    }
-                ]
-            }
-        },
-        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "relay", "effect": "NoSchedule"}],
-        "topologySpreadConstraints": [
-            {
-                "maxSkew": 1,
-                "topologyKey": "topology.kubernetes.io/zone",
-                "whenUnsatisfiable": "ScheduleAnyway",
-                "labelSelector": {"matchLabels": {"relayfleet.dev/shard": "a"}},
-            }
-        ],
-        "nodeSelector": {"pool": "relays"},
-        "priorityClassName": "relay-critical",
-        "annotations": {"example.com/team": "messaging", "prometheus.io/port": "9"},
-    },
-}
+from tests.support.chart import crd, schema_of
+from tests.support.shard_specs import FULL_RELAY, shard_body
 
 
 def full_deployment() -> dict[str, Any]:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.k8s_cluster import KubeCluster
 from tests.support.operator_harness import KwokFleet, apply, create, get, namespace, shard, wait_for
-from tests.test_relay_config import FULL_RELAY
+from tests.support.shard_specs import FULL_RELAY
 
 pytestmark = pytest.mark.k8s
 

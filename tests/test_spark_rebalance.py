@@ -20,8 +20,8 @@ from relay.storage.store import QueueLimits, ShardStore
 from spark_jobs import rebalance
 from spark_jobs.load_planner import Plan, SlotLoad, plan, slot_loads
 from spark_jobs.shard_io import SlotTask, split_tasks
+from tests.support.naive_planner import naive
 from tests.support.spark_session import FleetFactory, Seed, seed
-from tests.test_planning import naive
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
