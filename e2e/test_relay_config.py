@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from e2e.env import Env
-from e2e.test_user_path import http_get, phase, relay_url, shard, wait_for
+from e2e.probes import http_get, phase, relay_url, shard, wait_for
 from relay.protocol import keypair
 
 TOKENS = "e2e-token-one\ne2e-token-two\n"

@@ -30,10 +30,10 @@ import pytest
 from relayfleet_operator.crds import VERSION_ANNOTATION
 from relayfleet_operator.spec import DEFAULT_IMAGE
 
-from e2e.conftest import CHART, ROOT, cluster_env, helm_install_args
+from e2e.cluster import CHART, ROOT, cluster_env, helm_install_args
 from e2e.env import FLEET, RELEASE, Env
 from e2e.podrunner import TREES_ENV
-from e2e.test_user_path import TIMINGS, http_get, phase, relay_url, shard, shard_map, slots_of, wait_for
+from e2e.probes import TIMINGS, http_get, phase, relay_url, shard, shard_map, slots_of, wait_for
 from e2e.workload import Workload
 from relay.fleet.sharding import SLOT_COUNT
 from tests.support.k8s_cluster import KubeCluster

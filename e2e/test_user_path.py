@@ -9,92 +9,27 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from e2e.env import FLEET, RELEASE, Env
+from e2e.probes import (
+    TIMINGS,
+    http_get,
+    phase,
+    relay_url,
+    shard,
+    shard_map,
+    slots_of,
+    wait_for,
+)
 from e2e.workload import Workload
-from relay.fleet.sharding import SLOT_COUNT, ShardMap, loads_shard_map
+from relay.fleet.sharding import SLOT_COUNT, ShardMap
 
-T = TypeVar("T")
-FLEET_SERVICE = f"relayfleet-{FLEET}"
-SHARD_IMAGE = os.environ.get("RELAYFLEET_E2E_SHARD_IMAGE", "")
-TIMINGS: dict[str, float] = {}
 STATE: dict[str, Any] = {}
-
-
-def wait_for(what: str, check: Callable[[], T | None], timeout: float = 120.0, interval: float = 0.5) -> T:
-    start = time.monotonic()
-    last: object = None
-    while True:
-        try:
-            result = check()
-        except (LookupError, OSError, AssertionError) as exc:
-            result, last = None, exc
-        if result:
-            TIMINGS[what] = round(time.monotonic() - start, 1)
-            return result
-        if time.monotonic() - start > timeout:
-            pytest.fail(
-                f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last: {last})" if last else "")
-            )
-        time.sleep(interval)
-
-
-def shard(name: str, **spec: Any) -> str:
-    body = {
-        "apiVersion": "relayfleet.dev/v1alpha1",
-        "kind": "RelayShard",
-        "metadata": {"name": name},
-        "spec": {
-            "fleet": FLEET,
-            "replicas": 1,
-            "redis": {"managed": {"storage": {"size": "64Mi"}}},
-            "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
-            # kind: the image e2e/kind/run.sh built and loaded (ignored by the pod runner).
-            **({"image": SHARD_IMAGE} if SHARD_IMAGE else {}),
-            **spec,
-        },
-    }
-    return json.dumps(body)
-
-
-def shard_map(e2e: Env) -> ShardMap | None:
-    cm = e2e.get("configmap", f"relayfleet-{FLEET}-shardmap")
-    if cm is None:
-        return None
-    data: Any = cm["data"]
-    return loads_shard_map(data["shardmap.json"])
-
-
-def slots_of(m: ShardMap) -> dict[str, int]:
-    out = dict.fromkeys(m.shards, 0)
-    for r in m.ranges:
-        out[r.shard] += r.end - r.start + 1
-    return out
-
-
-def phase(e2e: Env, kind: str, name: str) -> str | None:
-    obj: Any = e2e.get(kind, name)
-    return None if obj is None else (obj.get("status") or {}).get("phase")
-
-
-def http_get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return int(resp.status), resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
-
-
-def relay_url(e2e: Env) -> str:
-    return e2e.service_url(FLEET_SERVICE, 80)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -4,24 +4,20 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 
 import aiohttp
 import pytest
 import redis
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 from relayfleet_testing.localredis import LocalRedis
 
 from relay.api.context import CTX
 from relay.app import build_app, start_fleet
-from relay.client import RelayClient
-from relay.fleet.routing import ShardRouter, single_shard_map
+from relay.fleet.routing import single_shard_map
 from relay.fleet.sharding import ShardMap
-from relay.serving import make_runner
 from relay.settings import Settings
+from tests.support.in_process_relay import RelayFactory, RelayTestServer, RunningRelay
 
 pytest_plugins = [
     "tests.support.k8s_cluster",
@@ -75,35 +71,6 @@ def r(redis_server: LocalRedis) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
-
-
-class RelayTestServer(TestServer):
-    """aiohttp's TestServer on the relay's own connection layer (relay.serving), as `serve` runs it."""
-
-    def __init__(self, app: web.Application, settings: Settings) -> None:
-        super().__init__(app, host="127.0.0.1")
-        self._settings = settings
-
-    async def _make_runner(self, **kwargs: Any) -> web.AppRunner:
-        return make_runner(self.app, self._settings, **kwargs)
-
-
-@dataclass
-class RunningRelay:
-    base_url: str
-    app: web.Application
-    fleet: ShardRouter
-    server: TestServer
-
-    @property
-    def settings(self) -> Settings:
-        return self.app[CTX].settings
-
-    def client(self, private_key: bytes | None = None, public_key: bytes | None = None) -> RelayClient:
-        return RelayClient(self.base_url, private_key, public_key)
-
-
-RelayFactory = Callable[..., Awaitable[RunningRelay]]
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from nacl.signing import SigningKey
 from relayfleet_testing.localredis import LocalRedis, free_port
 
 from relay.protocol import b64decode, b64encode, canonical, keypair, sign_headers
-from tests.conftest import RelayFactory, RunningRelay
+from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 Snapshot = dict[bytes, bytes | None]
 

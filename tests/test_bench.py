@@ -20,7 +20,7 @@ from relayfleet_testing.bench.scenarios import OCTET
 from relayfleet_testing.localredis import LocalRedis
 
 from relay.storage.store import QueueLimits
-from tests.conftest import RelayFactory
+from tests.support.in_process_relay import RelayFactory
 
 WRK_MISSING = not Path(wrk.WRK).exists()
 

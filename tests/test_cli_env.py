@@ -16,7 +16,7 @@ from relayfleet_testing.localredis import LocalRedis
 
 from relay import cli
 from relay.settings import DEPRECATED_ENV, RELAY_ENV, Settings
-from tests.conftest import RelayFactory
+from tests.support.in_process_relay import RelayFactory
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:

@@ -17,8 +17,8 @@ from relayfleet_testing.localredis import LocalRedis
 
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import pack
-from tests.conftest import RelayFactory, RunningRelay
 from tests.support.didcomm_test_agent import Agent, forward_envelope, inner_message, msg
+from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 PUBLIC = "https://relay.example.test"
 

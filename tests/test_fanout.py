@@ -13,7 +13,7 @@ from relayfleet_testing.localredis import LocalRedis
 from relay.client import RelayClient
 from relay.protocol import b64encode, keypair
 from relay.storage.store import QueueLimits
-from tests.conftest import RelayFactory, RunningRelay
+from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 
 def keys(n: int) -> list[bytes]:

@@ -23,7 +23,7 @@ from relay.protocol import b64decode, b64encode
 from relay.storage import keys as K
 from relay.storage.maintenance import ShardMaintenance, TrimPolicy
 from relay.storage.store import QueueLimits
-from tests.conftest import RelayFactory, RunningRelay
+from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 ROOM_INBOX = "tenant-123:room-456"  # the inbox id of the document's R2 key example
 

@@ -15,7 +15,7 @@ from relay.api import live as live_module
 from relay.api.live import CLOSE_DISPLACED
 from relay.client import LiveClosed, LiveConnection, RelayClient, RelayError, received
 from relay.protocol import b64encode, keypair, sign_headers
-from tests.conftest import RelayFactory, RunningRelay
+from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 PICKUP = "https://didcomm.org/messagepickup/2.0/"
 STEP = 5.0  # generous bound for one frame on a loaded 2-core machine

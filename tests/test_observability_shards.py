@@ -15,7 +15,7 @@ from relayfleet_testing.localredis import LocalRedis
 from relay import metrics
 from relay.shard_health import MONITOR, ShardHealth, read_load
 from relay.storage import keys as K
-from tests.conftest import RunningRelay
+from tests.support.in_process_relay import RunningRelay
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,7 @@ from relayfleet_testing.localredis import LocalRedis
 
 from relay.client import RelayClient, RelayError
 from relay.protocol import b64decode, b64encode, keypair, sign_headers
-from tests.conftest import RelayFactory, RunningRelay
+from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 KEY = "<key for messages>"
 RFC_STATUS_REQUEST = {

@@ -21,7 +21,7 @@ from relay import metrics
 from relay.api.context import CTX
 from relay.protocol import b64encode, keypair
 from relay.push import NOTIFIER, PushNotifier
-from tests.conftest import RelayFactory, RunningRelay
+from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 
 @dataclass

@@ -16,7 +16,7 @@ from relay.client import RelayClient, RelayError
 from relay.protocol import b64encode
 from relay.storage import keys as K
 from relay.storage.store import QueueLimits
-from tests.conftest import RelayFactory, RunningRelay
+from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 
 def rkey() -> bytes:

@@ -22,7 +22,7 @@ from relay.storage import keys as K
 from relay.storage.maintenance import ShardMaintenance
 from relay.storage.store import QueueLimits, ShardStore
 from relay.storage.wakeups import WakeupHub
-from tests.conftest import RelayFactory
+from tests.support.in_process_relay import RelayFactory
 from tests.support.tls_pki import Pki, make_pki, tls_redis
 
 if TYPE_CHECKING:

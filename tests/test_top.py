@@ -11,7 +11,7 @@ import pytest
 
 from relay.shard_health import MONITOR
 from relay.top import Scrape, quantile, top_main
-from tests.conftest import RunningRelay
+from tests.support.in_process_relay import RunningRelay
 
 
 async def test_once_shows_rates_relays_and_shards(relay: RunningRelay) -> None:

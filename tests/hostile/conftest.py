@@ -8,15 +8,13 @@ small open-files limit). Every relay logs at DEBUG; tests grep it for planted se
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 from relayfleet_testing.localredis import LocalRedis
 
-from tests.hostile.harness import Relay, start_redis, start_relay
-
-HEADER_TIMEOUT_S = 2.0
+from tests.hostile.harness import HEADER_TIMEOUT_S, Relay, RelayWith, start_redis, start_relay
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -48,9 +46,6 @@ def hostile_relay(hostile_redis: LocalRedis, tmp_path_factory: pytest.TempPathFa
         relay.stop()
     # whatever every attack planted, none of it reached the log
     relay.assert_log_clean()
-
-
-RelayWith = Callable[..., Relay]
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,3 +237,10 @@ def recipient(n: int) -> str:
     from relay.protocol import b64encode
 
     return b64encode(n.to_bytes(4, "big") * 8)
+
+
+# The suite relay's header timeout (tests/hostile/conftest.py): short, so slowloris tests finish quickly.
+HEADER_TIMEOUT_S = 2.0
+
+# The `relay_with(env, nofile)` fixture: a relay of its own with other settings.
+RelayWith = Callable[..., Relay]

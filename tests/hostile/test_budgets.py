@@ -17,8 +17,7 @@ import aiohttp
 import pytest
 import redis
 
-from tests.hostile.conftest import RelayWith
-from tests.hostile.harness import SECRET_PAYLOAD, Relay, http, recipient, request_answer
+from tests.hostile.harness import SECRET_PAYLOAD, Relay, RelayWith, http, recipient, request_answer
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -17,8 +17,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.hostile.conftest import RelayWith
-from tests.hostile.harness import Relay, recipient
+from tests.hostile.harness import Relay, RelayWith, recipient
 
 pytestmark = pytest.mark.timeout(300)
 

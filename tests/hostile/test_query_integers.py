@@ -11,8 +11,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from tests.hostile.conftest import RelayWith
-from tests.hostile.harness import SECRET_INBOX_ID, Relay, http, recipient, request_answer
+from tests.hostile.harness import SECRET_INBOX_ID, Relay, RelayWith, http, recipient, request_answer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,8 +17,15 @@ import time
 
 import pytest
 
-from tests.hostile.conftest import HEADER_TIMEOUT_S, RelayWith
-from tests.hostile.harness import SECRET_HEADER, Relay, http, recipient, request_answer
+from tests.hostile.harness import (
+    HEADER_TIMEOUT_S,
+    SECRET_HEADER,
+    Relay,
+    RelayWith,
+    http,
+    recipient,
+    request_answer,
+)
 
 pytestmark = pytest.mark.timeout(180)
 

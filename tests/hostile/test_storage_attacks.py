@@ -26,8 +26,7 @@ import pytest
 import redis
 
 from relay.protocol import b64decode
-from tests.hostile.conftest import RelayWith
-from tests.hostile.harness import Relay, recipient, start_redis, start_relay
+from tests.hostile.harness import Relay, RelayWith, recipient, start_redis, start_relay
 from tests.support.tcp_proxy import tcp_proxy
 
 pytestmark = pytest.mark.timeout(300)
