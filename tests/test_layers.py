@@ -6,6 +6,7 @@ relay.api, relay.service), the fleet, storage or a Redis client.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -87,3 +88,32 @@ def test_import_contracts_hold() -> None:
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "0 broken" in out.stdout
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module an `import` or `from ... import` in `path` names (nested ones too), `from
+    package import name` counted as `package.name` since the name may be a module."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return out
+
+
+def test_test_modules_import_no_test_module_or_conftest() -> None:
+    """Shared helpers live in tests/support/, tests/hostile/harness.py or e2e's non-test modules:
+    a test module holds tests only, and a conftest is pytest's to load (importing it twice
+    runs its hooks twice)."""
+    root = Path(__file__).resolve().parent.parent
+    offenders = []
+    for path in sorted([*root.glob("tests/**/*.py"), *root.glob("e2e/**/*.py")]):
+        for module in _imported_modules(path):
+            parts = module.split(".")
+            if parts[0] in ("tests", "e2e") and any(
+                p.startswith("test_") or p == "conftest" for p in parts[1:]
+            ):
+                offenders.append(f"{path.relative_to(root)} imports {module}")
+    assert offenders == []
