@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import yaml
 from tests.support.chart import CHART, HELM, K8S_VERSION, needs_helm, render
 from tests.support.k8s_cluster import KubeCluster
 from tests.support.observability import DASHBOARDS, dashboard_queries
-from tests.support.operator_harness import namespace, wait_for
+from tests.support.operator_harness import wait_for
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "gateway-api-subset-crds.yaml"
 
@@ -115,12 +114,6 @@ def test_bad_exposure_values_are_refused(sets: list[str], message: str) -> None:
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
-
-
-@pytest.fixture
-def apiserver_ns(kube_apiserver: KubeCluster) -> Iterator[str]:
-    with namespace(kube_apiserver) as ns:
-        yield ns
 
 
 @pytest.mark.k8s

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,27 +21,22 @@ from relayfleet_operator.spec import parse_shard
 
 from relay.fleet.sharding import is_sentinel_url, parse_sentinel_url
 from tests.support.k8s_cluster import KubeCluster
-from tests.support.operator_harness import KwokFleet, create, get, namespace, shard, wait_for
+from tests.support.operator_harness import (
+    KwokFleet,
+    create,
+    create_when_served,
+    get,
+    shard,
+    wait_for,
+)
 
 pytestmark = pytest.mark.k8s
 
 
-@pytest.fixture
-def apiserver_ns(kube_apiserver: KubeCluster) -> Iterator[str]:
-    with namespace(kube_apiserver) as ns:
-        yield ns
-
-
-def _served(cluster: KubeCluster, ns: str, doc: dict[str, Any]) -> subprocess.CompletedProcess[str]:
-    def attempt() -> subprocess.CompletedProcess[str] | None:
-        p = create(cluster, ns, doc)
-        return None if "NotFound" in p.stderr else p  # the type is not served yet
-
-    return wait_for("the type to be served", attempt)
-
-
 def test_replicas_min_replicas_and_backup_fields(kube_apiserver: KubeCluster, apiserver_ns: str) -> None:
-    ok = _served(kube_apiserver, apiserver_ns, shard("r", redis={"managed": {"replicas": 2}}, backup={}))
+    ok = create_when_served(
+        kube_apiserver, apiserver_ns, shard("r", redis={"managed": {"replicas": 2}}, backup={})
+    )
     assert ok.returncode == 0, ok.stderr
     got = get(kube_apiserver, apiserver_ns, "rshard", "r")
     assert got is not None
@@ -54,7 +48,7 @@ def test_replicas_min_replicas_and_backup_fields(kube_apiserver: KubeCluster, ap
         "suspend": False,
         "storage": {"size": "10Gi"},
     }
-    plain = _served(kube_apiserver, apiserver_ns, shard("p"))
+    plain = create_when_served(kube_apiserver, apiserver_ns, shard("p"))
     assert plain.returncode == 0
     p = get(kube_apiserver, apiserver_ns, "rshard", "p")
     assert p is not None

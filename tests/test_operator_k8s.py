@@ -14,7 +14,6 @@ import json
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,8 @@ from tests.support.operator_harness import (
     KwokFleet,
     conditions,
     create,
+    create_when_served,
     get,
-    namespace,
     rebalance,
     shard,
     wait_for,
@@ -39,12 +38,6 @@ from tests.support.operator_harness import (
 from tests.support.tls_pki import make_pki
 
 pytestmark = pytest.mark.k8s
-
-
-@pytest.fixture
-def apiserver_ns(kube_apiserver: KubeCluster) -> Iterator[str]:
-    with namespace(kube_apiserver) as ns:
-        yield ns
 
 
 # --- the CRDs on a bare API server ---------------------------------------------------------------
@@ -109,11 +102,7 @@ INVALID = [
 def test_invalid_objects_are_rejected_with_their_message(
     kube_apiserver: KubeCluster, apiserver_ns: str, doc: dict[str, Any], message: str
 ) -> None:
-    def attempt() -> subprocess.CompletedProcess[str] | None:
-        p = create(kube_apiserver, apiserver_ns, doc)
-        return None if "NotFound" in p.stderr else p  # the type is not served yet
-
-    proc = wait_for("the type to be served", attempt)
+    proc = create_when_served(kube_apiserver, apiserver_ns, doc)
     assert proc.returncode != 0
     assert "Invalid" in proc.stderr
     assert message in proc.stderr

@@ -5,23 +5,23 @@ from the operator's Deployment (secrets as mounted files, never as env values)."
 from __future__ import annotations
 
 import copy
-import subprocess
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.support.k8s_cluster import KubeCluster
-from tests.support.operator_harness import KwokFleet, apply, create, get, namespace, shard, wait_for
+from tests.support.operator_harness import (
+    KwokFleet,
+    apply,
+    create,
+    create_when_served,
+    get,
+    shard,
+    wait_for,
+)
 from tests.support.shard_specs import FULL_RELAY
 
 pytestmark = pytest.mark.k8s
-
-
-@pytest.fixture
-def apiserver_ns(kube_apiserver: KubeCluster) -> Iterator[str]:
-    with namespace(kube_apiserver) as ns:
-        yield ns
 
 
 def with_relay(**relay: Any) -> dict[str, Any]:
@@ -81,11 +81,7 @@ INVALID = [
 def test_bad_spec_relay_is_rejected_with_its_message(
     kube_apiserver: KubeCluster, apiserver_ns: str, doc: dict[str, Any], message: str
 ) -> None:
-    def attempt() -> subprocess.CompletedProcess[str] | None:
-        p = create(kube_apiserver, apiserver_ns, doc)
-        return None if "NotFound" in p.stderr else p  # the type is not served yet
-
-    proc = wait_for("the type to be served", attempt)
+    proc = create_when_served(kube_apiserver, apiserver_ns, doc)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
 

@@ -121,6 +121,26 @@ def namespace(cluster: KubeCluster) -> Iterator[str]:
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
+@pytest.fixture
+def apiserver_ns(kube_apiserver: KubeCluster) -> Iterator[str]:
+    """A fresh namespace on the bare API server, the CRDs installed."""
+    with namespace(kube_apiserver) as ns:
+        yield ns
+
+
+def create_when_served(
+    cluster: KubeCluster, ns: str, doc: dict[str, Any]
+) -> subprocess.CompletedProcess[str]:
+    """`create` of `doc` once the API server serves its type (a freshly established CRD may answer
+    NotFound for a moment): the answer then, accepted or refused."""
+
+    def attempt() -> subprocess.CompletedProcess[str] | None:
+        p = create(cluster, ns, doc)
+        return None if "NotFound" in p.stderr else p  # the type is not served yet
+
+    return wait_for("the type to be served", attempt)
+
+
 # --- the custom resources ------------------------------------------------------------------------
 
 
