@@ -42,14 +42,9 @@ case "${1-}" in
   *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
 esac
 
-log() { printf '[control-plane] %s\n' "$*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
-
-repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cache_root="${RELAYFLEET_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/relayfleet}"
-# A relative RELAYFLEET_CACHE_DIR (e.g. .cache, which .gitignore covers) is
-# taken relative to the repository root.
-[[ "${cache_root}" == /* ]] || cache_root="${repo_root}/${cache_root}"
+# shellcheck source=hack/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+rf_init control-plane
 kube_dir="${cache_root}/k8s/${KUBE_VERSION}"
 etcd_dir="${cache_root}/etcd/${ETCD_VERSION}"
 kwok_dir="${cache_root}/kwok/${KWOK_VERSION}"
@@ -83,12 +78,7 @@ if [[ "${check_only}" == true ]]; then
 fi
 
 command -v go >/dev/null || die "go is not on PATH"
-command -v flock >/dev/null || die "flock (util-linux) is not on PATH"
-
-mkdir -p "${cache_root}"
-exec 9>"${cache_root}/.build.lock"
-log "waiting for ${cache_root}/.build.lock"
-flock 9
+rf_lock .build.lock
 if all_built; then
   printf '%s\n' "${bin_dir}"
   exit 0
@@ -102,8 +92,7 @@ export GOWORK=off
 export CGO_ENABLED=0
 unset GOOS GOARCH GOBIN
 
-nice_level="${RELAYFLEET_BUILD_NICE:-10}"
-gorun() { nice -n "${nice_level}" go "$@"; }
+gorun() { rf_nice go "$@"; }
 
 log "go: $(go version); cache: ${cache_root}"
 

@@ -28,19 +28,17 @@ ASKAR_FEATURES="ffi,logger,sqlite,migration"
 ACAPY_VERSION="1.7.0"
 
 usage() { sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
-log() { printf '[didcomm-toolchain] %s\n' "$*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
-
-repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cache_root="${RELAYFLEET_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/relayfleet}"
-[[ "${cache_root}" == /* ]] || cache_root="${repo_root}/${cache_root}"
-nice_n="${RELAYFLEET_BUILD_NICE:-10}"
+# shellcheck source=hack/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+rf_init didcomm-toolchain
 
 askar_dir="${cache_root}/askar-${ASKAR_VERSION}"
 askar_lib="${askar_dir}/lib/libaries_askar.so"
 
 build_askar() {
   if [[ -f "${askar_lib}" ]]; then return 0; fi
+  rf_lock .didcomm.lock
+  if [[ -f "${askar_lib}" ]]; then return 0; fi  # built by another run meanwhile
   command -v cargo >/dev/null || die "cargo is needed to build aries-askar ${ASKAR_VERSION}"
   log "building aries-askar ${ASKAR_VERSION} (features ${ASKAR_FEATURES}); ~8 min cold"
   local work="${askar_dir}/work"
@@ -64,7 +62,7 @@ TOML
   [[ -d "${src}" ]] || die "aries-askar ${ASKAR_VERSION} source not found after cargo fetch"
   cp -r "${src}" "${work}/src"
   local t0=${SECONDS}
-  (cd "${work}/src" && CARGO_TARGET_DIR="${work}/target" nice -n "${nice_n}" \
+  (cd "${work}/src" && CARGO_TARGET_DIR="${work}/target" rf_nice \
     cargo build -q --release --locked --lib --no-default-features --features "${ASKAR_FEATURES}")
   mkdir -p "${askar_dir}/lib"
   cp "${work}/target/release/libaries_askar.so" "${askar_lib}.tmp"
@@ -91,13 +89,15 @@ find_python313() {
 
 build_acapy() {
   if [[ -f "${acapy_dir}/.done" ]]; then return 0; fi
+  rf_lock .didcomm.lock
+  if [[ -f "${acapy_dir}/.done" ]]; then return 0; fi  # built by another run meanwhile
   local py
   py="$(find_python313)" || die "acapy-agent ${ACAPY_VERSION} needs Python >= 3.13 (set DIDCOMM_PYTHON313)"
   log "installing acapy-agent ${ACAPY_VERSION} into a venv of ${py}"
   local t0=${SECONDS}
   # A venv's scripts carry its absolute path, so it is built in place; .done marks it whole.
   rm -rf "${acapy_dir}" && "${py}" -m venv "${acapy_dir}/venv"
-  nice -n "${nice_n}" "${acapy_dir}/venv/bin/pip" install -q --disable-pip-version-check \
+  rf_nice "${acapy_dir}/venv/bin/pip" install -q --disable-pip-version-check \
     "acapy-agent==${ACAPY_VERSION}" >&2
   "${acapy_bin}" --version >/dev/null || die "aca-py ${ACAPY_VERSION} does not start"
   touch "${acapy_dir}/.done"
@@ -106,11 +106,13 @@ build_acapy() {
 
 credo_src="${repo_root}/e2e/didcomm/credo"
 # Native modules are built against this node's ABI: the key covers both.
-credo_key="$( { cat "${credo_src}/package-lock.json"; node --version 2>/dev/null || true; } | sha256sum | cut -c1-16)"
+credo_key="$( { cat "${credo_src}/package-lock.json"; node --version 2>/dev/null || true; } | rf_key)"
 credo_dir="${cache_root}/credo-${credo_key}"
 
 build_credo() {
   if [[ -f "${credo_dir}/.done" ]]; then return 0; fi
+  rf_lock .didcomm.lock
+  if [[ -f "${credo_dir}/.done" ]]; then return 0; fi  # built by another run meanwhile
   command -v npm >/dev/null || die "node and npm are needed for the Credo-ts agent"
   log "installing the Credo-ts agent's node_modules (lockfile key ${credo_key})"
   local t0=${SECONDS} work="${credo_dir}.tmp"
@@ -119,8 +121,8 @@ build_credo() {
   # --ignore-scripts: askar-nodejs' install script downloads a prebuilt Askar, which we
   # build ourselves instead (LIB_ASKAR_PATH). The two FFI modules are compiled here
   # against the local node headers.
-  (cd "${work}" && nice -n "${nice_n}" npm ci -s --ignore-scripts --no-audit --no-fund >&2 &&
-    npm_config_nodedir="${DIDCOMM_NODEDIR:-/usr}" nice -n "${nice_n}" \
+  (cd "${work}" && rf_nice npm ci -s --ignore-scripts --no-audit --no-fund >&2 &&
+    npm_config_nodedir="${DIDCOMM_NODEDIR:-/usr}" rf_nice \
       npm rebuild -s @2060.io/ref-napi @2060.io/ffi-napi >&2)
   [[ -f "${work}/node_modules/@2060.io/ffi-napi/build/Release/ffi_bindings.node" ]] ||
     die "ffi-napi did not build (node headers under ${DIDCOMM_NODEDIR:-/usr}/include/node?)"

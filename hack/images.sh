@@ -20,16 +20,18 @@
 #   spark image:  `spark-submit --version` through tini + the entrypoint; a local[1] PySpark job
 set -euo pipefail
 version="$1" wheel="$2" dist="$3"
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=hack/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+rf_init images
+root="${repo_root}"
 py="${PYTHON:-${root}/.venv/bin/python}"
-cache="${RELAYFLEET_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/relayfleet}"
+cache="${cache_root}"
 mirror="${RELAYFLEET_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 security="${RELAYFLEET_DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security}"
 suite=bookworm
 redis_server="${REDIS_SERVER:-/usr/bin/redis-server}"
 # SOURCE_DATE_EPOCH (reproducible builds): the commit's time, else the version's release time is unknown: 0
 epoch="${SOURCE_DATE_EPOCH:-$(git -C "${root}" log -1 --format=%ct 2>/dev/null || echo 0)}"
-log() { printf '[images] %s\n' "$*" >&2; }
 
 [[ "$(id -u)" -eq 0 ]] || { log "needs root (debootstrap, chroot)"; exit 1; }
 for tool in debootstrap unshare chroot curl; do
@@ -72,7 +74,7 @@ base() {
   shift 2
   local recipe key dir
   recipe="$(printf '%s\n' "v1" "${suite}" "${mirror}" "${security}" "${parent}" "$@")"
-  key="$(printf '%s' "${recipe}" | sha256sum | cut -c1-16)"
+  key="$(printf '%s' "${recipe}" | rf_key)"
   dir="${cache}/image-base/${name}-${key}"
   if [[ -d "${dir}" ]]; then
     log "base ${name}: cached (${dir})"

@@ -15,18 +15,22 @@
 # With neither a daemon nor root + debootstrap the images are not built and the script says so on
 # stderr and in dist/IMAGES-NOT-BUILT; RELAYFLEET_RELEASE_REQUIRE_IMAGES=1 makes that a failure.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=hack/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+rf_init release
+root="${repo_root}"
 cd "${root}"
 py="${PYTHON:-.venv/bin/python}"
 bin="$(dirname "${py}")"
-log() { printf '[release] %s\n' "$*" >&2; }
 
 "${py}" hack/version.py --check
 version="$("${py}" hack/version.py)"
 log "version ${version} (tag v${version})"
-cmp -s crds/relayshards.yaml charts/relayfleet/crds/relayshards.yaml \
-  && cmp -s crds/relayrebalances.yaml charts/relayfleet/crds/relayrebalances.yaml \
-  || { log "charts/relayfleet/crds differs from crds/: run make chart-crds"; exit 1; }
+if ! { cmp -s crds/relayshards.yaml charts/relayfleet/crds/relayshards.yaml &&
+  cmp -s crds/relayrebalances.yaml charts/relayfleet/crds/relayrebalances.yaml; }; then
+  log "charts/relayfleet/crds differs from crds/: run make chart-crds"
+  exit 1
+fi
 
 rm -rf dist
 mkdir -p dist
@@ -48,7 +52,7 @@ if tools:
 PY
 
 helm="${HELM:-$(bash hack/control-plane.sh --check 2>/dev/null || true)/helm}"
-cache="${RELAYFLEET_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/relayfleet}"
+cache="${cache_root}"
 pinned="$(sed -n 's/^HELM_VERSION="\(.*\)"$/\1/p' hack/control-plane.sh)"
 [[ -x "${helm}" ]] || helm="${cache}/helm/${pinned}/bin/helm"
 [[ -x "${helm}" ]] || helm="$(command -v helm || true)"
