@@ -3,7 +3,7 @@ a namespace with the chart installed, and a way to reach Services from the test 
 
 * ``--kubeconfig PATH`` / ``RELAYFLEET_KUBECONFIG``: a real cluster (kind: e2e/kind/run.sh).
   Pods run for real; Services are reached through ``kubectl port-forward``.
-* otherwise: the session's kwok cluster (tests/support/k8s_cluster.py). e2e/podrunner.py stands in
+* otherwise: the session's kwok cluster (tests/support/k8s_cluster.py). e2e/podrunner/ stands in
   for the kubelet of one extra node; the kwok nodes get a NoSchedule taint for the duration so
   every pod of the test lands there. Services are reached through the runner's address table.
 """

@@ -8,14 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from e2e.podrunner import PODENV, ROOT, Runner, RunPod, expand
+from e2e.podrunner.pods import RunPod
+from e2e.podrunner.translate import PODENV, ROOT, expand, port_words, rewrite, rewrite_path, rewrite_text
 
 
-def runner_and_pod(tmp_path: Path) -> tuple[Runner, RunPod]:
-    runner = Runner.__new__(Runner)  # no API: only the pure helpers are used
+def mounted_pod(tmp_path: Path) -> RunPod:
     pod = RunPod(uid="u", name="p", ip="10.244.0.2", spec={}, labels={}, dir=tmp_path)
     pod.mounts = {"/data": "/x/data", "/etc/redis": "/x/conf", "/tmp": "/x/tmp"}
-    return runner, pod
+    return pod
 
 
 def test_expand_follows_kubernetes_rules() -> None:
@@ -27,26 +27,26 @@ def test_expand_follows_kubernetes_rules() -> None:
 
 
 def test_paths_ports_and_wildcard_are_rewritten(tmp_path: Path) -> None:
-    runner, pod = runner_and_pod(tmp_path)
+    pod = mounted_pod(tmp_path)
     ports = {"8080": 41000, "http": 41000}
-    assert runner.rewrite("/etc/redis/redis.conf", pod, ports) == "/x/conf/redis.conf"
-    assert runner.rewrite("/tmp", pod, ports) == "/x/tmp"
-    assert runner.rewrite("/tmpfoo", pod, ports) == "/tmpfoo"  # a prefix, not a path inside
-    assert runner.rewrite("8080", pod, ports) == "41000"
-    assert runner.rewrite("0.0.0.0", pod, ports) == "127.0.0.1"
-    assert runner.rewrite("/app", pod, ports) == str(ROOT)  # the Spark image's repository
-    assert runner.rewrite_path("--report=/tmp/r.jsonl", pod) == "--report=/x/tmp/r.jsonl"
+    assert rewrite("/etc/redis/redis.conf", pod, ports) == "/x/conf/redis.conf"
+    assert rewrite("/tmp", pod, ports) == "/x/tmp"
+    assert rewrite("/tmpfoo", pod, ports) == "/tmpfoo"  # a prefix, not a path inside
+    assert rewrite("8080", pod, ports) == "41000"
+    assert rewrite("0.0.0.0", pod, ports) == "127.0.0.1"
+    assert rewrite("/app", pod, ports) == str(ROOT)  # the Spark image's repository
+    assert rewrite_path("--report=/tmp/r.jsonl", pod) == "--report=/x/tmp/r.jsonl"
 
 
 def test_config_files_get_their_paths_rewritten(tmp_path: Path) -> None:
-    runner, pod = runner_and_pod(tmp_path)
+    pod = mounted_pod(tmp_path)
     conf = 'port 6379\ndir "/data"\ninclude /etc/redis/auth.conf\n'
-    assert runner.rewrite_text(conf, pod) == 'port 6379\ndir "/x/data"\ninclude /x/conf/auth.conf\n'
+    assert rewrite_text(conf, pod) == 'port 6379\ndir "/x/data"\ninclude /x/conf/auth.conf\n'
 
 
 def test_exec_probe_ports_are_translated() -> None:
     cmd = "redis-cli -p 6379 ping | grep -q PONG"
-    assert Runner.port_words(cmd, {"6379": 5000, "redis": 5000}) == "redis-cli -p 5000 ping | grep -q PONG"
+    assert port_words(cmd, {"6379": 5000, "redis": 5000}) == "redis-cli -p 5000 ping | grep -q PONG"
 
 
 def test_processes_resolve_service_names_through_the_table(tmp_path: Path) -> None:

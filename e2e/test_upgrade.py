@@ -32,7 +32,7 @@ from relayfleet_operator.spec import DEFAULT_IMAGE
 
 from e2e.cluster import CHART, ROOT, cluster_env, helm_install_args
 from e2e.env import FLEET, RELEASE, Env
-from e2e.podrunner import TREES_ENV
+from e2e.podrunner.translate import TREES_ENV
 from e2e.probes import TIMINGS, http_get, phase, relay_url, shard, shard_map, slots_of, wait_for
 from e2e.workload import Workload
 from relay.fleet.sharding import SLOT_COUNT

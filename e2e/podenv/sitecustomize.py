@@ -1,7 +1,7 @@
 """TEST-ONLY (e2e pod runner): resolve Kubernetes Service names to the loopback ports of the
 local processes that stand in for their pods.
 
-The pod runner (e2e/podrunner.py) writes a JSON table {"host:port": ["127.0.0.1:P", ...]} to
+The pod runner (e2e/podrunner/services.py) writes a JSON table {"host:port": ["127.0.0.1:P", ...]} to
 the file named by RELAYFLEET_E2E_ADDRESSES and puts this directory first on PYTHONPATH of
 every process it starts, so `relayfleet-a-redis.ns.svc:6379` reaches the redis-server
 standing in for that StatefulSet's pod, the way cluster DNS plus kube-proxy would. Two
