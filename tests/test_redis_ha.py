@@ -27,6 +27,7 @@ from relayfleet_operator.status import Observed, shard_status
 from relayfleet_testing.localredis import free_port
 
 from relay.fleet.sharding import SentinelTarget
+from tests.support.procs import stop_process
 
 DEBIAN = Path("/usr/bin")
 PASSWORD = "pw-Xy_9"
@@ -71,13 +72,7 @@ class Node:
         self.proc = None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, 10, kill_wait=10)
         self.proc = None
 
 

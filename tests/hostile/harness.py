@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import resource
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,8 @@ from typing import Any
 
 import orjson
 from relayfleet_testing.localredis import LocalRedis, free_port
+
+from tests.support.procs import stop_process
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 
@@ -94,13 +95,7 @@ class Relay:
         assert b"unhandled exception in a request handler" not in text, "an attack got a 500"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, 15)
 
 
 def start_redis() -> LocalRedis:

@@ -30,6 +30,8 @@ import aiohttp
 import pytest
 from relayfleet_testing.localredis import free_port
 
+from tests.support.procs import stop_process
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOOLCHAIN_SCRIPT = REPO_ROOT / "hack" / "didcomm-toolchain.sh"
 CREDO_AGENT = REPO_ROOT / "e2e" / "didcomm" / "credo" / "agent.mjs"
@@ -335,13 +337,7 @@ class AcaPy:
         await self.call("POST", f"/connections/{conn_id}/send-message", {"content": content})
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 15, kill_wait=None)
 
     def logs(self) -> str:
         """Its log without the admin API's access lines (the test polls it)."""

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ from tests.support.fleet_harness import (
     wait_ready,
 )
 from tests.support.k8s_cluster import KubeCluster
+from tests.support.procs import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -214,13 +214,7 @@ class Operator:
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, 20, kill_wait=10)
 
     def wait_exit(self, timeout: float) -> int:
         assert self.proc is not None

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import threading
@@ -24,6 +23,7 @@ import yaml
 
 from tests.support.chart import helm_binary
 from tests.support.observability import PROMETHEUS, alert_rules, rendered_rule_groups
+from tests.support.procs import stop_process
 
 FAST_ALERT = "RelayfleetShardRedisDown"  # its `for` is cut to 2 s so a test sees it fire
 
@@ -70,13 +70,7 @@ class Proc:
         raise AssertionError(f"no {needle!r} within {timeout}s; output:\n" + "\n".join(self.lines[-40:]))
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(20)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
+        stop_process(self.popen, 20)
         self._reader.join(10)  # EOF once the process (and its children holding the pipe) ended
         if self.popen.stdout is not None and not self._reader.is_alive():
             self.popen.stdout.close()

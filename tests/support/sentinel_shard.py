@@ -16,6 +16,7 @@ import redis
 from relayfleet_testing.localredis import LocalRedis, free_port
 
 from relay.fleet.sharding import SentinelTarget
+from tests.support.procs import stop_process
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 DEBIAN_SENTINEL = "/usr/bin/redis-sentinel"
@@ -73,13 +74,7 @@ class SentinelProc:
             time.sleep(0.02)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, 5)
 
 
 @dataclass
