@@ -21,7 +21,7 @@ from relay.fastpath import FastConnection
 from relay.protocol import b64encode
 from relay.serving import GuardedRequestHandler, GuardedServer
 from relay.storage.store import QueueLimits
-from tests.conftest import RelayFactory, RunningRelay
+from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 
 @dataclass
