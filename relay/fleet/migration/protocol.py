@@ -31,18 +31,14 @@ import asyncio
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-from redis.exceptions import RedisError
 
 from relay.fleet.migration import shard_ops
 from relay.fleet.migration.crash_points import crash_point
 from relay.fleet.migration.errors import MigrationError, ShardInterrupted
 from relay.fleet.migration.publishing import CurrentMap, MapConflict, PublishMap
 from relay.fleet.migration.report import MigrationReport, Progress, ProgressFn
-from relay.fleet.migration.shard_ops import Shard, all_keys, chunks, queue_keys, slot_keys
+from relay.fleet.migration.shard_ops import Shard, all_keys
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, is_sentinel_url
-from relay.storage import keys as K
 
 __all__ = ["migrate_slots", "validate_request"]
 
@@ -132,13 +128,8 @@ class _Migration:
             if name == self.target:
                 continue
             moved = [s for s in slots if (plan.states[name][s] or "").startswith("moved ")]
-            if moved:
-                cmds = [("EXISTS", *slot_keys(s)) for s in moved]
-                replies = [
-                    r for part in chunks(cmds, 4096) for r in await sh.run("looking for leftovers", part)
-                ]
-                if left := [s for s, n in zip(moved, replies, strict=True) if int(n)]:
-                    plan.leftovers[name] = left
+            if moved and (left := await sh.slots_with_keys(moved)):
+                plan.leftovers[name] = left
         has_leftovers = {s for left in plan.leftovers.values() for s in left}
         for s in slots:
             owner = self.map.shard_for_slot(s)
@@ -210,14 +201,7 @@ class _Migration:
     async def batches(self, source: str, slots: Sequence[int]) -> list[list[int]]:
         """Consecutive runs of slots, each under the batch limits, sized from the slot statistics."""
         sh = self.shards[source]
-        sizes: dict[int, tuple[int, int]] = {}  # slot -> (payload bytes, queues)
-        for chunk in chunks(slots, 2048):
-            cmds = [
-                c for s in chunk for c in (("HGET", K.slot_stats(s), "bytes"), ("SCARD", K.slot_index(s)))
-            ]
-            replies = await sh.run("reading slot statistics", cmds)
-            for i, s in enumerate(chunk):
-                sizes[s] = (max(0, int(replies[2 * i] or 0)), int(replies[2 * i + 1]))
+        sizes = await sh.slot_sizes(slots)  # slot -> (payload bytes, queues)
         out: list[list[int]] = []
         cur: list[int] = []
         cur_bytes = cur_queues = 0
@@ -309,20 +293,7 @@ class _Migration:
         self, src: Shard, tgt: Shard, batch: Sequence[int], qids: Mapping[int, Sequence[str]]
     ) -> None:
         self.tick("copy")
-        # Which keys exist, and each queue's payload bytes, in one round trip.
-        probe = [k for s in batch for k in (*slot_keys(s), *(k for q in qids[s] for k in queue_keys(s, q)))]
-        streams = [K.queue_keys_for_id(s, q) for s in batch for q in qids[s]]
-
-        cmds = [("PTTL", k) for k in probe] + [("HGET", qk.meta, "bytes") for qk in streams]
-        replies: list[Any] = []
-        for part in chunks(cmds, 5000):
-            replies.extend(await src.run("listing the slot's keys", part))
-        size_of = {qk.msgs: max(0, int(v or 0)) for qk, v in zip(streams, replies[len(probe) :], strict=True)}
-        ttls = [int(t) for t in replies[: len(probe)]]  # -2 missing, -1 persistent, else ms left
-        wanted = [(k, size_of.get(k, 0)) for k, t in zip(probe, ttls, strict=True) if t != -2]
-        # A key with a TTL (the rate window) may expire on either side at any moment: it
-        # is copied, but only persistent keys are required to arrive.
-        required = [k for k, t in zip(probe, ttls, strict=True) if t == -1]
+        wanted, required = await src.keys_to_copy(batch, qids)
         # Chunks bound how long one MIGRATE blocks the source for its other slots.
         chunk: list[str] = []
         chunk_bytes = 0
@@ -341,10 +312,7 @@ class _Migration:
             if sent == 0:
                 crash_point("mid-copy")
         # Verify before the flip: every persistent key of the fenced source exists on the target.
-        present = 0
-        for part in chunks(required, 1000):
-            (n,) = await tgt.run("verifying the copy", [("EXISTS", *part)])
-            present += int(n)
+        present = await tgt.count_existing(required)
         if present != len(required):
             raise MigrationError(
                 f"copy to {tgt.name} incomplete: {present} of {len(required)} keys of slots "
@@ -354,13 +322,7 @@ class _Migration:
     async def migrate(self, src: Shard, keys: Sequence[str], nbytes: int) -> None:
         a = self.target_addr
         assert a is not None
-        try:
-            await src.client.execute_command(  # type: ignore[no-untyped-call]
-                "MIGRATE", a.host, a.port, "", a.db, self.migrate_timeout_ms,
-                "COPY", "REPLACE", *a.auth, "KEYS", *keys,
-            )  # fmt: skip
-        except (RedisError, OSError) as exc:
-            raise src.fail(f"MIGRATE to {self.target}", exc) from None
+        await src.migrate_keys(a, self.target, keys, self.migrate_timeout_ms)
         self.report.keys += len(keys)
         self.report.bytes += nbytes
         self.tick("copy")
@@ -394,11 +356,7 @@ class _Migration:
             return
 
     async def wake(self, src: Shard, qids: Mapping[int, Sequence[str]]) -> None:
-        channels = [K.queue_keys_for_id(s, q).wake for s, qs in qids.items() for q in qs]
-        for chunk in chunks(channels, 1000):
-            await src.run("waking waiters", [("PUBLISH", ch, "moved") for ch in chunk])
-        # and the waiters on queues the index does not list (never written): their relays reload
-        await src.run("announcing the map", [("PUBLISH", K.SHARD_MAP_MOVED, str(self.map.epoch))])
+        await src.wake_moved(qids, self.map.epoch)
 
     async def clean(self, src: Shard, qids: Mapping[int, Sequence[str]], allowed_state: str = "") -> None:
         allowed = (allowed_state or f"moved {self.target} *",)

@@ -1,7 +1,9 @@
-"""One shard as the migrator sees it: its own connection, the pipelined state changes
-(compare-and-set of slot states, guarded deletes, import stamps) with WAIT on shards that
-require replicas, the listing of a slot's keys, and where another shard's MIGRATE reaches it.
-A broken connection or a failover surfaces as `ShardInterrupted`, which the protocol resumes."""
+"""One shard as the migrator sees it — every Redis command of a migration goes through here:
+its own connection, the pipelined state changes (compare-and-set of slot states, guarded
+deletes, import stamps) with WAIT on shards that require replicas, listing and sizing a
+slot's keys, MIGRATE to another shard (and the address that shard is reached at), the
+wakeups after a flip. A broken connection or a failover surfaces as `ShardInterrupted`,
+which the protocol resumes."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from relay.storage import script_runner, scripts, sentinel
 from relay.storage.connection import RedisTarget, RedisURLError
 from relay.storage.script_runner import ScriptLoadFailed
 
-__all__ = ["MigrateAddress", "Shard", "all_keys", "chunks", "migrate_address", "queue_keys", "slot_keys"]
+__all__ = ["MigrateAddress", "Shard", "all_keys", "migrate_address"]
 
 
 def _s(value: Any) -> str:
@@ -217,6 +219,72 @@ class Shard:
             for s, members in zip(chunk, replies, strict=True):
                 out[s] = sorted(_s(m) for m in members)
         return out
+
+    async def slots_with_keys(self, slots: Sequence[int]) -> list[int]:
+        """The slots of which this shard still holds a slot-level key (the index outlives every queue)."""
+        cmds = [("EXISTS", *slot_keys(s)) for s in slots]
+        replies = [r for part in chunks(cmds, 4096) for r in await self.run("looking for leftovers", part)]
+        return [s for s, n in zip(slots, replies, strict=True) if int(n)]
+
+    async def slot_sizes(self, slots: Sequence[int]) -> dict[int, tuple[int, int]]:
+        """slot -> (payload bytes, queues), from the slot statistics and index."""
+        sizes: dict[int, tuple[int, int]] = {}
+        for chunk in chunks(slots, 2048):
+            cmds = [
+                c for s in chunk for c in (("HGET", K.slot_stats(s), "bytes"), ("SCARD", K.slot_index(s)))
+            ]
+            replies = await self.run("reading slot statistics", cmds)
+            for i, s in enumerate(chunk):
+                sizes[s] = (max(0, int(replies[2 * i] or 0)), int(replies[2 * i + 1]))
+        return sizes
+
+    async def keys_to_copy(
+        self, slots: Sequence[int], qids: Mapping[int, Sequence[str]]
+    ) -> tuple[list[tuple[str, int]], list[str]]:
+        """The keys of `slots` that exist here, each with its queue's payload bytes (0 for slot-level
+        keys), and those of them that must arrive (persistent); one round trip per 5000 commands."""
+        probe = [k for s in slots for k in (*slot_keys(s), *(k for q in qids[s] for k in queue_keys(s, q)))]
+        streams = [K.queue_keys_for_id(s, q) for s in slots for q in qids[s]]
+
+        cmds = [("PTTL", k) for k in probe] + [("HGET", qk.meta, "bytes") for qk in streams]
+        replies: list[Any] = []
+        for part in chunks(cmds, 5000):
+            replies.extend(await self.run("listing the slot's keys", part))
+        size_of = {qk.msgs: max(0, int(v or 0)) for qk, v in zip(streams, replies[len(probe) :], strict=True)}
+        ttls = [int(t) for t in replies[: len(probe)]]  # -2 missing, -1 persistent, else ms left
+        wanted = [(k, size_of.get(k, 0)) for k, t in zip(probe, ttls, strict=True) if t != -2]
+        # A key with a TTL (the rate window) may expire on either side at any moment: it
+        # is copied, but only persistent keys are required to arrive.
+        required = [k for k, t in zip(probe, ttls, strict=True) if t == -1]
+        return wanted, required
+
+    async def count_existing(self, keys: Sequence[str]) -> int:
+        """How many of `keys` this shard holds (verifying a copy)."""
+        present = 0
+        for part in chunks(keys, 1000):
+            (n,) = await self.run("verifying the copy", [("EXISTS", *part)])
+            present += int(n)
+        return present
+
+    async def migrate_keys(
+        self, to: MigrateAddress, to_name: str, keys: Sequence[str], timeout_ms: int
+    ) -> None:
+        """MIGRATE ... COPY REPLACE: this shard's Redis sends `keys` to `to` (streams keep their IDs)."""
+        try:
+            await self.client.execute_command(  # type: ignore[no-untyped-call]
+                "MIGRATE", to.host, to.port, "", to.db, timeout_ms,
+                "COPY", "REPLACE", *to.auth, "KEYS", *keys,
+            )  # fmt: skip
+        except (RedisError, OSError) as exc:
+            raise self.fail(f"MIGRATE to {to_name}", exc) from None
+
+    async def wake_moved(self, qids: Mapping[int, Sequence[str]], epoch: int) -> None:
+        """Wake the long-polls parked on these queues here (they re-read and meet MOVED)."""
+        channels = [K.queue_keys_for_id(s, q).wake for s, qs in qids.items() for q in qs]
+        for chunk in chunks(channels, 1000):
+            await self.run("waking waiters", [("PUBLISH", ch, "moved") for ch in chunk])
+        # and the waiters on queues the index does not list (never written): their relays reload
+        await self.run("announcing the map", [("PUBLISH", K.SHARD_MAP_MOVED, str(epoch))])
 
 
 _evalsha = script_runner.evalsha
