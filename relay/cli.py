@@ -258,13 +258,13 @@ def _plan(argv: list[str]) -> int:
 
 
 def _backup(argv: list[str]) -> int:
-    from relay.backup import backup_main
+    from relay.backup.command import backup_main
 
     return backup_main(argv)
 
 
 def _restore(argv: list[str]) -> int:
-    from relay.backup import restore_main
+    from relay.backup.command import restore_main
 
     return restore_main(argv)
 

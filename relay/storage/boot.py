@@ -46,5 +46,5 @@ async def mark_boot(client: aioredis.Redis, waited: bool = False) -> None:
     await client.eval(scripts.BOOT_MARK.source, 1, K.SHARD_BOOT, "w" if waited else "")
 
 
-# For `relayfleet restore`, which runs the mark through a replication stream (relay/backup.py).
+# For `relayfleet restore`, which runs the mark through a replication stream (relay/backup/restoring.py).
 MARK_SCRIPT = scripts.BOOT_MARK.source

@@ -21,7 +21,7 @@ from relay.fleet.sharding import slot_of
 PREFIX = "rf"
 # The Redis run the relays last saw ("<run_id>:<ms>"); the scripts read it by this literal name.
 SHARD_BOOT = f"{PREFIX}:boot"
-# Where new queues' seqs start after a restore from a backup (see relay/backup.py); the
+# Where new queues' seqs start after a restore from a backup (see relay/backup/restoring.py); the
 # scripts read it by this literal name.
 SHARD_SEQ_FLOOR = f"{PREFIX}:seq-floor"
 # Which relay process reads this shard's slot statistics for the metrics (a lease, so a

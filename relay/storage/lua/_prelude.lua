@@ -134,7 +134,7 @@ local function check_boot(meta_key)
 end
 
 -- Where a new queue's seqs start. A shard restored from a backup (relayfleet restore,
--- relay/backup.py) may have handed out seqs, after the backup's point, on queues the backup
+-- relay/backup/restoring.py) may have handed out seqs, after the backup's point, on queues the backup
 -- does not hold; the restore sets 'rf:seq-floor' above anything that could have been handed
 -- out, so a queue created afterwards never repeats one. Undeclared key, like 'rf:boot' (above).
 local function seq_floor()
