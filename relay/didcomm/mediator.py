@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from relay.didcomm import keys as dk
+from relay.didcomm.attachments import AttachmentError, attached_document, signed_attachment
 from relay.didcomm.envelope import Unpacked, pack, parse, unpack
 from relay.didcomm.records import CHANNEL, Connection, Lease, Records
 from relay.service import QueueService
@@ -298,7 +299,10 @@ class Mediator:
                 "request_not_accepted",
             )
         their_did = doc.get("did")
-        attached = _attached_document(doc.get("did_doc~attach"))
+        try:
+            attached = attached_document(doc.get("did_doc~attach"))
+        except AttachmentError as exc:
+            raise MediatorError(str(exc), "request_not_accepted") from None
         try:
             their_keys = dk.keys_of_did(their_did, attached)
         except dk.DidError as exc:
@@ -320,28 +324,7 @@ class Mediator:
             "@id": str(uuid.uuid4()),
             "~thread": {"thid": thid or request_id, "pthid": pthid},
             "did": did,
-            "did_rotate~attach": self._signed_attachment(did.encode(), "text/string"),
-        }
-
-    def _signed_attachment(self, data: bytes, mime: str) -> dict[str, Any]:
-        """A signed attachment as DID Exchange 1.1 wants it: the data, and a JWS over it by the
-        invitation key (protected {alg: EdDSA, jwk}, header {kid: did:key})."""
-        kp = self.identity.connection
-        payload = dk.b64url(data)
-        jwk = {"kty": "OKP", "crv": "Ed25519", "x": dk.b64url(kp.verkey)}
-        protected = dk.b64url(json.dumps({"alg": "EdDSA", "jwk": jwk}, separators=(",", ":")).encode())
-        signature = kp.sign(f"{protected}.{payload}".encode())
-        return {
-            "@id": str(uuid.uuid4()),
-            "mime-type": mime,
-            "data": {
-                "base64": payload,
-                "jws": {
-                    "header": {"kid": kp.did_key},
-                    "protected": protected,
-                    "signature": dk.b64url(signature),
-                },
-            },
+            "did_rotate~attach": signed_attachment(self.identity.connection, did.encode(), "text/string"),
         }
 
     # -- coordinate-mediation 1.0 -----------------------------------------------------------
@@ -568,51 +551,3 @@ class Mediator:
                 family = pid[len(PREFIXES[0]) :].split("/", 1)[0]
                 protocols.append({"pid": pid_here, "roles": ROLES.get(family, [])})
         return self._reply(doc, prefix, "discover-features/1.0/disclose", {"protocols": protocols})
-
-
-def _attached_document(attach: Any) -> dict[str, Any] | None:
-    """A DID document attached to a DID Exchange request, verified against its JWS: the signer
-    must be a key of the document itself."""
-    if attach is None:
-        return None
-    data = attach.get("data") if isinstance(attach, dict) else None
-    if not isinstance(data, dict) or not isinstance(data.get("base64"), str):
-        raise MediatorError("did_doc~attach needs data.base64", "request_not_accepted")
-    try:
-        raw = dk.b64decode_any(data["base64"])
-        doc = json.loads(raw)
-        doc_keys = dk.keys_of_document(doc)
-    except (dk.DidError, ValueError, UnicodeDecodeError):
-        raise MediatorError("did_doc~attach is not a DID document", "request_not_accepted") from None
-    jws = data.get("jws")
-    if isinstance(jws, dict):
-        listed = jws.get("signatures")
-        sigs: list[Any] = listed if isinstance(listed, list) else [jws]
-        payload = dk.b64url(raw)
-        for sig in sigs:
-            if not _jws_valid(sig, payload, doc_keys):
-                raise MediatorError("did_doc~attach signature is invalid", "request_not_accepted")
-    return doc if isinstance(doc, dict) else None
-
-
-def _jws_valid(sig: Any, payload: str, allowed: list[bytes]) -> bool:
-    if not isinstance(sig, dict):
-        return False
-    given = sig.get("header")
-    header: dict[str, Any] = given if isinstance(given, dict) else {}
-    protected, signature = sig.get("protected"), sig.get("signature")
-    if not isinstance(protected, str) or not isinstance(signature, str):
-        return False
-    try:
-        prot = json.loads(dk.b64decode_any(protected))
-        kid = header.get("kid") or prot.get("kid")
-        if isinstance(prot.get("jwk"), dict) and isinstance(prot["jwk"].get("x"), str):
-            key = dk.b64decode_any(prot["jwk"]["x"])
-        else:
-            key = dk.verkey_from(kid)
-        sig_bytes = dk.b64decode_any(signature)
-    except (dk.DidError, ValueError, UnicodeDecodeError, AttributeError):
-        return False
-    if key not in allowed or prot.get("alg") not in ("EdDSA", "Ed25519"):
-        return False
-    return dk.verify(key, f"{protected}.{payload}".encode(), sig_bytes)
