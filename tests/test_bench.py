@@ -209,7 +209,8 @@ def test_wrk_output_parsing_sums_instances() -> None:
 
 
 def test_nchan_config_is_rendered_not_edited(tmp_path: Path) -> None:
-    template = targets.NCHAN_CONF.read_text() if targets.NCHAN_CONF.exists() else _MINI_NCHAN
+    shared = targets.SHARED_NCHAN_CONF
+    template = shared.read_text() if shared.exists() else _MINI_NCHAN
     text = targets.render_nchan_conf(template, tmp_path, 4321, "redis://127.0.0.1:9/0", 19000, 4096)
     assert "${" not in text
     assert "listen 127.0.0.1:4321;" in text
@@ -218,6 +219,45 @@ def test_nchan_config_is_rendered_not_edited(tmp_path: Path) -> None:
     assert "location = /bench/static" in text
     with pytest.raises(BenchError, match="unknown variable"):
         targets.render_nchan_conf(template + "${OTHER}", tmp_path, 1, "redis://x", 1, 1)
+
+
+def test_the_nchan_config_comes_from_beside_the_checkout_or_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No machine path: ../shared/peers/nchan.conf relative to this checkout, or the variable;
+    missing, a BenchError says where it looked and what to set."""
+    root = Path(__file__).resolve().parent.parent
+    assert root.parent / "shared" / "peers" / "nchan.conf" == targets.SHARED_NCHAN_CONF
+    monkeypatch.delenv(targets.NCHAN_CONF_ENV, raising=False)
+    if targets.SHARED_NCHAN_CONF.is_file():
+        assert targets.nchan_conf() == targets.SHARED_NCHAN_CONF
+    own = tmp_path / "peer.conf"
+    own.write_text(_MINI_NCHAN)
+    monkeypatch.setenv(targets.NCHAN_CONF_ENV, str(own))
+    assert targets.nchan_conf() == own
+    monkeypatch.setenv(targets.NCHAN_CONF_ENV, str(tmp_path / "absent.conf"))
+    with pytest.raises(BenchError) as caught:
+        targets.nchan_conf()
+    assert str(tmp_path / "absent.conf") in str(caught.value)
+    assert targets.NCHAN_CONF_ENV in str(caught.value)
+
+
+def test_relays_run_under_this_interpreter_unless_the_variable_names_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(targets.RELAY_PYTHON_ENV, raising=False)
+    assert targets.relay_python() == sys.executable
+    monkeypatch.setenv(targets.RELAY_PYTHON_ENV, "/opt/py/bin/python3")
+    assert targets.relay_python() == "/opt/py/bin/python3"
+
+
+def test_bench_help_names_its_variables(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    with pytest.raises(SystemExit):
+        cpu.main(["--help"])
+    shown = capsys.readouterr().out
+    for name in (targets.NCHAN_CONF_ENV, targets.RELAY_PYTHON_ENV):
+        assert shown.count(name) == 2, name  # relayfleet bench and bench.cpu
 
 
 _MINI_NCHAN = """events { worker_connections 8192; }

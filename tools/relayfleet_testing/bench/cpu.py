@@ -40,6 +40,7 @@ from relayfleet_testing.bench.procs import BenchError, Child, Procs, free_port
 from relayfleet_testing.bench.results import size_label
 from relayfleet_testing.bench.scenarios import OCTET, recipient
 from relayfleet_testing.bench.targets import (
+    ENV_HELP,
     REPO,
     RedisServer,
     Target,
@@ -265,7 +266,10 @@ def _sizes(text: str) -> list[int]:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m relayfleet_testing.bench.cpu", description=__doc__.split("\n")[0]
+        prog="python -m relayfleet_testing.bench.cpu",
+        description=__doc__.split("\n")[0],
+        epilog=ENV_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--tree", action="append", metavar="LABEL=DIR", help="a tree holding relay/ (repeatable)")
     p.add_argument("--nchan", action="store_true", help="also nginx + nchan with Redis storage (the peer)")

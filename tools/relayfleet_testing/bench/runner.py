@@ -358,6 +358,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         prog="relayfleet bench",
         description="Side-by-side benchmarks (see docs/benchmarks.md).",
         formatter_class=EnvHelpFormatter,
+        epilog=targets.ENV_HELP,
     )
     p.add_argument("--quick", action="store_true", help="fewer scenarios and shorter runs: about a minute")
     p.add_argument(

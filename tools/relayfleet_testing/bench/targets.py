@@ -7,6 +7,7 @@ and runs against the relay, the aiohttp ceiling and nginx + nchan alike.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import resource
 import sys
@@ -24,9 +25,18 @@ from relay.storage.keys import b64
 REDIS_SERVER = "/usr/bin/redis-server"
 NGINX = "/usr/sbin/nginx"
 NCHAN_MODULE = "/usr/lib/nginx/modules/ngx_nchan_module.so"
-NCHAN_CONF = Path("/work/shared/peers/nchan.conf")
-RELAY_PYTHON = Path("/work/main/.venv/bin/python")
 REPO = Path(__file__).resolve().parents[3]
+# The peer's nginx + nchan config is shared with the other systems measured against it, so it
+# lives in the shared folder beside the checkout (../shared/peers/nchan.conf), not in the repo;
+# the variable points at it from anywhere else (e.g. an installed relayfleet-testing).
+NCHAN_CONF_ENV = "RELAYFLEET_BENCH_NCHAN_CONF"
+SHARED_NCHAN_CONF = REPO.parent / "shared" / "peers" / "nchan.conf"
+# The interpreter the relay processes run under; by default the one running the bench.
+RELAY_PYTHON_ENV = "RELAYFLEET_BENCH_PYTHON"
+# for the bench commands' --help (every variable documented)
+ENV_HELP = f"""environment:
+  {NCHAN_CONF_ENV}  the nchan peer config to render [default {SHARED_NCHAN_CONF}]
+  {RELAY_PYTHON_ENV}  the Python the relay processes run under [default this interpreter]"""
 
 
 @dataclass
@@ -200,7 +210,22 @@ async def start_ceiling(procs: Procs, processes: int) -> Target:
 
 
 def relay_python() -> str:
-    return str(RELAY_PYTHON) if RELAY_PYTHON.exists() else sys.executable
+    """$RELAYFLEET_BENCH_PYTHON, else the interpreter running the bench (its environment holds
+    the relay: relayfleet-testing depends on relayfleet)."""
+    return os.environ.get(RELAY_PYTHON_ENV) or sys.executable
+
+
+def nchan_conf() -> Path:
+    """The shared nchan config: $RELAYFLEET_BENCH_NCHAN_CONF, else ../shared/peers/nchan.conf
+    beside the checkout; BenchError naming both when it is not there."""
+    given = os.environ.get(NCHAN_CONF_ENV)
+    path = Path(given).expanduser() if given else SHARED_NCHAN_CONF
+    if not path.is_file():
+        where = f"{NCHAN_CONF_ENV} names {path}" if given else f"expected beside the checkout at {path}"
+        raise BenchError(
+            f"the nchan peer config is missing ({where}): point {NCHAN_CONF_ENV} at the shared nchan.conf"
+        )
+    return path
 
 
 async def start_relay(procs: Procs, redis_url: str, processes: int) -> Target:
@@ -274,16 +299,17 @@ async def _wait_redis_publish(port: int, child: Child, within: float = 20.0) -> 
 
 def _nginx_prefix(workdir: Path, port: int, redis_url: str, connections: int, shm_mib: int) -> Path:
     """Create nginx's prefix folder with the rendered config; return the config's path."""
-    for path in (NGINX, NCHAN_MODULE, NCHAN_CONF):
-        if not Path(path).exists():
-            raise BenchError(f"{path} is missing (Debian: apt-get install nginx libnginx-mod-nchan)")
+    for binary in (NGINX, NCHAN_MODULE):
+        if not Path(binary).exists():
+            raise BenchError(f"{binary} is missing (Debian: apt-get install nginx libnginx-mod-nchan)")
+    template = nchan_conf().read_text()
     prefix = workdir / f"nginx-{port}"
     prefix.mkdir()
     temps = ("tmp-body", "tmp-proxy", "tmp-fcgi", "tmp-uwsgi", "tmp-scgi")
     for sub in (*temps, "logs"):
         (prefix / sub).mkdir()
     conf = prefix / "nginx.conf"
-    conf.write_text(render_nchan_conf(NCHAN_CONF.read_text(), prefix, port, redis_url, connections, shm_mib))
+    conf.write_text(render_nchan_conf(template, prefix, port, redis_url, connections, shm_mib))
     # workers run as an unprivileged user when the bench runs as root: let them reach the prefix
     for path in (workdir, prefix):
         path.chmod(0o711)
