@@ -22,7 +22,9 @@ from relay.api.errors import ApiError, json_response
 from relay.api.queues import enqueue_error
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import EnvelopeError
-from relay.didcomm.mediator import ForwardRefused, Mediator, MediatorError, Outcome, message_id
+from relay.didcomm.mediator import ForwardRefused, Mediator, Outcome
+from relay.didcomm.messages import MediatorError
+from relay.didcomm.pickup import message_id
 from relay.didcomm.records import CHANNEL, Connection
 from relay.service import Unavailable
 
@@ -112,7 +114,7 @@ class DidcommSocket:
         self.inflight: set[str] = set()
         self.poke = asyncio.Event()  # an ack or a keylist change: look again now
 
-    # -- mediator.LiveSession ---------------------------------------------------------
+    # -- pickup.LiveSession ------------------------------------------------------------
     @property
     def live(self) -> bool:
         return self.live_conn is not None
@@ -179,11 +181,11 @@ class DidcommSocket:
             self.poke.clear()
             room = LIVE_WINDOW - len(self.inflight)
             if room > 0:
-                held = await m.pending(queues, len(self.inflight) + min(room, LIVE_BATCH))
+                held = await m.pickup.pending(queues, len(self.inflight) + min(room, LIVE_BATCH))
                 fresh = [(k, msg) for k, msg in held if message_id(k, msg.seq) not in self.inflight]
                 fresh = fresh[: min(room, LIVE_BATCH)]
                 if fresh:
-                    delivery = m.delivery(None, "https://didcomm.org/", fresh)
+                    delivery = m.pickup.delivery(None, "https://didcomm.org/", fresh)
                     await self.ws.send_bytes(m.pack_for(delivery, conn.key))
                     self.inflight.update(message_id(k, msg.seq) for k, msg in fresh)
                     _count("messagepickup/2.0/delivery", "live")

@@ -8,21 +8,20 @@ the request's ``@type`` prefix (``https://didcomm.org/`` or the legacy ``did:sov
 
 from __future__ import annotations
 
-import asyncio
 import fnmatch
 import json
-import time
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from relay.didcomm import keys as dk
 from relay.didcomm.attachments import AttachmentError, attached_document, signed_attachment
 from relay.didcomm.envelope import Unpacked, pack, parse, unpack
-from relay.didcomm.records import CHANNEL, Connection, Lease, Records
+from relay.didcomm.messages import MediatorError, reply, thread_of
+from relay.didcomm.pickup import LiveSession, Pickup
+from relay.didcomm.records import CHANNEL, Connection, Records
 from relay.service import QueueService
-from relay.storage.store import EnqueueOutcome, Message
+from relay.storage.store import EnqueueOutcome
 
 PREFIXES = ("https://didcomm.org/", "did:sov:BzCbsNYhMrjHiqZDTUASHg;spec/")
 HANDSHAKES = ("https://didcomm.org/didexchange/1.1", "https://didcomm.org/didexchange/1.0")
@@ -46,19 +45,8 @@ ROLES = {
     "discover-features": ["responder"],
 }
 MAX_MESSAGE = 1 << 20  # a plaintext protocol message (forwards excepted) is small
-MAX_IDS = 10_000
 MAX_UPDATES = 1000
 MAX_MESSAGE_ID = 100
-
-
-class MediatorError(Exception):
-    """A message the mediator will not act on: a problem-report to a known sender, else 4xx JSON."""
-
-    def __init__(self, text: str, code: str = "bad_didcomm_message", status: int = 400) -> None:
-        super().__init__(text)
-        self.text = text
-        self.code = code
-        self.status = status
 
 
 class ForwardRefused(Exception):
@@ -68,21 +56,6 @@ class ForwardRefused(Exception):
     def __init__(self, outcome: EnqueueOutcome) -> None:
         super().__init__(outcome.kind)
         self.outcome = outcome
-
-
-class LiveSession(Protocol):
-    """What a persistent transport (the DIDComm WebSocket) lets Pickup see and change."""
-
-    def set_live(self, conn: Connection | None) -> None: ...
-
-    @property
-    def live(self) -> bool: ...
-
-    def acked(self, ids: Iterable[str]) -> None: ...
-
-    def in_flight(self) -> int:
-        """Messages delivered live and not yet acknowledged."""
-        ...
 
 
 @dataclass
@@ -97,37 +70,6 @@ class Outcome:
     extra: list[bytes] = field(default_factory=list)
 
 
-def message_id(key: bytes, seq: int) -> str:
-    """A Pickup attachment id: which queue (recipient key) and which message of it."""
-    return f"{dk.b64url(key)}.{seq}"
-
-
-def parse_message_id(text: str) -> tuple[bytes, int] | None:
-    key, _, seq = text.partition(".")
-    if len(key) != 43 or not seq.isascii() or not seq.isdigit() or len(seq) > 18:
-        return None
-    try:
-        return dk.b64decode_any(key), int(seq)
-    except dk.DidError:
-        return None
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def _rfc3339(ms: int) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}Z"
-
-
-def _thread_of(doc: dict[str, Any]) -> tuple[str | None, str | None]:
-    thread = doc.get("~thread")
-    if not isinstance(thread, dict):
-        return None, None
-    thid, pthid = thread.get("thid"), thread.get("pthid")
-    return (thid if isinstance(thid, str) else None), (pthid if isinstance(pthid, str) else None)
-
-
 class Mediator:
     def __init__(
         self, identity: dk.Identity, service: QueueService, max_payload: int, redeliver_s: float = 10.0
@@ -138,6 +80,7 @@ class Mediator:
         self.identity = identity
         self.service = service
         self.records = Records(service)
+        self.pickup = Pickup(service, self.records, self.redeliver_ms)
         self.max_payload = max_payload
 
     # -- the invitation -------------------------------------------------------------------
@@ -229,25 +172,16 @@ class Mediator:
         if name == "trust_ping/1.0/ping":
             if doc.get("response_requested", True) is False:
                 return None
-            return self._reply(doc, prefix, "trust_ping/1.0/ping_response", {})
+            return reply(doc, prefix, "trust_ping/1.0/ping_response", {})
         if family == "coordinate-mediation/1.0":
             return await self.coordinate(doc, prefix, short, conn)
         if family == "messagepickup/2.0":
-            return await self.pickup(doc, prefix, short, conn, session)
+            return await self.pickup.handle(doc, prefix, short, conn, session)
         if name == "discover-features/1.0/query":
             return self.disclose(doc, prefix)
         if name == "notification/1.0/problem-report" or name.endswith("/problem-report"):
             return None  # an agent telling us something went wrong: nothing to answer
         raise MediatorError(f"{name} is not a message this mediator handles", "unsupported_message_type")
-
-    def _reply(self, doc: dict[str, Any], prefix: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        thid, _ = _thread_of(doc)
-        reply: dict[str, Any] = {"@type": prefix + name, "@id": str(uuid.uuid4())}
-        thread = thid or doc.get("@id")
-        if thread:
-            reply["~thread"] = {"thid": thread}
-        reply.update(body)
-        return reply
 
     def problem_report(self, doc_id: str | None, text: str, code: str) -> dict[str, Any]:
         report: dict[str, Any] = {
@@ -292,7 +226,7 @@ class Mediator:
     async def did_exchange(
         self, doc: dict[str, Any], prefix: str, family: str, sender: bytes
     ) -> dict[str, Any]:
-        _, pthid = _thread_of(doc)
+        _, pthid = thread_of(doc)
         if pthid not in (self.identity.invitation_id, self.identity.did):
             raise MediatorError(
                 "the request does not answer this mediator's invitation (~thread.pthid)",
@@ -317,7 +251,7 @@ class Mediator:
         if known is None or known.did != conn.did:  # a resent request keeps its grant
             await self.records.save(conn)
         request_id = doc.get("@id")
-        thid, _ = _thread_of(doc)
+        thid, _ = thread_of(doc)
         did = self.identity.did
         return {
             "@type": prefix + family + "response",
@@ -336,7 +270,7 @@ class Mediator:
             if not conn.mediation:
                 await self.records.save(Connection(conn.key, conn.did, conn.label, True, conn.created_ms))
             grant = {"endpoint": self.identity.endpoint, "routing_keys": [self.identity.routing.did_key]}
-            return self._reply(doc, prefix, family + "mediate-grant", grant)
+            return reply(doc, prefix, family + "mediate-grant", grant)
         if not conn.mediation:
             raise MediatorError(
                 "mediation has not been granted on this connection; send mediate-request",
@@ -360,182 +294,16 @@ class Mediator:
                 else:
                     result = await self.records.remove_key(conn, key)
                 results.append({"recipient_key": text, "action": u["action"], "result": result})
-            return self._reply(doc, prefix, family + "keylist-update-response", {"updated": results})
+            return reply(doc, prefix, family + "keylist-update-response", {"updated": results})
         if short == "keylist-query":
             held = await self.records.keys(conn)
             body: dict[str, Any] = {
                 "keys": [{"recipient_key": dk.did_key(k)} for k in held],
                 "pagination": {"count": len(held), "offset": 0, "remaining": 0},
             }
-            return self._reply(doc, prefix, family + "keylist", body)
+            return reply(doc, prefix, family + "keylist", body)
         raise MediatorError(
             f"coordinate-mediation/1.0/{short[:40]} is not a message the mediator accepts",
-            "unsupported_message_type",
-        )
-
-    # -- Pickup 2.0 -------------------------------------------------------------------------
-    async def _queues(self, doc: dict[str, Any], conn: Connection) -> list[bytes]:
-        held = await self.records.keys(conn)
-        key = doc.get("recipient_key")
-        if key is None:
-            return held
-        try:
-            wanted = dk.verkey_from(key)
-        except dk.DidError as exc:
-            raise MediatorError(f"recipient_key: {exc}", "bad_recipient") from None
-        if wanted not in held:
-            raise MediatorError("recipient_key is not a key this connection registered", "bad_recipient")
-        return [wanted]
-
-    async def status(
-        self, doc: dict[str, Any], prefix: str, queues: list[bytes], live: bool, in_flight: int = 0
-    ) -> dict[str, Any]:
-        """A Pickup status. Live deliveries awaiting their ack (`in_flight`) are not counted as
-        waiting: an agent that asked for a count's worth would get them twice."""
-        results, leases = await asyncio.gather(
-            asyncio.gather(*(self.service.status(k, CHANNEL) for k in queues)), self._leases(queues)
-        )
-        now = _now_ms()
-        leased = sum(lease.held for lease in leases.values() if lease.active(now))
-        count = max(0, sum(r.count for r in results) - in_flight - leased)
-        total = sum(r.bytes for r in results)
-        oldest = min((r.oldest_ms for r in results if r.oldest_ms is not None), default=None)
-        newest = max((r.newest_ms for r in results if r.newest_ms is not None), default=None)
-        body: dict[str, Any] = {}
-        if isinstance(doc.get("recipient_key"), str):
-            body["recipient_key"] = doc["recipient_key"]
-        body["message_count"] = count
-        body["longest_waited_seconds"] = max(0, int(time.time() - oldest / 1000)) if oldest is not None else 0
-        if newest is not None:
-            body["newest_received_time"] = _rfc3339(newest)
-        if oldest is not None:
-            body["oldest_received_time"] = _rfc3339(oldest)
-        body["total_bytes"] = total
-        body["live_delivery"] = live
-        return self._reply(doc, prefix, "messagepickup/2.0/status", body)
-
-    async def _leases(self, queues: list[bytes]) -> dict[bytes, Lease]:
-        found = await asyncio.gather(*(self.records.lease(k) for k in queues))
-        return {k: lease for k, lease in zip(queues, found, strict=True) if lease is not None}
-
-    async def pending(
-        self, queues: list[bytes], limit: int, leases: dict[bytes, Lease] | None = None
-    ) -> list[tuple[bytes, Message]]:
-        """Up to `limit` held messages of the queues, oldest first; past each active lease."""
-        now = _now_ms()
-        starts = {
-            k: lease.cursor + 1 for k, lease in (leases or {}).items() if lease.active(now) and k in queues
-        }
-        results = await asyncio.gather(
-            *(self.service.read(k, CHANNEL, starts.get(k), limit, 0) for k in queues)
-        )
-        merged = [(k, m) for k, r in zip(queues, results, strict=True) for m in r.messages]
-        merged.sort(key=lambda km: km[1].received_ms)
-        return merged[:limit]
-
-    async def lease_out(self, batch: list[tuple[bytes, Message]], leases: dict[bytes, Lease]) -> None:
-        """Record that `batch` went out: its queues' leases move past it."""
-        now = _now_ms()
-        per_key: dict[bytes, list[int]] = {}
-        for key, m in batch:
-            per_key.setdefault(key, []).append(m.seq)
-        updates = []
-        for key, seqs in per_key.items():
-            old = leases.get(key)
-            held = old.held if old is not None and old.active(now) else 0
-            updates.append(
-                self.records.set_lease(key, Lease(max(seqs), now + self.redeliver_ms, held + len(seqs)))
-            )
-        await asyncio.gather(*updates)
-
-    async def lease_back(self, removed: dict[bytes, int]) -> None:
-        """Acknowledged messages leave their queue's lease."""
-        keys = [k for k, n in removed.items() if n > 0]
-        leases = await self._leases(keys)
-        now = _now_ms()
-        updates = []
-        for key, lease in leases.items():
-            if not lease.active(now):
-                continue
-            held = max(0, lease.held - removed[key])
-            updates.append(self.records.set_lease(key, Lease(lease.cursor, lease.expiry_ms, held)))
-        await asyncio.gather(*updates)
-
-    def delivery(
-        self, doc: dict[str, Any] | None, prefix: str, batch: list[tuple[bytes, Message]]
-    ) -> dict[str, Any]:
-        attachments = []
-        for key, m in batch:
-            data: dict[str, Any]
-            try:
-                parsed = json.loads(m.payload)
-                data = {"json": parsed} if isinstance(parsed, dict) else {"base64": dk.b64url(m.payload)}
-            except (ValueError, UnicodeDecodeError):
-                data = {"base64": dk.b64url(m.payload)}
-            attachments.append(
-                {"@id": message_id(key, m.seq), "lastmod_time": _rfc3339(m.received_ms), "data": data}
-            )
-        body: dict[str, Any] = {}
-        if doc is not None and isinstance(doc.get("recipient_key"), str):
-            body["recipient_key"] = doc["recipient_key"]
-        body["~attach"] = attachments
-        if doc is None:
-            return {"@type": prefix + "messagepickup/2.0/delivery", "@id": str(uuid.uuid4()), **body}
-        return self._reply(doc, prefix, "messagepickup/2.0/delivery", body)
-
-    async def pickup(
-        self, doc: dict[str, Any], prefix: str, short: str, conn: Connection, session: LiveSession | None
-    ) -> dict[str, Any]:
-        live = session is not None and session.live
-        in_flight = session.in_flight() if session is not None and live else 0
-        if short == "status-request":
-            return await self.status(doc, prefix, await self._queues(doc, conn), live, in_flight)
-        if short == "delivery-request":
-            limit = doc.get("limit")
-            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-                raise MediatorError("delivery-request needs limit, an integer >= 1")
-            queues = await self._queues(doc, conn)
-            leases = await self._leases(queues)
-            batch = await self.pending(queues, min(limit, 1000), leases)
-            if not batch:
-                return await self.status(doc, prefix, queues, live, in_flight)
-            await self.lease_out(batch, leases)
-            return self.delivery(doc, prefix, batch)
-        if short == "messages-received":
-            ids = doc.get("message_id_list")
-            if not isinstance(ids, list) or len(ids) > MAX_IDS or not all(isinstance(i, str) for i in ids):
-                raise MediatorError(
-                    f"messages-received needs message_id_list, a list of at most {MAX_IDS} strings"
-                )
-            held = set(await self.records.keys(conn))
-            by_key: dict[bytes, list[int]] = {}
-            for i in ids:
-                parsed = parse_message_id(i)
-                if parsed is not None and parsed[0] in held:
-                    by_key.setdefault(parsed[0], []).append(parsed[1])
-            keys = list(by_key)
-            counts = await asyncio.gather(
-                *(self.service.ack(k, CHANNEL, None, sorted(by_key[k])) for k in keys)
-            )
-            await self.lease_back(dict(zip(keys, counts, strict=True)))
-            if session is not None:
-                session.acked(ids)
-            in_flight = session.in_flight() if session is not None and live else 0
-            return await self.status(doc, prefix, sorted(held), live, in_flight)
-        if short == "live-delivery-change":
-            want = doc.get("live_delivery")
-            if not isinstance(want, bool):
-                raise MediatorError("live-delivery-change needs live_delivery, true or false")
-            if session is None:
-                if want:
-                    text = "Connection does not support Live Delivery"
-                    body = {"description": {"en": text, "code": "live_delivery_not_supported"}}
-                    return self._reply(doc, prefix, "notification/1.0/problem-report", body)
-            else:
-                session.set_live(conn if want else None)
-            return await self.status(doc, prefix, await self.records.keys(conn), want and session is not None)
-        raise MediatorError(
-            f"messagepickup/2.0/{short[:40]} is not a message the mediator accepts",
             "unsupported_message_type",
         )
 
@@ -550,4 +318,4 @@ class Mediator:
             if fnmatch.fnmatchcase(pid, query) or fnmatch.fnmatchcase(pid_here, query):
                 family = pid[len(PREFIXES[0]) :].split("/", 1)[0]
                 protocols.append({"pid": pid_here, "roles": ROLES.get(family, [])})
-        return self._reply(doc, prefix, "discover-features/1.0/disclose", {"protocols": protocols})
+        return reply(doc, prefix, "discover-features/1.0/disclose", {"protocols": protocols})
