@@ -12,6 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from relay.storage import keys as K
@@ -49,23 +50,11 @@ def enqueue(
 ) -> list[Any]:
     k = q()
     keys = (k.state, k.meta, k.msgs, k.idem, k.idemx, k.rate, k.index, k.stats)
-    args = (
-        payload,
-        now,
-        ikey,
-        digest,
-        "mid",
-        rate,
-        60_000,
-        cap_msgs,
-        cap_bytes,
-        86_400_000,
-        QID,
-        k.wake,
-        token,
-        resend,
-    )
-    return list(run(r, scripts.ENQUEUE, keys, args))
+    fixed = (rate, 60_000, cap_msgs, cap_bytes, 86_400_000)
+    args = (*fixed, payload, now, ikey, digest, "mid", QID, k.wake, token, resend)
+    replies = run(r, scripts.ENQUEUE, keys, args)
+    assert len(replies) == 1
+    return list(replies[0])
 
 
 def fence(r: redis.Redis, state: str) -> None:
@@ -106,6 +95,94 @@ def test_enqueue_stores_counts_dedups_limits_and_publishes(r: redis.Redis) -> No
     r.srem(k.index, QID)
     r.set(K.SHARD_SEQ_FLOOR, 500)
     assert enqueue(r, token="t3")[:2] == [b"ok", 501]
+
+
+Item = tuple[K.QueueKeys, dict[str, Any]]
+
+
+def enqueue_many(r: redis.Redis, items: Sequence[Item], rate: int = 2) -> list[Any]:
+    """One enqueue.lua call carrying several items (as a relay sends a loop tick's enqueues)."""
+    keys: list[str] = []
+    args: list[bytes | str | int] = [rate, 60_000, 100, 1 << 20, 86_400_000]
+    for k, o in items:
+        keys += [k.state, k.meta, k.msgs, k.idem, k.idemx, k.rate, k.index, k.stats]
+        args += [o.get("payload", b"m"), o.get("now", NOW), o.get("ikey", ""), o.get("digest", ""), ""]
+        args += [k.qid, k.wake, o["token"], o.get("resend", "")]
+    return [list(x) for x in run(r, scripts.ENQUEUE, keys, args)]
+
+
+def test_enqueue_rate_window_is_exact_and_ranked_by_time(r: redis.Redis) -> None:
+    # 3 per 60 s: refused while the 3rd newest stored message is younger than the window,
+    # retryAfterMs = when it leaves; times may arrive out of order (relays' clocks differ)
+    for i, t in enumerate((NOW + 20, NOW, NOW + 10)):
+        assert enqueue(r, rate=3, now=t, token=f"t{i}")[:2] == [b"ok", i + 1]
+    assert enqueue(r, rate=3, now=NOW + 30) == [b"rate", 59_970]
+    assert enqueue(r, rate=3, now=NOW + 59_999) == [b"rate", 1]
+    # at NOW + 60000 the message of NOW has left the window (a window is (now - 60000, now])
+    assert enqueue(r, rate=3, now=NOW + 60_000, token="t3")[:2] == [b"ok", 4]
+    # newest three now NOW+60000, NOW+20, NOW+10: retry when NOW+10 leaves
+    assert enqueue(r, rate=3, now=NOW + 60_001) == [b"rate", 9]
+    assert enqueue(r, rate=3, now=NOW + 60_010, token="t4")[:2] == [b"ok", 5]
+    # entries past the window were trimmed once the rank lookup met one; a resend still
+    # finds its attempt while that is in the window
+    assert r.zcard(q().rate) <= 4
+    assert enqueue(r, now=NOW + 60_010, token="t4", resend="1") == [b"ok", 5, 0]
+
+
+def test_enqueue_call_with_mixed_items_answers_each(r: redis.Redis) -> None:
+    a, b = K.queue_keys_for_id(SLOT, "qa"), K.queue_keys_for_id(SLOT, "qb")
+    fenced = K.queue_keys_for_id(SLOT + 1, "qf")
+    r.set(K.slot_state(SLOT + 1), "moved s2 9")
+    assert enqueue_many(r, [(a, {"token": "a1", "ikey": "k", "digest": "d"})]) == [[b"ok", 1, 0]]
+    sub = r.pubsub()  # type: ignore[no-untyped-call]
+    sub.subscribe(a.wake, b.wake)
+    sub.get_message(timeout=1)
+    sub.get_message(timeout=1)
+    replies = enqueue_many(
+        r,
+        [
+            (fenced, {"token": "f1"}),
+            (a, {"token": "a2", "ikey": "k", "digest": "d"}),  # duplicate of a1
+            (a, {"token": "a1", "resend": "1"}),  # resend of a stored attempt: its seq
+            (a, {"token": "a3", "now": NOW + 1}),  # ok: the second in the window
+            (a, {"token": "a4", "now": NOW + 2}),  # rate: the limit is 2
+            (a, {"token": "a5", "ikey": "k", "digest": "other"}),  # conflict
+            (b, {"token": "b1", "payload": b"xyz"}),
+            (b, {"token": "b2", "payload": b"uv", "now": NOW + 3}),
+        ],
+    )
+    assert replies == [
+        [b"moved", b"s2", b"9"],
+        [b"dup", 1],
+        [b"ok", 1, 0],
+        [b"ok", 2, 1],
+        [b"rate", 59_998],
+        [b"conflict", 1],
+        [b"ok", 1, 1],
+        [b"ok", 2, 1],
+    ]
+    # one wakeup per channel and call, after its writes: newest seq, first enqueue time
+    got = {m["channel"]: m["data"] for m in (sub.get_message(timeout=2), sub.get_message(timeout=2)) if m}
+    sub.close()
+    assert got == {a.wake.encode(): f"2:{NOW + 1}".encode(), b.wake.encode(): f"2:{NOW}".encode()}
+    # the slot statistics count every stored message once (one write per call)
+    stats = r.hgetall(K.slot_stats(SLOT))
+    assert (stats[b"msgs"], stats[b"bytes"], stats[b"enq"], stats[b"wcur"]) == (b"4", b"7", b"4", b"4")
+    assert not r.exists(fenced.meta, K.slot_stats(SLOT + 1))
+    assert [m[0] for m in r.xrange(b.msgs) or []] == [b"1-0", b"2-0"]
+
+
+def test_enqueue_refused_at_maxmemory_changes_nothing(r: redis.Redis) -> None:
+    a, b = K.queue_keys_for_id(SLOT, "qa"), K.queue_keys_for_id(SLOT, "qb")
+    assert enqueue_many(r, [(a, {"token": "a1"})]) == [[b"ok", 1, 0]]
+    before = {k: r.dump(k) for k in r.keys("*")}
+    r.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            enqueue_many(r, [(a, {"token": "a2", "ikey": "k", "digest": "d"}), (b, {"token": "b1"})])
+    finally:
+        r.config_set("maxmemory", 0)
+    assert {k: r.dump(k) for k in r.keys("*")} == before
 
 
 def test_fenced_scripts_answer_the_fence_and_write_nothing(r: redis.Redis) -> None:

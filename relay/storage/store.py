@@ -27,7 +27,6 @@ from relay.storage.pipeline import (
     bulk,
     bulk_str,
     encode_command,
-    encode_evalsha,
 )
 from relay.storage.wakeups import NOTICE_PREFIX
 
@@ -96,7 +95,13 @@ class StatusResult:
     newest_ms: int | None
 
 
-_ENQUEUE_ARGS = 14
+_ENQUEUE_KEYS = 8  # per item (lua/enqueue.lua)
+_ENQUEUE_FIXED_ARGS = 5
+_ENQUEUE_ITEM_ARGS = 9
+_ENQUEUE_HEAD_ONE = b"*%d\r\n%b" % (
+    3 + _ENQUEUE_KEYS + _ENQUEUE_FIXED_ARGS + _ENQUEUE_ITEM_ARGS,
+    bulk_str("EVALSHA") + bulk_str(scripts.ENQUEUE.sha) + bulk(_ENQUEUE_KEYS),
+)
 _ENQUEUE_PARTS_MAX = 8192
 _EMPTY_BULK = b"$0\r\n\r\n"
 _RESEND = b"$1\r\n1\r\n"
@@ -181,6 +186,24 @@ def enqueue_outcome(raw: Any) -> EnqueueOutcome:
     return EnqueueOutcome("full", reason=_s(reply[1]))
 
 
+class _OneReply:
+    """The sink of a call carrying one enqueue: hands the item's reply on."""
+
+    __slots__ = ("sink",)
+
+    def __init__(self, sink: ReplySink) -> None:
+        self.sink = sink
+
+    def done(self) -> bool:
+        return self.sink.done()
+
+    def set_result(self, result: Any, /) -> None:
+        self.sink.set_result(result[0])
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        self.sink.set_exception(exception)
+
+
 class ShardStore:
     """Queue operations against one Redis shard, coalesced into pipelines."""
 
@@ -220,6 +243,9 @@ class ShardStore:
         # per hot queue, the encoded parts of its enqueue command that never change (enqueue
         # only: an entry per idle long-poll would cost ~1 KiB each); bounded, cleared when full
         self._enqueue_parts: dict[str, tuple[bytes, bytes]] = {}
+        lim = limits
+        fixed = (lim.rate_count, lim.rate_window_ms, lim.max_messages, lim.max_bytes, lim.retention_ms)
+        self._enqueue_fixed = b"".join([bulk(a) for a in fixed])
 
     async def start(self) -> None:
         try:
@@ -288,12 +314,14 @@ class ShardStore:
             parts = self._encode_enqueue_parts(q)
         now = b"%d" % now_ms
         token = token or _epoch_bulk()
-        # ARGV: payload, now, idempotency key, digest, messageId, five limits, qid, wake,
-        # token, resend flag
+        # one item: its keys, the fixed limits, then payload, now, idempotency key, digest,
+        # messageId, qid and wake (cached), token, resend flag (lua/enqueue.lua)
         self._batcher.submit_to(
-            b"%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b%b%b%b%b"
+            b"%b%b%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b%b%b%b%b"
             % (
+                _ENQUEUE_HEAD_ONE,
                 parts[0],
+                self._enqueue_fixed,
                 len(payload),
                 payload,
                 len(now),
@@ -305,21 +333,15 @@ class ShardStore:
                 token,
                 _RESEND if resend else _EMPTY_BULK,
             ),
-            sink,
+            _OneReply(sink),
             durable=True,
         )
         return token
 
     def _encode_enqueue_parts(self, q: K.QueueKeys) -> tuple[bytes, bytes]:
-        """The queue's fixed parts of an enqueue command: up to the payload, limits to wake."""
+        """The queue's fixed parts of an enqueue item: its keys; its qid and wake channel."""
         keys = (q.state, q.meta, q.msgs, q.idem, q.idemx, q.rate, q.index, q.stats)
-        lim = self.limits
-        fixed = (lim.rate_count, lim.rate_window_ms, lim.max_messages, lim.max_bytes, lim.retention_ms)
-        head = encode_evalsha(scripts.ENQUEUE, keys, ())
-        parts = (
-            b"*%d\r\n%b" % (3 + len(keys) + _ENQUEUE_ARGS, head[head.index(b"\r\n") + 2 :]),
-            b"".join([bulk(a) for a in (*fixed, q.qid, q.wake)]),
-        )
+        parts = (b"".join([bulk_str(k) for k in keys]), bulk_str(q.qid) + bulk_str(q.wake))
         if len(self._enqueue_parts) >= _ENQUEUE_PARTS_MAX:
             self._enqueue_parts.clear()
         self._enqueue_parts[q.qid] = parts

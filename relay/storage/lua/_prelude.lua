@@ -115,6 +115,10 @@ local function boot_run()
   if not boot then return nil end
   return string.match(boot, '^([^:]+):'), string.sub(boot, -2) == ':w'
 end
+-- The new epoch of a queue whose last writer was an earlier run that may have lost writes.
+local function lost_tail_epoch(run, meta_key)
+  return string.sub(redis.sha1hex(run .. meta_key), 1, 16)
+end
 -- Returns the run a write must stamp on the queue (nil when the stamp is already there or
 -- no boot is recorded), so a writer reads rf:boot and the stamp once.
 local function check_boot(meta_key)
@@ -127,8 +131,7 @@ local function check_boot(meta_key)
   if waited then
     redis.call('HSET', meta_key, 'seq', seq, 'r', run)
   else
-    local epoch = string.sub(redis.sha1hex(run .. meta_key), 1, 16)
-    redis.call('HSET', meta_key, 'epoch', epoch, 'seq', seq, 'r', run)
+    redis.call('HSET', meta_key, 'epoch', lost_tail_epoch(run, meta_key), 'seq', seq, 'r', run)
   end
   return nil
 end
@@ -147,7 +150,9 @@ end
 -- appears. It changes with the Redis run (a replaced Redis) and with the slot's 'qgen'
 -- (bumped by trim.lua whenever it deletes a queue), so a queue deleted and created
 -- again never repeats an epoch its earlier life used.
+local function epoch_of(run, gen, qid)
+  return string.sub(redis.sha1hex((run or '') .. ':' .. (gen or '0') .. ':' .. qid), 1, 16)
+end
 local function pending_epoch(stats_key, qid)
-  local gen = redis.call('HGET', stats_key, 'qgen') or '0'
-  return string.sub(redis.sha1hex((boot_run() or '') .. ':' .. gen .. ':' .. qid), 1, 16)
+  return epoch_of(boot_run(), redis.call('HGET', stats_key, 'qgen'), qid)
 end

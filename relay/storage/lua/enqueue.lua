@@ -1,100 +1,195 @@
--- enqueue: store one message, atomically: fence, idempotency, rate limit, caps,
--- XADD, counters, slot index and statistics, wakeup PUBLISH.
--- KEYS[1] slot state (string)        KEYS[2] queue meta (hash)
--- KEYS[3] queue messages (stream)    KEYS[4] idempotency keys (hash)
--- KEYS[5] idempotency expiry (zset)  KEYS[6] rate-limit window (zset)
--- KEYS[7] slot queue index (set)     KEYS[8] slot statistics (hash)
--- ARGV[1] payload                    ARGV[2] now, ms since epoch
--- ARGV[3] idempotency key ('' = none)
--- ARGV[4] payload digest ('*' = a repeated key is a duplicate whatever the payload)
--- ARGV[5] messageId stored with the message ('' = none)
--- ARGV[6] rate limit: messages per window   ARGV[7] rate window, ms
--- ARGV[8] queue cap: messages        ARGV[9] queue cap: bytes
--- ARGV[10] idempotency retention, ms ARGV[11] queue id (slot index member)
--- ARGV[12] wakeup channel
--- ARGV[13] attempt token: unique per enqueue (kept across its resends); also the epoch
---          of a queue whose meta was lost while its index entry stayed
--- ARGV[14] '1' when this resends an attempt whose reply never came (its outcome is
---          unknown): if that attempt stored the message, answer its seq instead
--- Returns {'ok', seq, subscribers} | {'dup', seq} | {'conflict', seq}
+-- enqueue: store messages, each one atomically: fence, idempotency, rate limit, caps,
+-- XADD, counters, slot index and statistics, wakeup PUBLISH. One call carries every
+-- enqueue a relay sent this shard in one loop tick (relay/storage/store.py), in order,
+-- each with its own reply; a call of one is the single enqueue. Per call, not per
+-- message: each slot state and 'rf:boot' are read once, each slot's statistics are read
+-- once and written once, and each wakeup channel is published once, after every write.
+-- Fixed arguments:
+-- ARGV[1] rate limit: messages per window   ARGV[2] rate window, ms
+-- ARGV[3] queue cap: messages        ARGV[4] queue cap: bytes
+-- ARGV[5] idempotency retention, ms
+-- Per item i, 8 keys from k = 8 * (i - 1) and 9 arguments from a = 5 + 9 * (i - 1):
+-- KEYS[k+1] slot state (string)        KEYS[k+2] queue meta (hash)
+-- KEYS[k+3] queue messages (stream)    KEYS[k+4] idempotency keys (hash)
+-- KEYS[k+5] idempotency expiry (zset)  KEYS[k+6] rate-limit window (zset)
+-- KEYS[k+7] slot queue index (set)     KEYS[k+8] slot statistics (hash)
+-- ARGV[a+1] payload                    ARGV[a+2] now, ms since epoch
+-- ARGV[a+3] idempotency key ('' = none)
+-- ARGV[a+4] payload digest ('*' = a repeated key is a duplicate whatever the payload)
+-- ARGV[a+5] messageId stored with the message ('' = none)
+-- ARGV[a+6] queue id (slot index member)  ARGV[a+7] wakeup channel
+-- ARGV[a+8] attempt token: unique per enqueue (kept across its resends); also the epoch
+--           of a queue whose meta was lost while its index entry stayed
+-- ARGV[a+9] '1' when this resends an attempt whose reply never came (its outcome is
+--           unknown): if that attempt stored the message, answer its seq instead
+-- Returns one reply per item: {'ok', seq, subscribers} | {'dup', seq} | {'conflict', seq}
 --       | {'rate', retry_after_ms} | {'full', reason} | fence reply
-local state_key, meta_key, msgs_key, idem_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local idemx_key, rate_key, index_key, stats_key = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local payload, now, ikey, digest, message_id = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
-local rate_limit, window = tonumber(ARGV[6]), tonumber(ARGV[7])
-local cap_msgs, cap_bytes, idem_ms = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local qid, channel, token, resend = ARGV[11], ARGV[12], ARGV[13], ARGV[14]
-local f = fence(state_key)
-if f then return f end
-if resend == '1' then
-  -- the lost attempt ran with the same `now`: its rate-window entry "<seq>:<token>" is
-  -- scored `now` and stays for the rate window, within which the relay resends
-  for _, member in ipairs(redis.call('ZRANGEBYSCORE', rate_key, now, now)) do
-    local sep = string.find(member, ':', 1, true)
-    if sep and string.sub(member, sep + 1) == token then
-      return {'ok', tonumber(string.sub(member, 1, sep - 1)), 0}
+--
+-- Out of memory: Redis refuses a script's writes only until its first write, so every
+-- item writes XADD first (refused at maxmemory; nothing before it writes) and a refused
+-- call changes nothing.
+-- Cost: Lua hands a number to Redis as "%.17g" (a libc float print costs more than most of
+-- the commands here), so numbers are passed as the caller's strings or formatted '%d'.
+local fmt = string.format
+local rate_limit, window, window_s = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[2]
+local cap_msgs, cap_bytes, idem_ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local rank = fmt('%d', rate_limit - 1)
+
+local fences = {}  -- slot state key -> fence reply, or false when this shard owns it
+local boot_read, run, waited = false, nil, false
+local stats, stats_order = {}, {}  -- slot statistics key -> fields, in first-use order
+local wakes, wake_order = {}, {}  -- channel -> {seq, first now, replies}, in first-use order
+
+local function slot_stats_of(stats_key)
+  local s = stats[stats_key]
+  if not s then
+    local v = redis.call('HMGET', stats_key, 'msgs', 'bytes', 'enq', 'wstart', 'wcur', 'wprev')
+    s = {tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0,
+      tonumber(v[4]) or 0, tonumber(v[5]) or 0, tonumber(v[6]) or 0}
+    stats[stats_key] = s
+    stats_order[#stats_order + 1] = stats_key
+  end
+  return s
+end
+
+local function enqueue_one(k, a)
+  local state_key, meta_key, msgs_key, idem_key = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
+  local idemx_key, rate_key, index_key, stats_key = KEYS[k + 5], KEYS[k + 6], KEYS[k + 7], KEYS[k + 8]
+  local payload, now_s, ikey, digest = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
+  local message_id, qid, channel, token, resend = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7], ARGV[a + 8], ARGV[a + 9]
+  local f = fences[state_key]
+  if f == nil then
+    f = fence(state_key) or false
+    fences[state_key] = f
+  end
+  if f then return f end
+  if resend == '1' then
+    -- the lost attempt ran with the same `now`: its rate-window entry "<seq>:<token>" is
+    -- scored `now` and stays for the rate window, within which the relay resends
+    for _, member in ipairs(redis.call('ZRANGEBYSCORE', rate_key, now_s, now_s)) do
+      local sep = string.find(member, ':', 1, true)
+      if sep and string.sub(member, sep + 1) == token then
+        return {'ok', tonumber(string.sub(member, 1, sep - 1)), 0}
+      end
     end
   end
-end
--- The first write must be one Redis refuses at maxmemory (HSETNX is): Redis only
--- checks OOM before a script's first write, and a refused enqueue changes nothing.
-if redis.call('HSETNX', meta_key, 'epoch', token) == 1 then
-  -- a new queue keeps the epoch reads already answered for it; one still in the index
-  -- lost its meta (its history), so it keeps the fresh token instead
-  if redis.call('SISMEMBER', index_key, qid) == 0 then
-    redis.call('HSET', meta_key, 'epoch', pending_epoch(stats_key, qid), 'created', now)
+  local meta = redis.call('HMGET', meta_key, 'epoch', 'r', 'seq', 'bytes')
+  if ikey ~= '' then
+    local prev = redis.call('HGET', idem_key, ikey)
+    if prev then
+      local sep = string.find(prev, ':', 1, true)
+      local pseq = tonumber(string.sub(prev, 1, sep - 1))
+      if digest == '*' or string.sub(prev, sep + 1) == digest then return {'dup', pseq} end
+      return {'conflict', pseq}
+    end
+  end
+  -- Sliding window: refused while `rate_limit` stored messages are younger than `window`,
+  -- i.e. while the rate_limit-th newest is; retry when it leaves the window. Ranked by
+  -- score (the enqueue time), so relays whose clocks disagree still count the same set.
+  -- Old entries are trimmed lazily (below): the rank lookup ignores them.
+  local now = tonumber(now_s)
+  local trim = false
+  local nth = redis.call('ZREVRANGE', rate_key, rank, rank, 'WITHSCORES')
+  if nth[2] then
+    local t = tonumber(nth[2])
+    if t > now - window then return {'rate', math.max(1, t + window - now)} end
+    trim = true
+  end
+  local size = string.len(payload)
+  local held = (tonumber(meta[4]) or 0) + size
+  if redis.call('XLEN', msgs_key) + 1 > cap_msgs then return {'full', 'messages'} end
+  if held > cap_bytes then return {'full', 'bytes'} end
+
+  -- Stored. The lost-tail check (prelude check_boot) is folded into this one meta write.
+  if not boot_read then
+    run, waited = boot_run()
+    boot_read = true
+  end
+  local seq = tonumber(meta[3])
+  local epoch, created = nil, nil
+  if not meta[1] then
+    -- a new queue keeps the epoch reads already answered for it; one still in the index
+    -- lost its meta (its history), so it keeps the fresh token instead
+    epoch, created = token, now_s
+    if redis.call('SISMEMBER', index_key, qid) == 0 then
+      epoch = epoch_of(run, redis.call('HGET', stats_key, 'qgen'), qid)
+    end
+  end
+  local stamp = nil
+  if run and meta[2] ~= run then
+    stamp = run
+    if meta[2] then
+      seq = (seq or 0) + SEQ_JUMP
+      if not waited then epoch = lost_tail_epoch(run, meta_key) end
+    end
+  end
+  local seq_s = fmt('%d', (seq or seq_floor()) + 1)
+  redis.call('XADD', msgs_key, seq_s .. '-0', 'p', payload, 't', now_s, 'm', message_id, 'n', fmt('%d', size))
+  if epoch and created then
+    redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', fmt('%d', held), 'epoch', epoch, 'created', created)
+    if stamp then redis.call('HSET', meta_key, 'r', stamp) end
+    redis.call('SADD', index_key, qid)
+  elseif epoch then
+    redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', fmt('%d', held), 'epoch', epoch, 'r', stamp)
+  elseif stamp then
+    redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', fmt('%d', held), 'r', stamp)
   else
-    redis.call('HSET', meta_key, 'created', now)
+    redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', fmt('%d', held))
   end
-  redis.call('SADD', index_key, qid)
-end
-local stamp = check_boot(meta_key)
-if ikey ~= '' then
-  local prev = redis.call('HGET', idem_key, ikey)
-  if prev then
-    local sep = string.find(prev, ':', 1, true)
-    local pseq = tonumber(string.sub(prev, 1, sep - 1))
-    if digest == '*' or string.sub(prev, sep + 1) == digest then return {'dup', pseq} end
-    return {'conflict', pseq}
+  redis.call('ZADD', rate_key, now_s, seq_s .. ':' .. token)
+  redis.call('PEXPIRE', rate_key, window_s)
+  -- bounded: entries past the window go when the rank lookup met one, and every 10th seq
+  if trim or string.sub(seq_s, -1) == '0' then
+    redis.call('ZREMRANGEBYSCORE', rate_key, '-inf', fmt('%d', now - window))
   end
-end
-redis.call('ZREMRANGEBYSCORE', rate_key, '-inf', now - window)
-if redis.call('ZCARD', rate_key) >= rate_limit then
-  local oldest = redis.call('ZRANGE', rate_key, 0, 0, 'WITHSCORES')
-  return {'rate', math.max(1, tonumber(oldest[2]) + window - now)}
-end
-local size = string.len(payload)
-local meta = redis.call('HMGET', meta_key, 'seq', 'bytes')
-local held = tonumber(meta[2]) or 0
-if redis.call('XLEN', msgs_key) + 1 > cap_msgs then return {'full', 'messages'} end
-if held + size > cap_bytes then return {'full', 'bytes'} end
-local seq = (tonumber(meta[1]) or seq_floor()) + 1
-redis.call('XADD', msgs_key, seq .. '-0', 'p', payload, 't', now, 'm', message_id, 'n', size)
-redis.call('HSET', meta_key, 'seq', seq, 'bytes', held + size)
-if stamp then redis.call('HSET', meta_key, 'r', stamp) end
-redis.call('ZADD', rate_key, now, seq .. ':' .. token)
-redis.call('PEXPIRE', rate_key, window)
-if ikey ~= '' then
-  redis.call('HSET', idem_key, ikey, seq .. ':' .. digest)
-  redis.call('ZADD', idemx_key, now + idem_ms, ikey)
-  -- expire a few old idempotency keys per write: bounded work, no background job
-  local old = redis.call('ZRANGEBYSCORE', idemx_key, '-inf', now, 'LIMIT', 0, 8)
-  if #old > 0 then
-    redis.call('HDEL', idem_key, unpack(old))
-    redis.call('ZREM', idemx_key, unpack(old))
+  if ikey ~= '' then
+    redis.call('HSET', idem_key, ikey, seq_s .. ':' .. digest)
+    redis.call('ZADD', idemx_key, fmt('%d', now + idem_ms), ikey)
+    -- expire a few old idempotency keys per write: bounded work, no background job
+    local old = redis.call('ZRANGEBYSCORE', idemx_key, '-inf', now_s, 'LIMIT', 0, 8)
+    if #old > 0 then
+      redis.call('HDEL', idem_key, unpack(old))
+      redis.call('ZREM', idemx_key, unpack(old))
+    end
   end
+  -- slot statistics: messages, bytes, enqueues, and enqueues per minute in two windows
+  -- (the rebalance planner's rate, relay/storage/maintenance.py); written once per call
+  local st = slot_stats_of(stats_key)
+  st[1], st[2], st[3] = st[1] + 1, st[2] + size, st[3] + 1
+  local minute = now - (now % 60000)
+  if minute ~= st[4] then
+    local cur = st[5]
+    if minute - st[4] ~= 60000 then cur = 0 end
+    st[4], st[5], st[6] = minute, 0, cur
+  end
+  st[5] = st[5] + 1
+  seq = tonumber(seq_s)
+  local reply = {'ok', seq, 0}
+  local w = wakes[channel]
+  if not w then
+    w = {seq_s, now_s, {}}
+    wakes[channel] = w
+    wake_order[#wake_order + 1] = channel
+  end
+  w[1] = seq_s
+  w[3][#w[3] + 1] = reply
+  return reply
 end
-redis.call('SADD', index_key, qid)
-slot_stats(stats_key, 1, size)
--- enqueues per minute, two windows, for the rebalance planner
-local wstart = tonumber(redis.call('HGET', stats_key, 'wstart') or '0')
-local minute = now - (now % 60000)
-if minute ~= wstart then
-  local cur = redis.call('HGET', stats_key, 'wcur') or '0'
-  if minute - wstart ~= 60000 then cur = '0' end
-  redis.call('HSET', stats_key, 'wstart', minute, 'wprev', cur, 'wcur', 0)
+
+local replies = {}
+for i = 1, #KEYS / 8 do
+  replies[i] = enqueue_one(8 * (i - 1), 5 + 9 * (i - 1))
 end
-redis.call('HINCRBY', stats_key, 'wcur', 1)
-redis.call('HINCRBY', stats_key, 'enq', 1)
-local subs = redis.call('PUBLISH', channel, seq .. ':' .. now)
-return {'ok', seq, subs}
+for _, stats_key in ipairs(stats_order) do
+  local s = stats[stats_key]
+  redis.call('HSET', stats_key, 'msgs', fmt('%d', s[1]), 'bytes', fmt('%d', s[2]), 'enq', fmt('%d', s[3]),
+    'wstart', fmt('%d', s[4]), 'wcur', fmt('%d', s[5]), 'wprev', fmt('%d', s[6]))
+end
+-- one wakeup per channel, after every write: "<newest seq>:<first enqueue time>" (a waiter
+-- re-reads whatever woke it; the time measures wake latency, relay/storage/wakeups.py)
+for _, channel in ipairs(wake_order) do
+  local w = wakes[channel]
+  local subs = redis.call('PUBLISH', channel, w[1] .. ':' .. w[2])
+  for _, reply in ipairs(w[3]) do reply[3] = subs end
+end
+return replies

@@ -149,7 +149,7 @@ async def redis_limit(run: Run, redis: RedisServer, size: int, connections: int,
     q = "rfbench:{q}"
     keys = [f"{q}:{k}" for k in ("state", "meta", "msgs", "idem", "idemx", "rate", "index", "stats")]
     big = str(1 << 50)
-    argv = [payload, now, "", "", "", big, "1", big, big, "604800000", "bench", "rfbench:wake", "e"]
+    argv = [big, "1", big, big, "604800000", payload, now, "", "", "", "bench", "rfbench:wake", "e", ""]
     script_cmd = ["EVALSHA", scripts.ENQUEUE.sha, str(len(keys)), *keys, *argv]
     # these messages stay (no trim in the script): cap the bytes written
     budget = max(5000, (1 << 30) // (size + 256))
