@@ -14,7 +14,7 @@ from relayfleet_testing.localredis import LocalRedis
 from relay.storage import keys as K
 from relay.storage.pipeline import ScriptBatcher, StoreUnavailable
 from relay.storage.scripts import STATUS
-from relay.storage.store import QueueLimits, ShardStore
+from relay.storage.store import EnqueueOutcome, QueueLimits, ShardStore, SlotMoved
 
 REDIS = "/usr/bin/redis-server"
 
@@ -110,3 +110,40 @@ async def test_silent_link_times_out() -> None:
         await client.aclose()
         server.close()
         await server.wait_closed()
+
+
+async def test_one_script_call_carries_a_ticks_enqueues_each_with_its_outcome() -> None:
+    server = LocalRedis(binary=REDIS).start()
+    store = ShardStore("t", server.url, QueueLimits(rate_count=2))
+    try:
+        await store.start()
+        a, b, moved = queue(), queue(), queue()
+        await store.client.set(moved.state, "moved s2 4")
+        first = await store.enqueue(a, b"one", 1000, "k", "d1")
+        await store.client.config_resetstat()
+        # sent in one loop tick: one EVALSHA, every item answered on its own
+        outcomes = await asyncio.gather(
+            store.enqueue(a, b"one", 1000, "k", "d1"),  # duplicate
+            store.enqueue(a, b"two", 1001),  # stored
+            store.enqueue(a, b"three", 1002),  # rate limited (2 per window)
+            store.enqueue(b, b"x" * 100, 1003),  # stored
+            store.enqueue(moved, b"y", 1004),  # fenced
+            return_exceptions=True,
+        )
+        assert outcomes[:4] == [
+            EnqueueOutcome("duplicate", seq=first.seq),
+            EnqueueOutcome("stored", seq=2),
+            EnqueueOutcome("rate_limited", retry_after_ms=4998),
+            EnqueueOutcome("stored", seq=1),
+        ]
+        assert isinstance(outcomes[4], SlotMoved) and outcomes[4].shard == "s2"
+        calls = (await store.client.info("commandstats"))["cmdstat_evalsha"]["calls"]
+        assert calls == 1
+        # a resend of a stored attempt (its reply lost) answers that attempt's seq
+        token = store.enqueue_to(asyncio.get_running_loop().create_future(), b, b"z", 2000)
+        await asyncio.sleep(0.1)
+        again = await store.enqueue(b, b"z", 2000, token=token, resend=True)
+        assert again.seq == 2 and (await store.status(b)).last_seq == 2
+    finally:
+        await store.close()
+        server.stop()

@@ -117,8 +117,9 @@ class QueueKeys:
 
     @property
     def rate(self) -> str:
-        """Sorted set: "<seq>:<attempt token>" -> enqueue time ms (sliding rate window; the
-        token finds a resent attempt's outcome, lua/enqueue.lua)."""
+        """Sorted set: "<seq>:<attempt token>" -> enqueue time ms (sliding rate window: the
+        limit-th newest decides, older entries are trimmed lazily; the token finds a resent
+        attempt's outcome, lua/enqueue.lua)."""
         return self._base + ":rate"
 
     @property

@@ -69,6 +69,16 @@ class ReplySink(Protocol):
 _Item = tuple[bytes, ReplySink]  # one encoded command, where its reply goes
 
 
+class Deferred(Protocol):
+    """A command still open to more work (one script call carrying several requests,
+    relay/storage/store.py): its bytes are settled, once, when its batch is sent."""
+
+    def seal(self) -> bytes: ...
+
+
+_Queued = tuple["bytes | Deferred", ReplySink]
+
+
 def bulk_str(value: str) -> bytes:
     raw = value.encode()
     return b"$%d\r\n%b\r\n" % (len(raw), raw)
@@ -339,7 +349,7 @@ class ScriptBatcher:
         self._connect_timeout = connect_timeout
         self._reply_timeout = reply_timeout
         self._reply_bytes = reply_bytes
-        self._pending: deque[_Item] = deque()
+        self._pending: deque[_Queued] = deque()
         self._inflight = 0
         self._scheduled = False
         self._conn: _Resp | None = None
@@ -378,6 +388,14 @@ class ScriptBatcher:
         self._pending.append((command, sink))
         self._kick()
 
+    def submit_deferred(self, command: Deferred, sink: ReplySink, durable: bool = False) -> None:
+        """As `submit_to`, for a command sealed only when its batch is sent (until then, in
+        this loop tick or while the pipeline is full, it may take more work)."""
+        if durable and self.min_replicas:
+            sink = _Hold(sink)
+        self._pending.append((command, sink))
+        self._kick()
+
     async def close(self) -> None:
         self._closed = True
         if self._unwatch is not None:
@@ -411,7 +429,7 @@ class ScriptBatcher:
             return
         while self._pending and self._inflight < self._max_inflight:
             n = min(len(self._pending), self._max_batch)
-            items = [self._pending.popleft() for _ in range(n)]
+            items = [_sealed(self._pending.popleft()) for _ in range(n)]
             if self.min_replicas:
                 items = _with_wait(items, self.min_replicas, self._wait_timeout_ms, self._fenced)
             self._inflight += 1
@@ -501,6 +519,11 @@ class ScriptBatcher:
         return task
 
 
+def _sealed(queued: _Queued) -> _Item:
+    command, sink = queued
+    return (command, sink) if isinstance(command, bytes) else (command.seal(), sink)
+
+
 def _script_loads() -> list[tuple[bytes, asyncio.Future[Any]]]:
     """SCRIPT LOAD of every script, each with a future nobody awaits (errors surface later)."""
     loop = asyncio.get_running_loop()
@@ -537,7 +560,7 @@ def _handshake(conn: _Resp) -> Iterator[None]:
         raise
 
 
-def _fail(items: list[_Item], exc: Exception) -> None:
+def _fail(items: list[_Item] | list[_Queued], exc: Exception) -> None:
     for _, sink in items:
         if not sink.done():
             sink.set_exception(exc)

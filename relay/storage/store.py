@@ -96,12 +96,13 @@ class StatusResult:
 
 
 _ENQUEUE_KEYS = 8  # per item (lua/enqueue.lua)
+_ENQUEUE_HEAD = bulk_str("EVALSHA") + bulk_str(scripts.ENQUEUE.sha)
 _ENQUEUE_FIXED_ARGS = 5
 _ENQUEUE_ITEM_ARGS = 9
-_ENQUEUE_HEAD_ONE = b"*%d\r\n%b" % (
-    3 + _ENQUEUE_KEYS + _ENQUEUE_FIXED_ARGS + _ENQUEUE_ITEM_ARGS,
-    bulk_str("EVALSHA") + bulk_str(scripts.ENQUEUE.sha) + bulk(_ENQUEUE_KEYS),
-)
+# One enqueue.lua call carries at most this many enqueues and (past its first) payload
+# bytes: Redis runs a call without a break, so a call stays short for the other clients.
+_CALL_ITEMS = 64
+_CALL_BYTES = 1 << 20
 _ENQUEUE_PARTS_MAX = 8192
 _EMPTY_BULK = b"$0\r\n\r\n"
 _RESEND = b"$1\r\n1\r\n"
@@ -186,22 +187,63 @@ def enqueue_outcome(raw: Any) -> EnqueueOutcome:
     return EnqueueOutcome("full", reason=_s(reply[1]))
 
 
-class _OneReply:
-    """The sink of a call carrying one enqueue: hands the item's reply on."""
+class _EnqueueCall:
+    """Every enqueue sent to this shard in one loop tick (or while the pipeline is full),
+    as one enqueue.lua call: Redis's per-call cost (EVALSHA, the script's set-up, reading
+    the boot mark, each slot's fence and statistics) is paid once for all of them. It is
+    the call's ReplySink and hands each item its own reply; a failure goes to every item."""
 
-    __slots__ = ("sink",)
+    __slots__ = ("args", "fixed", "keys", "nbytes", "sealed", "sinks")
 
-    def __init__(self, sink: ReplySink) -> None:
-        self.sink = sink
+    def __init__(self, fixed: bytes) -> None:
+        self.fixed = fixed
+        self.keys: list[bytes] = []
+        self.args: list[bytes] = []
+        self.sinks: list[ReplySink] = []
+        self.nbytes = 0
+        self.sealed = False
+
+    def takes(self, size: int) -> bool:
+        n = len(self.sinks)
+        return not self.sealed and n < _CALL_ITEMS and (n == 0 or self.nbytes + size <= _CALL_BYTES)
+
+    def add(self, keys: bytes, args: bytes, size: int, sink: ReplySink) -> None:
+        self.keys.append(keys)
+        self.args.append(args)
+        self.sinks.append(sink)
+        self.nbytes += size
+
+    def seal(self) -> bytes:
+        self.sealed = True
+        n = len(self.sinks)
+        return b"".join(
+            [
+                b"*%d\r\n%b%b"
+                % (
+                    3 + n * (_ENQUEUE_KEYS + _ENQUEUE_ITEM_ARGS) + _ENQUEUE_FIXED_ARGS,
+                    _ENQUEUE_HEAD,
+                    bulk(n * _ENQUEUE_KEYS),
+                ),
+                *self.keys,
+                self.fixed,
+                *self.args,
+            ]
+        )
 
     def done(self) -> bool:
-        return self.sink.done()
+        return False  # each item's sink says for itself
 
     def set_result(self, result: Any, /) -> None:
-        self.sink.set_result(result[0])
+        self.sealed = True
+        for sink, reply in zip(self.sinks, result, strict=True):
+            if not sink.done():
+                sink.set_result(reply)
 
     def set_exception(self, exception: BaseException, /) -> None:
-        self.sink.set_exception(exception)
+        self.sealed = True  # failed before it was sent: nothing may join it any more
+        for sink in self.sinks:
+            if not sink.done():
+                sink.set_exception(exception)
 
 
 class ShardStore:
@@ -243,6 +285,7 @@ class ShardStore:
         # per hot queue, the encoded parts of its enqueue command that never change (enqueue
         # only: an entry per idle long-poll would cost ~1 KiB each); bounded, cleared when full
         self._enqueue_parts: dict[str, tuple[bytes, bytes]] = {}
+        self._call: _EnqueueCall | None = None  # the enqueue call still taking items
         lim = limits
         fixed = (lim.rate_count, lim.rate_window_ms, lim.max_messages, lim.max_bytes, lim.retention_ms)
         self._enqueue_fixed = b"".join([bulk(a) for a in fixed])
@@ -302,7 +345,7 @@ class ShardStore:
         token: bytes = b"",
         resend: bool = False,
     ) -> bytes:
-        """Queue the enqueue script for the next pipeline; Redis's raw reply goes to `sink`,
+        """Add the enqueue to this tick's enqueue call; Redis's raw reply for it goes to `sink`,
         `enqueue_outcome` reads it. No coroutine: the hot path awaits nothing here.
 
         Returns the attempt's token (RESP-encoded). When the reply is lost
@@ -314,14 +357,16 @@ class ShardStore:
             parts = self._encode_enqueue_parts(q)
         now = b"%d" % now_ms
         token = token or _epoch_bulk()
-        # one item: its keys, the fixed limits, then payload, now, idempotency key, digest,
-        # messageId, qid and wake (cached), token, resend flag (lua/enqueue.lua)
-        self._batcher.submit_to(
-            b"%b%b%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b%b%b%b%b"
+        call = self._call
+        if call is None or not call.takes(len(payload)):
+            call = self._call = _EnqueueCall(self._enqueue_fixed)
+            self._batcher.submit_deferred(call, call, durable=True)
+        # the item: its keys; payload, now, idempotency key, digest, messageId, qid and wake
+        # (cached), token, resend flag (lua/enqueue.lua)
+        call.add(
+            parts[0],
+            b"$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b%b%b%b%b"
             % (
-                _ENQUEUE_HEAD_ONE,
-                parts[0],
-                self._enqueue_fixed,
                 len(payload),
                 payload,
                 len(now),
@@ -333,8 +378,8 @@ class ShardStore:
                 token,
                 _RESEND if resend else _EMPTY_BULK,
             ),
-            _OneReply(sink),
-            durable=True,
+            len(payload),
+            sink,
         )
         return token
 
