@@ -130,20 +130,22 @@ async def test_one_script_call_carries_a_ticks_enqueues_each_with_its_outcome() 
             store.enqueue(moved, b"y", 1004),  # fenced
             return_exceptions=True,
         )
-        assert outcomes[:4] == [
+        assert list(outcomes[:4]) == [
             EnqueueOutcome("duplicate", seq=first.seq),
             EnqueueOutcome("stored", seq=2),
             EnqueueOutcome("rate_limited", retry_after_ms=4998),
             EnqueueOutcome("stored", seq=1),
         ]
-        assert isinstance(outcomes[4], SlotMoved) and outcomes[4].shard == "s2"
+        assert isinstance(outcomes[4], SlotMoved)
+        assert outcomes[4].shard == "s2"
         calls = (await store.client.info("commandstats"))["cmdstat_evalsha"]["calls"]
         assert calls == 1
         # a resend of a stored attempt (its reply lost) answers that attempt's seq
         token = store.enqueue_to(asyncio.get_running_loop().create_future(), b, b"z", 2000)
         await asyncio.sleep(0.1)
         again = await store.enqueue(b, b"z", 2000, token=token, resend=True)
-        assert again.seq == 2 and (await store.status(b)).last_seq == 2
+        assert again.seq == 2
+        assert (await store.status(b)).last_seq == 2
     finally:
         await store.close()
         server.stop()
