@@ -76,7 +76,7 @@ def observed(handler: Handler, guard: MemoryGuard | None = None) -> Handler:
             )
             series = by_method[request.method] = RouteSeries(label, request.method)
         series.count(status)
-        series.timer.observe(time.perf_counter() - start)
+        series.observe(time.perf_counter() - start)
         return response
 
     return observe

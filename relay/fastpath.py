@@ -55,13 +55,18 @@ ROUTE = "/v1/queues/{recipient}/messages"  # the aiohttp route's canonical name 
 
 # The one request line served here. Anything else (percent-escapes, other query
 # parameters, a fragment, another version) goes to aiohttp, which parses URLs fully.
-_REQUEST_LINE = re.compile(
+_REQUEST_LINE_TEXT = (
     rb"POST /v1/queues/([A-Za-z0-9_-]{1,200})/messages(?:\?channel=([A-Za-z0-9_-]{0,200}))? HTTP/1\.1"
 )
+_REQUEST_LINE = re.compile(_REQUEST_LINE_TEXT)
 # A header line: a token name, optional whitespace, a value of visible ASCII, spaces and tabs.
-_HEADER = re.compile(
-    rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*((?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?)[ \t]*"
-)
+_NAME_TEXT = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_VALUE_TEXT = rb"(?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?"
+_HEADER = re.compile(rb"(%b):[ \t]*(%b)[ \t]*" % (_NAME_TEXT, _VALUE_TEXT))
+# A whole head of that grammar in one match (no class holds CR or LF, so each header
+# line is matched on its own), and its header fields as (name, value) pairs.
+_HEAD = re.compile(rb"%b(?:\r\n%b:[ \t]*%b[ \t]*)*" % (_REQUEST_LINE_TEXT, _NAME_TEXT, _VALUE_TEXT))
+_FIELDS = re.compile(rb"\r\n(%b):[ \t]*(%b)" % (_NAME_TEXT, _VALUE_TEXT))
 _DIGITS = re.compile(rb"[0-9]{1,18}")
 # Headers whose presence changes framing or the connection: aiohttp's business.
 _FOREIGN = frozenset((b"transfer-encoding", b"content-encoding", b"expect", b"upgrade", b"http2-settings"))
@@ -73,20 +78,23 @@ _SERVER = SERVER_SOFTWARE.encode()
 _REASONS = {201: b"Created", 200: b"OK"}
 
 
+# What aiohttp writes for web.Response(status, body, content_type="application/json"),
+# in its order: the status line and Content-Type, Content-Length, Date, Server.
+_OK_HEADS = {
+    status: b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: " % (status, reason)
+    for status, reason in _REASONS.items()
+}
+_date_tail: list[object] = [-1, b""]  # [second, b"\r\nDate: ...\r\nServer: ...\r\n\r\n"]
+
+
 def _ok_bytes(status: int, body: bytes) -> bytes:
-    """What aiohttp writes for web.Response(status, body, content_type="application/json")."""
-    return (
-        b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-        b"Date: %s\r\nServer: %s\r\n\r\n%s"
-        % (
-            status,
-            _REASONS[status],
-            len(body),
-            rfc822_formatted_time().encode(),
-            _SERVER,
-            body,
-        )
-    )
+    """What aiohttp writes for web.Response(status, body, content_type="application/json");
+    the Date and Server lines built once a second (Date is aiohttp's own per-second text)."""
+    second = int(time.time())
+    if second != _date_tail[0]:
+        date = rfc822_formatted_time().encode()
+        _date_tail[:] = [second, b"\r\nDate: %s\r\nServer: %s\r\n\r\n" % (date, _SERVER)]
+    return b"%s%d%s%s" % (_OK_HEADS[status], len(body), _date_tail[1], body)
 
 
 def response_bytes(response: Response, close: bool) -> bytes:
@@ -133,7 +141,8 @@ FAST_ENDPOINT = web.AppKey("relayfleet_fast_endpoint", FastEndpoint)
 
 
 class _Answer:
-    """One request's answer slot, in request order; the done callback of its enqueue."""
+    """One request's answer slot, in request order; where its enqueue's outcome goes
+    (relay.service.OutcomeSink: called while Redis's reply is read, so it never raises)."""
 
     __slots__ = ("close", "conn", "data", "start")
 
@@ -143,20 +152,34 @@ class _Answer:
         self.data: bytes | None = None
         self.close = False
 
-    def __call__(self, future: asyncio.Future[EnqueueOutcome]) -> None:
+    def done(self) -> bool:
+        return self.data is not None
+
+    def set_result(self, outcome: EnqueueOutcome, /) -> None:
         conn = self.conn
         try:
-            status, body = enqueue_answer(future.result())
-        except (
-            Exception,
-            asyncio.CancelledError,
-        ) as exc:  # refused by Redis or failed: the shared JSON answer
-            conn.refused(self, exc)
-            return
-        conn.endpoint.series.count(status)
-        conn.endpoint.series.timer.observe(time.perf_counter() - self.start)
-        self.data = _ok_bytes(status, body)
-        conn.flush()
+            try:
+                status, body = enqueue_answer(outcome)
+            except Exception as exc:  # refused by Redis (rate limit, caps, conflict): the JSON answer
+                conn.refused(self, exc)
+                return
+            series = conn.endpoint.series
+            series.count(status)
+            series.observe(time.perf_counter() - self.start)
+            self.data = _ok_bytes(status, body)
+            conn.flush()
+        except Exception as exc:
+            conn.broken(exc)
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        try:
+            self.conn.refused(self, exception)
+        except Exception as exc:
+            self.conn.broken(exc)
+
+    def cancel(self) -> bool:
+        self.set_exception(asyncio.CancelledError())
+        return True
 
 
 class FastConnection(asyncio.Protocol):
@@ -381,39 +404,25 @@ class FastConnection(asyncio.Protocol):
         self, head: bytes
     ) -> tuple[bytes, bytes | None, bytes | None, bytes | None, int] | None:
         """The enqueue fields of a head this path serves, else None (aiohttp's business)."""
-        if not head.isascii():
+        if not head.isascii() or head.count(b"\r\n") >= MAX_LINES:
             return None
-        lines = head.split(b"\r\n")
-        if len(lines) > MAX_LINES:
-            return None
-        line = _REQUEST_LINE.fullmatch(lines[0])
+        line = _HEAD.fullmatch(head)
         if line is None:
             return None
-        length = -1
-        key = authorization = None
-        seen: set[bytes] = set()
-        for raw in lines[1:]:
-            header = _HEADER.fullmatch(raw)
-            if header is None:
-                return None
-            name = header[1].lower()
-            if name in seen or name in _FOREIGN:
-                return None
-            seen.add(name)
-            if name == b"content-length":
-                value = header[2]
-                if _DIGITS.fullmatch(value) is None:
-                    return None
-                length = int(value)
-            elif name == b"idempotency-key":
-                key = header[2]
-            elif name == b"authorization":
-                authorization = header[2]
-            elif name == b"connection" and header[2].lower() != b"keep-alive":
-                return None
-        if length < 0 or not self.endpoint.accepts_body(length):
+        pairs = _FIELDS.findall(head)  # the request line holds no CR LF
+        fields = {name.lower(): value for name, value in pairs}
+        if len(fields) != len(pairs) or not _FOREIGN.isdisjoint(fields):
+            return None  # a header twice, or one that changes framing or the connection
+        value = fields.get(b"content-length")
+        if value is None or _DIGITS.fullmatch(value) is None:
             return None
-        return line[1], line[2], key, authorization, length
+        length = int(value)
+        connection = fields.get(b"connection")
+        if (connection is not None and connection.lower() != b"keep-alive") or not self.endpoint.accepts_body(
+            length
+        ):
+            return None
+        return line[1], line[2], fields.get(b"idempotency-key"), fields.get(b"authorization"), length
 
     # -- serving --------------------------------------------------------------------------
     def _dispatch(
@@ -432,16 +441,15 @@ class FastConnection(asyncio.Protocol):
             if endpoint.memory.over:
                 raise overloaded()
             # the aiohttp handler's steps, in its order (relay/api/queues.py enqueue)
-            recipient = params.recipient_key(recipient_text.decode())
+            recipient = params.recipient_key_matched(recipient_text)  # matched by _HEAD
             channel = params.channel_value(channel_text.decode()) if channel_text else b""
             idempotency_key = params.idempotency_value(None if key is None else key.decode())
             endpoint.auth.verify_enqueue_header(None if authorization is None else authorization.decode())
             payload = params.non_empty(body)
-            future = endpoint.service.enqueue(recipient, channel, payload, idempotency_key)
+            endpoint.service.enqueue_into(answer, recipient, channel, payload, idempotency_key)
         except Exception as exc:
-            self.refused(answer, exc)
-            return
-        future.add_done_callback(answer)
+            if not answer.done():
+                self.refused(answer, exc)
 
     def refused(self, answer: _Answer, exc: BaseException) -> None:
         """Answer `exc` as the aiohttp path would (relay/app.py observed)."""
@@ -454,10 +462,19 @@ class FastConnection(asyncio.Protocol):
         metrics.REJECTED.labels(code_of(response)).inc()
         series = self.endpoint.series
         series.count(status)
-        series.timer.observe(time.perf_counter() - answer.start)
+        series.observe(time.perf_counter() - answer.start)
         answer.close = answer.close or response.headers.get("Connection") == "close"
         answer.data = response_bytes(response, answer.close)
         self.flush()
+
+    def broken(self, exc: Exception) -> None:
+        """A bug while answering from Redis's reply: reported as the loop reports a failed
+        callback, and the connection closed (its answers can no longer be in order)."""
+        self._loop.call_exception_handler(
+            {"message": "enqueue answer failed", "exception": exc, "protocol": self}
+        )
+        self._closing = True
+        self._close()
 
     def flush(self) -> None:
         """Write the answers that are ready, in request order."""

@@ -6,7 +6,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from relay import metrics
 from relay.fleet.routing import Route, ShardRouter
@@ -27,6 +27,20 @@ from relay.storage.store import (
 T = TypeVar("T")
 
 OnStored = Callable[[bytes, bytes, int, int], None]  # recipient, channel, seq, subscribers
+
+
+class OutcomeSink(Protocol):
+    """Where an enqueue's outcome goes: the part of asyncio.Future it uses. The HTTP fast
+    path passes its answer slot (no Future, no done-callback hop through the loop); it
+    must not raise, as it runs while Redis's reply is read."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: EnqueueOutcome, /) -> None: ...
+
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+    def cancel(self) -> bool: ...
 
 
 class Unavailable(Exception):
@@ -53,9 +67,9 @@ class TooManyWaiters(Exception):
 
 
 # Label children resolved once: .labels() per request was visible in profiles.
-_ENQUEUED = metrics.loop_only(metrics.MESSAGES.labels("enqueued"))
-_ENQUEUED_BYTES = metrics.loop_only(metrics.BYTES.labels("enqueued"))
-_DUPLICATE = metrics.loop_only(metrics.MESSAGES.labels("duplicate"))
+_ENQUEUED = metrics.loop_counter(metrics.MESSAGES.labels("enqueued"))
+_ENQUEUED_BYTES = metrics.loop_counter(metrics.BYTES.labels("enqueued"))
+_DUPLICATE = metrics.loop_counter(metrics.MESSAGES.labels("duplicate"))
 
 
 def now_ms() -> int:
@@ -199,31 +213,47 @@ class QueueService:
         it) is resent with its token until Redis says what it did (_Enqueue.resolve), so a
         stored message is never answered 5xx and never stored twice by the relay.
         """
+        done: asyncio.Future[EnqueueOutcome] = asyncio.get_running_loop().create_future()
+        self.enqueue_into(
+            done, recipient, channel, payload, idempotency_key, message_id, any_payload_is_duplicate, now
+        )
+        return done
+
+    def enqueue_into(
+        self,
+        sink: OutcomeSink,
+        recipient: bytes,
+        channel: bytes,
+        payload: bytes,
+        idempotency_key: str = "",
+        message_id: str = "",
+        any_payload_is_duplicate: bool = False,
+        now: int = 0,
+    ) -> None:
+        """`enqueue`, its outcome handed to `sink` (see OutcomeSink) instead of a new future."""
         digest = (
             "*"
             if any_payload_is_duplicate
             else (hashlib.sha256(payload).hexdigest() if idempotency_key else "")
         )
-        ts = now or now_ms()  # `now`: a caller that answers with the stored time picks it
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[EnqueueOutcome] = loop.create_future()
+        ts = now or int(time.time() * 1000)  # `now`: a caller that answers with the stored time picks it
         route = self.fleet.route(recipient, channel)
-        job = _Enqueue(self, done, route, loop.time() + self.settings.request_deadline_s)
+        sent_at = asyncio.get_running_loop().time()
+        job = _Enqueue(self, sink, route, sent_at + self.settings.request_deadline_s, sent_at)
         job.recipient, job.channel, job.payload, job.ts = recipient, channel, payload, ts
         job.idempotency_key, job.digest, job.message_id = idempotency_key, digest, message_id
         job.token = route.store.enqueue_to(job, route.keys, payload, ts, idempotency_key, digest, message_id)
-        return done
 
     def _stored(self, recipient: bytes, channel: bytes, size: int, outcome: EnqueueOutcome) -> None:
         """Metrics and hooks for an enqueue Redis has answered."""
         kind = outcome.kind
         if kind == "stored":
-            _ENQUEUED.inc()
+            _ENQUEUED.inc(1)
             _ENQUEUED_BYTES.inc(size)
             if self.on_stored is not None:
                 self.on_stored(recipient, channel, outcome.seq, outcome.subscribers)
         elif kind == "duplicate":
-            _DUPLICATE.inc()
+            _DUPLICATE.inc(1)
         elif kind == "rate_limited":
             metrics.RATE_LIMITED.inc()
 
@@ -312,13 +342,13 @@ class _Enqueue:
     token: bytes  # the first attempt's (RESP-encoded), reused by resends
 
     def __init__(
-        self, service: QueueService, outcome: asyncio.Future[EnqueueOutcome], route: Route, deadline: float
+        self, service: QueueService, outcome: OutcomeSink, route: Route, deadline: float, sent_at: float
     ) -> None:
         self.service = service
         self.outcome = outcome
         self.route = route  # of the first attempt; a retry routes afresh
         self.deadline = deadline
-        self.sent_at = asyncio.get_running_loop().time()
+        self.sent_at = sent_at  # the loop's time
         self.answered = False
 
     # -- ReplySink: called by the pipeline once, with the reply or the failure --------

@@ -14,6 +14,7 @@ from relay.api.context import CTX
 from relay.api.errors import ApiError, bad_request, overloaded
 from relay.memguard import CLAIM, CLAIM_FROM
 from relay.protocol import b64decode as b64decode  # the API's base64url, re-exported
+from relay.protocol import b64decode_alphabet
 from relay.protocol import b64encode as b64encode
 from relay.settings import Settings
 
@@ -26,9 +27,25 @@ def recipient_key(text: str) -> bytes:
     try:
         raw = b64decode(text)
     except ValueError:
-        raise bad_request(
-            "recipientKey must be base64url (no padding) of exactly 32 bytes", "bad_recipient"
-        ) from None
+        raise _bad_recipient() from None
+    return _recipient_of(raw)
+
+
+def recipient_key_matched(segment: bytes) -> bytes:
+    """recipient_key for a path segment a parser already matched as base64url characters
+    (the enqueue fast path's request line): same key, same refusal."""
+    try:
+        raw = b64decode_alphabet(segment)
+    except ValueError:
+        raise _bad_recipient() from None
+    return _recipient_of(raw)
+
+
+def _bad_recipient() -> ApiError:
+    return bad_request("recipientKey must be base64url (no padding) of exactly 32 bytes", "bad_recipient")
+
+
+def _recipient_of(raw: bytes) -> bytes:
     if len(raw) != RECIPIENT_BYTES:
         raise bad_request(f"recipientKey must be exactly 32 bytes, got {len(raw)}", "bad_recipient")
     return raw

@@ -24,6 +24,7 @@ from relay.storage.wakeups import WakeupHub
 log = logging.getLogger("relay.routing")
 
 _RETIRE_AFTER_S = 90.0
+_ROUTES_MAX = 8192  # queues whose route is kept (a dict of small tuples); emptied when full
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,9 @@ class ShardRouter:
         self.credentials_dir = credentials_dir
         self.stores: dict[str, ShardStore] = {}
         self.hubs: dict[str, WakeupHub] = {}
+        # (recipient, channel) -> its Route under the map, stores and hubs in use: emptied
+        # whenever one of them changes (computing a route showed in enqueue profiles)
+        self._routes: dict[tuple[bytes, bytes], Route] = {}
         self._source: MapSource | None = None
         self._watch_task: asyncio.Task[None] | None = None
         self._reload_lock = asyncio.Lock()
@@ -91,6 +95,7 @@ class ShardRouter:
             await hub.start(wait_connected=1.0)
             old_store, old_hub = self.stores.get(name), self.hubs.get(name)
             self.stores[name], self.hubs[name] = new_store, hub
+            self._routes = {}
             if old_store is not None and old_hub is not None:
                 self._retire(old_store, old_hub)
 
@@ -121,10 +126,17 @@ class ShardRouter:
         task.add_done_callback(self._retiring.discard)
 
     def route(self, recipient: bytes, channel: bytes) -> Route:
+        route = self._routes.get((recipient, channel))
+        if route is not None:
+            return route
         slot = slot_of(recipient, channel)
         shard = self.map.shard_for_slot(slot)
         keys = K.queue_keys_for_id(slot, K.queue_id(recipient, channel))
-        return Route(keys, self.stores[shard], self.hubs[shard])
+        route = Route(keys, self.stores[shard], self.hubs[shard])
+        if len(self._routes) >= _ROUTES_MAX:
+            self._routes = {}
+        self._routes[recipient, channel] = route
+        return route
 
     async def install(self, new_map: ShardMap) -> bool:
         """Use `new_map` if it is newer than the one in use. True when swapped.
@@ -142,6 +154,7 @@ class ShardRouter:
                 return False
             await self._open_shards(new_map)
             self.map = new_map
+            self._routes = {}
             for name in set(old.shards) - set(new_map.shards):
                 store, hub = self.stores.pop(name), self.hubs.pop(name)
                 self._retire(store, hub)
