@@ -143,15 +143,18 @@ class Shard:
 
     async def cas(self, what: str, slots: Sequence[int], new: str, allowed: Sequence[str]) -> None:
         """Set the state of every slot, refusing (MigrationError) where the prior state is not allowed."""
-        cmds = [_evalsha(scripts.SLOT_STATE, (K.slot_state(s),), (new, *allowed)) for s in slots]
-        for chunk_slots, chunk in zip(chunks(slots, 2048), chunks(cmds, 2048), strict=True):
-            replies = await self.run(what, chunk, durable=True)
-            for s, (ok, prior) in zip(chunk_slots, replies, strict=True):
-                if not int(ok):
-                    raise MigrationError(
-                        f"slot {s}: shard {self.name} is in state {_s(prior) or 'owned'!r}, "
-                        f"which does not allow {what}; is another migration running?"
-                    )
+        for chunk in chunks(slots, 2048):
+            replies = await self.run(what, _set_states(chunk, new, allowed), durable=True)
+            self._check_set(what, chunk, replies)
+
+    def _check_set(self, what: str, slots: Sequence[int], replies: Sequence[Any]) -> None:
+        """The replies of `_set_states` for `slots`: MigrationError at the first refused slot."""
+        for s, (ok, prior) in zip(slots, replies, strict=True):
+            if not int(ok):
+                raise MigrationError(
+                    f"slot {s}: shard {self.name} is in state {_s(prior) or 'owned'!r}, "
+                    f"which does not allow {what}; is another migration running?"
+                )
 
     async def drop(
         self,
@@ -189,15 +192,9 @@ class Shard:
         """Set the slots' state, then list their queues, in one round trip."""
         out: dict[int, list[str]] = {}
         for chunk in chunks(slots, 512):
-            cmds = [_evalsha(scripts.SLOT_STATE, (K.slot_state(s),), (new, *allowed)) for s in chunk]
-            cmds += [("SMEMBERS", K.slot_index(s)) for s in chunk]
+            cmds = [*_set_states(chunk, new, allowed), *(("SMEMBERS", K.slot_index(s)) for s in chunk)]
             replies = await self.run(what, cmds, durable=True)
-            for s, (ok, prior) in zip(chunk, replies[: len(chunk)], strict=True):
-                if not int(ok):
-                    raise MigrationError(
-                        f"slot {s}: shard {self.name} is in state {_s(prior) or 'owned'!r}, "
-                        f"which does not allow {what}; is another migration running?"
-                    )
+            self._check_set(what, chunk, replies[: len(chunk)])
             for s, members in zip(chunk, replies[len(chunk) :], strict=True):
                 out[s] = sorted(_s(m) for m in members)
         return out
@@ -289,6 +286,11 @@ class Shard:
 
 _evalsha = script_runner.evalsha
 _MIGRATION_SCRIPTS = (scripts.SLOT_STATE, scripts.SLOT_DROP, scripts.IMPORT_STAMP)
+
+
+def _set_states(slots: Sequence[int], new: str, allowed: Sequence[str]) -> list[tuple[Any, ...]]:
+    """lua/slot_state.lua per slot: set `new` where the prior state is one of `allowed`."""
+    return [_evalsha(scripts.SLOT_STATE, (K.slot_state(s),), (new, *allowed)) for s in slots]
 
 
 def slot_keys(slot: int) -> tuple[str, ...]:
