@@ -23,8 +23,8 @@ from relay.api.queues import enqueue_error
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import EnvelopeError
 from relay.didcomm.mediator import ForwardRefused, Mediator, Outcome
+from relay.didcomm.mediator_pickup import message_id
 from relay.didcomm.messages import MediatorError
-from relay.didcomm.pickup import message_id
 from relay.didcomm.records import CHANNEL, Connection
 from relay.service import Unavailable
 
@@ -114,7 +114,7 @@ class DidcommSocket:
         self.inflight: set[str] = set()
         self.poke = asyncio.Event()  # an ack or a keylist change: look again now
 
-    # -- pickup.LiveSession ------------------------------------------------------------
+    # -- mediator_pickup.LiveSession -----------------------------------------------------
     @property
     def live(self) -> bool:
         return self.live_conn is not None

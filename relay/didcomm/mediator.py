@@ -17,8 +17,8 @@ from typing import Any
 from relay.didcomm import keys as dk
 from relay.didcomm.attachments import AttachmentError, attached_document, signed_attachment
 from relay.didcomm.envelope import Unpacked, pack, parse, unpack
+from relay.didcomm.mediator_pickup import LiveSession, Pickup
 from relay.didcomm.messages import MediatorError, reply, thread_of
-from relay.didcomm.pickup import LiveSession, Pickup
 from relay.didcomm.records import CHANNEL, Connection, Records
 from relay.service import QueueService
 from relay.storage.store import EnqueueOutcome
