@@ -34,6 +34,7 @@ from relay.api import params, pickup
 from relay.api.context import CTX, Context, ctx
 from relay.api.errors import ApiError, error_response
 from relay.api.queues import message_json, parse_ack
+from relay.didcomm.messages import PREFIXES
 from relay.service import Unavailable
 from relay.storage.store import ReadResult
 from relay.storage.wakeups import Waiter
@@ -249,7 +250,7 @@ class LiveSession:
             self.acked(seqs or [])
 
     async def on_pickup(self, doc: dict[str, Any]) -> None:
-        prefix = pickup.PREFIXES[0]
+        prefix = PREFIXES[0]
         offending = doc.get("@id") if isinstance(doc.get("@id"), str) else None
         try:
             msg = pickup.parse_message(doc)

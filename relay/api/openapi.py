@@ -11,6 +11,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from relay.api import pickup
+from relay.didcomm.messages import PREFIXES
+
 routes = web.RouteTableDef()
 
 _B64 = "[A-Za-z0-9_-]"
@@ -101,8 +104,6 @@ _P_INBOX = {
 
 _SIGNED: list[dict[str, list[str]]] = [{"relayEd25519": []}]
 _ENQUEUE_SECURITY: list[dict[str, list[str]]] = [{}, {"enqueueToken": []}]
-_PICKUP_PREFIXES = ("https://didcomm.org/", "did:sov:BzCbsNYhMrjHiqZDTUASHg;spec/")
-_PICKUP_NAMES = ("status-request", "delivery-request", "messages-received", "live-delivery-change")
 
 _NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
 
@@ -274,11 +275,7 @@ SCHEMAS: dict[str, Any] = {
             "@id": {"type": "string"},
             "@type": {
                 "type": "string",
-                "enum": [
-                    f"{prefix}messagepickup/2.0/{name}"
-                    for prefix in _PICKUP_PREFIXES
-                    for name in _PICKUP_NAMES
-                ],
+                "enum": [f"{prefix}messagepickup/2.0/{name}" for prefix in PREFIXES for name in pickup.NAMES],
             },
             "recipient_key": {
                 "type": "string",

@@ -21,12 +21,12 @@ from relay.api.auth import parse_header
 from relay.api.context import Context, ctx
 from relay.api.errors import ApiError, bad_request, json_response
 from relay.didcomm import keys as dk
+from relay.didcomm.messages import PREFIXES
 from relay.storage.store import StatusResult
 
 routes = web.RouteTableDef()
 
 PROTOCOL = "messagepickup/2.0/"
-PREFIXES = ("https://didcomm.org/", "did:sov:BzCbsNYhMrjHiqZDTUASHg;spec/")
 PROBLEM_REPORT = "notification/1.0/problem-report"
 NAMES = ("status-request", "delivery-request", "messages-received", "live-delivery-change")
 MAX_BODY = 1 << 20

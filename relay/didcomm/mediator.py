@@ -18,12 +18,11 @@ from relay.didcomm import keys as dk
 from relay.didcomm.attachments import AttachmentError, attached_document, signed_attachment
 from relay.didcomm.envelope import Unpacked, pack, parse, unpack
 from relay.didcomm.mediator_pickup import LiveSession, Pickup
-from relay.didcomm.messages import MediatorError, reply, thread_of
+from relay.didcomm.messages import PREFIXES, MediatorError, reply, thread_of
 from relay.didcomm.records import CHANNEL, Connection, Records
 from relay.service import QueueService
 from relay.storage.store import EnqueueOutcome
 
-PREFIXES = ("https://didcomm.org/", "did:sov:BzCbsNYhMrjHiqZDTUASHg;spec/")
 HANDSHAKES = ("https://didcomm.org/didexchange/1.1", "https://didcomm.org/didexchange/1.0")
 PROTOCOLS = (
     "https://didcomm.org/out-of-band/1.1",

@@ -1,12 +1,15 @@
-"""What every protocol of the mediator shares: its error (a problem-report or a 4xx) and the
-reply that continues a message's thread."""
+"""What every protocol of the mediator shares: the message type prefixes, its error (a
+problem-report or a 4xx) and the reply that continues a message's thread."""
 
 from __future__ import annotations
 
 import uuid
 from typing import Any
 
-__all__ = ["MediatorError", "reply", "thread_of"]
+__all__ = ["PREFIXES", "MediatorError", "reply", "thread_of"]
+
+# The two spellings of a DIDComm v1 message type's prefix; a reply copies the request's.
+PREFIXES = ("https://didcomm.org/", "did:sov:BzCbsNYhMrjHiqZDTUASHg;spec/")
 
 
 class MediatorError(Exception):
