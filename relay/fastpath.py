@@ -132,10 +132,6 @@ class FastEndpoint:
         self.cap = ctx.settings.max_payload
         self.series = RouteSeries(ROUTE, "POST")
 
-    def accepts_body(self, length: int) -> bool:
-        # a body that would claim memory (relay/memguard.py) is left to aiohttp's path
-        return length <= self.cap and (length < CLAIM_FROM or self.memory.ceiling is None)
-
 
 FAST_ENDPOINT = web.AppKey("relayfleet_fast_endpoint", FastEndpoint)
 
@@ -418,10 +414,11 @@ class FastConnection(asyncio.Protocol):
             return None
         length = int(value)
         connection = fields.get(b"connection")
-        if (connection is not None and connection.lower() != b"keep-alive") or not self.endpoint.accepts_body(
-            length
-        ):
+        if connection is not None and connection.lower() != b"keep-alive":
             return None
+        endpoint = self.endpoint
+        if length > endpoint.cap or (length >= CLAIM_FROM and endpoint.memory.ceiling is not None):
+            return None  # a body that would claim memory (relay/memguard.py): aiohttp's path
         return line[1], line[2], fields.get(b"idempotency-key"), fields.get(b"authorization"), length
 
     # -- serving --------------------------------------------------------------------------
@@ -443,8 +440,9 @@ class FastConnection(asyncio.Protocol):
             # the aiohttp handler's steps, in its order (relay/api/queues.py enqueue)
             recipient = params.recipient_key_matched(recipient_text)  # matched by _HEAD
             channel = params.channel_value(channel_text.decode()) if channel_text else b""
-            idempotency_key = params.idempotency_value(None if key is None else key.decode())
-            endpoint.auth.verify_enqueue_header(None if authorization is None else authorization.decode())
+            idempotency_key = "" if key is None else params.idempotency_value(key.decode())
+            if endpoint.auth.tokens:  # verify_enqueue_header accepts anything without tokens
+                endpoint.auth.verify_enqueue_header(None if authorization is None else authorization.decode())
             payload = params.non_empty(body)
             endpoint.service.enqueue_into(answer, recipient, channel, payload, idempotency_key)
         except Exception as exc:
