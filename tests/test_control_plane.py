@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -13,6 +12,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from tests.support.k8s_cluster import KubeCluster, pinned_kube_version
+from tests.support.operator_harness import wait_for
 
 T = TypeVar("T")
 
@@ -38,17 +38,6 @@ def build(factory: Callable[[dict[str, Any]], T | None], data: dict[str, Any]) -
     obj = factory(data)
     assert obj is not None
     return obj
-
-
-def wait_until(what: str, check: Callable[[], T], timeout: float = 120.0, interval: float = 0.5) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 def widget_crd(group: str) -> dict[str, Any]:
@@ -125,7 +114,7 @@ def test_crd_cel_rule_rejects_invalid_object(apiserver_client: client.ApiClient)
             conditions = (status.conditions if status else None) or []
             return any(c.type == "Established" and c.status == "True" for c in conditions)
 
-        wait_until("the CRD to be established", established, timeout=60)
+        wait_for("the CRD to be established", established, timeout=60)
 
         def widget(name: str, lo: int, hi: int) -> dict[str, Any]:
             return {
@@ -145,7 +134,7 @@ def test_crd_cel_rule_rejects_invalid_object(apiserver_client: client.ApiClient)
                 raise
             return True
 
-        wait_until("the Widget type to be served", create_valid, timeout=60)
+        wait_for("the Widget type to be served", create_valid, timeout=60)
 
         with pytest.raises(ApiException) as rejected:
             custom.create_namespaced_custom_object(group, "v1", "default", "widgets", widget("bad", 5, 2))
@@ -218,13 +207,13 @@ def test_deployment_pods_run_on_kwok_nodes(kwok_cluster: KubeCluster, kwok_clien
             }
             return running if len(running) == 3 else {}
 
-        pods = wait_until("3 Running pods on kwok nodes", running_pods, timeout=180)
+        pods = wait_for("3 Running pods on kwok nodes", running_pods, timeout=180)
         assert set(pods.values()) <= kwok_nodes
 
         def available() -> bool:
             status = apps.read_namespaced_deployment_status("smoke", namespace).status
             return status is not None and status.available_replicas == 3
 
-        wait_until("the Deployment to be available", available, timeout=120)
+        wait_for("the Deployment to be available", available, timeout=120)
     finally:
         core.delete_namespace(namespace)
