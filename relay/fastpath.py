@@ -8,8 +8,8 @@ token-named ASCII headers, one Content-Length within the payload cap, no
 Transfer-Encoding, Content-Encoding, Expect, Upgrade or Connection other than
 keep-alive, no duplicated header). The request is validated by the same functions as
 the aiohttp handler (relay/api/params, auth, queues, failures), sent with
-QueueService.enqueue (a future resolved from Redis's reply callback) and answered from
-that future's done callback, in request order under pipelining.
+QueueService.enqueue_into (the request's answer slot is the outcome sink, called as Redis's
+reply is read) and answered from there, in request order under pipelining.
 
 Anything else — another route, a malformed or unusual request, a body that would
 claim memory — is not its business: at that request's boundary (once the answers
