@@ -2,8 +2,8 @@
 -- XADD, counters, slot index and statistics, wakeup PUBLISH. One call carries every
 -- enqueue a relay sent this shard in one loop tick (relay/storage/store.py), in order,
 -- each with its own reply; a call of one is the single enqueue. Per call, not per
--- message: each slot state and 'rf:boot' are read once, each slot's statistics are read
--- once and written once, and each wakeup channel is published once, after every write.
+-- message: each slot state and 'rf:boot' are read once, each slot's statistics are
+-- incremented once, and each wakeup channel is published once, after every write.
 -- Fixed arguments:
 -- ARGV[1] rate limit: messages per window   ARGV[2] rate window, ms
 -- ARGV[3] queue cap: messages        ARGV[4] queue cap: bytes
@@ -37,19 +37,26 @@ local rank = fmt('%d', rate_limit - 1)
 
 local fences = {}  -- slot state key -> fence reply, or false when this shard owns it
 local boot_read, run, waited = false, nil, false
-local stats, stats_order = {}, {}  -- slot statistics key -> fields, in first-use order
+local stats, stats_order = {}, {}  -- slot statistics key -> {messages, bytes, minute}, in first-use order
 local wakes, wake_order = {}, {}  -- channel -> {seq, first now, replies}, in first-use order
 
-local function slot_stats_of(stats_key)
-  local s = stats[stats_key]
-  if not s then
-    local v = redis.call('HMGET', stats_key, 'msgs', 'bytes', 'enq', 'wstart', 'wcur', 'wprev')
-    s = {tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0,
-      tonumber(v[4]) or 0, tonumber(v[5]) or 0, tonumber(v[6]) or 0}
-    stats[stats_key] = s
-    stats_order[#stats_order + 1] = stats_key
+-- Add one slot's stored messages and bytes of one minute to its statistics: messages, bytes,
+-- enqueues, and enqueues per minute in two windows (the rebalance planner's rate,
+-- relay/storage/maintenance.py). Increments, not a read and a rewrite: Lua's tonumber and
+-- number printing cost more than these commands.
+local function add_stats(stats_key, s)
+  local n = s[1] == 1 and '1' or fmt('%d', s[1])
+  redis.call('HINCRBY', stats_key, 'msgs', n)
+  redis.call('HINCRBY', stats_key, 'bytes', fmt('%d', s[2]))
+  redis.call('HINCRBY', stats_key, 'enq', n)
+  local minute = s[3]
+  local wstart = tonumber(redis.call('HGET', stats_key, 'wstart') or '0')
+  if minute ~= wstart then
+    local cur = redis.call('HGET', stats_key, 'wcur') or '0'
+    if minute - wstart ~= 60000 then cur = '0' end
+    redis.call('HSET', stats_key, 'wstart', fmt('%d', minute), 'wprev', cur, 'wcur', '0')
   end
-  return s
+  redis.call('HINCRBY', stats_key, 'wcur', n)
 end
 
 local function enqueue_one(k, a)
@@ -152,17 +159,18 @@ local function enqueue_one(k, a)
       redis.call('ZREM', idemx_key, unpack(old))
     end
   end
-  -- slot statistics: messages, bytes, enqueues, and enqueues per minute in two windows
-  -- (the rebalance planner's rate, relay/storage/maintenance.py); written once per call
-  local st = slot_stats_of(stats_key)
-  st[1], st[2], st[3] = st[1] + 1, st[2] + size, st[3] + 1
+  -- slot statistics: summed per slot and minute, written once per call (or minute)
   local minute = now - (now % 60000)
-  if minute ~= st[4] then
-    local cur = st[5]
-    if minute - st[4] ~= 60000 then cur = 0 end
-    st[4], st[5], st[6] = minute, 0, cur
+  local st = stats[stats_key]
+  if not st then
+    st = {0, 0, minute}
+    stats[stats_key] = st
+    stats_order[#stats_order + 1] = stats_key
+  elseif st[3] ~= minute then
+    add_stats(stats_key, st)
+    st[1], st[2], st[3] = 0, 0, minute
   end
-  st[5] = st[5] + 1
+  st[1], st[2] = st[1] + 1, st[2] + size
   seq = tonumber(seq_s)
   local reply = {'ok', seq, 0}
   local w = wakes[channel]
@@ -181,9 +189,8 @@ for i = 1, #KEYS / 8 do
   replies[i] = enqueue_one(8 * (i - 1), 5 + 9 * (i - 1))
 end
 for _, stats_key in ipairs(stats_order) do
-  local s = stats[stats_key]
-  redis.call('HSET', stats_key, 'msgs', fmt('%d', s[1]), 'bytes', fmt('%d', s[2]), 'enq', fmt('%d', s[3]),
-    'wstart', fmt('%d', s[4]), 'wcur', fmt('%d', s[5]), 'wprev', fmt('%d', s[6]))
+  local st = stats[stats_key]
+  if st[1] > 0 then add_stats(stats_key, st) end
 end
 -- one wakeup per channel, after every write: "<newest seq>:<first enqueue time>" (a waiter
 -- re-reads whatever woke it; the time measures wake latency, relay/storage/wakeups.py)
