@@ -41,6 +41,7 @@ lint: venv-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	PYTHONPATH=.:operator:tools $(VENV)/bin/lint-imports  # the layer contracts in pyproject.toml
+	shellcheck hack/*.sh  # the build scripts and the hack/lib.sh they source
 
 typecheck: venv-dev
 	$(VENV)/bin/mypy
