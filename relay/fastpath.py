@@ -184,6 +184,7 @@ class FastConnection(asyncio.Protocol):
     __slots__ = (
         "_answers",
         "_armed_count",
+        "_body_deadline",
         "_body_have",
         "_body_parts",
         "_body_timer",
@@ -215,6 +216,7 @@ class FastConnection(asyncio.Protocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._keepalive_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._body_deadline = 0.0  # the loop time by which the pending request's body is due
         self._idle_since = 0.0
         # a request whose head was parsed and whose body is still arriving
         self._pending_request: tuple[bytes, bytes | None, bytes | None, bytes | None, int, float] | None = (
@@ -309,6 +311,9 @@ class FastConnection(asyncio.Protocol):
         self._body_timer = None
         if self._pending_request is None or self.transport is None:
             return
+        if self._loop.time() < self._body_deadline:  # armed for an earlier body, or early
+            self._body_timer = self._loop.call_at(self._body_deadline, self._body_due)
+            return
         start = self._pending_request[5]
         self._pending_request = None
         self._body_parts = []
@@ -366,16 +371,17 @@ class FastConnection(asyncio.Protocol):
             rest = buf[body_start:]
             self._body_parts = [rest] if rest else []
             self._body_have = len(rest)
-            self._body_timer = self._loop.call_later(self.endpoint.settings.body_timeout_s, self._body_due)
+            # one timer per connection, left armed when a body completes and re-armed when
+            # due for a later one (a timer per split body showed at 64 KiB)
+            self._body_deadline = self._loop.time() + self.endpoint.settings.body_timeout_s
+            if self._body_timer is None:
+                self._body_timer = self._loop.call_at(self._body_deadline, self._body_due)
             return
 
     def _body_complete(self) -> None:
         assert self._pending_request is not None
         recipient, channel, key, authorization, length, start = self._pending_request
         self._pending_request = None
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
         joined = self._body_parts[0] if len(self._body_parts) == 1 else b"".join(self._body_parts)
         self._body_parts = []
         self._buf = joined[length:]

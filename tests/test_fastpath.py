@@ -149,6 +149,37 @@ async def test_body_timeout_answers_as_aiohttp_does(both: tuple[RunningRelay, Ru
     assert fast_closed
 
 
+async def test_body_timeout_per_body_on_one_connection(
+    redis_server: LocalRedis, relay_factory: RelayFactory
+) -> None:
+    """The body timer is one per connection, left armed after a body completes: a body that
+    completes in time is served, a later body gets its own full timeout, and one that never
+    completes still gets 408."""
+    relay = await relay_factory(redis_server.url, body_timeout_s=0.6)
+    r = os.urandom(32)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    try:
+        first = enqueue_request(r, b"0123456789")
+        writer.write(first[:-4])
+        await asyncio.sleep(0.4)
+        writer.write(first[-4:])  # completes within its timeout
+        assert (await read_answer(reader)).status == 201
+        second = enqueue_request(r, b"abcdefghij")
+        writer.write(second[:-4])
+        await asyncio.sleep(0.4)  # past the first body's deadline, within its own
+        writer.write(second[-4:])
+        assert (await read_answer(reader)).status == 201
+        third = enqueue_request(r, b"never done")
+        writer.write(third[:-4])
+        started = time.monotonic()
+        answer = await read_answer(reader)
+        assert answer.status == 408
+        assert 0.5 <= time.monotonic() - started < 3
+        assert await closed(reader, 1.0)
+    finally:
+        writer.close()
+
+
 def protocols(relay: RunningRelay) -> list[type]:
     return [type(c) for c in server_of(relay).guard.open]
 
