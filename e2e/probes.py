@@ -15,6 +15,7 @@ import pytest
 
 from e2e.env import FLEET, Env
 from relay.fleet.sharding import ShardMap, loads_shard_map
+from tests.support.shard_specs import shard as relayshard
 
 T = TypeVar("T")
 FLEET_SERVICE = f"relayfleet-{FLEET}"
@@ -41,21 +42,15 @@ def wait_for(what: str, check: Callable[[], T | None], timeout: float = 120.0, i
 
 
 def shard(name: str, **spec: Any) -> str:
-    body = {
-        "apiVersion": "relayfleet.dev/v1alpha1",
-        "kind": "RelayShard",
-        "metadata": {"name": name},
-        "spec": {
-            "fleet": FLEET,
-            "replicas": 1,
-            "redis": {"managed": {"storage": {"size": "64Mi"}}},
-            "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
-            # kind: the image e2e/kind/run.sh built and loaded (ignored by the pod runner).
-            **({"image": SHARD_IMAGE} if SHARD_IMAGE else {}),
-            **spec,
-        },
+    """A RelayShard of the fleet, small enough for the test machine, as JSON for kubectl apply."""
+    small: dict[str, Any] = {
+        "replicas": 1,
+        "redis": {"managed": {"storage": {"size": "64Mi"}}},
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
+        # kind: the image e2e/kind/run.sh built and loaded (ignored by the pod runner).
+        **({"image": SHARD_IMAGE} if SHARD_IMAGE else {}),
     }
-    return json.dumps(body)
+    return json.dumps(relayshard(name, FLEET, **{**small, **spec}))
 
 
 def shard_map(e2e: Env) -> ShardMap | None:

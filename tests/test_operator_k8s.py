@@ -32,9 +32,9 @@ from tests.support.operator_harness import (
     create_when_served,
     get,
     rebalance,
-    shard,
     wait_for,
 )
+from tests.support.shard_specs import shard
 from tests.support.tls_pki import make_pki
 
 pytestmark = pytest.mark.k8s

@@ -16,10 +16,9 @@ from tests.support.operator_harness import (
     create,
     create_when_served,
     get,
-    shard,
     wait_for,
 )
-from tests.support.shard_specs import FULL_RELAY
+from tests.support.shard_specs import FULL_RELAY, shard
 
 pytestmark = pytest.mark.k8s
 

@@ -40,6 +40,7 @@ from tests.support.fleet_harness import (
 )
 from tests.support.k8s_cluster import KubeCluster
 from tests.support.procs import stop_process
+from tests.support.shard_specs import shard
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -142,17 +143,6 @@ def create_when_served(
 
 
 # --- the custom resources ------------------------------------------------------------------------
-
-
-def shard(name: str, fleet: str = "main", **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"fleet": fleet, "redis": {"managed": {}}}
-    body.update(spec)
-    return {
-        "apiVersion": "relayfleet.dev/v1alpha1",
-        "kind": "RelayShard",
-        "metadata": {"name": name},
-        "spec": body,
-    }
 
 
 def rebalance(name: str, fleet: str = "main", **spec: Any) -> dict[str, Any]:

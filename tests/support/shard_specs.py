@@ -1,4 +1,5 @@
-"""RelayShard documents for the operator tests (builders, relay config, managed TLS, faults)."""
+"""RelayShard documents for the operator tests (builders, relay config, managed TLS, faults, the
+operator on a cluster) and the e2e tests."""
 
 from __future__ import annotations
 
@@ -7,15 +8,23 @@ from typing import Any
 from relayfleet_operator.spec import parse_shard
 
 
-def shard_body(name: str = "a", **spec: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"fleet": "main", "redis": {"managed": {}}}
-    base.update(spec)
+def shard(name: str, fleet: str = "main", **spec: Any) -> dict[str, Any]:
+    """A RelayShard as a user writes it: managed Redis unless `spec` says otherwise."""
+    body: dict[str, Any] = {"fleet": fleet, "redis": {"managed": {}}}
+    body.update(spec)
     return {
         "apiVersion": "relayfleet.dev/v1alpha1",
         "kind": "RelayShard",
-        "metadata": {"name": name, "namespace": "ns1", "uid": f"uid-{name}", "generation": 3},
-        "spec": base,
+        "metadata": {"name": name},
+        "spec": body,
     }
+
+
+def shard_body(name: str = "a", **spec: Any) -> dict[str, Any]:
+    """`shard` as the operator's handlers receive it from the API server (namespace, uid, generation)."""
+    doc = shard(name, **spec)
+    doc["metadata"].update({"namespace": "ns1", "uid": f"uid-{name}", "generation": 3})
+    return doc
 
 
 MANAGED = parse_shard(shard_body())
