@@ -1,11 +1,18 @@
-"""Libraries the tests share (no tests here).
+"""Libraries the tests share (no tests here; tests/test_layers.py keeps test modules from
+importing one another or a conftest, so shared helpers land here).
 
-- fleet_harness: redis-server shards, relay processes and the recording workload;
-  history: the delivery-guarantee checker those recordings go through; faults: the fault suite's probes.
-- k8s_cluster (pytest plugin): real kube-apiserver / kwok control planes; operator_harness (plugin):
-  kubectl helpers, the operator as a process and the `kwok_fleet` fixture.
-- sentinel_shard: a primary, replicas and Sentinels on loopback; tls_pki: a private CA and TLS Redis;
-  tcp_proxy: a link a test can cut.
-- spark_session (plugin): one local SparkSession and small shard fleets; soak_option (plugin): `--soak`.
-- didcomm_test_agent: a PyNaCl DIDComm agent; didcomm_stock_agents (plugin): Credo-ts and ACA-Py.
+- Relays and fleets: in_process_relay (the `relay_factory` relays), fleet_harness (redis-server
+  shards, relay processes, the recording workload), history (the delivery-guarantee checker),
+  faults (the fault suite's probes), migration_crash (crashing `relayfleet migrate` at a step),
+  procs (stopping a subprocess).
+- Kubernetes: k8s_cluster (plugin: real kube-apiserver / kwok control planes), operator_harness
+  (plugin: kubectl helpers, the operator as a process, `kwok_fleet`, `apiserver_ns`), chart (the
+  CRDs, the pinned helm, the rendered chart), shard_specs (RelayShard documents).
+- Redis: sentinel_shard (a primary, replicas and Sentinels on loopback), tls_pki (a private CA and
+  TLS Redis), tcp_proxy (a link a test can cut).
+- Observability: observability (the chart's rules and dashboards as data), prometheus (a real
+  Prometheus).
+- Spark: spark_session (plugin: one local SparkSession, small shard fleets), naive_planner.
+- DIDComm: didcomm_test_agent (a PyNaCl agent), didcomm_stock_agents (plugin: Credo-ts, ACA-Py).
+- soak_option (plugin: `--soak`).
 """
