@@ -5,6 +5,7 @@ through the relayfleet.commands entry points: the relay never imports the tools 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -12,6 +13,8 @@ from importlib.metadata import entry_points
 import pytest
 
 from relay import cli
+from tests.support.procs import stop_process
+from tests.support.prometheus import free_port
 
 
 def test_the_tools_register_bench_dev_and_demo() -> None:
@@ -64,3 +67,60 @@ def test_the_tools_run_without_the_relayfleet_command(module: str, usage: str) -
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(usage)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc's parent links)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = {c for c, pp in parents.items() if pp == p}
+        found |= kids
+        todo.extend(kids)
+    return found
+
+
+def test_dev_fleet_stopped_by_sigterm_leaves_no_process_behind() -> None:
+    # a supervisor or a test stops `relayfleet dev` with SIGTERM: its relay and Redis go too
+    port = str(free_port())
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "relayfleet_testing.devfleet",
+            "--shards",
+            "1",
+            "--no-demo",
+            "--port",
+            port,
+            "--auth",
+            "none",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "relay ready" in line:
+                break
+        children = _descendants(proc.pid)
+        assert len(children) >= 2, children  # the relay and a redis-server
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        alive = {p for p in children if os.path.exists(f"/proc/{p}")}
+        assert not alive, f"left running: {alive}"
+    finally:
+        stop_process(proc, 10)
+        if proc.stdout is not None:
+            proc.stdout.close()

@@ -16,7 +16,14 @@ from relayfleet_testing.localredis import LocalRedis
 from relay.fleet.sharding import even_split
 
 
+def _stop(signum: int, frame: object) -> None:
+    # SIGTERM (a supervisor, a test's stop) ends the fleet as Ctrl-C does: Python's default
+    # would exit at once and leave the relay and the Redis servers running as orphans
+    raise KeyboardInterrupt
+
+
 def run_dev(port: int, shards: int, demo: bool, auth: str) -> int:
+    signal.signal(signal.SIGTERM, _stop)
     if shards < 1 or shards > 64:
         print("relayfleet: --shards must be between 1 and 64", file=sys.stderr)
         return 2
