@@ -185,8 +185,11 @@ async def start_redis(procs: Procs, aof: bool) -> RedisServer:
     return RedisServer(port, child, aof)
 
 
-async def wait_http(port: int, path: str, child: Child, within: float = 30.0) -> None:
-    """Wait until GET path answers 200 (readiness), failing fast if the child exits."""
+async def wait_http(
+    port: int, path: str, child: Child, within: float = 30.0, method: str = "GET", body: bytes = b""
+) -> None:
+    """Wait until `method path` answers 2xx (readiness, or a first publish that works), failing
+    fast if the child exits."""
     await wait_port(port, child, within)
     deadline = time.monotonic() + within
     last = "no answer"
@@ -196,10 +199,10 @@ async def wait_http(port: int, path: str, child: Child, within: float = 30.0) ->
         try:
             conn = await Conn.open("127.0.0.1", port)
             try:
-                resp = await asyncio.wait_for(conn.request("GET", path), 2.0)
+                resp = await asyncio.wait_for(conn.request(method, path, body), 2.0)
             finally:
                 conn.close()
-            if resp.status == 200:
+            if 200 <= resp.status < 300:
                 return
             last = f"status {resp.status}"
         except (OSError, HttpError, TimeoutError) as exc:
@@ -207,7 +210,7 @@ async def wait_http(port: int, path: str, child: Child, within: float = 30.0) ->
         await asyncio.sleep(0.1)
     if not child.alive():
         raise BenchError(f"{child.name} exited with status {child.popen.returncode}:\n{child.log_tail()}")
-    raise BenchError(f"{child.name}: GET {path} not ready within {within:.0f} s ({last})")
+    raise BenchError(f"{child.name}: {method} {path} not ready within {within:.0f} s ({last})")
 
 
 async def start_ceiling(procs: Procs, processes: int) -> Target:
@@ -290,28 +293,6 @@ def render_nchan_conf(
     return text
 
 
-async def _wait_redis_publish(port: int, child: Child, within: float = 20.0) -> None:
-    """nchan connects to Redis after it starts listening: wait until a Redis-backed publish works."""
-    deadline = time.monotonic() + within
-    status = 0
-    while time.monotonic() < deadline:
-        if not child.alive():
-            break
-        try:
-            conn = await Conn.open("127.0.0.1", port)
-            try:
-                resp = await asyncio.wait_for(conn.request("POST", "/rpub/benchready", b"ready"), 2.0)
-            finally:
-                conn.close()
-            status = resp.status
-            if 200 <= status < 300:
-                return
-        except (OSError, HttpError, TimeoutError):
-            pass
-        await asyncio.sleep(0.1)
-    raise BenchError(f"nchan: publishing to Redis storage failed for {within:.0f} s (last status {status})")
-
-
 def _nginx_prefix(workdir: Path, port: int, redis_url: str, connections: int, shm_mib: int) -> Path:
     """Create nginx's prefix folder with the rendered config; return the config's path."""
     for binary in (NGINX, NCHAN_MODULE):
@@ -342,7 +323,8 @@ async def start_nchan(procs: Procs, redis_url: str, shm_mib: int = 4096) -> tupl
     prefix = conf.parent
     child = procs.start("nginx", [NGINX, "-c", str(conf), "-p", str(prefix), "-g", "daemon off;"])
     await wait_http(port, "/bench/static", child)
-    await _wait_redis_publish(port, child)
+    # nchan connects to Redis after it starts listening: wait until a Redis-backed publish works
+    await wait_http(port, "/rpub/benchready", child, 20.0, "POST", b"ready")
     mem = Target("nchan-mem", "nchan-mem", [port], [child], master_pid=child.pid)
     red = Target("nchan-redis", "nchan-redis", [port], [child], master_pid=child.pid)
     return mem, red
