@@ -278,14 +278,12 @@ class FastConnection(asyncio.Protocol):
 
     # -- timers -------------------------------------------------------------------------
     def _arm_headers(self) -> None:
-        guard = self._guard
         self._armed_count = self._requests
-        self._header_timer = self._loop.call_later(guard.header_timeout_s, self._headers_due)
-        guard.pending[self] = None
+        self._header_timer = self._guard.arm(self, self._headers_due)
 
     def _headers_due(self) -> None:
         self._header_timer = None
-        self._guard.pending.pop(self, None)
+        self._guard.timed_out(self)
         if self.waiting_for_headers() and self._pending_request is None:
             metrics.HEADER_TIMEOUTS.inc()
             self._close()

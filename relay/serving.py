@@ -138,6 +138,15 @@ class ConnectionGuard:
         self.open.pop(conn, None)
         self.pending.pop(conn, None)
 
+    def arm(self, conn: Connection, due: Callable[[], None]) -> asyncio.TimerHandle:
+        """Start `conn`'s header timeout: `due` runs when it ends (call `timed_out` there)."""
+        self.pending[conn] = None
+        return self.loop.call_later(self.header_timeout_s, due)
+
+    def timed_out(self, conn: Connection) -> None:
+        """`conn`'s header timeout ended: it no longer counts as armed."""
+        self.pending.pop(conn, None)
+
     def _make_room(self, newcomer: Connection) -> None:
         victim = self._oldest_waiting_for_headers() or self._oldest_idle(newcomer)
         metrics.CONNECTIONS_SHED.inc()
@@ -193,14 +202,12 @@ class GuardedRequestHandler(RequestHandler):
                 self._arm()
 
     def _arm(self) -> None:
-        guard = self._guard
         self._armed_count = self._request_count
-        self._header_timer = guard.loop.call_later(guard.header_timeout_s, self._headers_due)
-        guard.pending[self] = None
+        self._header_timer = self._guard.arm(self, self._headers_due)
 
     def _headers_due(self) -> None:
         self._header_timer = None
-        self._guard.pending.pop(self, None)
+        self._guard.timed_out(self)
         if self.waiting_for_headers():
             metrics.HEADER_TIMEOUTS.inc()
             log.debug("closed a connection that sent no complete request headers in time")
