@@ -330,7 +330,9 @@ class _Migration:
     async def rollback(self, src: Shard, tgt: Shard, batch: Sequence[int]) -> None:
         """Undo a fence whose copy failed: the source serves again, the target forgets the partial copy."""
         try:
-            await tgt.purge("dropping a partial copy", batch, ("importing",))
+            # a copy cut short may hold some of a queue's keys without the slot index that
+            # names the queue: the source (fenced, so its list is final) names them too
+            await tgt.purge("dropping a partial copy", batch, ("importing",), await src.members(batch))
             await tgt.cas(
                 "rolling back (importing)", batch, f"moved {src.name} {self.map.epoch}", ("importing",)
             )

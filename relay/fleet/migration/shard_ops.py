@@ -181,10 +181,19 @@ class Shard:
                 after_first()
         return deleted
 
-    async def purge(self, what: str, slots: Sequence[int], allowed: Sequence[str]) -> None:
-        """Every key this shard holds of `slots` (its index says which), state keys excepted."""
+    async def purge(
+        self,
+        what: str,
+        slots: Sequence[int],
+        allowed: Sequence[str],
+        also: dict[int, list[str]] | None = None,
+    ) -> None:
+        """Every key this shard holds of `slots` (its index says which, plus the queues in `also`),
+        state keys excepted."""
         members = await self.members(slots)
-        await self.drop(what, [(s, all_keys(s, members[s])) for s in slots], allowed)
+        extra = also or {}
+        keys = [(s, all_keys(s, sorted({*members[s], *extra.get(s, [])}))) for s in slots]
+        await self.drop(what, keys, allowed)
 
     async def fence(
         self, what: str, slots: Sequence[int], new: str, allowed: Sequence[str]
