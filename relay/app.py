@@ -19,7 +19,7 @@ from relay.api.auth import Authenticator
 from relay.api.context import CTX, Context
 from relay.api.errors import overloaded
 from relay.api.failures import code_of, error_for
-from relay.fastpath import FastConnection, FastEndpoint
+from relay.fastpath import FAST_ENDPOINT, FastConnection, FastEndpoint
 from relay.fleet.routing import MapSource, ShardRouter
 from relay.fleet.sharding import ShardMap
 from relay.memguard import CLAIM, MemoryGuard, ceiling_bytes
@@ -152,7 +152,7 @@ def build_app(settings: Settings, fleet: ShardRouter) -> web.Application:
     shard_health.setup(app)  # no endpoints: the shard monitor's background task
     app.router.register_resource(_Unmatched(app.router))
     if settings.http_fastpath:
-        endpoint = FastEndpoint(context)
+        endpoint = app[FAST_ENDPOINT] = FastEndpoint(context)
         app[FAST_PROTOCOL] = lambda server: FastConnection(server, endpoint)
     return app
 

@@ -63,9 +63,9 @@ _REQUEST_LINE = re.compile(_REQUEST_LINE_TEXT)
 _NAME_TEXT = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
 _VALUE_TEXT = rb"(?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?"
 _HEADER = re.compile(rb"(%b):[ \t]*(%b)[ \t]*" % (_NAME_TEXT, _VALUE_TEXT))
-# A whole head of that grammar in one match (no class holds CR or LF, so each header
-# line is matched on its own), and its header fields as (name, value) pairs.
-_HEAD = re.compile(rb"%b(?:\r\n%b:[ \t]*%b[ \t]*)*" % (_REQUEST_LINE_TEXT, _NAME_TEXT, _VALUE_TEXT))
+# The header lines of a head of that grammar in one match (no class holds CR or LF, so
+# each line is matched on its own), and its fields as (name, value) pairs.
+_BLOCK = re.compile(rb"(?:\r\n%b:[ \t]*%b[ \t]*)*" % (_NAME_TEXT, _VALUE_TEXT))
 _FIELDS = re.compile(rb"\r\n(%b):[ \t]*(%b)" % (_NAME_TEXT, _VALUE_TEXT))
 _DIGITS = re.compile(rb"[0-9]{1,18}")
 # Headers whose presence changes framing or the connection: aiohttp's business.
@@ -73,6 +73,9 @@ _FOREIGN = frozenset((b"transfer-encoding", b"content-encoding", b"expect", b"up
 MAX_HEAD = 8190  # aiohttp's own line limit: a longer head is left to aiohttp, and its answer
 MAX_LINES = 64  # more header lines than any client sends: aiohttp's business
 _PREFIX = b"POST /v1/queues/"
+# A client sends the same header lines request after request (only the recipient in the
+# request line changes): their fields are kept by the exact bytes, a bounded table.
+_HEADER_BLOCKS_MAX = 512
 
 _SERVER = SERVER_SOFTWARE.encode()
 _REASONS = {201: b"Created", 200: b"OK"}
@@ -95,6 +98,24 @@ def _ok_bytes(status: int, body: bytes) -> bytes:
         date = rfc822_formatted_time().encode()
         _date_tail[:] = [second, b"\r\nDate: %s\r\nServer: %s\r\n\r\n" % (date, _SERVER)]
     return b"%s%d%s%s" % (_OK_HEADS[status], len(body), _date_tail[1], body)
+
+
+def header_fields(block: bytes) -> tuple[bytes | None, bytes | None, int] | None:
+    """Idempotency-Key, Authorization and Content-Length of a clean enqueue's header lines
+    (`block`: the head after its request line), else None (aiohttp's business)."""
+    if block.count(b"\r\n") >= MAX_LINES or _BLOCK.fullmatch(block) is None:
+        return None
+    pairs = _FIELDS.findall(block)
+    fields = {name.lower(): value for name, value in pairs}
+    if len(fields) != len(pairs) or not _FOREIGN.isdisjoint(fields):
+        return None  # a header twice, or one that changes framing or the connection
+    value = fields.get(b"content-length")
+    if value is None or _DIGITS.fullmatch(value) is None:
+        return None
+    connection = fields.get(b"connection")
+    if connection is not None and connection.lower() != b"keep-alive":
+        return None
+    return fields.get(b"idempotency-key"), fields.get(b"authorization"), int(value)
 
 
 def response_bytes(response: Response, close: bool) -> bytes:
@@ -121,7 +142,7 @@ def response_bytes(response: Response, close: bool) -> bytes:
 class FastEndpoint:
     """What every fast connection of one app shares: the context, limits and metric series."""
 
-    __slots__ = ("auth", "cap", "ctx", "guard", "memory", "series", "service", "settings")
+    __slots__ = ("auth", "cap", "ctx", "guard", "header_blocks", "memory", "series", "service", "settings")
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -131,6 +152,7 @@ class FastEndpoint:
         self.memory = ctx.memory
         self.cap = ctx.settings.max_payload
         self.series = RouteSeries(ROUTE, "POST")
+        self.header_blocks: dict[bytes, tuple[bytes | None, bytes | None, int]] = {}
 
 
 FAST_ENDPOINT = web.AppKey("relayfleet_fast_endpoint", FastEndpoint)
@@ -404,26 +426,29 @@ class FastConnection(asyncio.Protocol):
         self, head: bytes
     ) -> tuple[bytes, bytes | None, bytes | None, bytes | None, int] | None:
         """The enqueue fields of a head this path serves, else None (aiohttp's business)."""
-        if not head.isascii() or head.count(b"\r\n") >= MAX_LINES:
+        if not head.isascii():
             return None
-        line = _HEAD.fullmatch(head)
+        cut = head.find(b"\r\n")
+        if cut < 0:
+            cut = len(head)
+        line = _REQUEST_LINE.fullmatch(head, 0, cut)
         if line is None:
             return None
-        pairs = _FIELDS.findall(head)  # the request line holds no CR LF
-        fields = {name.lower(): value for name, value in pairs}
-        if len(fields) != len(pairs) or not _FOREIGN.isdisjoint(fields):
-            return None  # a header twice, or one that changes framing or the connection
-        value = fields.get(b"content-length")
-        if value is None or _DIGITS.fullmatch(value) is None:
-            return None
-        length = int(value)
-        connection = fields.get(b"connection")
-        if connection is not None and connection.lower() != b"keep-alive":
-            return None
         endpoint = self.endpoint
+        block = head[cut:]
+        fields = endpoint.header_blocks.get(block)
+        if fields is None:
+            fields = header_fields(block)
+            if fields is None:
+                return None
+            if fields[0] is None:  # an Idempotency-Key makes every block unique: not kept
+                if len(endpoint.header_blocks) >= _HEADER_BLOCKS_MAX:
+                    endpoint.header_blocks.clear()
+                endpoint.header_blocks[block] = fields
+        key, authorization, length = fields
         if length > endpoint.cap or (length >= CLAIM_FROM and endpoint.memory.ceiling is not None):
             return None  # a body that would claim memory (relay/memguard.py): aiohttp's path
-        return line[1], line[2], fields.get(b"idempotency-key"), fields.get(b"authorization"), length
+        return line[1], line[2], key, authorization, length
 
     # -- serving --------------------------------------------------------------------------
     def _dispatch(
@@ -442,7 +467,7 @@ class FastConnection(asyncio.Protocol):
             if endpoint.memory.over:
                 raise overloaded()
             # the aiohttp handler's steps, in its order (relay/api/queues.py enqueue)
-            recipient = params.recipient_key_matched(recipient_text)  # matched by _HEAD
+            recipient = params.recipient_key_matched(recipient_text)  # matched by _REQUEST_LINE
             channel = params.channel_value(channel_text.decode()) if channel_text else b""
             idempotency_key = "" if key is None else params.idempotency_value(key.decode())
             if endpoint.auth.tokens:  # verify_enqueue_header accepts anything without tokens

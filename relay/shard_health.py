@@ -36,14 +36,13 @@ from relay import metrics
 from relay.api.context import CTX
 from relay.fleet.routing import ShardRouter
 from relay.storage import keys as K
-from relay.storage.maintenance import enqueue_rate
+from relay.storage.maintenance import slot_load, stat_fields
 from relay.storage.store import ShardStore
 
 log = logging.getLogger("relay.shard_health")
 
 
 _PIPELINE_SLOTS = 256  # small round trips: the event loop serves requests in between
-_STAT_FIELDS = ("msgs", "bytes", "wstart", "wcur", "wprev")
 _PROBE_TIMEOUT_S = 3.0
 
 
@@ -110,10 +109,11 @@ async def read_load(store: ShardStore, slots: list[int], now_ms: int) -> ShardLo
     """Totals over the given slots (the ones the map gives this shard); moved slots count for nothing."""
     messages = size = queues = migrating = 0
     rate = 0.0
+    fields = stat_fields(now_ms)
     for chunk in _chunks(slots):
         pipe = store.client.pipeline(transaction=False)
         for slot in chunk:
-            pipe.hmget(K.slot_stats(slot), _STAT_FIELDS)
+            pipe.hmget(K.slot_stats(slot), fields)
             pipe.get(K.slot_state(slot))
             pipe.scard(K.slot_index(slot))
         replies = await pipe.execute()
@@ -124,11 +124,11 @@ async def read_load(store: ShardStore, slots: list[int], now_ms: int) -> ShardLo
                 continue
             if state_s in ("migrating", "importing"):
                 migrating += 1
-            msgs, nbytes, wstart, wcur, wprev = (_num(v) for v in stats)
+            msgs, nbytes, slot_rate = slot_load(stats, now_ms)
             messages += msgs
             size += nbytes
             queues += _num(nqueues)
-            rate += enqueue_rate(wstart, wcur, wprev, now_ms)
+            rate += slot_rate
     return ShardLoad(messages, size, queues, rate, len(slots), migrating)
 
 

@@ -17,7 +17,7 @@ import redis
 from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
-from relay.fastpath import FastConnection
+from relay.fastpath import FAST_ENDPOINT, FastConnection, header_fields
 from relay.protocol import b64encode
 from relay.serving import GuardedRequestHandler, GuardedServer
 from relay.storage.store import QueueLimits
@@ -203,6 +203,37 @@ async def test_handoff_mid_keepalive(relay: RunningRelay) -> None:
         assert (second.status, second.body) == (201, b'{"seq":2,"duplicate":false}')
     finally:
         writer.close()
+
+
+def test_header_fields_of_clean_header_lines_only() -> None:
+    block = b"\r\nHost: relay\r\ncontent-length: 12\r\nAuthorization: Bearer t\r\nIdempotency-Key: k"
+    assert header_fields(block) == (b"k", b"Bearer t", 12)
+    assert header_fields(b"\r\nHost: relay\r\nConnection: keep-alive\r\nContent-Length: 0") == (None, None, 0)
+    for bad in (
+        b"\r\nHost: relay",  # no length
+        b"\r\nContent-Length: 1\r\ncontent-length: 1",  # twice
+        b"\r\nContent-Length: 1\r\nConnection: close",
+        b"\r\nContent-Length: 1\r\nExpect: 100-continue",
+        b"\r\nContent-Length: -1",
+        b"\r\nContent-Length: 1\r\nBad Header: x",
+        b"\r\nContent-Length: 1" + b"\r\nX-A: b" * 63,  # 64 lines
+    ):
+        assert header_fields(bad) is None, bad
+
+
+async def test_header_lines_table_is_bounded_and_keeps_no_idempotency_keys(relay: RunningRelay) -> None:
+    # heads are parsed once per distinct header lines: a client varying them every request
+    # never grows the table past its bound, and Idempotency-Keys (unique) are not kept
+    blocks = relay.app[FAST_ENDPOINT].header_blocks
+    r = os.urandom(32)
+    keyed = b"".join(enqueue_request(r, b"k%d" % i, extra=f"Idempotency-Key: k{i}\r\n") for i in range(5))
+    answers, _ = await exchange(relay, keyed, 5)
+    assert [a.status for a in answers] == [201] * 5
+    assert blocks == {}
+    varied = b"".join(enqueue_request(os.urandom(32), b"v", extra=f"X-Trace: {i}\r\n") for i in range(600))
+    answers, _ = await exchange(relay, varied, 600)
+    assert [a.status for a in answers] == [201] * 600
+    assert 0 < len(blocks) <= 512
 
 
 async def test_pipelined_requests_answered_in_order(relay: RunningRelay) -> None:

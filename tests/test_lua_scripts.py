@@ -10,18 +10,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
 
 from relay.storage import keys as K
 from relay.storage import scripts
+from relay.storage.maintenance import slot_load, stat_fields
 from relay.storage.scripts import Script
 
 SLOT = 7
 QID = "q1"
 NOW = 1_700_000_000_000
+MINUTE = NOW - NOW % 60_000  # the minute NOW falls in (enqueue.lua counts enqueues per minute)
 
 
 def run(r: redis.Redis, script: Script, keys: Sequence[str], args: Sequence[bytes | str | int] = ()) -> Any:
@@ -76,7 +78,8 @@ def test_enqueue_stores_counts_dedups_limits_and_publishes(r: redis.Redis) -> No
     assert r.sismember(k.index, QID)
     assert r.xrange(k.msgs) == [(b"1-0", {b"p": b"abc", b"t": str(NOW).encode(), b"m": b"mid", b"n": b"3"})]
     stats = r.hgetall(k.stats)
-    assert (stats[b"msgs"], stats[b"bytes"], stats[b"enq"], stats[b"wcur"]) == (b"1", b"3", b"1", b"1")
+    minute = str(MINUTE).encode()
+    assert stats == {b"msgs": b"1", b"bytes": b"3", b"w" + minute: b"1", b"wlast": minute}
     # idempotency: same key + digest is a duplicate, another digest a conflict, '*' any payload
     assert enqueue(r, b"abc", ikey="i1", digest="d1") == [b"dup", 1]
     assert enqueue(r, b"xyz", ikey="i1", digest="d2") == [b"conflict", 1]
@@ -129,6 +132,34 @@ def test_enqueue_rate_window_is_exact_and_ranked_by_time(r: redis.Redis) -> None
     assert enqueue(r, now=NOW + 60_010, token="t4", resend="1") == [b"ok", 5, 0]
 
 
+def test_enqueue_counts_each_minute_and_keeps_the_last_two(r: redis.Redis) -> None:
+    def load(now: int) -> tuple[int, int, float]:
+        return slot_load(r.hmget(q().stats, stat_fields(now)), now)
+
+    def counters() -> dict[bytes, bytes]:
+        stats: dict[bytes, bytes] = cast(dict[bytes, bytes], r.hgetall(q().stats))
+        return {f: v for f, v in stats.items() if f.startswith(b"w") and f != b"wlast"}
+
+    for i in range(3):
+        enqueue(r, b"ab", now=MINUTE + i, token=f"a{i}")
+    assert load(MINUTE + 30_000) == (3, 6, 3.0)
+    enqueue(r, b"ab", now=MINUTE + 60_000, token="b")  # next minute: the last one still counts
+    assert load(MINUTE + 60_001) == (4, 8, 3.0)
+    assert counters() == {f"w{MINUTE}".encode(): b"3", f"w{MINUTE + 60_000}".encode(): b"1"}
+    enqueue(r, b"ab", now=MINUTE + 120_000, token="c")  # two minutes on: the first is dropped
+    assert counters() == {f"w{MINUTE + 60_000}".encode(): b"1", f"w{MINUTE + 120_000}".encode(): b"1"}
+    enqueue(r, b"ab", now=MINUTE + 600_000, token="d")  # after an idle spell: only its own
+    assert counters() == {f"w{MINUTE + 600_000}".encode(): b"1"}
+    assert load(MINUTE + 600_000) == (6, 12, 1.0)
+    assert load(MINUTE + 720_000)[2] == 0.0  # idle since: no rate
+    enqueue(r, b"ab", now=MINUTE + 540_000, token="e")  # a relay whose clock is behind
+    assert r.hget(q().stats, "wlast") == str(MINUTE + 600_000).encode()
+    # the counters of relays before 2026-11 are still read
+    r.hset(q().stats, mapping={"wstart": MINUTE + 600_000, "wcur": 9, "wprev": 4})
+    assert load(MINUTE + 600_000)[2] == 9.0
+    assert load(MINUTE + 660_000)[2] == 9.0
+
+
 def test_enqueue_call_with_mixed_items_answers_each(r: redis.Redis) -> None:
     a, b = K.queue_keys_for_id(SLOT, "qa"), K.queue_keys_for_id(SLOT, "qb")
     fenced = K.queue_keys_for_id(SLOT + 1, "qf")
@@ -167,7 +198,7 @@ def test_enqueue_call_with_mixed_items_answers_each(r: redis.Redis) -> None:
     assert got == {a.wake.encode(): f"2:{NOW + 1}".encode(), b.wake.encode(): f"2:{NOW}".encode()}
     # the slot statistics count every stored message once (one write per call)
     stats = r.hgetall(K.slot_stats(SLOT))
-    assert (stats[b"msgs"], stats[b"bytes"], stats[b"enq"], stats[b"wcur"]) == (b"4", b"7", b"4", b"4")
+    assert (stats[b"msgs"], stats[b"bytes"], stats[f"w{MINUTE}".encode()]) == (b"4", b"7", b"4")
     assert not r.exists(fenced.meta, K.slot_stats(SLOT + 1))
     assert [m[0] for m in r.xrange(b.msgs) or []] == [b"1-0", b"2-0"]
 

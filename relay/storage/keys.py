@@ -53,7 +53,8 @@ def slot_index(slot: int) -> str:
 
 
 def slot_stats(slot: int) -> str:
-    """Hash: msgs, bytes, enq (total), wstart/wcur/wprev (enqueues per minute window),
+    """Hash: msgs, bytes, w<minute start ms> (enqueues in that minute; this one and the last
+    are kept) and wlast (the newest such minute),
     qgen (bumped whenever trim.lua deletes a queue; seeds a new queue's epoch)."""
     return f"{slot_tag(slot)}:stats"
 

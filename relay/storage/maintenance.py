@@ -29,9 +29,10 @@ __all__ = [
     "TrimOutcome",
     "TrimPolicy",
     "enqueue_rate",
+    "slot_load",
+    "stat_fields",
 ]
 
-_STAT_FIELDS = ("msgs", "bytes", "enq", "wstart", "wcur", "wprev")
 _MINUTE_MS = 60_000
 
 
@@ -45,7 +46,6 @@ class SlotStats:
     state: str | None  # None = owned; 'migrating', 'importing' or 'moved <shard> <epoch>'
     msgs: int
     bytes: int
-    enqueued: int  # total enqueues since the slot's statistics began
     rate: float  # enqueues per minute, from the last complete minute window
     queues: int
 
@@ -73,18 +73,34 @@ class TrimOutcome:
     fenced: bool = False  # the slot stopped being owned here (migration started): skipped
 
 
-def enqueue_rate(wstart: int, wcur: int, wprev: int, now_ms: int) -> float:
-    """Enqueues per minute from the enqueue script's two minute windows.
+def enqueue_rate(current: int, previous: int) -> float:
+    """Enqueues per minute from enqueue.lua's counters of this minute and the last one.
 
-    The current window is partial, so the last complete minute is the measure;
-    a burst that started this minute still counts through max().
+    The current minute is partial, so the last complete minute is the measure; a burst
+    that started this minute still counts through max().
     """
+    return float(max(current, previous))
+
+
+def stat_fields(now_ms: int) -> list[str]:
+    """The slot statistics fields `slot_load` reads at `now_ms`: held messages and bytes, and
+    the enqueue counters of this minute and the last ('w<minute start ms>', enqueue.lua).
+    Relays before 2026-11 counted minutes in 'wstart'/'wcur'/'wprev': still read, so a
+    fleet part-way through an upgrade reports the rate of both."""
     minute = now_ms - now_ms % _MINUTE_MS
-    if wstart == minute:
-        return float(max(wprev, wcur))
-    if wstart == minute - _MINUTE_MS:
-        return float(wcur)
-    return 0.0
+    return ["msgs", "bytes", f"w{minute}", f"w{minute - _MINUTE_MS}", "wstart", "wcur", "wprev"]
+
+
+def slot_load(values: Sequence[Any], now_ms: int) -> tuple[int, int, float]:
+    """Messages, bytes and enqueues per minute of one slot from the values of `stat_fields`."""
+    msgs, nbytes, current, previous, wstart, wcur, wprev = (_int(v) for v in values)
+    rate = enqueue_rate(current, previous)
+    minute = now_ms - now_ms % _MINUTE_MS
+    if wstart == minute:  # the former counters
+        rate = max(rate, float(max(wprev, wcur)))
+    elif wstart == minute - _MINUTE_MS:
+        rate = max(rate, float(wcur))
+    return max(0, msgs), max(0, nbytes), rate
 
 
 def redacted(url: str) -> str:
@@ -158,22 +174,22 @@ class ShardMaintenance:
         try:
             for chunk in _chunks(slots, self._batch):
                 pipe = self.client.pipeline(transaction=False)
+                fields = stat_fields(now_ms)
                 for s in chunk:
                     pipe.get(K.slot_state(s))
-                    pipe.hmget(K.slot_stats(s), list(_STAT_FIELDS))
+                    pipe.hmget(K.slot_stats(s), fields)
                     pipe.scard(K.slot_index(s))
                 replies = pipe.execute()
                 for i, s in enumerate(chunk):
-                    state, fields, queues = replies[3 * i : 3 * i + 3]
-                    msgs, nbytes, enq, wstart, wcur, wprev = (_int(v) for v in fields)
+                    state, values, queues = replies[3 * i : 3 * i + 3]
+                    msgs, nbytes, rate = slot_load(values, now_ms)
                     out.append(
                         SlotStats(
                             slot=s,
                             state=state.decode() if state is not None else None,
-                            msgs=max(0, msgs),
-                            bytes=max(0, nbytes),
-                            enqueued=enq,
-                            rate=enqueue_rate(wstart, wcur, wprev, now_ms),
+                            msgs=msgs,
+                            bytes=nbytes,
+                            rate=rate,
                             queues=int(queues),
                         )
                     )

@@ -40,23 +40,28 @@ local boot_read, run, waited = false, nil, false
 local stats, stats_order = {}, {}  -- slot statistics key -> {messages, bytes, minute}, in first-use order
 local wakes, wake_order = {}, {}  -- channel -> {seq, first now, replies}, in first-use order
 
--- Add one slot's stored messages and bytes of one minute to its statistics: messages, bytes,
--- enqueues, and enqueues per minute in two windows (the rebalance planner's rate,
--- relay/storage/maintenance.py). Increments, not a read and a rewrite: Lua's tonumber and
--- number printing cost more than these commands.
+-- Add one slot's stored messages and bytes of one minute to its statistics, and its
+-- enqueues to that minute's counter 'w<minute start ms>' (the rebalance planner's rate is
+-- the larger of this minute's and the last one's: relay/storage/maintenance.py). Three
+-- increments: Lua's tonumber and number printing cost more than these commands, and a
+-- minute's first increment is where counters older than the last minute are dropped.
 local function add_stats(stats_key, s)
   local n = s[1] == 1 and '1' or fmt('%d', s[1])
   redis.call('HINCRBY', stats_key, 'msgs', n)
   redis.call('HINCRBY', stats_key, 'bytes', fmt('%d', s[2]))
-  redis.call('HINCRBY', stats_key, 'enq', n)
   local minute = s[3]
-  local wstart = tonumber(redis.call('HGET', stats_key, 'wstart') or '0')
-  if minute ~= wstart then
-    local cur = redis.call('HGET', stats_key, 'wcur') or '0'
-    if minute - wstart ~= 60000 then cur = '0' end
-    redis.call('HSET', stats_key, 'wstart', fmt('%d', minute), 'wprev', cur, 'wcur', '0')
+  if redis.call('HINCRBY', stats_key, 'w' .. fmt('%d', minute), n) == s[1] then
+    local last = tonumber(redis.call('HGET', stats_key, 'wlast') or '0')
+    if last < minute then  -- (a relay whose clock is behind never moves it back)
+      local older = 'w' .. fmt('%d', last - 60000)
+      if last < minute - 60000 then
+        redis.call('HDEL', stats_key, older, 'w' .. fmt('%d', last))
+      else
+        redis.call('HDEL', stats_key, older)
+      end
+      redis.call('HSET', stats_key, 'wlast', fmt('%d', minute))
+    end
   end
-  redis.call('HINCRBY', stats_key, 'wcur', n)
 end
 
 local function enqueue_one(k, a)

@@ -132,10 +132,16 @@ async def _start_nchan(procs: Procs) -> Subject:
     return Subject(NCHAN, target, redis, restart=restart)
 
 
-async def _measure(procs: Procs, s: Subject, size: int, conns: int, seconds: int, warmup: int) -> None:
+async def _measure(
+    procs: Procs, s: Subject, size: int, conns: int, seconds: int, warmup: int, commandstats: bool = False
+) -> None:
     if s.restart is not None:
         s.target = await s.restart()
+    if commandstats and s.redis is not None:
+        await s.redis.command_stats()  # reset: the run's own commands only
     row = await scenarios.enqueue(scenarios.Run(procs, seconds, warmup), s.target, size, conns, s.redis)
+    if commandstats and s.redis is not None:
+        print(_command_table(await s.redis.command_stats()), flush=True)
     if s.redis is not None:
         await s.redis.flushall()  # outside the window: every run starts from an empty Redis
     v = row.values
@@ -189,6 +195,19 @@ async def _cpu_profile(procs: Procs, s: Subject, args: argparse.Namespace, size:
     print(f"{s.label}: {total} CPU samples, top frames in {top}")
 
 
+def _command_table(stats: dict[str, tuple[int, float]]) -> str:
+    """Redis's time per command, per stored message (one XADD each; with warm-up), biggest first."""
+    stored = stats.get("xadd", (0, 0.0))[0]
+    if not stored:
+        total = sum(c for c, _ in stats.values()) or 1
+        return "  commands: " + ", ".join(f"{n} {c / total:.0%}" for n, (c, _) in sorted(stats.items()))
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][1])
+    return "\n".join(
+        f"  {name:>18}: {calls / stored:6.2f} calls/msg  {usec / stored:6.2f} µs/msg"
+        for name, (calls, usec) in rows
+    )
+
+
 def _script(s: Subject, size: int) -> str:
     paths = [s.target.enqueue_path(recipient()) for _ in range(wrk.pool_size(size, 4096))]
     return wrk.lua_script("POST", paths, [], OCTET, filler_size=size)
@@ -235,7 +254,9 @@ async def run(args: argparse.Namespace, specs: list[Spec]) -> int:
         for _ in range(args.rounds):
             for size in sizes:
                 for s in started:
-                    await _measure(procs, s, size, args.connections, args.seconds, args.warmup)
+                    await _measure(
+                        procs, s, size, args.connections, args.seconds, args.warmup, args.commandstats
+                    )
         if args.profile:
             out = Path(args.profile)
             for s in started:
@@ -289,6 +310,9 @@ def main(argv: list[str]) -> int:
         "--size", type=_sizes, default=[256], help="message bytes, comma-separated (256,4096,65536)"
     )
     p.add_argument("--connections", type=int, default=64)
+    p.add_argument(
+        "--commandstats", action="store_true", help="print Redis's own µs per command per stored message"
+    )
     p.add_argument("--profile", metavar="DIR", help="then one py-spy run per Python server (not counted)")
     p.add_argument("--cpu-profile", metavar="DIR", help="then one CPU-time sampled run per Python server")
     args = p.parse_args(argv)

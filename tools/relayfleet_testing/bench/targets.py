@@ -135,6 +135,22 @@ class RedisServer:
         finally:
             await client.aclose()
 
+    async def command_stats(self, reset: bool = True) -> dict[str, tuple[int, float]]:
+        """Redis's own count and µs per command since the last reset (INFO commandstats:
+        commands a script runs are counted under their own names), then reset them."""
+        client = aioredis.Redis(port=self.port)
+        try:
+            info = await client.info("commandstats")
+            if reset:
+                await client.config_resetstat()
+        finally:
+            await client.aclose()
+        return {
+            name.removeprefix("cmdstat_"): (int(v["calls"]), float(v["usec"]))
+            for name, v in info.items()
+            if isinstance(v, dict)
+        }
+
     async def info_memory_mib(self) -> float:
         client = aioredis.Redis(port=self.port)
         try:
