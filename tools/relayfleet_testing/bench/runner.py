@@ -65,6 +65,8 @@ class Plan:
     fanout_sizes: list[int]
     longpoll_targets: list[str]
     aof: bool = True
+    # issue 19's verdict: relay-1p and nchan-redis enqueue runs alternated this many times per size
+    head_to_head_rounds: int = 3
     # enqueue sizes of the limit (redis-benchmark) and aiohttp-ceiling runs; None: every size
     side_sizes: list[int] | None = None
     profile_dir: Path | None = None
@@ -92,6 +94,7 @@ def make_plan(quick: bool) -> Plan:
             read_ack_total=20000,
             fanout_sizes=[256],
             longpoll_targets=["relay-1p", "nchan-redis"],
+            head_to_head_rounds=2,
         )
     return Plan(
         mode="full",
@@ -165,6 +168,7 @@ class Bench:
             await self.ceiling(n)
         for n in plan.relay_processes:
             await self.relay(redis, n)
+        await self.head_to_head(redis)
 
     async def peers(self, redis: RedisServer) -> None:
         plan = self.plan
@@ -219,6 +223,36 @@ class Bench:
                     self.stop(mem)
 
             await self.attempt("enqueue", "nchan", one_size)
+
+    async def head_to_head(self, redis: RedisServer) -> None:
+        """relay-1p and nchan-redis enqueue runs in alternation, each size, `head_to_head_rounds`
+        times, who goes first switching every round: issue 19's verdict takes each side's
+        median, so a drift of this machine's speed (minutes apart, the phases above differ by
+        up to 30 %) falls on both sides alike."""
+        plan = self.plan
+        if plan.head_to_head_rounds < 1:
+            return
+
+        async def rounds() -> None:
+            relay = await targets.start_relay(self.procs, redis.url, 1)
+            try:
+                for n in range(plan.head_to_head_rounds):
+                    for size in plan.sizes:
+                        # a fresh nginx per run: nchan's shared memory holds every message
+                        mem, red = await targets.start_nchan(self.procs, redis.url)
+                        try:
+                            for t in (red, relay) if n % 2 == 0 else (relay, red):
+                                row = await scenarios.enqueue(self.run, t, size, plan.connections, redis)
+                                row.scenario = "head_to_head"
+                                row.params["round"] = n + 1
+                                self.record(row)
+                                await redis.flushall()
+                        finally:
+                            self.stop(mem)
+            finally:
+                self.stop(relay)
+
+        await self.attempt("head_to_head", "relay-1p", rounds)
 
     async def limits(self, redis: RedisServer) -> None:
         if not scenarios.have_redis_benchmark():
