@@ -93,11 +93,13 @@ async def enqueue(request: web.Request) -> web.Response:
 def enqueue_answer(outcome: EnqueueOutcome) -> tuple[int, bytes]:
     """(status, JSON body) of an enqueue Redis answered; ApiError for a refused one.
     Shared by this handler and the HTTP fast path (relay/fastpath.py)."""
-    if (err := enqueue_error(outcome)) is not None:
-        raise err
     # exactly what orjson writes for {"seq": n, "duplicate": b}, shaped directly
-    if outcome.kind == "duplicate":
-        return 200, b'{"seq":%d,"duplicate":true}' % outcome.seq
+    kind = outcome.kind
+    if kind != "stored":
+        if kind == "duplicate":
+            return 200, b'{"seq":%d,"duplicate":true}' % outcome.seq
+        if (err := enqueue_error(outcome)) is not None:
+            raise err
     return 201, b'{"seq":%d,"duplicate":false}' % outcome.seq
 
 

@@ -174,10 +174,10 @@ def _messages(entries: list[Any]) -> list[Message]:
 
 def enqueue_outcome(raw: Any) -> EnqueueOutcome:
     """What enqueue.lua answered; SlotMoved / SlotMigrating for a fenced slot."""
+    if raw[0] == b"ok":  # nearly every reply: Lua's numbers arrive as RESP integers
+        return EnqueueOutcome("stored", raw[1], 0, raw[2])
     reply = _check(raw)
     tag = reply[0]
-    if tag == b"ok":
-        return EnqueueOutcome("stored", seq=int(reply[1]), subscribers=int(reply[2]))
     if tag == b"dup":
         return EnqueueOutcome("duplicate", seq=int(reply[1]))
     if tag == b"conflict":
