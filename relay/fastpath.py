@@ -74,8 +74,9 @@ MAX_HEAD = 8190  # aiohttp's own line limit: a longer head is left to aiohttp, a
 MAX_LINES = 64  # more header lines than any client sends: aiohttp's business
 _PREFIX = b"POST /v1/queues/"
 # A client sends the same header lines request after request (only the recipient in the
-# request line changes): their fields are kept by the exact bytes, a bounded table.
+# request line changes): their fields are kept by the exact bytes, in a bounded table.
 _HEADER_BLOCKS_MAX = 512
+_HEADER_BLOCK_BYTES = 1024
 
 _SERVER = SERVER_SOFTWARE.encode()
 _REASONS = {201: b"Created", 200: b"OK"}
@@ -441,7 +442,9 @@ class FastConnection(asyncio.Protocol):
             fields = header_fields(block)
             if fields is None:
                 return None
-            if fields[0] is None:  # an Idempotency-Key makes every block unique: not kept
+            # not kept: a block with an Idempotency-Key (every one is unique) or longer than
+            # any client's usual lines (so the table holds at most 512 KiB)
+            if fields[0] is None and len(block) <= _HEADER_BLOCK_BYTES:
                 if len(endpoint.header_blocks) >= _HEADER_BLOCKS_MAX:
                     endpoint.header_blocks.clear()
                 endpoint.header_blocks[block] = fields

@@ -223,7 +223,8 @@ def test_header_fields_of_clean_header_lines_only() -> None:
 
 async def test_header_lines_table_is_bounded_and_keeps_no_idempotency_keys(relay: RunningRelay) -> None:
     # heads are parsed once per distinct header lines: a client varying them every request
-    # never grows the table past its bound, and Idempotency-Keys (unique) are not kept
+    # never grows the table past its bound, and neither Idempotency-Keys (unique) nor long
+    # header lines are kept
     blocks = relay.app[FAST_ENDPOINT].header_blocks
     r = os.urandom(32)
     keyed = b"".join(enqueue_request(r, b"k%d" % i, extra=f"Idempotency-Key: k{i}\r\n") for i in range(5))
@@ -234,6 +235,11 @@ async def test_header_lines_table_is_bounded_and_keeps_no_idempotency_keys(relay
     answers, _ = await exchange(relay, varied, 600)
     assert [a.status for a in answers] == [201] * 600
     assert 0 < len(blocks) <= 512
+    blocks.clear()
+    long_lines = enqueue_request(os.urandom(32), b"l", extra=f"X-Padding: {'p' * 1100}\r\n")
+    answers, _ = await exchange(relay, long_lines, 1)
+    assert answers[0].status == 201
+    assert blocks == {}  # served, not kept
 
 
 async def test_pipelined_requests_answered_in_order(relay: RunningRelay) -> None:
