@@ -155,6 +155,10 @@ class FastEndpoint:
         self.series = RouteSeries(ROUTE, "POST")
         self.header_blocks: dict[bytes, tuple[bytes | None, bytes | None, int]] = {}
 
+    def accepts_body(self, length: int) -> bool:
+        # a body that would claim memory (relay/memguard.py) is left to aiohttp's path
+        return length <= self.cap and (length < CLAIM_FROM or self.memory.ceiling is None)
+
 
 FAST_ENDPOINT = web.AppKey("relayfleet_fast_endpoint", FastEndpoint)
 
@@ -449,8 +453,8 @@ class FastConnection(asyncio.Protocol):
                     endpoint.header_blocks.clear()
                 endpoint.header_blocks[block] = fields
         key, authorization, length = fields
-        if length > endpoint.cap or (length >= CLAIM_FROM and endpoint.memory.ceiling is not None):
-            return None  # a body that would claim memory (relay/memguard.py): aiohttp's path
+        if not endpoint.accepts_body(length):
+            return None
         return line[1], line[2], key, authorization, length
 
     # -- serving --------------------------------------------------------------------------
@@ -473,8 +477,7 @@ class FastConnection(asyncio.Protocol):
             recipient = params.recipient_key_matched(recipient_text)  # matched by _REQUEST_LINE
             channel = params.channel_value(channel_text.decode()) if channel_text else b""
             idempotency_key = "" if key is None else params.idempotency_value(key.decode())
-            if endpoint.auth.tokens:  # verify_enqueue_header accepts anything without tokens
-                endpoint.auth.verify_enqueue_header(None if authorization is None else authorization.decode())
+            endpoint.auth.verify_enqueue_header(None if authorization is None else authorization.decode())
             payload = params.non_empty(body)
             endpoint.service.enqueue_into(answer, recipient, channel, payload, idempotency_key)
         except Exception as exc:

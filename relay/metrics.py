@@ -240,12 +240,11 @@ class RouteSeries:
     the Python loop over the buckets (both showed in enqueue profiles). The values are the
     children's own, so a scrape reads exactly what those methods would have left."""
 
-    __slots__ = ("_bounds", "_buckets", "_counts", "_sum", "counters", "method", "route", "timer")
+    __slots__ = ("_bounds", "_buckets", "_counts", "_sum", "method", "route", "timer")
 
     def __init__(self, route: str, method: str) -> None:
         self.route = route
         self.method = method
-        self.counters: dict[int, Counter] = {}
         self._counts: dict[int, Any] = {}  # status -> the counter's value object
         self.timer: Histogram = loop_only(REQUEST_SECONDS.labels(route, method))
         timer: Any = self.timer  # prometheus_client's attributes are untyped
@@ -257,7 +256,6 @@ class RouteSeries:
         value = self._counts.get(status)
         if value is None:
             counter: Any = loop_only(REQUESTS.labels(self.route, self.method, str(status)))
-            self.counters[status] = counter
             value = self._counts[status] = counter._value
         value.inc(1)
 

@@ -236,7 +236,7 @@ class QueueService:
             if any_payload_is_duplicate
             else (hashlib.sha256(payload).hexdigest() if idempotency_key else "")
         )
-        ts = now or int(time.time() * 1000)  # `now`: a caller that answers with the stored time picks it
+        ts = now or now_ms()  # `now`: a caller that answers with the stored time picks it
         route = self.fleet.route(recipient, channel)
         sent_at = asyncio.get_running_loop().time()
         job = _Enqueue(self, sink, route, sent_at + self.settings.request_deadline_s, sent_at)

@@ -28,7 +28,6 @@ __all__ = [
     "SlotStats",
     "TrimOutcome",
     "TrimPolicy",
-    "enqueue_rate",
     "slot_load",
     "stat_fields",
 ]
@@ -73,15 +72,6 @@ class TrimOutcome:
     fenced: bool = False  # the slot stopped being owned here (migration started): skipped
 
 
-def enqueue_rate(current: int, previous: int) -> float:
-    """Enqueues per minute from enqueue.lua's counters of this minute and the last one.
-
-    The current minute is partial, so the last complete minute is the measure; a burst
-    that started this minute still counts through max().
-    """
-    return float(max(current, previous))
-
-
 def stat_fields(now_ms: int) -> list[str]:
     """The slot statistics fields `slot_load` reads at `now_ms`: held messages and bytes, and
     the enqueue counters of this minute and the last ('w<minute start ms>', enqueue.lua).
@@ -92,15 +82,17 @@ def stat_fields(now_ms: int) -> list[str]:
 
 
 def slot_load(values: Sequence[Any], now_ms: int) -> tuple[int, int, float]:
-    """Messages, bytes and enqueues per minute of one slot from the values of `stat_fields`."""
+    """Messages, bytes and enqueues per minute of one slot from the values of `stat_fields`.
+
+    The current minute is partial, so the last complete minute is the measure; a burst that
+    started this minute still counts through max()."""
     msgs, nbytes, current, previous, wstart, wcur, wprev = (_int(v) for v in values)
-    rate = enqueue_rate(current, previous)
     minute = now_ms - now_ms % _MINUTE_MS
-    if wstart == minute:  # the former counters
-        rate = max(rate, float(max(wprev, wcur)))
+    if wstart == minute:  # the former counters: 'wcur' is this minute, 'wprev' the last
+        current, previous = max(current, wcur), max(previous, wprev)
     elif wstart == minute - _MINUTE_MS:
-        rate = max(rate, float(wcur))
-    return max(0, msgs), max(0, nbytes), rate
+        previous = max(previous, wcur)
+    return max(0, msgs), max(0, nbytes), float(max(current, previous))
 
 
 def redacted(url: str) -> str:

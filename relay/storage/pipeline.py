@@ -379,18 +379,12 @@ class ScriptBatcher:
         self.submit_to(command, fut, durable)
         return fut
 
-    def submit_to(self, command: bytes, sink: ReplySink, durable: bool = False) -> None:
+    def submit_to(self, command: bytes | Deferred, sink: ReplySink, durable: bool = False) -> None:
         """As `submit`, the reply (or StoreUnavailable / StoreRejected) handed to `sink`.
-        A `durable` command (a write the client is told about) waits for WAIT when the
-        shard has minReplicas; ReplicationTimeout when too few replicas confirm it."""
-        if durable and self.min_replicas:
-            sink = _Hold(sink)
-        self._pending.append((command, sink))
-        self._kick()
-
-    def submit_deferred(self, command: Deferred, sink: ReplySink, durable: bool = False) -> None:
-        """As `submit_to`, for a command sealed only when its batch is sent (until then, in
-        this loop tick or while the pipeline is full, it may take more work)."""
+        A `Deferred` command is sealed only when its batch is sent (until then, in this loop
+        tick or while the pipeline is full, it may take more work). A `durable` command (a
+        write the client is told about) waits for WAIT when the shard has minReplicas;
+        ReplicationTimeout when too few replicas confirm it."""
         if durable and self.min_replicas:
             sink = _Hold(sink)
         self._pending.append((command, sink))

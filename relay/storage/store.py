@@ -291,9 +291,18 @@ class ShardStore:
         # only: an entry per idle long-poll would cost ~1 KiB each); bounded, cleared when full
         self._enqueue_parts: dict[str, tuple[bytes, bytes]] = {}
         self._call: _EnqueueCall | None = None  # the enqueue call still taking items
-        lim = limits
-        fixed = (lim.rate_count, lim.rate_window_ms, lim.max_messages, lim.max_bytes, lim.retention_ms)
-        self._enqueue_fixed = b"".join([bulk(a) for a in fixed])
+        self._enqueue_fixed = b"".join(
+            [
+                bulk(a)
+                for a in (
+                    limits.rate_count,
+                    limits.rate_window_ms,
+                    limits.max_messages,
+                    limits.max_bytes,
+                    limits.retention_ms,
+                )
+            ]
+        )
 
     async def start(self) -> None:
         try:
@@ -365,7 +374,7 @@ class ShardStore:
         call = self._call
         if call is None or not call.takes(len(payload)):
             call = self._call = _EnqueueCall(self._enqueue_fixed)
-            self._batcher.submit_deferred(call, call, durable=True)
+            self._batcher.submit_to(call, call, durable=True)
         # the item: its keys; payload, now, idempotency key, digest, messageId, qid and wake
         # (cached), token, resend flag (lua/enqueue.lua)
         call.add(

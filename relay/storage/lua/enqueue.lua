@@ -135,7 +135,8 @@ local function enqueue_one(k, a)
       if not waited then epoch = lost_tail_epoch(run, meta_key) end
     end
   end
-  local seq_s = fmt('%d', (seq or seq_floor()) + 1)
+  seq = (seq or seq_floor()) + 1
+  local seq_s = fmt('%d', seq)
   redis.call('XADD', msgs_key, seq_s .. '-0', 'p', payload, 't', now_s, 'm', message_id, 'n', fmt('%d', size))
   if epoch and created then
     redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', fmt('%d', held), 'epoch', epoch, 'created', created)
@@ -176,7 +177,6 @@ local function enqueue_one(k, a)
     st[1], st[2], st[3] = 0, 0, minute
   end
   st[1], st[2] = st[1] + 1, st[2] + size
-  seq = tonumber(seq_s)
   local reply = {'ok', seq, 0}
   local w = wakes[channel]
   if not w then
@@ -194,8 +194,7 @@ for i = 1, #KEYS / 8 do
   replies[i] = enqueue_one(8 * (i - 1), 5 + 9 * (i - 1))
 end
 for _, stats_key in ipairs(stats_order) do
-  local st = stats[stats_key]
-  if st[1] > 0 then add_stats(stats_key, st) end
+  add_stats(stats_key, stats[stats_key])  -- each holds at least the item that created it
 end
 -- one wakeup per channel, after every write: "<newest seq>:<first enqueue time>" (a waiter
 -- re-reads whatever woke it; the time measures wake latency, relay/storage/wakeups.py)

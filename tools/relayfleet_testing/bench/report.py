@@ -10,6 +10,7 @@ import math
 import os
 import platform
 import re
+import statistics
 import subprocess
 from collections.abc import Iterable
 from importlib import metadata
@@ -490,10 +491,9 @@ def _head_to_head(res: Results, target: str, size: int) -> list[Row]:
 def _median_values(rows: list[Row], keys: Iterable[str]) -> dict[str, float]:
     out: dict[str, float] = {}
     for key in keys:
-        xs = sorted(x for r in rows if (x := _finite(r.values, key)) is not None)
+        xs = [x for r in rows if (x := _finite(r.values, key)) is not None]
         if xs:
-            mid = len(xs) // 2
-            out[key] = xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+            out[key] = statistics.median(xs)
     return out
 
 
