@@ -1,4 +1,4 @@
-"""The `relayfleet` command line (DESIGN §3 contract). Exit 0 ok, 2 bad arguments, 1 failure."""
+"""The `relayfleet` command line (docs/api.md). Exit 0 ok, 2 bad arguments, 1 failure."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The wire protocol's encodings, shared by the server and the client library (DESIGN §3).
+"""The wire protocol's encodings, shared by the server and the client library (docs/api.md).
 
 A leaf: it imports nothing from the relay server, the fleet or storage, so
 `relay.client` (and any app embedding it) pulls in only this, aiohttp's client and

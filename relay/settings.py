@@ -1,6 +1,6 @@
 """Relay configuration: one dataclass, read once from flags and the environment.
 
-`Settings.from_env()` is the only place the relay reads its environment (DESIGN §3 CLI):
+`Settings.from_env()` is the only place the relay reads its environment (docs/api.md, "Command line"):
 every variable is listed in RELAY_ENV (shown by `relayfleet relay --help`), a bad value is
 a ConfigError naming the variable (the CLI exits 2 with one line), and the names replaced
 by the prefix policy (docs/design-decisions.md) still work, with a warning in the log.
@@ -196,7 +196,7 @@ class Settings:
     shard_health_interval_s: float = 5.0
     shard_stats_interval_s: float = 30.0
 
-    # Hostile clients (DESIGN §3 "Hostile traffic"): see docs/reliability.md.
+    # Hostile clients (docs/api.md, "Hostile traffic"): see docs/reliability.md.
     # Complete request headers within this long of connecting (or of a new request's first byte).
     header_timeout_s: float = 10.0
     # An idle keep-alive connection closes after this long.

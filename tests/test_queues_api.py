@@ -1,4 +1,4 @@
-"""The queue API contract (DESIGN §3) against a real redis-server."""
+"""The queue API contract (docs/api.md) against a real redis-server."""
 
 from __future__ import annotations
 

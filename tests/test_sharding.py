@@ -1,4 +1,4 @@
-"""Slot function and shard map (DESIGN §4 contract): CRC16 vector, Redis Cluster agreement,
+"""Slot function and shard map (docs/api.md, "Shard map"): CRC16 vector, Redis Cluster agreement,
 validation errors, O(log n) lookup, map edits."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shard map entries that name a Sentinel-managed primary (DESIGN §4): parsed, validated,
+"""Shard map entries that name a Sentinel-managed primary (docs/api.md, "Shard map"): parsed, validated,
 held as one URL string per shard (so credentials, operator edits, migration and Spark
 pass them like any URL), and written back as the entry they came from."""
 

@@ -1,7 +1,7 @@
 """The operator's only contact with Redis.
 
 `migrate_range` is the one adapter between the operator and the shared migration library
-(`relay.fleet.migration`, the fenced MIGRATE protocol of DESIGN §4): every slot move the
+(`relay.fleet.migration`, the fenced MIGRATE protocol of docs/migration.md): every slot move the
 operator makes (draining a deleted shard, executing a RelayRebalance) goes through it.
 The rest answers the few questions the operator asks a shard directly: does it answer, does
 it hold data, how many bytes sit in these slots.

@@ -1,4 +1,4 @@
-"""Request authentication (DESIGN §3, contract): the server side of relay.protocol.
+"""Request authentication (docs/api.md): the server side of relay.protocol.
 
 The header format, canonical string and signature check live in relay.protocol (a
 leaf the client library shares); this module adds the clock-skew window, the

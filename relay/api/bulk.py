@@ -1,6 +1,6 @@
 """Read and drain answers too big to build in one go: streamed JSON, base64 in slices.
 
-A read may carry up to the 8 MiB payload budget (DESIGN §3). Encoding that as one
+A read may carry up to the 8 MiB payload budget (docs/api.md). Encoding that as one
 base64 string and one JSON document blocks the event loop for tens of milliseconds
 per answer, and three readers in a loop then delay every other client of the process
 (measured in tests/hostile/test_storage_attacks.py). Here the body is written in

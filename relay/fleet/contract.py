@@ -4,7 +4,7 @@
   ({"slots": "A-B", "from", "to", "bytes", "messages"}) as the Spark rebalance job writes it
   into a RelayRebalance proposal and the operator reads it back;
 - slot ranges ("A-B" or "A"), parsed in one place (`relay.fleet.sharding.parse_slot_range`);
-- the shard-map ConfigMap: its name, its `data` both ways (DESIGN §4), and the
+- the shard-map ConfigMap: its name, its `data` both ways (docs/api.md, "Shard map"), and the
   optimistic-concurrency update loop both writers (the operator, `relay.fleet.configmap`) run
   over their own clients;
 - `Obj`, the alias for a JSON object / Kubernetes object.
@@ -28,7 +28,7 @@ SHARDMAP_KEY = "shardmap.json"
 
 
 def shardmap_configmap_name(fleet: str) -> str:
-    """The ConfigMap a fleet's shard map lives in (DESIGN §4)."""
+    """The ConfigMap a fleet's shard map lives in (docs/api.md, "Shard map")."""
     return f"relayfleet-{fleet}-shardmap"
 
 

@@ -1,4 +1,4 @@
-"""Slot function and shard map: which shard owns which queue (DESIGN §4, contract).
+"""Slot function and shard map: which shard owns which queue (docs/api.md, "Shard map").
 
 Pure and stdlib-only so the operator, the Spark jobs and the relay share it.
 """
@@ -201,7 +201,7 @@ def parse_slot_spec(spec: str) -> list[int]:
 
 # -- Sentinel-managed shards -------------------------------------------------------
 #
-# A shard entry may name a Sentinel-managed primary instead of one URL (DESIGN §4):
+# A shard entry may name a Sentinel-managed primary instead of one URL (docs/api.md, "Shard map"):
 #   {"sentinels": ["10.0.0.7:26379", ...], "service": "shard-a", "password": "..."?,
 #    "minReplicas": 1?, "username": "..."?, "db": 0?, "sentinelPassword": "..."?}
 # Everything that passes shard addresses around (credentials files, the operator's map

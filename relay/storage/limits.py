@@ -13,7 +13,7 @@ class QueueLimits:
     max_messages: int = 10000
     max_bytes: int = 256 * 1024 * 1024
     retention_ms: int = 7 * 24 * 3600 * 1000
-    # a read, drain or live batch carries at most this many payload bytes (DESIGN §3)
+    # a read, drain or live batch carries at most this many payload bytes (docs/api.md)
     max_response_bytes: int = 8 * 1024 * 1024
     # reply deadlines per connection class (pipeline.ScriptBatcher.reply_timeout adds
     # transfer time): writes and small replies; reads and drains

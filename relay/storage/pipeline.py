@@ -2,7 +2,7 @@
 
 One awaited round trip per request caps a process near 9k req/s; sending every
 call that arrived while the previous pipeline was in flight as one batch lifts
-that ceiling (DESIGN §4, measured in docs/benchmarks.md). The hot path speaks
+that ceiling (docs/architecture.md; measured in docs/benchmarks.md). The hot path speaks
 RESP itself (commands pre-encoded as bytes, replies parsed by hiredis): redis-py's
 per-command packing and wrappers cost a fifth of the CPU of an enqueue.
 """
@@ -315,7 +315,7 @@ class ScriptBatcher:
 
     A shard has two (relay/storage/store.py): a hot one for writes and small replies
     and a bulk one for reads and drains, so a huge reply never sits in front of a small
-    write (DESIGN §3, hostile traffic). Each batch's reply deadline is `reply_timeout`
+    write (docs/api.md, "Hostile traffic"). Each batch's reply deadline is `reply_timeout`
     plus the transfer time of what it sends and of `reply_bytes` per command.
     """
 

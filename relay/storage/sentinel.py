@@ -1,6 +1,6 @@
 """Finding a Sentinel-managed shard's primary, and hearing when it changes.
 
-A shard map entry may name a Sentinel service instead of one Redis (DESIGN §4; held
+A shard map entry may name a Sentinel service instead of one Redis (docs/api.md, "Shard map"; held
 as a ``redis+sentinel://`` URL, see relay/fleet/sharding.py). Everything that opens
 connections asks here where the primary is:
 

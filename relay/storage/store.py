@@ -264,7 +264,7 @@ class ShardStore:
             health_check_interval=0,
         )
         # hot: enqueue, ack, status, nonce, publish (small replies, short deadline);
-        # bulk: read and drain, whose replies reach max_response_bytes (DESIGN §3).
+        # bulk: read and drain, whose replies reach max_response_bytes (docs/api.md).
         # The hot lane keeps two batches in flight: one running in Redis, the next one
         # queued behind it while this loop gathers the one after. A third let pipelined
         # batches reach Redis together and be answered together (uneven calls, a stalled

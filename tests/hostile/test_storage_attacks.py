@@ -32,7 +32,7 @@ from tests.support.tcp_proxy import tcp_proxy
 pytestmark = pytest.mark.timeout(300)
 
 MiB = 1 << 20
-BUDGET = 8 * MiB  # RELAY_MAX_RESPONSE_BYTES default (DESIGN §3)
+BUDGET = 8 * MiB  # RELAY_MAX_RESPONSE_BYTES default (docs/api.md)
 
 
 def report(name: str, **numbers: object) -> None:

@@ -375,7 +375,7 @@ def _check_queue(
     counts["acks"] += len(acks)
 
     # Until its first message is stored, a queue has no keys and no history: reads answer a
-    # placeholder epoch derived from the shard they reach (DESIGN §3: unknown-queue reads
+    # placeholder epoch derived from the shard they reach (docs/api.md: unknown-queue reads
     # write nothing), which a failover or a migration may change with nothing lost. A read
     # is the queue's own once it returned messages or began after an enqueue to the queue
     # was answered; a read overlapping the first enqueue may still see a placeholder.

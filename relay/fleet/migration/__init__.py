@@ -1,4 +1,4 @@
-"""Online slot migration: the fenced MIGRATE protocol of DESIGN §4, as a library (this package's
+"""Online slot migration: the fenced MIGRATE protocol of docs/migration.md, as a library (this package's
 entry points, below) and the `relayfleet migrate` command (`command.migrate_main`).
 
 The modules, each owning one thing (docs/migration.md explains the protocol):

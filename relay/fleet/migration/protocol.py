@@ -1,4 +1,4 @@
-"""The slot-move protocol: the fenced MIGRATE steps of DESIGN §4 and `migrate_slots`, which runs them.
+"""The slot-move protocol: the fenced MIGRATE steps of docs/migration.md and `migrate_slots`, which runs them.
 
 Per slot, Redis Cluster's shape (docs/migration.md has the crash-resume table):
 

@@ -53,7 +53,7 @@ local function state_allowed(cur, allowed, first)
 end
 
 -- Up to `limit` entries from stream id `from` whose payloads total at most `budget`
--- bytes, and always at least one (the response budget, DESIGN §3). A queue holding no
+-- bytes, and always at least one (the response budget, docs/api.md). A queue holding no
 -- more than the budget (`held` bytes in `len` messages; most queues) is one XRANGE;
 -- otherwise the stream is read in chunks sized by an estimate of the next sizes (the
 -- queue's mean payload, or the largest seen in this read if bigger), and reading stops
@@ -144,7 +144,7 @@ local function seq_floor()
   return tonumber(redis.call('GET', 'rf:seq-floor') or '0') or 0
 end
 
--- The epoch of a queue that has no keys (DESIGN §3: reads, status and inbox reads of
+-- The epoch of a queue that has no keys (docs/api.md: reads, status and inbox reads of
 -- a queue that does not exist create no Redis state). Every read answers the same
 -- value and the first enqueue stores it, so a client sees no change when the queue
 -- appears. It changes with the Redis run (a replaced Redis) and with the slot's 'qgen'

@@ -194,7 +194,7 @@ async def start_redis(procs: Procs, aof: bool) -> RedisServer:
     data.mkdir()
     argv = [REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data)]
     argv += ["--save", "", "--maxmemory-policy", "noeviction", "--daemonize", "no"]
-    # as DESIGN §4 runs production shards: AOF, fsync every second
+    # as production shards run (docs/operator.md): AOF, fsync every second
     argv += ["--appendonly", "yes" if aof else "no", "--appendfsync", "everysec"]
     child = procs.start("redis-server", argv)
     await wait_port(port, child)
