@@ -229,13 +229,47 @@ def test_after_a_sigkill_the_sentinels_promote_a_replica_and_the_old_primary_rej
 def test_probe_of_an_unreachable_shard_says_so_instead_of_raising(tmp_path: Path) -> None:
     dead = SentinelTarget((("127.0.0.1", free_port()),), SERVICE, PASSWORD)
     got = asyncio.run(replication.probe(dead.url(), "2026-01-01T00:00:00Z"))
-    assert got == {
+    assert {k: v for k, v in got.items() if v is not None} == {
         "observedAt": "2026-01-01T00:00:00Z",
         "sentinelsReachable": 0,
         "message": "no Sentinel answers",
     }
     plain = asyncio.run(replication.probe(f"redis://127.0.0.1:{free_port()}/0", "t"))
     assert plain["message"].startswith("cannot read replication state")
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386, as the API server applies the operator's status writes."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge_patch(out.get(key), value)
+    return out
+
+
+def test_a_recovered_shard_clears_the_old_message_under_a_merge_patch(tmp_path: Path) -> None:
+    """status.redis is written with a merge patch: a field the new answer lacks would stay, so
+    "no Sentinel answers" would sit next to sentinelsReachable: 3 (every field is named, null
+    when unknown)."""
+    dead = SentinelTarget((("127.0.0.1", free_port()),), SERVICE, PASSWORD)
+    outage = asyncio.run(replication.probe(dead.url(), "t0"))
+    healthy = replication.replication_status(
+        "10.0.0.1:6379", {"role": "master", "master_repl_offset": 5}, 3, "t1"
+    )
+    stored = _merge_patch(_merge_patch({}, {"status": {"redis": outage}}), {"status": {"redis": healthy}})
+    assert stored["status"]["redis"] == {
+        "primary": "10.0.0.1:6379",
+        "observedAt": "t1",
+        "sentinelsReachable": 3,
+        "primaryOffset": 5,
+        "replicas": [],
+    }
+    again = _merge_patch(stored, {"status": {"redis": outage}})["status"]["redis"]
+    assert again == {"observedAt": "t0", "sentinelsReachable": 0, "message": "no Sentinel answers"}
 
 
 def test_replication_status_from_info_text_and_degraded_conditions() -> None:
@@ -247,6 +281,7 @@ def test_replication_status_from_info_text_and_degraded_conditions() -> None:
     )
     got = replication.replication_status("10.0.0.1:6379", info, 3, "now")
     assert got == {
+        "message": None,
         "primary": "10.0.0.1:6379",
         "observedAt": "now",
         "sentinelsReachable": 3,

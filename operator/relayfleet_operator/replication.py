@@ -21,6 +21,14 @@ from relay.fleet.sharding import is_sentinel_url, parse_sentinel_url
 from relay.storage.sentinel import survey_primary
 
 _TIMEOUT_S = 2.0
+# Every field status.redis may hold. The status is written with a JSON merge patch, which
+# keeps a field the new value leaves out: each answer names them all, null for "not now"
+# (an old "no Sentinel answers" must not stay next to sentinelsReachable: 3).
+_FIELDS = ("primary", "observedAt", "sentinelsReachable", "message", "primaryOffset", "replicas")
+
+
+def _status(now: str, **fields: Any) -> Obj:
+    return {**dict.fromkeys(_FIELDS), "observedAt": now, **fields}
 
 
 def parse_info(text: str) -> dict[str, str]:
@@ -58,9 +66,7 @@ def replication_status(
 ) -> Obj:
     """status.redis from the primary's INFO replication (parse_info's text form, or the
     dict redis-py makes of it)."""
-    out: Obj = {"primary": primary, "observedAt": now}
-    if sentinels_reachable is not None:
-        out["sentinelsReachable"] = sentinels_reachable
+    out = _status(now, primary=primary, sentinelsReachable=sentinels_reachable)
     role = info.get("role")
     if role != "master":
         out["message"] = f"{primary} reports role {role or 'unknown'}: a failover is under way"
@@ -118,7 +124,7 @@ async def probe(url: str, now: str) -> Obj:
             found, reachable = await survey_primary(target, _TIMEOUT_S)
             if found is None:
                 why = "no Sentinel answers" if reachable == 0 else "no Sentinel names a primary"
-                return {"observedAt": now, "sentinelsReachable": reachable, "message": why}
+                return _status(now, sentinelsReachable=reachable, message=why)
             host, port = found
             info = await _info(host, port, target.password, target.username)
         else:
@@ -132,8 +138,6 @@ async def probe(url: str, now: str) -> Obj:
             finally:
                 await client.aclose()
     except (RedisError, OSError, TimeoutError, ValueError) as exc:
-        out: Obj = {"observedAt": now, "message": f"cannot read replication state: {type(exc).__name__}"}
-        if reachable is not None:
-            out["sentinelsReachable"] = reachable
-        return out
+        why = f"cannot read replication state: {type(exc).__name__}"
+        return _status(now, sentinelsReachable=reachable, message=why)
     return replication_status(_join(host, port), info, reachable, now)
