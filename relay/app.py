@@ -13,19 +13,20 @@ from typing import Any
 from aiohttp import hdrs, web
 from yarl import URL
 
-from relay import logsafe, metrics, push, shard_health
+from relay import metrics, push, shard_health
 from relay.api import didcomm, fanout, health, inbox, live, openapi, pickup, queues
 from relay.api.auth import Authenticator
 from relay.api.context import CTX, Context
 from relay.api.errors import overloaded
 from relay.api.failures import code_of, error_for
-from relay.fastpath import FAST_ENDPOINT, FastConnection, FastEndpoint
 from relay.fleet.routing import MapSource, ShardRouter
 from relay.fleet.sharding import ShardMap
-from relay.memguard import CLAIM, MemoryGuard, ceiling_bytes
+from relay.http import logsafe
+from relay.http.fastpath import FAST_ENDPOINT, FastConnection, FastEndpoint
+from relay.http.memguard import CLAIM, MemoryGuard, ceiling_bytes
+from relay.http.serving import FAST_PROTOCOL, make_runner, raise_nofile_limit
 from relay.metrics import RouteSeries
 from relay.service import QueueService
-from relay.serving import FAST_PROTOCOL, make_runner, raise_nofile_limit
 from relay.settings import Settings
 
 log = logging.getLogger("relay.app")

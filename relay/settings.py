@@ -201,7 +201,7 @@ class Settings:
     header_timeout_s: float = 10.0
     # An idle keep-alive connection closes after this long.
     keepalive_timeout_s: float = 75.0
-    # Clean enqueues served by relay/fastpath.py, everything else by aiohttp (off: all by aiohttp).
+    # Clean enqueues served by relay/http/fastpath.py, everything else by aiohttp (off: all by aiohttp).
     http_fastpath: bool = True
     # Open client connections at once; 0: the open-files limit minus a reserve of 128.
     max_connections: int = 0

@@ -1,4 +1,4 @@
-"""The enqueue fast path (relay/fastpath.py) over raw sockets, against a real redis-server:
+"""The enqueue fast path (relay/http/fastpath.py) over raw sockets, against a real redis-server:
 its own edges (handoff, pipelining, split requests, timeouts, a client that leaves) and
 a differential check that it answers exactly as the aiohttp path (RELAY_HTTP_FASTPATH=0)."""
 
@@ -17,9 +17,9 @@ import redis
 from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
-from relay.fastpath import FAST_ENDPOINT, FastConnection, header_fields
+from relay.http.fastpath import FAST_ENDPOINT, FastConnection, header_fields
+from relay.http.serving import GuardedRequestHandler, GuardedServer
 from relay.protocol import b64encode
-from relay.serving import GuardedRequestHandler, GuardedServer
 from relay.storage.store import QueueLimits
 from tests.support.in_process_relay import RelayFactory, RunningRelay
 

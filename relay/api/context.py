@@ -9,7 +9,7 @@ from typing import Protocol
 from aiohttp import web
 
 from relay.api.auth import Authenticator
-from relay.memguard import MemoryGuard
+from relay.http.memguard import MemoryGuard
 from relay.service import QueueService
 from relay.settings import Settings
 

@@ -1,7 +1,7 @@
 """Every failure of a request as the JSON answer the contract gives it, whatever the transport.
 
 Used by the aiohttp route wrapper (relay/app.py `observed`) and the enqueue fast path
-(relay/fastpath.py), so both answer a failure with the same status, body and headers.
+(relay/http/fastpath.py), so both answer a failure with the same status, body and headers.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import logging
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from relay import logsafe
 from relay.api.errors import ApiError, error_response
+from relay.http import logsafe
+from relay.http.parse_errors import describe_parse_error
 from relay.service import TooManyWaiters, Unavailable
-from relay.serving import describe_parse_error
 from relay.storage.store import StoreRejected
 
 log = logging.getLogger("relay.app")

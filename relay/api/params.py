@@ -12,7 +12,7 @@ from aiohttp import hdrs, web
 
 from relay.api.context import CTX
 from relay.api.errors import ApiError, bad_request, overloaded
-from relay.memguard import CLAIM, CLAIM_FROM
+from relay.http.memguard import CLAIM, CLAIM_FROM
 from relay.protocol import b64decode as b64decode  # the API's base64url, re-exported
 from relay.protocol import b64decode_alphabet
 from relay.protocol import b64encode as b64encode
@@ -193,7 +193,7 @@ def _claim_memory(request: web.Request, size: int) -> None:
 def unsupported_encoding(request: web.Request) -> None:
     """415 for a body with any Content-Encoding but identity: ciphertext does not
     compress, and a compressed body is an amplification vector. aiohttp's parser runs
-    with auto_decompress off (relay.serving), so nothing was ever inflated."""
+    with auto_decompress off (relay.http.serving), so nothing was ever inflated."""
     if request.headers.getall(hdrs.CONTENT_ENCODING) == ["identity"]:
         return
     raise ApiError(

@@ -92,7 +92,7 @@ async def enqueue(request: web.Request) -> web.Response:
 
 def enqueue_answer(outcome: EnqueueOutcome) -> tuple[int, bytes]:
     """(status, JSON body) of an enqueue Redis answered; ApiError for a refused one.
-    Shared by this handler and the HTTP fast path (relay/fastpath.py)."""
+    Shared by this handler and the HTTP fast path (relay/http/fastpath.py)."""
     # exactly what orjson writes for {"seq": n, "duplicate": b}, shaped directly
     kind = outcome.kind
     if kind != "stored":

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from relay import logsafe
+from relay.http import logsafe
 from tests.hostile.harness import SECRET_HEADER, SECRET_INBOX_ID, SECRET_KEY, SECRET_PAYLOAD
 
 SECRET = SECRET_PAYLOAD.decode()

@@ -1,5 +1,5 @@
 """In-process relays for the tests: the app on a real aiohttp server and port, over real Redis shards,
-served by the relay's own connection layer (relay.serving) as `relayfleet serve` runs it."""
+served by the relay's own connection layer (relay.http.serving) as `relayfleet serve` runs it."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from aiohttp.test_utils import TestServer
 from relay.api.context import CTX
 from relay.client import RelayClient
 from relay.fleet.routing import ShardRouter
-from relay.serving import make_runner
+from relay.http.serving import make_runner
 from relay.settings import Settings
 
 
 class RelayTestServer(TestServer):
-    """aiohttp's TestServer on the relay's own connection layer (relay.serving), as `serve` runs it."""
+    """aiohttp's TestServer on the relay's own connection layer (relay.http.serving), as `serve` runs it."""
 
     def __init__(self, app: web.Application, settings: Settings) -> None:
         super().__init__(app, host="127.0.0.1")

@@ -10,7 +10,7 @@ What each layer of the relay's HTTP machinery costs per request, measured with
 - ``app``: an aiohttp ``web.Application`` with a router (the ``aiohttp-1p`` ceiling).
 - ``relay-http``: the relay's own HTTP stack around the same fixed answer: its
   request wrapper (``relay.app.observed``: JSON errors, request metrics, memory
-  guard) on every route, served by ``relay.serving.make_runner`` (connection guard,
+  guard) on every route, served by ``relay.http.serving.make_runner`` (connection guard,
   keep-alive settings) — everything of an enqueue but the service and Redis.
 
 Each answers GET (200, so readiness checks pass) and POST (201) on any path.
@@ -108,8 +108,8 @@ async def _fixed(request: web.BaseRequest) -> web.Response:
 def _relay_http_app() -> tuple[web.Application, Callable[[web.Application], web.AppRunner]]:
     # the relay's own pieces, imported only for this layer
     from relay.app import observed
-    from relay.memguard import MemoryGuard, ceiling_bytes
-    from relay.serving import make_runner
+    from relay.http.memguard import MemoryGuard, ceiling_bytes
+    from relay.http.serving import make_runner
     from relay.settings import Settings
 
     settings = Settings()

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from relay import metrics
 
-log = logging.getLogger("relay.memguard")
+log = logging.getLogger("relay.http.memguard")
 
 SAMPLE_INTERVAL_S = 0.2
 REFUSE_AT = 0.9  # of the ceiling

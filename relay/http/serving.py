@@ -22,14 +22,15 @@ import resource
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from aiohttp import http_exceptions, web
+from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from relay import metrics
 from relay.api.errors import error_response
+from relay.http.parse_errors import describe_parse_error
 from relay.settings import Settings
 
-log = logging.getLogger("relay.serving")
+log = logging.getLogger("relay.http.serving")
 
 # fds kept free for Redis connections, wakeup subscriptions, DNS, files, accept()
 FD_RESERVE = 128
@@ -57,50 +58,9 @@ def raise_nofile_limit() -> int:
     return soft
 
 
-# (status, code, text) per parser exception type; checked in order (subclasses first)
-_PARSE_ERRORS: tuple[tuple[type[BaseException], str, str], ...] = (
-    (http_exceptions.LineTooLong, "headers_too_large", "request line or header too long"),
-    (http_exceptions.BadHttpMethod, "bad_request_line", "malformed request line"),
-    (http_exceptions.BadStatusLine, "bad_request_line", "malformed request line"),
-    (http_exceptions.InvalidURLError, "bad_request_line", "malformed request target"),
-    (http_exceptions.InvalidHeader, "bad_header", "malformed header"),
-    (http_exceptions.TransferEncodingError, "bad_chunk", "malformed chunked body"),
-    (http_exceptions.ContentLengthError, "bad_length", "body length does not match the request"),
-    (http_exceptions.PayloadEncodingError, "bad_body", "malformed request body"),
-)
-
-
-# aiohttp's C parser raises a bare BadHttpMessage whose message is llhttp's fixed reason, then
-# the offending bytes: the code is picked from the reason's words (first match wins).
-_PARSE_REASONS: tuple[tuple[str, str, str], ...] = (
-    ("chunk", "bad_chunk", "malformed chunked body"),
-    ("transfer-encoding", "bad_transfer_encoding", "unsupported or malformed Transfer-Encoding"),
-    ("content-length", "bad_length", "malformed or conflicting Content-Length"),
-    ("data after", "bad_length", "a request body needs a Content-Length or chunked encoding"),
-    ("header", "bad_header", "malformed header"),
-    ("method", "bad_request_line", "malformed request line"),
-    ("version", "bad_request_line", "malformed request line"),
-    ("url", "bad_request_line", "malformed request target"),
-)
-
-
-def describe_parse_error(exc: BaseException | None) -> tuple[str, str]:
-    """(code, text) for a request aiohttp's parser refused; fixed texts, no request bytes."""
-    for kind, code, text in _PARSE_ERRORS:
-        if isinstance(exc, kind):
-            return code, text
-    if isinstance(exc, http_exceptions.HttpProcessingError):
-        # only the reason before the first colon: what follows quotes the request's bytes
-        reason = str(exc.message).strip().split(":", 1)[0].lower().replace("`", "")
-        for word, code, text in _PARSE_REASONS:
-            if word in reason:
-                return code, text
-    return "bad_request", "malformed HTTP request"
-
-
 class Connection(Protocol):
     """What the guard needs of a client connection: aiohttp's (GuardedRequestHandler) or
-    the enqueue fast path's (relay/fastpath.py FastConnection)."""
+    the enqueue fast path's (relay/http/fastpath.py FastConnection)."""
 
     def waiting_for_headers(self) -> bool: ...
 
@@ -267,7 +227,7 @@ class GuardedRequestHandler(RequestHandler):
         log.error("HTTP layer error: %s", name)
 
 
-# The enqueue fast path's protocol factory (relay/fastpath.py), set on the app by build_app
+# The enqueue fast path's protocol factory (relay/http/fastpath.py), set on the app by build_app
 # when RELAY_HTTP_FASTPATH is on: connections start there and are handed to aiohttp's.
 FastFactory = Callable[["GuardedServer"], asyncio.Protocol]
 FAST_PROTOCOL: web.AppKey[FastFactory] = web.AppKey("relayfleet_fast_protocol")

@@ -14,7 +14,7 @@ reply is read) and answered from there, in request order under pipelining.
 Anything else — another route, a malformed or unusual request, a body that would
 claim memory — is not its business: at that request's boundary (once the answers
 owed before it are written) the connection, with every byte buffered, is handed to
-aiohttp's hardened protocol (relay/serving.py GuardedRequestHandler), which answers
+aiohttp's hardened protocol (relay/http/serving.py GuardedRequestHandler), which answers
 it exactly as it answers every request when this path is off (RELAY_HTTP_FASTPATH=0).
 
 Until the handoff this protocol keeps the same bounds as that handler: the header
@@ -44,12 +44,12 @@ from relay.api.context import Context
 from relay.api.errors import ApiError, error_response, overloaded
 from relay.api.failures import code_of, error_for
 from relay.api.queues import enqueue_answer
-from relay.memguard import CLAIM_FROM
+from relay.http.memguard import CLAIM_FROM
 from relay.metrics import RouteSeries
 from relay.storage.store import EnqueueOutcome
 
 if TYPE_CHECKING:
-    from relay.serving import GuardedServer
+    from relay.http.serving import GuardedServer
 
 ROUTE = "/v1/queues/{recipient}/messages"  # the aiohttp route's canonical name (metrics label)
 
@@ -156,7 +156,7 @@ class FastEndpoint:
         self.header_blocks: dict[bytes, tuple[bytes | None, bytes | None, int]] = {}
 
     def accepts_body(self, length: int) -> bool:
-        # a body that would claim memory (relay/memguard.py) is left to aiohttp's path
+        # a body that would claim memory (relay/http/memguard.py) is left to aiohttp's path
         return length <= self.cap and (length < CLAIM_FROM or self.memory.ceiling is None)
 
 
