@@ -414,12 +414,13 @@ def test_backup_of_a_replicated_shard_follows_the_primary_across_a_failover(
     """The backup CronJob's URL names the Sentinels: each backup is taken from the primary
     they name at that moment."""
     from relay import backup as B
+    from relay.progress import ProgressReporter
 
     shard = local_shard
     n0 = shard.nodes[0]
     wait_for("Sentinels see both replicas", lambda: True if len(_online(shard.probe())) == 2 else None)
     shard.client(n0).set("k", "1")
-    quiet = B.Reporter("backup", quiet=True)
+    quiet = ProgressReporter("backup", quiet=True)
     first = asyncio.run(B.backup(shard.url(), tmp_path, "a", 5, quiet))
     assert first.source == f"127.0.0.1:{n0.port}"
     assert first.role == "master"

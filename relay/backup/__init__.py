@@ -18,7 +18,6 @@ The modules:
     archive     the backup directory: manifests, pruning, locating and verifying a backup
     taking      `backup`: snapshot a shard's primary into the archive
     restoring   `restore`: load a backup into a fresh Redis, then the epoch rule
-    progress    `Reporter`, the progress lines on stderr
     errors      `BackupError`
     command     `relayfleet backup|restore`: arguments, JSON result, exit codes
 """
@@ -27,7 +26,6 @@ from __future__ import annotations
 
 from relay.backup.archive import Manifest, locate, manifests, prune
 from relay.backup.errors import BackupError
-from relay.backup.progress import Reporter
 from relay.backup.restoring import (
     MARGIN_SECONDS,
     WRITES_PER_SECOND_BOUND,
@@ -42,7 +40,6 @@ __all__ = [
     "WRITES_PER_SECOND_BOUND",
     "BackupError",
     "Manifest",
-    "Reporter",
     "RestoreReport",
     "backup",
     "locate",

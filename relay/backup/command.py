@@ -16,17 +16,18 @@ from typing import Any, NoReturn, TypeVar
 from redis.exceptions import RedisError
 
 from relay.backup.errors import BackupError
-from relay.backup.progress import Reporter
 from relay.backup.restoring import restore
 from relay.backup.taking import backup
 from relay.fleet.sharding import ShardMapError
 from relay.helpfmt import EnvHelpFormatter
+from relay.progress import ProgressReporter
 from relay.storage.connection import RedisConnectError, RedisURLError
 from relay.storage.snapshot import SnapshotError
 
 __all__ = ["backup_main", "read_url", "restore_main"]
 
 T = TypeVar("T")
+BYTE_PHASES = ("snapshot", "sending", "loaded")  # relay/storage/snapshot.py counts these in bytes
 
 
 def read_url(url: str | None, url_file: str | None) -> str:
@@ -75,7 +76,7 @@ def backup_main(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     if args.keep < 1:
         p.error("--keep must be at least 1")
-    progress = Reporter("backup", args.quiet)
+    progress = ProgressReporter("backup", args.quiet, byte_phases=BYTE_PHASES)
     return _run_command(
         "backup",
         lambda: backup(
@@ -113,7 +114,7 @@ def restore_main(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     if args.seq_jump is not None and args.seq_jump < 1:
         p.error("--seq-jump must be at least 1")
-    progress = Reporter("restore", args.quiet)
+    progress = ProgressReporter("restore", args.quiet, byte_phases=BYTE_PHASES)
     return _run_command(
         "restore",
         lambda: restore(

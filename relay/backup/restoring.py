@@ -20,8 +20,8 @@ import redis.asyncio as aioredis
 
 from relay.backup.archive import locate
 from relay.backup.errors import BackupError
-from relay.backup.progress import Reporter, mib
 from relay.fleet.sharding import SLOT_COUNT, is_sentinel_url
+from relay.progress import ProgressReporter, mib
 from relay.storage import keys as K
 from relay.storage import scripts
 from relay.storage.boot import MARK_SCRIPT
@@ -71,7 +71,7 @@ async def _slot_reads(client: aioredis.Redis, key_of: Any, command: str) -> list
 
 
 async def new_epochs(
-    client: aioredis.Redis, replica: Replica, restore_id: str, jump: int, progress: Reporter
+    client: aioredis.Redis, replica: Replica, restore_id: str, jump: int, progress: ProgressReporter
 ) -> int:
     """lua/restore_epoch.lua on every indexed queue, sent through the replication stream while
     the target is still a replica; `client` reads the slot indexes. Returns the queues sent."""
@@ -99,7 +99,7 @@ async def restore(
     url: str,
     source: Path,
     shard: str | None,
-    progress: Reporter,
+    progress: ProgressReporter,
     force: bool = False,
     seq_jump: int | None = None,
     advertise_host: str | None = None,

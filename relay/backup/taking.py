@@ -11,7 +11,7 @@ from pathlib import Path
 
 from relay.backup.archive import Manifest, fsync_dir, manifests, prune, sha256_of, write_atomically
 from relay.backup.errors import BackupError
-from relay.backup.progress import Reporter, mib
+from relay.progress import ProgressReporter, mib
 from relay.storage.connection import RedisTarget
 from relay.storage.sentinel import NoPrimary, primary_url
 from relay.storage.snapshot import fetch_rdb
@@ -31,7 +31,7 @@ def _utc(ms: int) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC)
 
 
-async def backup(url: str, directory: Path, shard: str, keep: int, progress: Reporter) -> Manifest:
+async def backup(url: str, directory: Path, shard: str, keep: int, progress: ProgressReporter) -> Manifest:
     if not shard or "/" in shard or shard.startswith("."):
         raise BackupError("--shard must be a plain name")
     target = await resolve(url)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from typing import TextIO
 
 from relay.fleet.migration.errors import MigrationError
@@ -13,6 +12,7 @@ from relay.fleet.migration.map_file import file_publisher, file_reader, read_map
 from relay.fleet.migration.protocol import migrate_slots, validate_request
 from relay.fleet.migration.report import Progress
 from relay.fleet.sharding import ShardMapError, parse_slot_spec
+from relay.progress import ProgressReporter
 
 __all__ = ["ProgressBar", "migrate_main"]
 
@@ -22,32 +22,22 @@ class ProgressBar:
 
     def __init__(self, target: str, stream: TextIO | None = None, width: int = 28) -> None:
         self.target = target
-        self.stream = stream if stream is not None else sys.stderr
         self.width = width
-        self.tty = self.stream.isatty()
-        self._last = 0.0
-        self._drawn = False
+        self.out = ProgressReporter("migrate", stream=stream, redraw=True, every_pct=None)
 
     def __call__(self, p: Progress) -> None:
-        now = time.monotonic()
         final = p.phase == "done"
-        if not final and now - self._last < (0.1 if self.tty else 2.0):
+        if not self.out.due("", final=final):
             return
-        self._last = now
         frac = p.slots_done / p.slots_total if p.slots_total else 1.0
         filled = round(frac * self.width)
         rate = p.bytes / 1e6 / p.elapsed_s if p.elapsed_s > 0 else 0.0
-        line = (
+        self.out.show(
             f"migrate -> {self.target} [{'#' * filled}{'.' * (self.width - filled)}] "
             f"{p.slots_done}/{p.slots_total} slots  {p.keys} keys  {p.bytes / 1e6:.1f} MB  "
-            f"{rate:.1f} MB/s  {p.phase}"
+            f"{rate:.1f} MB/s  {p.phase}",
+            final,
         )
-        if self.tty:
-            self.stream.write("\r" + line + "\033[K" + ("\n" if final else ""))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-        self._drawn = True
 
 
 def migrate_main(shard_map_path: str, slots: str, to: str) -> int:
