@@ -7,24 +7,70 @@ holds it; enqueue stays anonymous.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
 
 import aiohttp
 import orjson
 
-from relay.protocol import b64decode, b64encode, sign_headers
+from relay.protocol import KeyPair, b64decode, b64encode, key_bytes, public_key_of, sign_headers
+
+T = TypeVar("T")
 
 
-class RelayError(Exception):
-    def __init__(self, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:
+class RelayClientError(Exception):
+    """Anything this client raises for a request that did not succeed."""
+
+
+class RelayUnreachable(RelayClientError, ConnectionError):
+    """No answer from the relay: refused connection, DNS, TLS or a dropped connection."""
+
+    def __init__(self, base_url: str, reason: str) -> None:
+        super().__init__(f"relay at {base_url} unreachable: {reason}")
+        self.reason = reason
+
+
+class RelayError(RelayClientError):
+    """The relay answered and refused: `status` (4xx/5xx) and the contract's `code` (docs/api.md)."""
+
+    def __init__(self, status: int, body: dict[str, Any], headers: Mapping[str, str]) -> None:
         super().__init__(f"{status} {body.get('code')}: {body.get('error')}")
         self.status = status
         self.body = body
         self.code = str(body.get("code", ""))
-        self.headers = headers
+        self.headers = dict(headers)
+
+
+class RateLimited(RelayError):
+    """429 or 503: not done, try again after `retry_after` seconds (Retry-After / retryAfterMs)."""
+
+    def __init__(self, status: int, body: dict[str, Any], headers: Mapping[str, str]) -> None:
+        super().__init__(status, body, headers)
+        self.retry_after = _retry_after(body, headers)
+
+
+RETRYABLE = (429, 503)
+
+
+def _retry_after(body: dict[str, Any], headers: Mapping[str, str]) -> float:
+    """Seconds to wait: the body's retryAfterMs (finer), else Retry-After, else 1."""
+    ms = body.get("retryAfterMs")
+    if isinstance(ms, int | float) and not isinstance(ms, bool) and ms >= 0:
+        return ms / 1000
+    try:
+        return max(0.0, float(headers.get("Retry-After", "1")))
+    except ValueError:
+        return 1.0
+
+
+def _error(status: int, body: dict[str, Any], headers: Mapping[str, str]) -> RelayError:
+    return (RateLimited if status in RETRYABLE else RelayError)(status, body, headers)
+
+
+Key = bytes | str  # raw 32 bytes, or the base64url text `relayfleet keygen` prints
 
 
 @dataclass(frozen=True)
@@ -51,18 +97,34 @@ def _batch(doc: dict[str, Any]) -> Batch:
 
 
 class RelayClient:
+    """A relay's HTTP API. `private_key` (raw, base64url text as `relayfleet keygen` prints it,
+    or a `keypair()`) signs this client's own queue requests; its public key, the queue's name,
+    is derived. `retries` (default 0: off) retries a request answered 429/503 after the wait
+    the relay asked for (at most `max_retry_wait` seconds each)."""
+
     def __init__(
         self,
         base_url: str,
-        private_key: bytes | None = None,
-        public_key: bytes | None = None,
+        private_key: Key | KeyPair | None = None,
+        *,
+        public_key: Key | None = None,
         session: aiohttp.ClientSession | None = None,
         bearer_token: str | None = None,
+        retries: int = 0,
+        max_retry_wait: float = 30.0,
     ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
-        self.private_key = private_key
-        self.public_key = public_key
+        if isinstance(private_key, KeyPair):
+            private_key = private_key.private
+        self.private_key = None if private_key is None else key_bytes(private_key, "private_key")
+        self.public_key = None if self.private_key is None else public_key_of(self.private_key)
+        if public_key is not None and key_bytes(public_key, "public_key") != self.public_key:
+            raise ValueError("public_key is not the public half of private_key (it is derived: omit it)")
         self.bearer_token = bearer_token
+        self.retries = retries
+        self.max_retry_wait = max_retry_wait
         self._session = session
         self._own_session = session is None
 
@@ -86,9 +148,9 @@ class RelayClient:
             self._session = None
 
     @staticmethod
-    def _path(recipient: bytes, tail: str, query: dict[str, Any]) -> str:
+    def _path(recipient: Key, tail: str, query: dict[str, Any]) -> str:
         q = {k: v for k, v in query.items() if v is not None}
-        path = f"/v1/queues/{quote(b64encode(recipient))}/{tail}"
+        path = f"/v1/queues/{quote(b64encode(key_bytes(recipient, 'recipient')))}/{tail}"
         return f"{path}?{urlencode(q)}" if q else path
 
     async def request(
@@ -100,18 +162,39 @@ class RelayClient:
         sign: bool = False,
         ok: tuple[int, ...] = (200, 201),
     ) -> tuple[int, dict[str, Any]]:
-        h = dict(headers or {})
-        if sign and self.private_key is not None:
-            h.update(sign_headers(self.private_key, method, path, body))
-        async with self.session.request(method, self.base_url + path, data=body or None, headers=h) as resp:
-            raw = await resp.read()
-            doc = orjson.loads(raw) if raw else {}
-            if resp.status not in ok:
-                raise RelayError(resp.status, doc, dict(resp.headers))
-            return resp.status, doc
+        async def once() -> tuple[int, dict[str, Any]]:
+            h = dict(headers or {})
+            if sign and self.private_key is not None:  # signed anew: a fresh nonce each attempt
+                h.update(sign_headers(self.private_key, method, path, body))
+            url = self.base_url + path
+            async with self.session.request(method, url, data=body or None, headers=h) as resp:
+                raw = await resp.read()
+                try:
+                    doc = orjson.loads(raw) if raw else {}
+                except orjson.JSONDecodeError:  # not the relay's JSON (a proxy's page)
+                    doc = {"code": "not_json", "error": f"HTTP {resp.status} without a JSON body"}
+                if resp.status not in ok:
+                    raise _error(resp.status, doc, resp.headers)
+                return resp.status, doc
+
+        return await self._retrying(once)
+
+    async def _retrying(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """Run `attempt`; on 429/503 sleep what the relay asked and try again, `retries` times.
+        A connection failure is RelayUnreachable (not retried: the request may have been done)."""
+        for left in range(self.retries, -1, -1):
+            try:
+                return await attempt()
+            except RateLimited as exc:
+                if left == 0 or exc.retry_after > self.max_retry_wait:
+                    raise
+                await asyncio.sleep(exc.retry_after)
+            except aiohttp.ClientConnectionError as exc:
+                raise RelayUnreachable(self.base_url, str(exc) or type(exc).__name__) from exc
+        raise AssertionError("unreachable")
 
     async def enqueue(
-        self, recipient: bytes, payload: bytes, channel: bytes = b"", idempotency_key: str | None = None
+        self, recipient: Key, payload: bytes, channel: bytes = b"", idempotency_key: str | None = None
     ) -> tuple[int, bool]:
         """Store a message; returns (seq, duplicate)."""
         headers = {"Content-Type": "application/octet-stream"}
@@ -125,7 +208,7 @@ class RelayClient:
 
     async def read(
         self,
-        recipient: bytes | None = None,
+        recipient: Key | None = None,
         channel: bytes = b"",
         from_seq: int | None = None,
         limit: int | None = None,
@@ -143,7 +226,7 @@ class RelayClient:
 
     async def drain(
         self,
-        recipient: bytes | None = None,
+        recipient: Key | None = None,
         channel: bytes = b"",
         limit: int | None = None,
         wait: float | None = None,
@@ -155,7 +238,7 @@ class RelayClient:
 
     async def ack(
         self,
-        recipient: bytes | None = None,
+        recipient: Key | None = None,
         channel: bytes = b"",
         up_to_seq: int | None = None,
         seqs: list[int] | None = None,
@@ -166,27 +249,34 @@ class RelayClient:
         _, doc = await self.request("POST", path, body, {"Content-Type": "application/json"}, sign=True)
         return int(doc["removed"])
 
-    async def status(self, recipient: bytes | None = None, channel: bytes = b"") -> dict[str, Any]:
+    async def status(self, recipient: Key | None = None, channel: bytes = b"") -> dict[str, Any]:
         r = recipient or self._me()
         path = self._path(r, "status", {"channel": b64encode(channel) if channel else None})
         _, doc = await self.request("GET", path, sign=True)
         return doc
 
     # -- live delivery, Pickup 2.0, inbox, fan-out ----------------------------
-    async def live(
-        self, recipient: bytes | None = None, channel: bytes = b"", from_seq: int | None = None
-    ) -> LiveConnection:
-        """Open the queue's live WebSocket (signed); close it with `await conn.close()` or `async with`."""
+    def live(
+        self, recipient: Key | None = None, channel: bytes = b"", from_seq: int | None = None
+    ) -> LiveOpening:
+        """The queue's live WebSocket (signed): `async with client.live() as conn:` (or
+        `conn = await client.live()`, then `await conn.close()`)."""
         r = recipient or self._me()
         q = {"channel": b64encode(channel) if channel else None, "fromSeq": from_seq}
-        path = self._path(r, "live", q)
-        headers = sign_headers(self.private_key, "GET", path) if self.private_key is not None else {}
-        url = "ws" + self.base_url.removeprefix("http") + path
-        try:
-            ws = await self.session.ws_connect(url, headers=headers, heartbeat=20.0, compress=0)
-        except aiohttp.WSServerHandshakeError as exc:
-            raise RelayError(exc.status, {"code": "handshake_failed", "error": exc.message}, {}) from None
-        return LiveConnection(ws)
+        return LiveOpening(self._open_live(self._path(r, "live", q)))
+
+    async def _open_live(self, path: str) -> LiveConnection:
+        async def once() -> LiveConnection:
+            headers = sign_headers(self.private_key, "GET", path) if self.private_key is not None else {}
+            url = "ws" + self.base_url.removeprefix("http") + path
+            try:
+                ws = await self.session.ws_connect(url, headers=headers, heartbeat=20.0, compress=0)
+            except aiohttp.WSServerHandshakeError as exc:
+                doc = {"code": "handshake_failed", "error": exc.message}
+                raise _error(exc.status, doc, exc.headers or {}) from None
+            return LiveConnection(ws)
+
+        return await self._retrying(once)
 
     async def pickup(self, message: dict[str, Any], channel: bytes = b"") -> dict[str, Any]:
         """Send one Pickup 2.0 message over HTTP (signed with this client's key); returns the reply."""
@@ -215,7 +305,7 @@ class RelayClient:
         self, recipients: list[bytes], payload: bytes, channel: bytes = b"", message_id: str | None = None
     ) -> list[dict[str, Any]]:
         """Queue one payload for every recipient independently; one result per recipient, in order."""
-        doc: dict[str, Any] = {"recipients": [b64encode(r) for r in recipients]}
+        doc: dict[str, Any] = {"recipients": [b64encode(key_bytes(r, "recipient")) for r in recipients]}
         doc["payload"] = b64encode(payload)
         if channel:
             doc["channel"] = b64encode(channel)
@@ -229,7 +319,7 @@ class RelayClient:
 
     def _me(self) -> bytes:
         if self.public_key is None:
-            raise ValueError("this client has no key of its own; pass recipient=")
+            raise ValueError("this client has no key of its own: pass private_key= (or recipient=)")
         return self.public_key
 
 
@@ -264,8 +354,9 @@ class LiveConnection:
     def close_code(self) -> int | None:
         return self.ws.close_code
 
-    async def receive(self) -> dict[str, Any]:
-        """The next frame; LiveClosed when the connection ends (bound it with asyncio.timeout)."""
+    async def frame(self) -> dict[str, Any]:
+        """The next frame as sent (docs/api.md); LiveClosed when the connection ends (bound it
+        with asyncio.timeout)."""
         msg = await self.ws.receive()
         if msg.type == aiohttp.WSMsgType.TEXT:
             doc: dict[str, Any] = orjson.loads(msg.data)
@@ -273,10 +364,17 @@ class LiveConnection:
         # the code the relay sent, even when the TCP close raced the close handshake
         raise LiveClosed(msg.data if msg.type == aiohttp.WSMsgType.CLOSE else self.ws.close_code)
 
+    async def receive(self) -> Received:
+        """The next message, payload decoded (other frames skipped); LiveClosed when the
+        connection ends."""
+        while (doc := await self.frame())["type"] != "message":
+            pass
+        return received(doc)
+
     async def messages(self) -> list[Received]:
-        """Frames up to and including the next "empty" marker, as messages."""
+        """The messages up to the next "empty" marker (the backlog), payloads decoded."""
         out: list[Received] = []
-        while (doc := await self.receive())["type"] != "empty":
+        while (doc := await self.frame())["type"] != "empty":
             if doc["type"] == "message":
                 out.append(received(doc))
         return out
@@ -289,6 +387,27 @@ class LiveConnection:
 
     async def close(self) -> None:
         await self.ws.close()
+
+
+class LiveOpening:
+    """What `RelayClient.live()` returns: use it in `async with`, or await it for the connection."""
+
+    def __init__(self, opening: Awaitable[LiveConnection]) -> None:
+        self._opening = opening
+        self._conn: LiveConnection | None = None
+
+    def __await__(self) -> Generator[Any, None, LiveConnection]:
+        return self._opening.__await__()
+
+    async def __aenter__(self) -> LiveConnection:
+        self._conn = await self._opening
+        return self._conn
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._conn is not None:
+            await self._conn.close()
 
 
 async def wait_ready(base_url: str, timeout: float = 20.0) -> None:

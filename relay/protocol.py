@@ -17,6 +17,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
@@ -85,10 +86,35 @@ def sign_headers(private_key: bytes, method: str, path_and_query: str, body: byt
     return {"Authorization": authorization(bytes(sk.verify_key), ts, nonce, sig)}
 
 
-def keypair() -> tuple[bytes, bytes]:
-    """A fresh (public, private) Ed25519 key pair, raw 32-byte halves."""
+class KeyPair(NamedTuple):
+    """An Ed25519 key pair, raw 32-byte halves, in the order `relayfleet keygen` prints them."""
+
+    public: bytes
+    private: bytes
+
+
+def keypair() -> KeyPair:
+    """A fresh Ed25519 key pair: `public, private = keypair()`, or `.public` / `.private`."""
     sk = SigningKey.generate()
-    return bytes(sk.verify_key), bytes(sk)
+    return KeyPair(bytes(sk.verify_key), bytes(sk))
+
+
+def key_bytes(key: bytes | str, what: str = "key") -> bytes:
+    """A 32-byte key given raw or as the base64url text `relayfleet keygen` prints; ValueError
+    naming `what` otherwise."""
+    if isinstance(key, str):
+        try:
+            key = b64decode(key.strip())
+        except ValueError:
+            raise ValueError(f"{what} must be 32 bytes or their base64url text (as keygen prints)") from None
+    if not isinstance(key, bytes | bytearray) or len(key) != KEY_BYTES:
+        raise ValueError(f"{what} must be 32 bytes or their base64url text (as keygen prints)")
+    return bytes(key)
+
+
+def public_key_of(private_key: bytes | str) -> bytes:
+    """The public half of an Ed25519 private key (raw or base64url)."""
+    return bytes(SigningKey(key_bytes(private_key, "private key")).verify_key)
 
 
 def parse_authorization(value: str | None) -> Credentials:

@@ -28,21 +28,21 @@ async def relay(redis_server: LocalRedis, relay_factory: RelayFactory) -> Runnin
 
 @pytest.fixture
 async def owner(relay: RunningRelay) -> AsyncIterator[RelayClient]:
-    public, private = keypair()
-    async with relay.client(private, public) as client:
+    _public, private = keypair()
+    async with relay.client(private) as client:
         yield client
 
 
 async def frame(conn: LiveConnection) -> dict[str, Any]:
     async with asyncio.timeout(STEP):
-        return await conn.receive()
+        return await conn.frame()
 
 
 async def silent(conn: LiveConnection, seconds: float) -> bool:
     """True when the relay sends nothing for `seconds`."""
     try:
         async with asyncio.timeout(seconds):
-            await conn.receive()
+            await conn.frame()
     except TimeoutError:
         return True
     return False
@@ -64,7 +64,7 @@ async def test_backlog_then_empty_then_live_in_order(owner: RelayClient) -> None
     assert me is not None
     for i in range(3):
         await owner.enqueue(me, f"old-{i}".encode())
-    async with await owner.live() as conn:
+    async with owner.live() as conn:
         backlog = [await frame(conn) for _ in range(3)]
         assert [f["type"] for f in backlog] == ["message"] * 3
         assert [received(f).payload for f in backlog] == [b"old-0", b"old-1", b"old-2"]
@@ -78,7 +78,7 @@ async def test_backlog_then_empty_then_live_in_order(owner: RelayClient) -> None
 
 
 async def test_empty_queue_sends_empty_marker_first(owner: RelayClient) -> None:
-    async with await owner.live() as conn:
+    async with owner.live() as conn:
         assert await frame(conn) == {"type": "empty"}
         assert owner.public_key is not None
         seq, _ = await owner.enqueue(owner.public_key, b"hello", idempotency_key="k-1")
@@ -91,7 +91,7 @@ async def test_ack_deletes_and_nothing_is_deleted_without_ack(owner: RelayClient
     assert me is not None
     for i in range(4):
         await owner.enqueue(me, b"m%d" % i)
-    async with await owner.live() as conn:
+    async with owner.live() as conn:
         assert len(await conn.messages()) == 4
         assert (await owner.status())["message_count"] == 4  # delivered, not deleted
         await conn.ack(2)
@@ -111,7 +111,7 @@ async def test_disconnect_without_ack_keeps_messages(owner: RelayClient) -> None
     assert [m.payload for m in await conn.messages()] == [b"keep0", b"keep1", b"keep2"]
     await conn.close()
     assert (await owner.status())["message_count"] == 3
-    async with await owner.live() as again:  # the same backlog, again
+    async with owner.live() as again:  # the same backlog, again
         assert [m.seq for m in await again.messages()] == [1, 2, 3]
 
 
@@ -121,9 +121,9 @@ async def test_from_seq_and_channels_are_separate(owner: RelayClient) -> None:
     for i in range(5):
         await owner.enqueue(me, b"d%d" % i)
     await owner.enqueue(me, b"other", channel=b"chan-b")
-    async with await owner.live(from_seq=4) as conn:
+    async with owner.live(from_seq=4) as conn:
         assert [m.seq for m in await conn.messages()] == [4, 5]
-    async with await owner.live(channel=b"chan-b") as conn:
+    async with owner.live(channel=b"chan-b") as conn:
         assert [m.payload for m in await conn.messages()] == [b"other"]
         await owner.enqueue(me, b"default-only")
         assert await silent(conn, 0.3)
@@ -166,7 +166,7 @@ async def test_backpressure_window_bounds_unacked_frames(
 ) -> None:
     relay = await relay_factory(redis_server.url, auth="ed25519", live_queue_max=4)
     public, private = keypair()
-    async with relay.client(private, public) as owner:
+    async with relay.client(private) as owner:
         await _backpressure(owner, public)
 
 
@@ -175,7 +175,7 @@ async def _backpressure(owner: RelayClient, public: bytes) -> None:
         await owner.enqueue(public, b"w%d" % i)
     delivered = metrics.MESSAGES.labels("delivered")
     before = delivered._value.get()
-    async with await owner.live() as conn:
+    async with owner.live() as conn:
         got = [await frame(conn) for _ in range(4)]
         assert [f["seq"] for f in got] == [1, 2, 3, 4]
         assert await silent(conn, 0.4)  # window full: nothing more, not even "empty"
@@ -198,10 +198,10 @@ async def test_window_frees_when_messages_are_acked_over_http(
     monkeypatch.setattr(live_module, "PRUNE_S", 0.2)
     relay = await relay_factory(redis_server.url, auth="ed25519", live_queue_max=2)
     public, private = keypair()
-    async with relay.client(private, public) as owner:
+    async with relay.client(private) as owner:
         for i in range(3):
             await owner.enqueue(public, b"h%d" % i)
-        async with await owner.live() as conn:
+        async with owner.live() as conn:
             assert [(await frame(conn))["seq"] for _ in range(2)] == [1, 2]
             assert await owner.ack(up_to_seq=2) == 2  # acked another way: the socket notices
             assert (await frame(conn))["seq"] == 3
@@ -231,7 +231,7 @@ async def test_unsigned_or_wrongly_signed_upgrade_is_refused(relay: RunningRelay
 
 
 async def test_bad_frames_get_error_frames_and_the_connection_stays(owner: RelayClient) -> None:
-    async with await owner.live() as conn:
+    async with owner.live() as conn:
         assert await frame(conn) == {"type": "empty"}
         await conn.ws.send_str("not json")
         assert (await frame(conn))["code"] == "bad_json"
@@ -250,7 +250,7 @@ async def test_pickup_frames_on_the_live_socket(owner: RelayClient) -> None:
     me = owner.public_key
     assert me is not None
     await owner.enqueue(me, b"queued")
-    async with await owner.live() as conn:
+    async with owner.live() as conn:
         assert len(await conn.messages()) == 1
         await conn.send({"@id": "123456781", "@type": "https://didcomm.org/messagepickup/2.0/status-request"})
         status = await frame(conn)
@@ -287,7 +287,7 @@ async def test_pickup_frames_on_the_live_socket(owner: RelayClient) -> None:
 
 
 async def test_shutdown_closes_live_connections(owner: RelayClient, relay: RunningRelay) -> None:
-    async with await owner.live() as conn:
+    async with owner.live() as conn:
         assert await frame(conn) == {"type": "empty"}
         from relay.app import begin_shutdown
 
@@ -324,7 +324,7 @@ async def test_displacement_across_relay_processes(
     a = await relay_factory(redis_server.url, auth="ed25519")
     b = await relay_factory(redis_server.url, auth="ed25519")
     public, private = keypair()
-    async with a.client(private, public) as via_a, b.client(private, public) as via_b:
+    async with a.client(private) as via_a, b.client(private) as via_b:
         first = await via_a.live()
         assert await frame(first) == {"type": "empty"}
         second = await via_b.live()

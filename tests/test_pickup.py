@@ -86,8 +86,8 @@ async def relay(redis_server: LocalRedis, relay_factory: RelayFactory) -> Runnin
 
 @pytest.fixture
 async def agent(relay: RunningRelay) -> AsyncIterator[RelayClient]:
-    public, private = keypair()
-    async with relay.client(private, public) as client:
+    _public, private = keypair()
+    async with relay.client(private) as client:
         yield client
 
 
@@ -219,7 +219,7 @@ async def test_did_key_recipient_key_names_the_same_queue(agent: RelayClient) ->
 async def test_multiple_recipients_are_queued_independently(relay: RunningRelay) -> None:
     """RFC: a message for several recipients stays for the others when one acknowledges it."""
     (pa, sa), (pb, sb) = keypair(), keypair()
-    async with relay.client(sa, pa) as a, relay.client(sb, pb) as b:
+    async with relay.client(sa) as a, relay.client(sb) as b:
         results = await a.fanout([pa, pb], b"to-both")
         assert [r["status"] for r in results] == [201, 201]
         da = await a.pickup(with_key(RFC_DELIVERY_REQUEST, b64encode(pa)))
@@ -265,13 +265,13 @@ async def test_bad_pickup_messages_get_clear_400s(agent: RelayClient, relay: Run
 async def test_pickup_on_the_live_websocket(agent: RelayClient) -> None:
     key = b64encode(me(agent))
     await agent.enqueue(me(agent), b"ws-1")
-    async with await agent.live() as conn:
+    async with agent.live() as conn:
 
         async def reply(doc: dict[str, Any]) -> dict[str, Any]:
             await conn.ws.send_str(orjson.dumps(doc).decode())
             async with asyncio.timeout(5):
                 while True:
-                    frame = await conn.receive()
+                    frame = await conn.frame()
                     if "@type" in frame:
                         return frame
 

@@ -96,9 +96,9 @@ async def test_no_push_while_a_client_waits_or_is_live(
         await c.enqueue(waiting, b"a")
         assert len((await poll).messages) == 1
         conn = await c.live(live_one)
-        assert (await conn.receive())["type"] == "empty"
+        assert (await conn.frame())["type"] == "empty"
         await c.enqueue(live_one, b"b")
-        assert (await conn.receive())["type"] == "message"
+        assert (await conn.frame())["type"] == "message"
         await conn.close()
         await c.enqueue(offline, b"c")  # the marker: once it is pushed, the others would have been
     await webhook.wait_for(1)

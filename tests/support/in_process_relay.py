@@ -39,8 +39,8 @@ class RunningRelay:
     def settings(self) -> Settings:
         return self.app[CTX].settings
 
-    def client(self, private_key: bytes | None = None, public_key: bytes | None = None) -> RelayClient:
-        return RelayClient(self.base_url, private_key, public_key)
+    def client(self, private_key: bytes | None = None) -> RelayClient:
+        return RelayClient(self.base_url, private_key)
 
 
 RelayFactory = Callable[..., Awaitable[RunningRelay]]

@@ -12,7 +12,7 @@ from relay.protocol import keypair
 async def run_demo(url: str) -> None:
     alice_pub, alice_priv = keypair()
     bob_pub, bob_priv = keypair()
-    async with RelayClient(url, alice_priv, alice_pub) as alice, RelayClient(url, bob_priv, bob_pub) as bob:
+    async with RelayClient(url, alice_priv) as alice, RelayClient(url, bob_priv) as bob:
         print("\n== demo: alice and bob exchange opaque ciphertext through the relay ==")
         seq, _ = await alice.enqueue(bob_pub, b"ciphertext: hello bob", idempotency_key="alice-1")
         print(f"alice -> bob: stored as seq {seq}")
