@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 import redis
 from relayfleet_operator import builders
-from relayfleet_operator.spec import ExternalRedis, ManagedRedis, SpecError, parse_shard, quantity_bytes
+from relayfleet_operator.spec import (
+    ExternalRedis,
+    ManagedRedis,
+    ShardSpec,
+    SpecError,
+    parse_shard,
+    quantity_bytes,
+)
 from relayfleet_testing.localredis import free_port
 
 from relay.fleet.sharding import SLOT_COUNT, ShardMapError, parse_sentinel_url, parse_shard_map
@@ -455,3 +462,27 @@ def test_backup_cronjob_and_claim() -> None:
     assert builders.backup_objects(MANAGED) == []
     with pytest.raises(SpecError, match="cron schedule"):
         parse_shard(shard_body(backup={"schedule": "hourly"}))
+
+
+def _pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
+    spec = obj.get("spec") or {}
+    if "jobTemplate" in spec:
+        spec = spec["jobTemplate"]["spec"]
+    return ((spec.get("template") or {}).get("spec")) or {}
+
+
+@pytest.mark.parametrize("shard", [MANAGED, EXTERNAL, REPLICATED], ids=["managed", "external", "replicated"])
+def test_a_reconcile_applies_each_service_account_before_the_pods_that_run_as_it(shard: ShardSpec) -> None:
+    """A Deployment applied before its ServiceAccount gets a FailedCreate event from its ReplicaSet."""
+    applied: set[str] = set()
+    checked = 0
+    for obj in builders.reconcile_objects(shard, [shard], None):
+        if obj["kind"] == "ServiceAccount":
+            applied.add(obj["metadata"]["name"])
+        account = _pod_spec(obj).get("serviceAccountName")
+        if account:
+            checked += 1
+            assert account in applied, (
+                f"{obj['kind']}/{obj['metadata']['name']} before ServiceAccount {account}"
+            )
+    assert checked >= 1

@@ -122,16 +122,14 @@ async def reconcile(ctx: fleet_state.Context, body: Mapping[str, Any], *, announ
         async with ctx.locks.fleet(shard.namespace, shard.fleet):
             url = await fleet_state.redis_url(ctx.kube, shard)
             digest = await relay_secrets_digest(ctx, shard)
-            for obj in builders.shard_children(shard, digest):
+            members = await fleet_state.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
+            owners = fleet_state.specs_of(members)
+            for obj in builders.reconcile_objects(shard, owners, digest):
                 await ctx.kube.apply(obj)
             for group in builders.retired_children(shard):
                 if await ctx.kube.get(*group[0][:2], shard.namespace, group[0][2]) is not None:
                     for api_version, kind, name in group:
                         await ctx.kube.delete(api_version, kind, shard.namespace, name)
-            members = await fleet_state.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
-            owners = fleet_state.specs_of(members)
-            for obj in builders.fleet_objects(shard.namespace, shard.fleet, owners):
-                await ctx.kube.apply(obj)
             await fleet_state.set_credentials(ctx.kube, shard.namespace, shard.fleet, shard.name, url, owners)
             public = builders.strip_credentials(url)
             founder = fleet_state.founder(members)

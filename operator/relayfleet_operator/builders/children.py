@@ -88,6 +88,12 @@ def shard_children(shard: ShardSpec, secrets_digest: str | None = None) -> list[
     ]
 
 
+def reconcile_objects(shard: ShardSpec, owners: Sequence[ShardSpec], secrets_digest: str | None) -> list[Obj]:
+    """What one reconcile applies, in order: the fleet's objects first, so the ServiceAccount
+    the relay Deployment runs as exists before it (else its ReplicaSet meets FailedCreate)."""
+    return [*fleet_objects(shard.namespace, shard.fleet, owners), *shard_children(shard, secrets_digest)]
+
+
 def fleet_objects(namespace: str, fleet: str, owners: Sequence[ShardSpec]) -> list[Obj]:
     return [
         relay_service_account(namespace, fleet, owners),
