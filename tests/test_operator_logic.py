@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from relayfleet_operator.executor import MoveFailed, Outcome, run_moves
-from relayfleet_operator.fleet_state import founder
+from relayfleet_operator.fleet_state import founder, targets
 from relayfleet_operator.rebalance_states import ANNOTATION, Action, decide, moves_status, progress, remaining
 from relayfleet_operator.spec import parse_shard
 from relayfleet_operator.status import Observed, set_condition, shard_status
@@ -133,6 +133,44 @@ def shard(**spec: Any) -> Any:
 
 def conds(status: dict[str, Any]) -> dict[str, str]:
     return {c["type"]: c["status"] for c in status["conditions"]}
+
+
+def _member(name: str, ready: str | None, message: str = "", deleting: bool = False) -> dict[str, Any]:
+    obj: dict[str, Any] = {
+        "metadata": {"name": name, "namespace": "ns", "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "spec": {"fleet": "f", "redis": {"external": {"url": "redis://x/0"}}, "weight": 100},
+    }
+    if deleting:
+        obj["metadata"]["deletionTimestamp"] = "2026-01-01T00:01:00Z"
+    if ready is not None:
+        obj["status"] = {"conditions": [{"type": "Ready", "status": ready, "message": message}]}
+    return obj
+
+
+def test_slots_only_move_into_ready_shards() -> None:
+    """A drain (or a rebalance) picks its targets among Ready shards; the others are named
+    with why they are not Ready, so the status says what the move waits for."""
+    shard_map = one_shard()
+    members = [
+        _member("a", "True", deleting=True),
+        _member("b", "False", "the Redis StatefulSet has no ready pod yet"),
+        _member("c", None),
+    ]
+    found = targets(members, shard_map, leaving=["a"])
+    assert found.weights == {}
+    assert found.waiting == {"b": "the Redis StatefulSet has no ready pod yet", "c": "not reconciled yet"}
+    assert found.why_waiting(SLOT_COUNT) == (
+        "waiting for a Ready shard to take 16384 slots "
+        "(b: the Redis StatefulSet has no ready pod yet; c: not reconciled yet)"
+    )
+    members[2] = _member("c", "True")
+    found = targets(members, shard_map, leaving=["a"])
+    assert (found.weights, list(found.waiting)) == ({"c": 100}, ["b"])
+    assert plan_drain(shard_map, ["a"], found.weights)[0].target == "c"
+    # a shard outside the map (not joined yet) is neither a target nor waited for
+    assert targets(members, ShardMap("f", 1, {"a": URLS["a"]}, (SlotRange(0, SLOT_COUNT - 1, "a"),))) == (
+        targets([], shard_map)
+    )
 
 
 def test_status_provisioning_then_ready() -> None:

@@ -106,6 +106,47 @@ def weights_of(objs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     return {spec.name: spec.weight for _, spec in _staying(objs)}
 
 
+def not_ready(obj: Mapping[str, Any]) -> str | None:
+    """Why a RelayShard cannot take slots now (None when its Ready condition is True): slots
+    moved into a shard whose Redis is down would be unreachable, and the move would fail."""
+    for cond in (obj.get("status") or {}).get("conditions") or ():
+        if cond.get("type") == "Ready":
+            if cond.get("status") == "True":
+                return None
+            return str(cond.get("message") or cond.get("reason") or "not Ready")
+    return "not reconciled yet"
+
+
+WAITING = "waiting for a Ready shard"
+
+
+@dataclass(frozen=True)
+class Targets:
+    """The shards that may take slots now, by weight, and the ones that will once Ready."""
+
+    weights: dict[str, int]
+    waiting: dict[str, str]  # shard -> why it is not Ready
+
+    def why_waiting(self, slots: int) -> str:
+        who = "; ".join(f"{name}: {why}" for name, why in sorted(self.waiting.items()))
+        return f"{WAITING} to take {slots} slots ({who})"
+
+
+def targets(objs: Sequence[Mapping[str, Any]], shard_map: ShardMap, leaving: Sequence[str] = ()) -> Targets:
+    """Shards that may receive slots: staying, in the map, not `leaving`, and Ready."""
+    weights: dict[str, int] = {}
+    waiting: dict[str, str] = {}
+    for obj, spec in _staying(objs):
+        if spec.name in leaving or spec.name not in shard_map.shards:
+            continue
+        why = not_ready(obj)
+        if why is None:
+            weights[spec.name] = spec.weight
+        else:
+            waiting[spec.name] = why
+    return Targets(weights, waiting)
+
+
 # --- URLs and credentials --------------------------------------------------------------------
 
 

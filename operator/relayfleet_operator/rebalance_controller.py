@@ -204,6 +204,18 @@ async def _execute(ctx: fleet_state.Context, body: Mapping[str, Any]) -> None:
                 return
             _, urls, members = await _weights_and_urls(ctx, namespace, fleet_name, shard_map)
             owners = fleet_state.specs_of(members)
+            left = remaining(entries)
+            found = fleet_state.targets(members, shard_map)
+            waiting = {n: w for n, w in found.waiting.items() if any(entries[i]["to"] == n for i in left)}
+            if waiting:
+                # slots only move into a Ready shard: wait (the timer comes back), never fail
+                slots = sum(move_from_json(entries[i]).size for i in left)
+                why = fleet_state.Targets({}, waiting).why_waiting(slots)
+                if (body.get("status") or {}).get("message") != why:
+                    await _to_phase(ctx, body, Phase.REBALANCING, why)
+                return
+            if str((body.get("status") or {}).get("message") or "").startswith(fleet_state.WAITING):
+                await _to_phase(ctx, body, Phase.REBALANCING, "every target is Ready: moving slots")
 
             async def run_one(i: int) -> None:
                 move = move_from_json(entries[i])

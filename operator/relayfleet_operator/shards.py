@@ -260,15 +260,18 @@ async def drain(ctx: fleet_state.Context, body: Mapping[str, Any]) -> None:
         owned = fleet_state.owned_by(shard_map, shard.name)
         drop_map = False
         if shard_map is not None and owned:
-            # Only shards already in the map (reconciled at least once) can take slots.
-            weights = {
-                n: w
-                for n, w in fleet_state.weights_of(members).items()
-                if n != shard.name and n in shard_map.shards
-            }
+            # Only shards already in the map (reconciled at least once) and Ready take slots.
+            found = fleet_state.targets(members, shard_map, leaving=[shard.name])
             others = sorted(n for n in shard_map.shards if n != shard.name)
-            if weights:
-                await _move_away(ctx, body, shard, shard_map, weights, owners, previous)
+            if found.weights:
+                await _move_away(ctx, body, shard, shard_map, found.weights, owners, previous)
+            elif found.waiting:
+                why = found.why_waiting(owned)
+                status = shard_status(shard, previous, Observed(blocked=why, slot_count=owned))
+                await _safe_status(ctx, body, status)
+                if (condition(previous, "Ready") or {}).get("message") != why:
+                    notify(body, "WaitingForTarget", why, warning=True)
+                raise kopf.TemporaryError(why, delay=ctx.retry_seconds)
             elif others:
                 why = f"no shard can take the slots yet ({', '.join(others)} are leaving the fleet too)"
                 raise kopf.TemporaryError(why, delay=ctx.retry_seconds)
