@@ -302,9 +302,6 @@ class QueueService:
         """Tell every live connection to this queue, fleet-wide, that `token` is the newest."""
         await self.call(recipient, channel, lambda r: r.store.publish_notice(r.keys.wake, token))
 
-    def waiting_count(self) -> int:
-        return self._waiters
-
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)  # held until done: the loop keeps only weak references

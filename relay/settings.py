@@ -173,7 +173,6 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8080
     redis_url: str | None = None
-    shard_map_file: str | None = None
     shard_map_configmap: str | None = None  # "namespace/name"
     auth: str = "ed25519"  # or "none" (local development only)
     enqueue_tokens: tuple[str, ...] = ()

@@ -9,7 +9,6 @@ and executors import this module with only the task function's needs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -220,13 +219,6 @@ def read_slot_stats(task: SlotTask, at_ms: int) -> list[dict[str, Any]]:
         for s in stats
         if s.msgs or s.bytes or s.rate or s.queues or s.state is not None
     ]
-
-
-def write_json(path: str, doc: Any) -> None:
-    try:
-        Path(path).write_text(json.dumps(doc, indent=2) + "\n", "utf-8")
-    except OSError as exc:
-        raise JobError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def failure_line(exc: BaseException) -> str:

@@ -273,14 +273,6 @@ async def test_acapy_connects_to_credo_through_relayfleet(world: World) -> None:
         assert [dk.verkey_from(k) for k in services[0]["routingKeys"]] == [world.identity.routing.verkey]
 
 
-async def _credo_connection_completed(credo: CredoAgent, their_label: str, timeout: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        event = await credo.wait_event("connection", max(0.1, deadline - time.monotonic()))
-        if event.get("theirLabel") == their_label and event.get("state") == "completed":
-            return event
-
-
 async def test_twenty_basic_messages_arrive_in_order_with_http_polling(world: World) -> None:
     with world.diagnosed():
         contents = [f"poll-{i:02d}" for i in range(20)]

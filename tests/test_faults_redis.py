@@ -37,7 +37,6 @@ from tests.support.fleet_harness import (
     delivered_items,
     make_queues,
 )
-from tests.support.history import Verdict
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -88,10 +87,6 @@ class _AofSampler:
 
 async def _with_relays(tmp_path: Path, redis: LocalRedis, n: int = 2) -> list[RelayProc]:
     return [await asyncio.to_thread(start_relay, tmp_path, redis.url) for _ in range(n)]
-
-
-def _queues_losing(verdict: Verdict, kinds: tuple[str, ...]) -> set[str]:
-    return {v.queue for v in verdict.violations if v.kind in kinds}
 
 
 @pytest.mark.parametrize("appendfsync", ["always", "everysec"])

@@ -386,11 +386,6 @@ def test_pre_stop_hands_the_primary_role_to_a_replica(local_shard: LocalShard) -
     assert subprocess.run(["sh", "-c", PRE_STOP_REDIS], env=n0.env, timeout=10, check=False).returncode == 0
 
 
-def _settled_primary(shard: LocalShard) -> dict[str, Any] | None:
-    s = shard.probe()
-    return s if "primaryOffset" in s else None
-
-
 def _set(shard: LocalShard, node: Node, key: str, value: str) -> bool | None:
     try:
         return bool(shard.client(node).set(key, value)) or None

@@ -95,10 +95,6 @@ def moves_status(moves: Sequence[Move]) -> list[Obj]:
     return [{**m.to_json(), "state": "Pending", "bytesMoved": 0, "keysMoved": 0} for m in moves]
 
 
-def moves_of(status: Mapping[str, Any]) -> list[tuple[Move, Obj]]:
-    return [(move_from_json(entry), dict(entry)) for entry in status.get("moves") or ()]
-
-
 def progress(entries: Sequence[Mapping[str, Any]]) -> Obj:
     total = len(entries)
     done = [e for e in entries if e.get("state") == "Done"]

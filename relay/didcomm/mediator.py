@@ -43,7 +43,6 @@ ROLES = {
     "messagepickup": ["mediator"],
     "discover-features": ["responder"],
 }
-MAX_MESSAGE = 1 << 20  # a plaintext protocol message (forwards excepted) is small
 MAX_UPDATES = 1000
 MAX_MESSAGE_ID = 100
 

@@ -205,9 +205,6 @@ class ShardRouter:
             await asyncio.sleep(poll_s)
             await self.refresh()
 
-    def healthy_subscribers(self) -> bool:
-        return all(h.healthy for h in self.hubs.values())
-
 
 def file_source(path: str) -> MapSource:
     """Reads the map file when it changed (cheap enough to poll each second).

@@ -165,9 +165,6 @@ class WakeupHub:
             for w in chan.waiters:
                 w.wake(None)
 
-    def waiter_count(self) -> int:
-        return sum(len(c.waiters) for c in self._channels.values())
-
     def wake_all(self) -> None:
         for chan in self._channels.values():
             for w in list(chan.waiters):

@@ -315,14 +315,6 @@ class AcaPy:
                 raise AgentError(f"no aca-py connection for invitation {invi_msg_id} in {timeout} s")
             await asyncio.sleep(0.5)
 
-    async def receive_invitation(self, invitation: dict[str, Any]) -> str:
-        """Accept an OOB invitation; returns the new connection's id."""
-        record = await self.call("POST", "/out-of-band/receive-invitation?auto_accept=true", invitation)
-        conn_id = record.get("connection_id")
-        if not conn_id:
-            raise AgentError(f"aca-py made no connection from the invitation: {record}")
-        return str(conn_id)
-
     async def wait_active(self, conn_id: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
