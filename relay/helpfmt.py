@@ -3,7 +3,7 @@
 Every `relayfleet` subcommand's parser uses EnvHelpFormatter: a flag whose help already names
 its variable (`[env RELAY_PORT; default 8080]`, written by relay/cli.py's `_flag`, or
 `(env NAME)`) is left alone; any other gets `[no env; default X]` (or `required` / `default off`)
-appended, so no flag's help leaves the reader guessing (docs/api.md, "Command line", issue 16).
+appended, so no flag's help leaves the reader guessing (docs/api.md, "Command line").
 """
 
 from __future__ import annotations

@@ -323,7 +323,7 @@ def test_bench_writes_under_the_current_directory_not_next_to_the_module(tmp_pat
     assert default_output(tmp_path) == tmp_path / "docs" / "benchmarks.md"
 
 
-# -- CPU per message (issue 19) -------------------------------------------------------------
+# -- CPU per message (the head to head with nchan) --------------------------------------------
 
 _BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
 
@@ -422,7 +422,7 @@ async def test_layers_answer_like_the_relay(procs: Procs) -> None:
     assert math.isnan(row.values["redis_cpu_us"])  # no Redis given: not measured, not zero
 
 
-def _issue19_results(cpu_relay: float, cpu_nchan: float) -> Results:
+def _vs_nchan_results(cpu_relay: float, cpu_nchan: float) -> Results:
     res = Results()
     for size, relay_rate, nchan_rate in ((256, 11000.0, 10000.0), (4096, 9000.0, 10000.0)):
         for target, rate, cpu_us in (
@@ -443,9 +443,9 @@ def _issue19_results(cpu_relay: float, cpu_nchan: float) -> Results:
     return res
 
 
-def test_report_issue19_targets_table() -> None:
-    text = report.render(_issue19_results(80.0, 100.0), "full", "relayfleet bench", {}, "now", 1.0, 64, [])
-    assert text.index("### Issue 19 targets") < text.index("### Issue 9 targets")
+def test_report_enqueue_head_to_head_table() -> None:
+    text = report.render(_vs_nchan_results(80.0, 100.0), "full", "relayfleet bench", {}, "now", 1.0, 64, [])
+    assert text.index("### Enqueue head to head with nginx + nchan") < text.index("### Standing targets")
     assert (
         "| enqueue 256 B: relay-1p / nchan-redis msg/s | ≥ 1.0 x | 1.10 (11,000 / 10,000 msg/s) | - | met |"
         in text
@@ -457,17 +457,17 @@ def test_report_issue19_targets_table() -> None:
     cpu_row = "enqueue 4 KiB: (relay + Redis) / (nginx + Redis) CPU per message"
     assert f"| {cpu_row} | ≤ 1.0 x | 0.80 (80.0 / 100.0 µs) | - | met |" in text
     assert "| enqueue 64 KiB: relay-1p / nchan-redis msg/s | ≥ 1.0 x | - | not measured |" in text
-    assert "3 of 4 measured issue 19 targets met." in text
+    assert "3 of 4 measured head-to-head targets met." in text
     # the split per target and size, and Redis's own cost per enqueue.lua call
     assert "| relay-1p | 4 KiB | 64 | 9,000 | 50.0 | 30.0 | 80.0 |" in text
     assert "| redis enqueue.lua | 256 B | 64 | 9,000 | - | 31.5 | 31.5 |" in text
-    worse = report.render(_issue19_results(120.0, 100.0), "full", "relayfleet bench", {}, "now", 1.0, 64, [])
+    worse = report.render(_vs_nchan_results(120.0, 100.0), "full", "relayfleet bench", {}, "now", 1.0, 64, [])
     assert "CPU per message | ≤ 1.0 x | 1.20 (120.0 / 100.0 µs) | - | missed |" in worse
     assert "one run per side and size" in worse
 
 
-def test_report_issue19_verdict_takes_the_alternating_runs_medians() -> None:
-    res = _issue19_results(80.0, 100.0)  # the single runs are not the verdict once alternating runs exist
+def test_report_head_to_head_verdict_takes_the_alternating_runs_medians() -> None:
+    res = _vs_nchan_results(80.0, 100.0)  # the single runs are not the verdict once alternating runs exist
     for n, (relay_rate, nchan_rate) in enumerate(((9000.0, 10000.0), (13000.0, 10000.0), (12000.0, 11000.0))):
         for target, rate, cpu_us in (("relay-1p", relay_rate, 90.0 - n), ("nchan-redis", nchan_rate, 100.0)):
             values = {"rate": rate, "cpu_us": cpu_us}

@@ -1,7 +1,7 @@
 """A small DIDComm v1 agent for the tests: its own keys and did:peer:2, packs with PyNaCl
 (through relay.didcomm.envelope, whose output the known-answer tests pin to Credo's), and
 speaks to the relay over HTTP or its WebSocket. The e2e with stock Credo-ts and ACA-Py is
-tests/e2e (issue 15's other half); this one makes every protocol step observable."""
+tests/test_didcomm_agents.py; this one makes every protocol step observable."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ class Plan:
     mode: str
     seconds: int
     warmup: int
-    sizes: list[int]  # enqueue sizes of the relay and nchan (issue 19's targets need all three)
+    sizes: list[int]  # enqueue sizes of the relay and nchan (the head to head with nchan needs all three)
     connections: int
     sweep_connections: list[int]
     sweep_targets: list[str]
@@ -65,7 +65,7 @@ class Plan:
     fanout_sizes: list[int]
     longpoll_targets: list[str]
     aof: bool = True
-    # issue 19's verdict: relay-1p and nchan-redis enqueue runs alternated this many times per size
+    # the head-to-head verdict: relay-1p and nchan-redis enqueue runs alternated this many times per size
     head_to_head_rounds: int = 3
     # enqueue sizes of the limit (redis-benchmark) and aiohttp-ceiling runs; None: every size
     side_sizes: list[int] | None = None
@@ -226,7 +226,7 @@ class Bench:
 
     async def head_to_head(self, redis: RedisServer) -> None:
         """relay-1p and nchan-redis enqueue runs in alternation, each size, `head_to_head_rounds`
-        times, who goes first switching every round: issue 19's verdict takes each side's
+        times, who goes first switching every round: the head-to-head verdict takes each side's
         median, so a drift of this machine's speed (minutes apart, the phases above differ by
         up to 30 %) falls on both sides alike."""
         plan = self.plan
