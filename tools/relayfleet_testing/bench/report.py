@@ -573,8 +573,8 @@ def _enqueue_head_to_head(res: Results, main_conns: int) -> list[str]:
     )
     lines.append("")
     lines += _table(["target", "goal", "measured (relay / nchan)", "per round", "verdict"], rows)
-    lines += ["", f"{met} of {measured} measured head-to-head targets met. Standing targets, for regressions:"]
-    return [*lines, ""]
+    verdict = f"{met} of {measured} measured head-to-head targets met."
+    return [*lines, "", f"{verdict} Standing targets, for regressions:", ""]
 
 
 def _targets(res: Results, main_conns: int) -> list[str]:
