@@ -638,7 +638,7 @@ PATHS: dict[str, Any] = {
     "/readyz": {
         "get": {
             "operationId": "readyz",
-            "summary": "readiness: shard map loaded, every shard answering, wakeup subscriptions alive",
+            "summary": "readiness: map loaded, not stopping, a shard owning slots answers; detail per shard",
             "responses": {
                 "200": _json({"type": "object", "properties": {"status": {"const": "ready"}}}, "ready"),
                 "503": _error("not ready"),
