@@ -17,7 +17,7 @@ from relayfleet_testing.localredis import LocalRedis
 
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import pack
-from tests.support.didcomm_test_agent import Agent, forward_envelope, inner_message, msg
+from tests.support.didcomm_test_agent import Agent, attached, forward_envelope, inner_message, msg
 from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 PUBLIC = "https://relay.example.test"
@@ -108,7 +108,7 @@ async def test_whole_flow_forward_then_pickup_over_http(agent: Agent, http: Any)
     delivery = await agent.send(msg("messagepickup/2.0/delivery-request", limit=10))
     assert delivery is not None
     assert delivery["@type"].endswith("/delivery")
-    got = [a["data"]["json"] for a in delivery["~attach"]]
+    got = attached(delivery)
     assert got == inners  # in order, and exactly the packed messages the senders forwarded
     # handed out, not acknowledged: not offered again to the next poll (leased) ...
     again = await agent.send(msg("messagepickup/2.0/delivery-request", limit=10))
@@ -124,11 +124,11 @@ async def test_whole_flow_forward_then_pickup_over_http(agent: Agent, http: Any)
     assert (await agent.post(forward_envelope(routing_key(agent), key, fresh)))[0] == 202
     new = await agent.send(msg("messagepickup/2.0/delivery-request", limit=10))
     assert new is not None
-    assert [a["data"]["json"] for a in new["~attach"]] == [fresh]  # only what was not handed out
+    assert attached(new) == [fresh]  # only what was not handed out
     await asyncio.sleep(0.6)  # the lease (RELAY_DIDCOMM_REDELIVER_S=0.5 here) runs out
     last = await agent.send(msg("messagepickup/2.0/delivery-request", limit=10))
     assert last is not None
-    assert [a["data"]["json"] for a in last["~attach"]] == [inners[2], fresh]  # again, in order
+    assert attached(last) == [inners[2], fresh]  # again, in order
 
 
 async def test_forward_with_the_same_id_is_stored_once(agent: Agent) -> None:
@@ -179,7 +179,7 @@ async def test_live_mode_on_the_websocket_delivers_and_waits_for_the_ack(
         delivery, _ = agent.open(await ws.receive_bytes(timeout=5))
         assert loop.time() - sent_at < 1.0
         assert delivery["@type"] == "https://didcomm.org/messagepickup/2.0/delivery"
-        assert [a["data"]["json"] for a in delivery["~attach"]] == [inner]
+        assert attached(delivery) == [inner]
 
         # delivered but not acknowledged: still held
         st = await agent.send(msg("messagepickup/2.0/status-request"))
@@ -251,7 +251,10 @@ async def test_bad_inputs_are_4xx_json_and_store_nothing(
         )
     )
     # a forward to a key nobody registered
-    cases.append((forward_envelope(invitation_key, stranger.verkey, {"x": 1}), 404, "unknown_recipient"))
+    stray = inner_message(stranger.verkey, "x")
+    cases.append((forward_envelope(invitation_key, stranger.verkey, stray), 404, "unknown_recipient"))
+    # a forward whose msg is not a packed message: refused, never queued
+    cases.append((forward_envelope(invitation_key, stranger.verkey, {"x": 1}), 400, "bad_forward"))
     # not a DIDComm message inside
     cases.append((pack(b"[1, 2]", [invitation_key], None), 400, "bad_didcomm_message"))
     for body, status, code in cases:
@@ -324,7 +327,7 @@ async def test_slot_migration_moves_connections_keylists_and_queues(
         assert (await agent.post(forward_envelope(routing_key(agent), key, after)))[0] == 202
         delivery = await agent.send(msg("messagepickup/2.0/delivery-request", limit=10))
         assert delivery is not None
-        assert [a["data"]["json"] for a in delivery["~attach"]] == [*inners, after]
+        assert attached(delivery) == [*inners, after]
     finally:
         await server.close()
         await fleet.close()

@@ -73,7 +73,7 @@ async def _handle(m: Mediator, raw: bytes, session: DidcommSocket | None) -> Out
         opened = m.open(raw)
     except EnvelopeError as exc:
         _count("envelope", "undecryptable")
-        raise ApiError(400, "bad_envelope", str(exc)) from None
+        raise ApiError(exc.status, exc.code, str(exc)) from None
     try:
         outcome = await m.handle(opened, session)
     except MediatorError as exc:

@@ -29,7 +29,7 @@ from typing import Any
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from relay import metrics
+from relay import boundedjson, metrics
 from relay.api import params, pickup
 from relay.api.context import CTX, Context, ctx
 from relay.api.errors import ApiError, error_response
@@ -226,9 +226,10 @@ class LiveSession:
     # -- client frames -----------------------------------------------------
     async def on_text(self, data: str) -> None:
         try:
-            doc = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            await self.send_error("bad_json", "frame must be a JSON object")
+            doc = boundedjson.loads(data, None, "the frame")  # the socket capped its size
+        except boundedjson.JsonLimitError as exc:
+            text = "frame must be a JSON object" if exc.code == "bad_json" else exc.text
+            await self.send_error(exc.code, text)
             return
         if isinstance(doc, dict) and "@type" in doc:
             await self.on_pickup(doc)

@@ -7,9 +7,9 @@ import re
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
 from aiohttp import hdrs, web
 
+from relay import boundedjson
 from relay.api.context import CTX
 from relay.api.errors import ApiError, bad_request, overloaded
 from relay.http.memguard import CLAIM, CLAIM_FROM
@@ -213,9 +213,10 @@ async def json_body(request: web.Request, cap: int) -> tuple[Any, bytes]:
     """Decoded JSON body and its raw bytes (the signature covers the raw bytes)."""
     raw = await raw_body(request, cap)
     try:
-        return orjson.loads(raw), raw
-    except orjson.JSONDecodeError:
-        raise bad_request("request body must be valid JSON", "bad_json") from None
+        return boundedjson.loads(raw, cap, "the request body"), raw
+    except boundedjson.JsonLimitError as exc:
+        text = "request body must be valid JSON" if exc.code == "bad_json" else exc.text
+        raise ApiError(exc.status, exc.code, text) from None
 
 
 _SECONDS: dict[int, str] = {}  # formatted "YYYY-MM-DDTHH:MM:SS." per second; bounded

@@ -8,9 +8,15 @@ import json
 import uuid
 from typing import Any
 
+from relay import boundedjson
 from relay.didcomm import keys as dk
 
 __all__ = ["AttachmentError", "attached_document", "signed_attachment"]
+
+# checked before decoding (docs/api.md, "Input limits")
+MAX_DOCUMENT = 65536  # base64 characters of an attached DID document
+MAX_JWS_HEADER = 4096  # base64 characters of a JWS protected header
+MAX_SIGNATURES = 8  # each costs a signature check
 
 
 class AttachmentError(ValueError):
@@ -47,15 +53,19 @@ def attached_document(attach: Any) -> dict[str, Any] | None:
     if not isinstance(data, dict) or not isinstance(data.get("base64"), str):
         raise AttachmentError("did_doc~attach needs data.base64")
     try:
-        raw = dk.b64decode_any(data["base64"])
-        doc = json.loads(raw)
+        raw = dk.b64decode_any(data["base64"], MAX_DOCUMENT)
+        doc = boundedjson.loads(raw, MAX_DOCUMENT, "did_doc~attach")
         doc_keys = dk.keys_of_document(doc)
-    except (dk.DidError, ValueError, UnicodeDecodeError):
+    except boundedjson.JsonLimitError as exc:
+        raise AttachmentError(exc.text) from None
+    except dk.DidError:
         raise AttachmentError("did_doc~attach is not a DID document") from None
     jws = data.get("jws")
     if isinstance(jws, dict):
         listed = jws.get("signatures")
         sigs: list[Any] = listed if isinstance(listed, list) else [jws]
+        if len(sigs) > MAX_SIGNATURES:
+            raise AttachmentError(f"did_doc~attach has more than {MAX_SIGNATURES} signatures")
         payload = dk.b64url(raw)
         for sig in sigs:
             if not _jws_valid(sig, payload, doc_keys):
@@ -72,14 +82,14 @@ def _jws_valid(sig: Any, payload: str, allowed: list[bytes]) -> bool:
     if not isinstance(protected, str) or not isinstance(signature, str):
         return False
     try:
-        prot = json.loads(dk.b64decode_any(protected))
+        prot = boundedjson.loads(dk.b64decode_any(protected, MAX_JWS_HEADER), MAX_JWS_HEADER)
         kid = header.get("kid") or prot.get("kid")
         if isinstance(prot.get("jwk"), dict) and isinstance(prot["jwk"].get("x"), str):
-            key = dk.b64decode_any(prot["jwk"]["x"])
+            key = dk.b64decode_any(prot["jwk"]["x"], 64)
         else:
             key = dk.verkey_from(kid)
-        sig_bytes = dk.b64decode_any(signature)
-    except (dk.DidError, ValueError, UnicodeDecodeError, AttributeError):
+        sig_bytes = dk.b64decode_any(signature, 128)
+    except (dk.DidError, ValueError, AttributeError):  # JsonLimitError is a ValueError
         return False
     if key not in allowed or prot.get("alg") not in ("EdDSA", "Ed25519"):
         return False

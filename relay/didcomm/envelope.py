@@ -20,6 +20,7 @@ from typing import Any
 
 import nacl.bindings as sodium
 
+from relay import boundedjson
 from relay.didcomm.keys import DidError, KeyPair, b58decode, b58encode, b64decode_any, b64url
 from relay.didcomm.keys import to_x25519_public as x25519
 
@@ -27,10 +28,19 @@ ENC = "xchacha20poly1305_ietf"
 TYP = "JWM/1.0"
 TAG_BYTES = 16
 MAX_RECIPIENTS = 64
+# base64 lengths checked before decoding (docs/api.md, "Input limits"): the protected header
+# of MAX_RECIPIENTS recipients is ~16 KiB; a sealed key, sender or nonce is under 200 chars
+MAX_PROTECTED = 65536
+MAX_SEALED = 256
 
 
 class EnvelopeError(ValueError):
-    """An envelope the mediator cannot open (not for us, malformed, forged)."""
+    """An envelope the mediator cannot open (not for us, malformed, forged, over a bound)."""
+
+    def __init__(self, text: str, code: str = "bad_envelope", status: int = 400) -> None:
+        super().__init__(text)
+        self.code = code
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -99,19 +109,25 @@ def _field(doc: dict[str, Any], name: str) -> str:
     return value
 
 
-def _b64(text: str, what: str) -> bytes:
+def _b64(text: str, what: str, limit: int | None = MAX_SEALED) -> bytes:
+    if limit is not None and len(text) > limit:
+        raise EnvelopeError(f"{what} exceeds {limit} characters")
     try:
         return b64decode_any(text)
     except DidError:
         raise EnvelopeError(f"{what} is not base64") from None
 
 
-def parse(raw: bytes) -> dict[str, Any]:
-    """The envelope's JSON object, checked for shape (not yet decrypted)."""
+def _json(raw: bytes, max_bytes: int | None, what: str) -> Any:
     try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise EnvelopeError("the body is not a JSON envelope") from None
+        return boundedjson.loads(raw, max_bytes, what)
+    except boundedjson.JsonLimitError as exc:
+        code = "bad_envelope" if exc.code == "bad_json" else exc.code
+        raise EnvelopeError(exc.text, code, exc.status) from None
+
+
+def shaped(doc: Any) -> dict[str, Any]:
+    """`doc` if it has an envelope's shape (a JSON object with the four string fields)."""
     if not isinstance(doc, dict):
         raise EnvelopeError("the envelope must be a JSON object")
     for name in ("protected", "iv", "ciphertext", "tag"):
@@ -119,13 +135,16 @@ def parse(raw: bytes) -> dict[str, Any]:
     return doc
 
 
+def parse(raw: bytes) -> dict[str, Any]:
+    """The envelope's JSON object, checked for shape (not yet decrypted); its size is the
+    caller's bound (the request body's cap)."""
+    return shaped(_json(raw, None, "the envelope"))
+
+
 def unpack(doc: dict[str, Any], lookup: Callable[[bytes], KeyPair | None]) -> Unpacked:
     """Open an envelope packed for a key `lookup` holds (the mediator: Identity.keypair_for)."""
     protected = _field(doc, "protected")
-    try:
-        header = json.loads(_b64(protected, "protected"))
-    except ValueError:
-        raise EnvelopeError("protected is not JSON") from None
+    header = _json(_b64(protected, "protected", MAX_PROTECTED), MAX_PROTECTED, "protected")
     if not isinstance(header, dict):
         raise EnvelopeError("protected must be a JSON object")
     alg = header.get("alg")
@@ -153,7 +172,8 @@ def unpack(doc: dict[str, Any], lookup: Callable[[bytes], KeyPair | None]) -> Un
     else:
         raise EnvelopeError("the envelope is not packed for this mediator")
     nonce = _b64(_field(doc, "iv"), "iv")
-    sealed = _b64(_field(doc, "ciphertext"), "ciphertext") + _b64(_field(doc, "tag"), "tag")
+    # the ciphertext is bounded by the body it came in
+    sealed = _b64(_field(doc, "ciphertext"), "ciphertext", None) + _b64(_field(doc, "tag"), "tag")
     try:
         message = _aead_decrypt(sealed, protected.encode(), nonce, cek)
     except EnvelopeError:
@@ -180,9 +200,7 @@ def _open_key(
             if len(sender) != 32:
                 raise EnvelopeError("the sender is not a verkey")
             cek = bytes(sodium.crypto_box_open(encrypted_key, box_nonce, x25519(sender), ours.x_secret))
-    except (EnvelopeError, DidError):
-        raise EnvelopeError("the envelope's key does not open") from None
-    except Exception:
+    except Exception:  # EnvelopeError, DidError, and whatever libsodium raises
         raise EnvelopeError("the envelope's key does not open") from None
     if len(cek) != 32:
         raise EnvelopeError("the content key must be 32 bytes")

@@ -14,9 +14,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay import boundedjson
 from relay.didcomm import keys as dk
 from relay.didcomm.attachments import AttachmentError, attached_document, signed_attachment
-from relay.didcomm.envelope import Unpacked, pack, parse, unpack
+from relay.didcomm.envelope import Unpacked, pack, parse, shaped, unpack
 from relay.didcomm.mediator_pickup import LiveSession, Pickup
 from relay.didcomm.messages import PREFIXES, MediatorError, reply, thread_of
 from relay.didcomm.records import CHANNEL, Connection, Records
@@ -43,6 +44,9 @@ ROLES = {
     "messagepickup": ["mediator"],
     "discover-features": ["responder"],
 }
+MAX_MESSAGE = 1 << 20  # a plaintext protocol message (forwards excepted) is small
+FORWARD_ROOM = 65536  # a forward's plaintext: its packed message plus the routing fields
+FORWARD = "routing/1.0/forward"
 MAX_UPDATES = 1000
 MAX_MESSAGE_ID = 100
 
@@ -80,6 +84,7 @@ class Mediator:
         self.records = Records(service)
         self.pickup = Pickup(service, self.records, self.redeliver_ms)
         self.max_payload = max_payload
+        self.max_plaintext = max(MAX_MESSAGE, max_payload + FORWARD_ROOM)
 
     # -- the invitation -------------------------------------------------------------------
     def invitation(self) -> dict[str, Any]:
@@ -119,9 +124,11 @@ class Mediator:
         transport = doc.get("~transport")
         rr = transport.get("return_route") if isinstance(transport, dict) else None
         out = Outcome(type=name, return_route=rr in ("all", "thread"), sender=opened.sender)
-        if name == "routing/1.0/forward":
-            await self.forward(doc)
+        if name == FORWARD:
+            await self.forward(doc, opened.message)
             return out
+        if len(opened.message) > MAX_MESSAGE:
+            raise MediatorError(f"the message exceeds {MAX_MESSAGE} bytes", "message_too_large", 413)
         if opened.sender is None:
             raise MediatorError(f"{name} must be authcrypted", "unknown_connection", 403)
         if name in ("didexchange/1.1/request", "didexchange/1.0/request"):
@@ -143,9 +150,9 @@ class Mediator:
 
     def _parse(self, message: bytes) -> tuple[dict[str, Any], str, str]:
         try:
-            doc = json.loads(message)
-        except (ValueError, UnicodeDecodeError):
-            raise MediatorError("the message is not JSON") from None
+            doc = boundedjson.loads(message, self.max_plaintext, "the message")
+        except boundedjson.JsonLimitError as exc:
+            raise MediatorError(exc.text, exc.code, exc.status) from None
         if not isinstance(doc, dict):
             raise MediatorError("the message must be a JSON object")
         mtype = doc.get("@type")
@@ -192,22 +199,12 @@ class Mediator:
         return report
 
     # -- routing 1.0 ----------------------------------------------------------------------
-    async def forward(self, doc: dict[str, Any]) -> None:
+    async def forward(self, doc: dict[str, Any], message: bytes) -> None:
         try:
             to = dk.verkey_from(doc.get("to"))
         except dk.DidError as exc:
             raise MediatorError(f"forward 'to': {exc}", "bad_recipient") from None
-        msg = doc.get("msg")
-        if isinstance(msg, dict):
-            payload = json.dumps(msg, separators=(",", ":")).encode()
-        elif isinstance(msg, str) and msg:
-            payload = msg.encode()
-        else:
-            raise MediatorError("forward 'msg' must be a packed message", "bad_forward")
-        if len(payload) > self.max_payload:
-            raise MediatorError(
-                f"payload exceeds max size ({self.max_payload} bytes)", "payload_too_large", 413
-            )
+        payload = self._forwarded(doc.get("msg"), message)
         if await self.records.owner(to) is None:
             raise MediatorError(
                 "forward 'to' is not a key registered with this mediator", "unknown_recipient", 404
@@ -219,6 +216,26 @@ class Mediator:
         outcome = await self.service.enqueue(to, CHANNEL, payload, "didcomm:" + mid if mid else "", mid)
         if outcome.kind not in ("stored", "duplicate"):
             raise ForwardRefused(outcome)
+
+    def _forwarded(self, msg: Any, message: bytes) -> bytes:
+        """What a forward queues: its packed message as the bytes it arrived as (the member's
+        JSON text, or the string's UTF-8), refused here unless it has an envelope's shape, so
+        nothing a recipient cannot take is stored; delivery never parses it."""
+        if isinstance(msg, str) and msg:
+            payload = msg.encode("utf-8")
+        elif isinstance(msg, dict):
+            payload = boundedjson.member_as_sent(message, "msg") or b""
+        else:
+            raise MediatorError("forward 'msg' must be a packed message", "bad_forward")
+        if len(payload) > self.max_payload:
+            raise MediatorError(
+                f"payload exceeds max size ({self.max_payload} bytes)", "payload_too_large", 413
+            )
+        try:
+            shaped(boundedjson.loads(payload, self.max_payload, "it") if isinstance(msg, str) else msg)
+        except ValueError as exc:  # EnvelopeError, JsonLimitError
+            raise MediatorError(f"forward 'msg' is not a packed message: {exc}", "bad_forward") from None
+        return payload
 
     # -- DID Exchange ---------------------------------------------------------------------
     async def did_exchange(

@@ -112,3 +112,8 @@ def inner_message(to: bytes, text: str) -> dict[str, Any]:
     doc = {"@type": "https://didcomm.org/basicmessage/1.0/message", "@id": str(uuid.uuid4()), "content": text}
     packed: dict[str, Any] = json.loads(pack(json.dumps(doc).encode(), [to], None))
     return packed
+
+
+def attached(delivery: dict[str, Any]) -> list[Any]:
+    """The packed messages of a Pickup 2.0 delivery (each attachment's data.base64, as JSON)."""
+    return [json.loads(dk.b64decode_any(a["data"]["base64"])) for a in delivery["~attach"]]
