@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from relay import metrics
-from relay.fleet.credentials import shard_url
+from relay.fleet.credentials import CredentialsError, shard_url
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, ShardMapError, SlotRange, loads_shard_map, slot_of
 from relay.storage import keys as K
 from relay.storage.store import QueueLimits, ShardStore
@@ -59,12 +60,15 @@ class ShardRouter:
         self._reload_lock = asyncio.Lock()
         self._refreshing: asyncio.Future[bool] | None = None
         self._retiring: set[asyncio.Task[None]] = set()
+        # each shard's credentials file as last read: (inode, mtime_ns, size), None if absent
+        self._stamps: dict[str, tuple[int, int, int] | None] = {}
+        self._auth_failed: set[str] = set()  # shards whose login Redis refused since the last look
 
     async def start(self, source: MapSource | None = None, poll_s: float = 1.0) -> None:
         await self._open_shards(self.map)
         metrics.SHARD_MAP_EPOCH.set(self.map.epoch)
         self._source = source
-        if source is not None:
+        if source is not None or self.credentials_dir:
             self._watch_task = asyncio.get_running_loop().create_task(self._watch(poll_s))
 
     async def close(self) -> None:
@@ -81,13 +85,24 @@ class ShardRouter:
         for store in self.stores.values():
             await store.close()
 
+    def _stamp(self, name: str) -> tuple[int, int, int] | None:
+        if not self.credentials_dir:
+            return None
+        try:
+            st = os.stat(os.path.join(self.credentials_dir, name))  # follows a Secret volume's links
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
     async def _open_shards(self, shard_map: ShardMap) -> None:
         for name, map_url in shard_map.shards.items():
+            self._stamps[name] = self._stamp(name)
             url = shard_url(name, map_url, self.credentials_dir)
             store = self.stores.get(name)
             if store is not None and store.url == url:
                 continue
             new_store = ShardStore(name, url, self.limits)
+            new_store.on_auth_failure = functools.partial(self._auth_failed.add, name)
             with contextlib.suppress(Exception):
                 await new_store.start()  # an unreachable shard must not stop the others
             hub = WakeupHub(url, name)
@@ -200,10 +215,33 @@ class ShardRouter:
             return False
         return new_map is not None and await self.install(new_map)
 
+    async def reread_credentials(self) -> bool:
+        """Open new connections for the shards whose credentials file appeared or changed since
+        it was read, or whose login Redis refused (a Secret reaches a Pod's volume well after
+        the shard map names the shard, and passwords rotate). True when a shard's URL changed."""
+        if not self.credentials_dir:
+            return False
+        async with self._reload_lock:
+            failed, self._auth_failed = self._auth_failed, set()
+            names = [n for n in self.map.shards if n in failed or self._stamp(n) != self._stamps.get(n)]
+            if not names:
+                return False
+            before = {n: self.stores[n] for n in names if n in self.stores}
+            try:
+                await self._open_shards(self.map)
+            except CredentialsError as exc:
+                log.warning("%s", exc)
+                return False
+            changed = sorted(n for n in names if self.stores.get(n) is not before.get(n))
+            for name in changed:
+                log.info("shard %s: credentials changed, reconnecting", name)
+            return bool(changed)
+
     async def _watch(self, poll_s: float) -> None:
         while True:
             await asyncio.sleep(poll_s)
             await self.refresh()
+            await self.reread_credentials()
 
 
 def file_source(path: str) -> MapSource:

@@ -124,6 +124,15 @@ def encode_evalsha(script: Script, keys: tuple[str, ...], args: tuple[Arg, ...])
 _FAILOVER_ERRORS = ("READONLY", "LOADING", "MASTERDOWN", "NOREPLICAS")
 
 
+# Login refused, or a command refused for want of one: the credentials in use are wrong or
+# missing (a password that changed, or a credentials file not mounted yet).
+_AUTH_ERRORS = ("NOAUTH", "WRONGPASS", "AuthenticationError", "invalid password")
+
+
+def is_auth_failure(reason: str) -> bool:
+    return any(marker in reason for marker in _AUTH_ERRORS)
+
+
 def _classify(reply: hiredis.ReplyError) -> Exception:
     text = str(reply)
     if "OOM" in text or "maxmemory" in text:
@@ -357,6 +366,8 @@ class ScriptBatcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self._unwatch: Callable[[], None] | None = None  # Sentinel failover notices
+        # told why a new connection failed (the shard's owner re-reads credentials on AUTH)
+        self.on_connect_failure: Callable[[str], None] | None = None
 
     def reply_timeout(self, sent_bytes: int, commands: int) -> float:
         """Seconds a batch of `commands` sending `sent_bytes` may wait for its replies."""
@@ -457,6 +468,8 @@ class ScriptBatcher:
             pending, self._pending = list(self._pending), deque()
             reason = str(exc) if isinstance(exc, StoreUnavailable) else type(exc).__name__
             _fail(pending, StoreFailover(reason))  # none of them was sent
+            if self.on_connect_failure is not None:
+                self.on_connect_failure(reason)
             return
         finally:
             self._connecting = None

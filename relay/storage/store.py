@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -27,6 +28,7 @@ from relay.storage.pipeline import (
     bulk,
     bulk_str,
     encode_command,
+    is_auth_failure,
 )
 from relay.storage.wakeups import NOTICE_PREFIX
 
@@ -287,6 +289,9 @@ class ShardStore:
             fence_in_failover=False,
         )
         self.last_error = ""  # why the last ping failed, for /readyz (never the URL)
+        # called when Redis refuses this store's login (wrong or missing password)
+        self.on_auth_failure: Callable[[], None] | None = None
+        self._batcher.on_connect_failure = self._bulk.on_connect_failure = self._connect_failed
         # per hot queue, the encoded parts of its enqueue command that never change (enqueue
         # only: an entry per idle long-poll would cost ~1 KiB each); bounded, cleared when full
         self._enqueue_parts: dict[str, tuple[bytes, bytes]] = {}
@@ -303,6 +308,10 @@ class ShardStore:
                 )
             ]
         )
+
+    def _connect_failed(self, reason: str) -> None:
+        if self.on_auth_failure is not None and is_auth_failure(reason):
+            self.on_auth_failure()
 
     async def start(self) -> None:
         try:
