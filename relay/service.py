@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol, TypeVar
@@ -13,6 +12,7 @@ from relay.fleet.routing import Route, ShardRouter
 from relay.settings import Settings
 from relay.storage.store import (
     EnqueueOutcome,
+    EnqueueRequest,
     ReadResult,
     ReplicationTimeout,
     SlotMigrating,
@@ -193,16 +193,7 @@ class QueueService:
             metrics.WAITERS.dec()
 
     # -- operations ------------------------------------------------------------
-    def enqueue(
-        self,
-        recipient: bytes,
-        channel: bytes,
-        payload: bytes,
-        idempotency_key: str = "",
-        message_id: str = "",
-        any_payload_is_duplicate: bool = False,
-        now: int = 0,
-    ) -> asyncio.Future[EnqueueOutcome]:
+    def enqueue(self, req: EnqueueRequest) -> asyncio.Future[EnqueueOutcome]:
         """Send an enqueue; the returned future (await it) gets its outcome.
 
         The bookkeeping of a stored message (metrics, `on_stored`) runs as Redis's reply
@@ -214,44 +205,25 @@ class QueueService:
         stored message is never answered 5xx and never stored twice by the relay.
         """
         done: asyncio.Future[EnqueueOutcome] = asyncio.get_running_loop().create_future()
-        self.enqueue_into(
-            done, recipient, channel, payload, idempotency_key, message_id, any_payload_is_duplicate, now
-        )
+        self.enqueue_into(done, req)
         return done
 
-    def enqueue_into(
-        self,
-        sink: OutcomeSink,
-        recipient: bytes,
-        channel: bytes,
-        payload: bytes,
-        idempotency_key: str = "",
-        message_id: str = "",
-        any_payload_is_duplicate: bool = False,
-        now: int = 0,
-    ) -> None:
+    def enqueue_into(self, sink: OutcomeSink, req: EnqueueRequest) -> None:
         """`enqueue`, its outcome handed to `sink` (see OutcomeSink) instead of a new future."""
-        digest = (
-            "*"
-            if any_payload_is_duplicate
-            else (hashlib.sha256(payload).hexdigest() if idempotency_key else "")
-        )
-        ts = now or now_ms()  # `now`: a caller that answers with the stored time picks it
-        route = self.fleet.route(recipient, channel)
+        ts = req.now_ms or now_ms()  # every attempt of this enqueue stores the same time
+        route = self.fleet.route(req.recipient, req.channel)
         sent_at = asyncio.get_running_loop().time()
-        job = _Enqueue(self, sink, route, sent_at + self.settings.request_deadline_s, sent_at)
-        job.recipient, job.channel, job.payload, job.ts = recipient, channel, payload, ts
-        job.idempotency_key, job.digest, job.message_id = idempotency_key, digest, message_id
-        job.token = route.store.enqueue_to(job, route.keys, payload, ts, idempotency_key, digest, message_id)
+        job = _Enqueue(self, sink, req, ts, route, sent_at + self.settings.request_deadline_s, sent_at)
+        job.token = route.store.enqueue_to(job, route.keys, req, ts)
 
-    def _stored(self, recipient: bytes, channel: bytes, size: int, outcome: EnqueueOutcome) -> None:
+    def _stored(self, req: EnqueueRequest, outcome: EnqueueOutcome) -> None:
         """Metrics and hooks for an enqueue Redis has answered."""
         kind = outcome.kind
         if kind == "stored":
             _ENQUEUED.inc(1)
-            _ENQUEUED_BYTES.inc(size)
+            _ENQUEUED_BYTES.inc(len(req.payload))
             if self.on_stored is not None:
-                self.on_stored(recipient, channel, outcome.seq, outcome.subscribers)
+                self.on_stored(req.recipient, req.channel, outcome.seq, outcome.subscribers)
         elif kind == "duplicate":
             _DUPLICATE.inc(1)
         elif kind == "rate_limited":
@@ -312,37 +284,24 @@ class _Enqueue:
     """One enqueue from sending to its outcome (see QueueService.enqueue); the
     pipeline hands it Redis's reply directly (it is the command's ReplySink)."""
 
-    __slots__ = (
-        "answered",
-        "channel",
-        "deadline",
-        "digest",
-        "idempotency_key",
-        "message_id",
-        "outcome",
-        "payload",
-        "recipient",
-        "route",
-        "sent_at",
-        "service",
-        "token",
-        "ts",
-    )
+    __slots__ = ("answered", "deadline", "outcome", "req", "route", "sent_at", "service", "token", "ts")
 
-    recipient: bytes
-    channel: bytes
-    payload: bytes
-    ts: int
-    idempotency_key: str
-    digest: str
-    message_id: str
     token: bytes  # the first attempt's (RESP-encoded), reused by resends
 
     def __init__(
-        self, service: QueueService, outcome: OutcomeSink, route: Route, deadline: float, sent_at: float
+        self,
+        service: QueueService,
+        outcome: OutcomeSink,
+        req: EnqueueRequest,
+        ts: int,
+        route: Route,
+        deadline: float,
+        sent_at: float,
     ) -> None:
         self.service = service
         self.outcome = outcome
+        self.req = req
+        self.ts = ts  # the stored time, the same in every attempt
         self.route = route  # of the first attempt; a retry routes afresh
         self.deadline = deadline
         self.sent_at = sent_at  # the loop's time
@@ -375,7 +334,7 @@ class _Enqueue:
 
     def finish(self, outcome: EnqueueOutcome) -> None:
         try:
-            self.service._stored(self.recipient, self.channel, len(self.payload), outcome)
+            self.service._stored(self.req, outcome)
         except Exception as exc:
             self.fail(exc)
             return
@@ -391,22 +350,11 @@ class _Enqueue:
             self.outcome.set_exception(exc)
 
     def attempt(self, route: Route) -> Awaitable[EnqueueOutcome]:
-        return route.store.enqueue(
-            route.keys, self.payload, self.ts, self.idempotency_key, self.digest, self.message_id, self.token
-        )
+        return route.store.enqueue(route.keys, self.req, self.ts, self.token)
 
     def resend(self, route: Route) -> Awaitable[EnqueueOutcome]:
         """The same attempt again (same time and token), asking Redis whether it stored it."""
-        return route.store.enqueue(
-            route.keys,
-            self.payload,
-            self.ts,
-            self.idempotency_key,
-            self.digest,
-            self.message_id,
-            self.token,
-            resend=True,
-        )
+        return route.store.enqueue(route.keys, self.req, self.ts, self.token, resend=True)
 
     async def resolve(self) -> None:
         """The reply to a sent attempt was lost. Resend until Redis answers: with the
@@ -420,12 +368,12 @@ class _Enqueue:
         delay = 0.01
         try:
             while True:
-                route = self.service.fleet.route(self.recipient, self.channel)
+                route = self.service.fleet.route(self.req.recipient, self.req.channel)
                 try:
                     outcome = await self.resend(route)
                 except (SlotMoved, SlotMigrating) as exc:  # a migration copies the rate window too
                     outcome = await self.service._retry(
-                        self.recipient, self.channel, self.resend, route, limit, exc
+                        self.req.recipient, self.req.channel, self.resend, route, limit, exc
                     )
                 except StoreUnavailable:
                     metrics.RETRIES.labels("outcome_unknown").inc()
@@ -446,13 +394,13 @@ class _Enqueue:
         try:
             # repeated after an unknown outcome only under an Idempotency-Key (no double store)
             outcome = await self.service._retry(
-                self.recipient,
-                self.channel,
+                self.req.recipient,
+                self.req.channel,
                 self.attempt,
                 self.route,
                 self.deadline,
                 exc,
-                bool(self.idempotency_key),
+                bool(self.req.idempotency_key),
             )
         except BaseException as err:
             self.fail(err)

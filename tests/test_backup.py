@@ -23,7 +23,7 @@ from relayfleet_testing.localredis import LocalRedis
 
 from relay import backup as B
 from relay.storage import keys as K
-from relay.storage.store import QueueLimits, ShardStore
+from relay.storage.store import EnqueueRequest, QueueLimits, ShardStore
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 PASSWORD = "backup-pw"
@@ -73,7 +73,7 @@ async def enqueue_all(
     for i in range(per_queue):
         for q in qs:
             payload = f"{label}-{q.qid[:6]}-{i}".encode() * 3
-            out = await store.enqueue(q, payload, int(time.time() * 1000))
+            out = await store.enqueue(q, EnqueueRequest(b"", b"", payload), int(time.time() * 1000))
             assert out.kind == "stored"
             acked[q][out.seq] = payload
     return acked
@@ -153,7 +153,7 @@ async def test_backup_wipe_restore_brings_back_every_acknowledged_message_with_n
             status = await store.status(q)
             assert status.epoch == epoch
             assert status.last_seq == max(before[q]) + report["seq_jump"]
-            out = await store.enqueue(q, b"next", int(time.time() * 1000))
+            out = await store.enqueue(q, EnqueueRequest(b"", b"", b"next"), int(time.time() * 1000))
             assert out.kind == "stored"
             assert out.seq > top_seq[q], "seqs never reused: above anything handed out before the wipe"
             assert out.seq == max(before[q]) + report["seq_jump"] + 1  # one jump, not one per reconnect
@@ -161,7 +161,7 @@ async def test_backup_wipe_restore_brings_back_every_acknowledged_message_with_n
         for q in new:
             got, _ = await everything(store, q)
             assert got == {}
-            out = await store.enqueue(q, b"next", int(time.time() * 1000))
+            out = await store.enqueue(q, EnqueueRequest(b"", b"", b"next"), int(time.time() * 1000))
             assert out.seq > top_seq[q]
             assert (await store.status(q)).epoch != epochs_after[q]
         await store.close()

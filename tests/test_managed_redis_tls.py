@@ -21,7 +21,7 @@ from relayfleet_testing.localredis import free_port
 
 from relay.storage import keys as K
 from relay.storage.connection import RedisTarget
-from relay.storage.store import QueueLimits, ShardStore
+from relay.storage.store import EnqueueRequest, QueueLimits, ShardStore
 from tests.support.shard_specs import shard_body
 from tests.support.tls_pki import make_pki
 
@@ -95,8 +95,9 @@ async def test_generated_tls_conf_and_url_work_on_real_redis(tmp_path: Path) -> 
         await store.start()
         with redis.Redis.from_url(url) as migrator_view:  # redis-py (migrator, Spark): the same URL
             assert migrator_view.ping()
-        q = K.queue_keys(os.urandom(32), b"")
-        assert (await store.enqueue(q, b"over tls", 1000)).seq == 1
+        r = os.urandom(32)
+        q = K.queue_keys(r, b"")
+        assert (await store.enqueue(q, EnqueueRequest(r, b"", b"over tls"), 1000)).seq == 1
         assert [m.payload for m in (await store.read(q, None, 10)).messages] == [b"over tls"]
         plain = ShardStore("t", f"redis://:{quote(password, safe='')}@127.0.0.1:{port}/0", QueueLimits())
         try:

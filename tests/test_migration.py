@@ -26,7 +26,7 @@ from relay.fleet.migration import (
 from relay.fleet.routing import load_file
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, slot_of
 from relay.storage import keys as K
-from relay.storage.store import QueueLimits, ShardStore
+from relay.storage.store import EnqueueRequest, QueueLimits, ShardStore
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 
@@ -102,7 +102,12 @@ async def _fill(
             q = K.queue_keys(r, b"")
             now = int(time.time() * 1000)
             for i in range(msgs):
-                await store.enqueue(q, os.urandom(size), now + i, f"k{i}", f"d{i}", f"m{i}")
+                # digest "*": the idempotency hash stays a listpack, whose DUMP is the same
+                # bytes on both sides (a hashtable's, with sha256 digests, is in bucket order)
+                req = EnqueueRequest(
+                    r, b"", os.urandom(size), f"k{i}", f"m{i}", any_payload_is_duplicate=True
+                )
+                await store.enqueue(q, req, now + i)
             await store.ack_upto(q, 1)  # seq 1 acked: the stream starts at 2, seq counter stays
             await store.use_nonce(q.slot, "key.nonce", now, 600_000)
     finally:
@@ -168,7 +173,7 @@ async def test_fenced_slot_refuses_every_queue_operation(shards: Shards) -> None
         await store.start()
         try:
             for op in (
-                store.enqueue(q, b"x", 1),
+                store.enqueue(q, EnqueueRequest(b"", b"", b"x"), 1),
                 store.read(q, None, 10),
                 store.drain(q, 10),
                 store.ack_upto(q, 5),
@@ -184,7 +189,7 @@ async def test_fenced_slot_refuses_every_queue_operation(shards: Shards) -> None
     await store.start()
     try:
         with pytest.raises(SlotMoved) as moved:
-            await store.enqueue(q, b"x", 1)
+            await store.enqueue(q, EnqueueRequest(b"", b"", b"x"), 1)
         assert (moved.value.shard, moved.value.epoch) == ("b", 9)
     finally:
         await store.close()
@@ -334,7 +339,11 @@ async def test_failed_copy_rolls_back_and_the_source_serves_again(tmp_path: Path
         store = ShardStore("a", s.servers["a"].url, QueueLimits())
         await store.start()
         try:
-            out = await store.enqueue(K.queue_keys(recipients[0], b""), b"after", int(time.time() * 1000))
+            out = await store.enqueue(
+                K.queue_keys(recipients[0], b""),
+                EnqueueRequest(recipients[0], b"", b"after"),
+                int(time.time() * 1000),
+            )
             assert out.kind == "stored"
             assert out.seq == 6
         finally:

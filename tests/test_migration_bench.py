@@ -32,7 +32,7 @@ import aiohttp
 from relay.fleet.migration import file_publisher, migrate_slots
 from relay.fleet.sharding import slot_of
 from relay.storage import keys as K
-from relay.storage.store import QueueLimits, ShardStore
+from relay.storage.store import EnqueueRequest, QueueLimits, ShardStore
 from tests.support.fleet_harness import b64, fleet_procs
 
 LO, HI = 0, 1023  # the moving range (1/16 of the slots)
@@ -87,7 +87,7 @@ async def _preload(url: str, recipients: list[bytes], cfg: BenchConfig) -> int:
             for r in recipients[i : i + 200]:
                 q = K.queue_keys(r, b"")
                 for _ in range(cfg.messages):
-                    calls.append(store.enqueue(q, rnd.randbytes(cfg.size), now))
+                    calls.append(store.enqueue(q, EnqueueRequest(r, b"", rnd.randbytes(cfg.size)), now))
                     total += cfg.size
             await asyncio.gather(*calls)
     finally:

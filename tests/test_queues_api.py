@@ -15,7 +15,7 @@ from relayfleet_testing.localredis import LocalRedis
 from relay.client import RelayClient, RelayError
 from relay.protocol import b64encode
 from relay.storage import keys as K
-from relay.storage.store import QueueLimits
+from relay.storage.store import EnqueueRequest, QueueLimits
 from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 
@@ -372,7 +372,8 @@ async def test_message_stored_between_read_and_wait_still_wakes(relay: RunningRe
         result = await original(q, from_seq, limit)
         if not injected.is_set() and not result.messages:
             injected.set()
-            await store.enqueue(q, b"in-between", int(time.time() * 1000))  # lands after the read
+            # lands after the read
+            await store.enqueue(q, EnqueueRequest(r, b"", b"in-between"), int(time.time() * 1000))
         return result
 
     store.read = read_then_enqueue  # type: ignore[method-assign,assignment]

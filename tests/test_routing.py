@@ -15,7 +15,7 @@ from relay.fleet.routing import MapSource, ShardRouter, file_source, load_file
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, even_split, slot_of
 from relay.service import QueueService
 from relay.settings import Settings
-from relay.storage.store import QueueLimits
+from relay.storage.store import EnqueueRequest, QueueLimits
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 
@@ -108,7 +108,7 @@ async def test_stale_map_meets_moved_then_reloads_and_retries(fleet: ShardRouter
     """A relay whose map still names the old owner gets MOVED, reloads the file and succeeds."""
     service = QueueService(fleet, Settings(auth="none"))
     recipient, channel = os.urandom(32), b""
-    first = await service.enqueue(recipient, channel, b"one", "k1")
+    first = await service.enqueue(EnqueueRequest(recipient, channel, b"one", "k1"))
     assert first.kind == "stored"
     assert first.seq == 1
     slot = slot_of(recipient, channel)
@@ -119,11 +119,12 @@ async def test_stale_map_meets_moved_then_reloads_and_retries(fleet: ShardRouter
     report = await migrate_slots(load_file(map_path), [slot], "b", file_publisher(map_path))
     assert report.slots_moved == 1
     assert fleet.map.shard_for_slot(slot) == "a"  # still stale
-    second = await service.enqueue(recipient, channel, b"two", "k2")
+    second = await service.enqueue(EnqueueRequest(recipient, channel, b"two", "k2"))
     assert second.kind == "stored"
     assert second.seq == 2  # seq continued on the new shard
     assert fleet.map.shard_for_slot(slot) == "b"
-    again = await service.enqueue(recipient, channel, b"one", "k1")  # the idempotency key moved too
+    # the idempotency key moved too
+    again = await service.enqueue(EnqueueRequest(recipient, channel, b"one", "k1"))
     assert again.kind == "duplicate"
     assert again.seq == 1
     got = await service.read(recipient, channel, None, 10, 0)
@@ -144,7 +145,7 @@ async def test_waiter_follows_its_queue_to_the_new_shard(fleet: ShardRouter, map
     assert not waiting.done()
     loop = asyncio.get_running_loop()
     t = loop.time()
-    stored = await service.enqueue(recipient, channel, b"hello", "")
+    stored = await service.enqueue(EnqueueRequest(recipient, channel, b"hello"))
     result = await asyncio.wait_for(waiting, 5)
     assert [m.seq for m in result.messages] == [stored.seq]
     assert loop.time() - t < 2.0  # woken by b's publish, not by a timeout

@@ -14,7 +14,7 @@ from relayfleet_testing.localredis import LocalRedis
 from relay.storage import keys as K
 from relay.storage.pipeline import ScriptBatcher, StoreUnavailable
 from relay.storage.scripts import STATUS
-from relay.storage.store import EnqueueOutcome, QueueLimits, ShardStore, SlotMoved
+from relay.storage.store import EnqueueOutcome, EnqueueRequest, QueueLimits, ShardStore, SlotMoved
 
 REDIS = "/usr/bin/redis-server"
 
@@ -37,9 +37,11 @@ async def test_password_url_noscript_and_many_in_flight(secured: LocalRedis) -> 
     await store.start()
     try:
         q = queue()
-        assert (await store.enqueue(q, b"a", 1000)).seq == 1
+        assert (await store.enqueue(q, EnqueueRequest(b"", b"", b"a"), 1000)).seq == 1
         await store.client.script_flush()  # Redis forgets the scripts: load once, resend once
-        outcomes = await asyncio.gather(*(store.enqueue(q, b"m%d" % i, 1001) for i in range(300)))
+        outcomes = await asyncio.gather(
+            *(store.enqueue(q, EnqueueRequest(b"", b"", b"m%d" % i), 1001) for i in range(300))
+        )
         assert sorted(o.seq for o in outcomes) == list(range(2, 302))
         read = await store.read(q, None, 1000)
         assert [m.payload for m in read.messages][:2] == [b"a", b"m0"]
@@ -52,7 +54,7 @@ async def test_wrong_password_is_unavailable(secured: LocalRedis) -> None:
     store = ShardStore("t", secured.url.replace("pw-test", "wrong"), QueueLimits())
     try:
         with pytest.raises(StoreUnavailable):
-            await store.enqueue(queue(), b"x", 1)
+            await store.enqueue(queue(), EnqueueRequest(b"", b"", b"x"), 1)
     finally:
         await store.close()
 
@@ -63,16 +65,16 @@ async def test_restart_fails_fast_then_reconnects() -> None:
     try:
         await store.start()
         q = queue()
-        await store.enqueue(q, b"before", 1)
+        await store.enqueue(q, EnqueueRequest(b"", b"", b"before"), 1)
         server.stop()
         started = time.monotonic()
         with pytest.raises(StoreUnavailable):
-            await store.enqueue(q, b"during", 2)
+            await store.enqueue(q, EnqueueRequest(b"", b"", b"during"), 2)
         assert time.monotonic() - started < 2.5
         server.start()
         for _ in range(50):  # the first calls may still meet the old connection
             try:
-                await store.enqueue(q, b"after", 3)
+                await store.enqueue(q, EnqueueRequest(b"", b"", b"after"), 3)
                 break
             except StoreUnavailable:
                 await asyncio.sleep(0.1)
@@ -119,15 +121,15 @@ async def test_one_script_call_carries_a_ticks_enqueues_each_with_its_outcome() 
         await store.start()
         a, b, moved = queue(), queue(), queue()
         await store.client.set(moved.state, "moved s2 4")
-        first = await store.enqueue(a, b"one", 1000, "k", "d1")
+        first = await store.enqueue(a, EnqueueRequest(b"", b"", b"one", "k"), 1000)
         await store.client.config_resetstat()
         # sent in one loop tick: one EVALSHA, every item answered on its own
         outcomes = await asyncio.gather(
-            store.enqueue(a, b"one", 1000, "k", "d1"),  # duplicate
-            store.enqueue(a, b"two", 1001),  # stored
-            store.enqueue(a, b"three", 1002),  # rate limited (2 per window)
-            store.enqueue(b, b"x" * 100, 1003),  # stored
-            store.enqueue(moved, b"y", 1004),  # fenced
+            store.enqueue(a, EnqueueRequest(b"", b"", b"one", "k"), 1000),  # duplicate
+            store.enqueue(a, EnqueueRequest(b"", b"", b"two"), 1001),  # stored
+            store.enqueue(a, EnqueueRequest(b"", b"", b"three"), 1002),  # rate limited (2 per window)
+            store.enqueue(b, EnqueueRequest(b"", b"", b"x" * 100), 1003),  # stored
+            store.enqueue(moved, EnqueueRequest(b"", b"", b"y"), 1004),  # fenced
             return_exceptions=True,
         )
         assert list(outcomes[:4]) == [
@@ -141,9 +143,10 @@ async def test_one_script_call_carries_a_ticks_enqueues_each_with_its_outcome() 
         calls = (await store.client.info("commandstats"))["cmdstat_evalsha"]["calls"]
         assert calls == 1
         # a resend of a stored attempt (its reply lost) answers that attempt's seq
-        token = store.enqueue_to(asyncio.get_running_loop().create_future(), b, b"z", 2000)
+        z = EnqueueRequest(b"", b"", b"z")
+        token = store.enqueue_to(asyncio.get_running_loop().create_future(), b, z, 2000)
         await asyncio.sleep(0.1)
-        again = await store.enqueue(b, b"z", 2000, token=token, resend=True)
+        again = await store.enqueue(b, z, 2000, token=token, resend=True)
         assert again.seq == 2
         assert (await store.status(b)).last_seq == 2
     finally:

@@ -20,7 +20,7 @@ from relay.fleet.migration import file_publisher, file_reader, migrate_slots, wr
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange
 from relay.storage import keys as K
 from relay.storage.maintenance import ShardMaintenance
-from relay.storage.store import QueueLimits, ShardStore
+from relay.storage.store import EnqueueRequest, QueueLimits, ShardStore
 from relay.storage.wakeups import WakeupHub
 from tests.support.in_process_relay import RelayFactory
 from tests.support.tls_pki import Pki, make_pki, tls_redis
@@ -145,7 +145,9 @@ async def test_migration_between_two_tls_shards(pki: Pki, tmp_path: Path) -> Non
         await source.start()
         try:
             for i, r in enumerate(recipients):
-                assert (await source.enqueue(K.queue_keys(r, b""), b"m%d" % i, 1000)).seq == 1
+                assert (
+                    await source.enqueue(K.queue_keys(r, b""), EnqueueRequest(r, b"", b"m%d" % i), 1000)
+                ).seq == 1
         finally:
             await source.close()
         moved = range(0, SLOT_COUNT // 4)

@@ -19,7 +19,7 @@ from relay.api.context import Context, ctx
 from relay.api.errors import ApiError, bad_request, json_response
 from relay.api.queues import enqueue_error
 from relay.service import Unavailable
-from relay.storage.store import StoreRejected
+from relay.storage.store import EnqueueRequest, StoreRejected
 
 log = logging.getLogger("relay.fanout")
 
@@ -62,7 +62,7 @@ async def _one(c: Context, text: Any, channel: bytes, payload: bytes, message_id
     try:
         # a non-string fails as an undecodable key does
         recipient = params.recipient_key(text if isinstance(text, str) else "!")
-        outcome = await c.service.enqueue(recipient, channel, payload, message_id, message_id)
+        outcome = await c.service.enqueue(EnqueueRequest(recipient, channel, payload, message_id, message_id))
         if (err := enqueue_error(outcome)) is not None:
             raise err
     except ApiError as exc:

@@ -20,6 +20,7 @@ from relay.api.context import ctx
 from relay.api.errors import ApiError, bad_request, json_response
 from relay.api.queues import enqueue_error
 from relay.service import now_ms
+from relay.storage.store import EnqueueRequest
 
 routes = web.RouteTableDef()
 
@@ -75,8 +76,10 @@ async def append(request: web.Request) -> web.Response:
     payload = _ciphertext(doc.get("ciphertext"), cap)
     stored_ms = now_ms()  # the createdAt the message is stored with, so storedAt = createdAt
     outcome = await c.service.enqueue(
-        recipient, b"", payload, idempotency_key=message_id, message_id=message_id,
-        any_payload_is_duplicate=True, now=stored_ms,
+        EnqueueRequest(
+            recipient, b"", payload, idempotency_key=message_id, message_id=message_id,
+            any_payload_is_duplicate=True, now_ms=stored_ms,
+        )
     )  # fmt: skip
     if (err := enqueue_error(outcome)) is not None:
         raise err

@@ -12,7 +12,7 @@ from aiohttp import web
 from relay.api import bulk, params
 from relay.api.context import ctx
 from relay.api.errors import ApiError, bad_request, json_response
-from relay.storage.store import EnqueueOutcome, Message, ReadResult
+from relay.storage.store import EnqueueOutcome, EnqueueRequest, Message, ReadResult
 
 routes = web.RouteTableDef()
 
@@ -85,7 +85,7 @@ async def enqueue(request: web.Request) -> web.Response:
     payload = await params.payload(request, c.settings.max_payload)
     # the app cancels handlers whose client left (for long-polls); the bookkeeping of a
     # stored message (metrics, push notification) runs on Redis's reply, not in this handler
-    outcome = await c.service.enqueue(recipient, channel, payload, key)
+    outcome = await c.service.enqueue(EnqueueRequest(recipient, channel, payload, key))
     status, body = enqueue_answer(outcome)
     return web.Response(status=status, body=body, content_type="application/json")
 

@@ -22,7 +22,7 @@ from relay.didcomm.mediator_pickup import LiveSession, Pickup
 from relay.didcomm.messages import PREFIXES, MediatorError, reply, thread_of
 from relay.didcomm.records import CHANNEL, Connection, Records
 from relay.service import QueueService
-from relay.storage.store import EnqueueOutcome
+from relay.storage.store import EnqueueOutcome, EnqueueRequest
 
 HANDSHAKES = ("https://didcomm.org/didexchange/1.1", "https://didcomm.org/didexchange/1.0")
 PROTOCOLS = (
@@ -213,7 +213,9 @@ class Mediator:
         mid = doc.get("@id")
         if not (isinstance(mid, str) and 0 < len(mid) <= MAX_MESSAGE_ID and mid.isprintable()):
             mid = ""
-        outcome = await self.service.enqueue(to, CHANNEL, payload, "didcomm:" + mid if mid else "", mid)
+        outcome = await self.service.enqueue(
+            EnqueueRequest(to, CHANNEL, payload, "didcomm:" + mid if mid else "", mid)
+        )
         if outcome.kind not in ("stored", "duplicate"):
             raise ForwardRefused(outcome)
 

@@ -46,7 +46,7 @@ from relay.api.failures import code_of, error_for
 from relay.api.queues import enqueue_answer
 from relay.http.memguard import CLAIM_FROM
 from relay.metrics import RouteSeries
-from relay.storage.store import EnqueueOutcome
+from relay.storage.store import EnqueueOutcome, EnqueueRequest
 
 if TYPE_CHECKING:
     from relay.http.serving import GuardedServer
@@ -479,7 +479,9 @@ class FastConnection(asyncio.Protocol):
             idempotency_key = "" if key is None else params.idempotency_value(key.decode())
             endpoint.auth.verify_enqueue_header(None if authorization is None else authorization.decode())
             payload = params.non_empty(body)
-            endpoint.service.enqueue_into(answer, recipient, channel, payload, idempotency_key)
+            endpoint.service.enqueue_into(
+                answer, EnqueueRequest(recipient, channel, payload, idempotency_key)
+            )
         except Exception as exc:
             if not answer.done():
                 self.refused(answer, exc)

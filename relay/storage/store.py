@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import os
 from collections.abc import Callable
@@ -36,6 +37,7 @@ _PING = encode_command("PING")
 
 __all__ = [
     "EnqueueOutcome",
+    "EnqueueRequest",
     "Message",
     "QueueLimits",
     "ReadResult",
@@ -69,6 +71,26 @@ class Message:
     payload: bytes
     received_ms: int
     message_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueRequest:
+    """One message a sender asks the relay to store (docs/api.md), the same object from the
+    handler through QueueService to its enqueue.lua item, and kept for a retry or resend."""
+
+    recipient: bytes
+    channel: bytes
+    payload: bytes
+    idempotency_key: str = ""
+    message_id: str = ""
+    any_payload_is_duplicate: bool = False  # a repeated key is a duplicate whatever its payload
+    now_ms: int = 0  # the time to store it with (a caller that answers with it); 0: when sent
+
+    def digest(self) -> str:
+        """What enqueue.lua compares when the idempotency key repeats ("*": any payload)."""
+        if self.any_payload_is_duplicate:
+            return "*"
+        return hashlib.sha256(self.payload).hexdigest() if self.idempotency_key else ""
 
 
 class EnqueueOutcome(NamedTuple):  # a tuple: built on every enqueue, cheaper than a frozen dataclass
@@ -342,29 +364,18 @@ class ShardStore:
         return bool(reply == b"PONG")
 
     async def enqueue(
-        self,
-        q: K.QueueKeys,
-        payload: bytes,
-        now_ms: int,
-        idem_key: str = "",
-        digest: str = "",
-        message_id: str = "",
-        token: bytes = b"",
-        resend: bool = False,
+        self, q: K.QueueKeys, req: EnqueueRequest, now_ms: int, token: bytes = b"", resend: bool = False
     ) -> EnqueueOutcome:
         reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.enqueue_to(reply, q, payload, now_ms, idem_key, digest, message_id, token, resend)
+        self.enqueue_to(reply, q, req, now_ms, token, resend)
         return enqueue_outcome(await reply)
 
     def enqueue_to(
         self,
         sink: ReplySink,
         q: K.QueueKeys,
-        payload: bytes,
+        req: EnqueueRequest,
         now_ms: int,
-        idem_key: str = "",
-        digest: str = "",
-        message_id: str = "",
         token: bytes = b"",
         resend: bool = False,
     ) -> bytes:
@@ -378,6 +389,8 @@ class ShardStore:
         parts = self._enqueue_parts.get(q.qid)
         if parts is None:
             parts = self._encode_enqueue_parts(q)
+        payload, idem_key, message_id = req.payload, req.idempotency_key, req.message_id
+        digest = req.digest()
         now = b"%d" % now_ms
         token = token or _epoch_bulk()
         call = self._call

@@ -29,7 +29,7 @@ from relayfleet_testing.localredis import LocalRedis, free_port
 
 from relay.fleet.sharding import SLOT_COUNT, loads_shard_map
 from relay.storage import keys as K
-from relay.storage.store import QueueLimits, ShardStore
+from relay.storage.store import EnqueueRequest, QueueLimits, ShardStore
 from tests.support.fleet_harness import (
     DEBIAN_REDIS,
     RelayProc,
@@ -237,7 +237,9 @@ async def enqueue_messages(url: str, recipients: Sequence[bytes], per_queue: int
         for r in recipients:
             for i in range(per_queue):
                 payload = f"{r.hex()[:8]}-{i}".encode().ljust(PAYLOAD_BYTES, b".")
-                out = await store.enqueue(K.queue_keys(r, b""), payload, 1_800_000_000_000 + i)
+                out = await store.enqueue(
+                    K.queue_keys(r, b""), EnqueueRequest(r, b"", payload), 1_800_000_000_000 + i
+                )
                 assert out.kind == "stored"
     finally:
         await store.close()

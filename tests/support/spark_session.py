@@ -20,7 +20,7 @@ from relayfleet_testing.localredis import LocalRedis
 
 from relay.fleet.sharding import ShardMap, SlotRange
 from relay.storage import keys as K
-from relay.storage.store import EnqueueOutcome, QueueLimits, ShardStore
+from relay.storage.store import EnqueueOutcome, EnqueueRequest, QueueLimits, ShardStore
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -103,7 +103,9 @@ async def _seed(shard_map: ShardMap, seeds: list[Seed], limits: QueueLimits) -> 
         for s in seeds:
             store = stores[shard_map.shard_for(s.recipient, s.channel)]
             q = K.queue_keys(s.recipient, s.channel)
-            out.append(await store.enqueue(q, s.payload, s.at_ms, idem_key=s.idem_key, digest="d"))
+            out.append(
+                await store.enqueue(q, EnqueueRequest(s.recipient, s.channel, s.payload, s.idem_key), s.at_ms)
+            )
         return out
     finally:
         for store in stores.values():

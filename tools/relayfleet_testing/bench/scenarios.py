@@ -31,7 +31,7 @@ from relayfleet_testing.bench.targets import RedisServer, Target
 
 from relay.storage import keys as K
 from relay.storage import scripts
-from relay.storage.store import QueueLimits, ShardStore
+from relay.storage.store import EnqueueRequest, QueueLimits, ShardStore
 
 REDIS_BENCHMARK = "/usr/bin/redis-benchmark"
 OCTET = {"Content-Type": "application/octet-stream"}
@@ -300,7 +300,9 @@ async def prefill(redis_url: str, queues: list[bytes], per_queue: int, size: int
     try:
         for r in queues:
             q = K.queue_keys(r, b"")
-            outcomes = await asyncio.gather(*(store.enqueue(q, payload, now) for _ in range(per_queue)))
+            outcomes = await asyncio.gather(
+                *(store.enqueue(q, EnqueueRequest(r, b"", payload), now) for _ in range(per_queue))
+            )
             if any(o.kind != "stored" for o in outcomes):
                 raise BenchError(f"prefill refused: {outcomes[0].kind}")
     finally:

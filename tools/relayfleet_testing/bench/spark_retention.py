@@ -34,7 +34,7 @@ from relayfleet_testing.localredis import free_port, redis_server_binary
 
 from relay.fleet.sharding import ShardMap, even_split
 from relay.storage import keys as K
-from relay.storage.store import QueueLimits, ShardStore
+from relay.storage.store import EnqueueRequest, QueueLimits, ShardStore
 from spark_jobs.retention import RetentionPolicy, run_sweep, sweep_sequential
 from spark_jobs.shard_io import split_tasks
 
@@ -115,7 +115,9 @@ def _seed_shard(
         try:
             for i in range(0, len(jobs), 4000):
                 chunk = jobs[i : i + 4000]
-                outs = await asyncio.gather(*(store.enqueue(K.queue_keys(r, b""), p, t) for r, p, t in chunk))
+                outs = await asyncio.gather(
+                    *(store.enqueue(K.queue_keys(r, b""), EnqueueRequest(r, b"", p), t) for r, p, t in chunk)
+                )
                 stored += sum(1 for o in outs if o.kind == "stored")
         finally:
             await store.close()
