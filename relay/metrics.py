@@ -166,10 +166,23 @@ OVERLOADED = Gauge(
     "1 while the memory guard refuses new work (RSS near RELAY_MAX_RSS_MB)",
     registry=REGISTRY,
 )
+HTTP_READ_PAUSES = Counter(
+    "relayfleet_http_read_pauses_total",
+    "Times the enqueue fast path stopped reading a connection (flow control), by reason",
+    ["reason"],  # answers_owed | write_buffer | memory
+    registry=REGISTRY,
+)
+HTTP_HELD_BYTES = Gauge(
+    "relayfleet_http_held_bytes",
+    "Request bytes the enqueue fast path holds, not yet requests (counted by the memory guard)",
+    registry=REGISTRY,
+)
 
 # Retry reasons start at 0, so the dashboard's retry panel has series before the first move.
 for _reason in ("moved", "migrating", "failover"):
     RETRIES.labels(_reason)
+for _reason in ("answers_owed", "write_buffer", "memory"):
+    HTTP_READ_PAUSES.labels(_reason)
 
 
 class _LoopValue:

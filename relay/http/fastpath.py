@@ -31,10 +31,10 @@ import re
 import socket
 import time
 from collections import deque
-from typing import TYPE_CHECKING, cast
+from email.utils import formatdate
+from typing import NamedTuple, cast
 
 from aiohttp import web
-from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.web_response import Response
 
@@ -45,11 +45,9 @@ from relay.api.errors import ApiError, error_response, overloaded
 from relay.api.failures import code_of, error_for
 from relay.api.queues import enqueue_answer
 from relay.http.memguard import CLAIM_FROM
+from relay.http.serving import MAX_LINE, GuardedServer
 from relay.metrics import RouteSeries
 from relay.storage.store import EnqueueOutcome, EnqueueRequest
-
-if TYPE_CHECKING:
-    from relay.http.serving import GuardedServer
 
 ROUTE = "/v1/queues/{recipient}/messages"  # the aiohttp route's canonical name (metrics label)
 
@@ -70,7 +68,12 @@ _FIELDS = re.compile(rb"\r\n(%b):[ \t]*(%b)" % (_NAME_TEXT, _VALUE_TEXT))
 _DIGITS = re.compile(rb"[0-9]{1,18}")
 # Headers whose presence changes framing or the connection: aiohttp's business.
 _FOREIGN = frozenset((b"transfer-encoding", b"content-encoding", b"expect", b"upgrade", b"http2-settings"))
-MAX_HEAD = 8190  # aiohttp's own line limit: a longer head is left to aiohttp, and its answer
+MAX_HEAD = MAX_LINE  # aiohttp's line limit, for the whole head: a longer one is left to aiohttp
+# Flow control (as aiohttp's protocol has it): a connection stops being read while it owes
+# OWED_HIGH answers (or its transport is above the write high-water mark, or the memory guard
+# is over and it owes any), and is read again once it owes at most OWED_LOW.
+OWED_HIGH = 64
+OWED_LOW = 16
 MAX_LINES = 64  # more header lines than any client sends: aiohttp's business
 _PREFIX = b"POST /v1/queues/"
 # A client sends the same header lines request after request (only the recipient in the
@@ -96,7 +99,7 @@ def _ok_bytes(status: int, body: bytes) -> bytes:
     the Date and Server lines built once a second (Date is aiohttp's own per-second text)."""
     second = int(time.time())
     if second != _date_tail[0]:
-        date = rfc822_formatted_time().encode()
+        date = formatdate(usegmt=True).encode()
         _date_tail[:] = [second, b"\r\nDate: %s\r\nServer: %s\r\n\r\n" % (date, _SERVER)]
     return b"%s%d%s%s" % (_OK_HEADS[status], len(body), _date_tail[1], body)
 
@@ -116,6 +119,8 @@ def header_fields(block: bytes) -> tuple[bytes | None, bytes | None, int] | None
     connection = fields.get(b"connection")
     if connection is not None and connection.lower() != b"keep-alive":
         return None
+    if b"host" not in fields:
+        return None  # RFC 9112 section 3.2: aiohttp's path answers it 400
     return fields.get(b"idempotency-key"), fields.get(b"authorization"), int(value)
 
 
@@ -130,7 +135,7 @@ def response_bytes(response: Response, close: bool) -> bytes:
     if "Content-Length" not in headers:
         lines.append(b"Content-Length: %d" % len(body))
     if "Date" not in headers:
-        lines.append(b"Date: " + rfc822_formatted_time().encode())
+        lines.append(b"Date: " + formatdate(usegmt=True).encode())
     if "Server" not in headers:
         lines.append(b"Server: " + _SERVER)
     if close and "Connection" not in headers:
@@ -143,10 +148,9 @@ def response_bytes(response: Response, close: bool) -> bytes:
 class FastEndpoint:
     """What every fast connection of one app shares: the context, limits and metric series."""
 
-    __slots__ = ("auth", "cap", "ctx", "guard", "header_blocks", "memory", "series", "service", "settings")
+    __slots__ = ("auth", "cap", "header_blocks", "memory", "series", "service", "settings")
 
     def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
         self.settings = ctx.settings
         self.service = ctx.service
         self.auth = ctx.auth
@@ -161,6 +165,23 @@ class FastEndpoint:
 
 
 FAST_ENDPOINT = web.AppKey("relayfleet_fast_endpoint", FastEndpoint)
+
+
+class _Head(NamedTuple):
+    """A clean enqueue's head: what the request line and header lines said."""
+
+    recipient: bytes
+    channel: bytes | None
+    key: bytes | None
+    authorization: bytes | None
+    length: int
+
+
+class _Pending(NamedTuple):
+    """A request whose head was parsed and whose body is still arriving."""
+
+    head: _Head
+    start: float  # perf_counter at its head (the route's latency)
 
 
 class _Answer:
@@ -220,11 +241,14 @@ class FastConnection(asyncio.Protocol):
         "_guard",
         "_handing_off",
         "_header_timer",
+        "_held",
         "_idle_since",
         "_keepalive_timer",
         "_loop",
-        "_pending_request",
+        "_pending",
+        "_read_paused",
         "_requests",
+        "_write_paused",
         "endpoint",
         "server",
         "transport",
@@ -245,14 +269,14 @@ class FastConnection(asyncio.Protocol):
         self._body_timer: asyncio.TimerHandle | None = None
         self._body_deadline = 0.0  # the loop time by which the pending request's body is due
         self._idle_since = 0.0
-        # a request whose head was parsed and whose body is still arriving
-        self._pending_request: tuple[bytes, bytes | None, bytes | None, bytes | None, int, float] | None = (
-            None
-        )
+        self._pending: _Pending | None = None
         self._body_parts: list[bytes] = []
         self._body_have = 0
         self._handing_off = False
         self._closing = False
+        self._read_paused = False  # by flow control (not by a hand-off or a 408)
+        self._write_paused = False  # the transport is above its write high-water mark
+        self._held = 0  # request bytes buffered here, as counted by the memory guard
 
     # -- connection lifecycle ---------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -271,6 +295,9 @@ class FastConnection(asyncio.Protocol):
         self.transport = None
         self._cancel_timers()
         self._guard.closed(self)
+        self._buf = b""
+        self._body_parts = []
+        self._count_held()
 
     def eof_received(self) -> bool | None:
         return None  # as aiohttp's protocol: the transport closes
@@ -289,19 +316,80 @@ class FastConnection(asyncio.Protocol):
 
     # -- ConnectionGuard's view (same as GuardedRequestHandler's) ---------------------
     def waiting_for_headers(self) -> bool:
-        return self.transport is not None and self._requests == self._armed_count and not self._handing_off
+        # a connection flow control stopped reading waits for its client, not the reverse
+        return (
+            self.transport is not None
+            and self._requests == self._armed_count
+            and not self._handing_off
+            and not self._read_paused
+        )
 
     def idle(self) -> bool:
         return (
             self.transport is not None
             and not self._answers
             and not self._buf
-            and self._pending_request is None
+            and self._pending is None
             and not self._handing_off
         )
 
     def shed(self) -> None:
         self._close()
+
+    # -- flow control ---------------------------------------------------------------------
+    def pause_writing(self) -> None:
+        """The transport's write buffer passed its high-water mark: read no more requests."""
+        self._write_paused = True
+        self._pause_reading("write_buffer")
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if len(self._answers) <= OWED_LOW:
+            self._resume_reading()
+
+    def _backlogged(self) -> bool:
+        """Whether to stop reading before the next request (O(1): called per request)."""
+        owed = len(self._answers)
+        if owed >= OWED_HIGH:
+            self._pause_reading("answers_owed")
+            return True
+        if self._write_paused or (owed and self.endpoint.memory.over):
+            self._pause_reading("write_buffer" if self._write_paused else "memory")
+            return True
+        return False
+
+    def _pause_reading(self, reason: str) -> None:
+        if not self._read_paused and self.transport is not None and not self._handing_off:
+            self._stop_reading()
+            metrics.HTTP_READ_PAUSES.labels(reason).inc()
+
+    def _stop_reading(self) -> None:
+        if not self._read_paused and self.transport is not None:
+            self._read_paused = True
+            self.transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        """Read again (called once the answers owed are down to OWED_LOW): the requests
+        already buffered are parsed first, on the next loop turn (not inside a flush)."""
+        if not self._read_paused or self._write_paused or self._closing or self._handing_off:
+            return
+        self._read_paused = False
+        if self.transport is not None:
+            self.transport.resume_reading()
+            if self._buf:
+                self._loop.call_soon(self._parse_buffered)
+
+    def _parse_buffered(self) -> None:
+        self._parse()
+        self._count_held()
+
+    def _count_held(self) -> None:
+        """Tell the memory guard how many request bytes this connection buffers (called once
+        per read, not per request)."""
+        held = len(self._buf) + (self._body_have if self._pending is not None else 0)
+        if held != self._held:
+            self.endpoint.memory.held += held - self._held
+            self._held = held
 
     # -- timers -------------------------------------------------------------------------
     def _arm_headers(self) -> None:
@@ -311,10 +399,10 @@ class FastConnection(asyncio.Protocol):
     def _headers_due(self) -> None:
         self._header_timer = None
         self._guard.timed_out(self)
-        if self.waiting_for_headers() and self._pending_request is None:
+        if self.waiting_for_headers() and self._pending is None:
             metrics.HEADER_TIMEOUTS.inc()
             self._close()
-        elif self._buf and self._pending_request is None and not self._handing_off and self.transport:
+        elif self._buf and self._pending is None and not self._handing_off and self.transport:
             self._arm_headers()  # a later request's head began before this timer was due
 
     def _arm_keepalive(self) -> None:
@@ -334,21 +422,22 @@ class FastConnection(asyncio.Protocol):
 
     def _body_due(self) -> None:
         self._body_timer = None
-        if self._pending_request is None or self.transport is None:
+        pending = self._pending
+        if pending is None or self.transport is None:
             return
         if self._loop.time() < self._body_deadline:  # armed for an earlier body, or early
             self._body_timer = self._loop.call_at(self._body_deadline, self._body_due)
             return
-        start = self._pending_request[5]
-        self._pending_request = None
+        self._pending = None
         self._body_parts = []
+        self._count_held()
         timeout_s = self.endpoint.settings.body_timeout_s
         exc = ApiError(
             408, "body_timeout", f"request body not received within {timeout_s:g} s", {"Connection": "close"}
         )
-        answer = _Answer(self, start)
+        answer = _Answer(self, pending.start)
         self._answers.append(answer)
-        self.transport.pause_reading()
+        self._stop_reading()
         self._closing = True
         self.refused(answer, exc)
 
@@ -357,42 +446,48 @@ class FastConnection(asyncio.Protocol):
         if self._handing_off:  # read before the pause took hold: aiohttp's too
             self._buf += data
             return
-        if self._pending_request is not None:
+        pending = self._pending
+        if pending is not None:
             self._body_parts.append(data)
             self._body_have += len(data)
-            if self._body_have >= self._pending_request[4]:
+            if self._body_have >= pending.head.length:
                 self._body_complete()
+            self._count_held()
+            return
+        self._buf = self._buf + data if self._buf else data
+        if self._read_paused:  # read before the pause took hold: parsed once it ends
+            self._count_held()
             return
         # bytes of a request head with no timer running arm the header timeout
         if self._header_timer is None:
             self._arm_headers()
-        self._buf = self._buf + data if self._buf else data
         self._parse()
+        self._count_held()
 
     def _parse(self) -> None:
-        while self._buf and not self._handing_off and self.transport is not None:
+        while self._buf and not self._handing_off and self.transport is not None and self._pending is None:
+            if self._backlogged():
+                return
             buf = self._buf
             end = buf.find(b"\r\n\r\n")
             if end < 0:
                 if len(buf) > MAX_HEAD or not self._may_become_enqueue(buf):
                     self._hand_off_soon()  # aiohttp refuses a bad line as soon as it sees it
                 return
-            request = self._request_head(buf[:end])
-            if request is None:
+            head = self._request_head(buf[:end]) if end <= MAX_HEAD else None
+            if head is None:
                 self._hand_off_soon()
                 return
             self._requests += 1
-            recipient, channel, key, authorization, length = request
             start = time.perf_counter()
             body_start = end + 4
+            length = head.length
             if len(buf) - body_start >= length:
                 self._buf = buf[body_start + length :]
-                self._dispatch(
-                    recipient, channel, key, authorization, buf[body_start : body_start + length], start
-                )
+                self._dispatch(head, buf[body_start : body_start + length], start)
                 continue
             self._buf = b""
-            self._pending_request = (recipient, channel, key, authorization, length, start)
+            self._pending = _Pending(head, start)
             rest = buf[body_start:]
             self._body_parts = [rest] if rest else []
             self._body_have = len(rest)
@@ -404,13 +499,14 @@ class FastConnection(asyncio.Protocol):
             return
 
     def _body_complete(self) -> None:
-        assert self._pending_request is not None
-        recipient, channel, key, authorization, length, start = self._pending_request
-        self._pending_request = None
+        pending = self._pending
+        assert pending is not None
+        self._pending = None
+        length = pending.head.length
         joined = self._body_parts[0] if len(self._body_parts) == 1 else b"".join(self._body_parts)
         self._body_parts = []
         self._buf = joined[length:]
-        self._dispatch(recipient, channel, key, authorization, joined[:length], start)
+        self._dispatch(pending.head, joined[:length], pending.start)
         self._parse()
 
     @staticmethod
@@ -420,6 +516,8 @@ class FastConnection(asyncio.Protocol):
         n = min(len(partial), len(_PREFIX))
         if partial[:n] != _PREFIX[:n]:
             return False
+        if partial.count(b"\n") != partial.count(b"\r\n"):
+            return False  # a bare LF: aiohttp answers it 400 at once (RFC 9112 section 2.2)
         lines = partial.split(b"\r\n")[:-1]  # the last one may be incomplete
         if not lines:
             return True
@@ -427,9 +525,7 @@ class FastConnection(asyncio.Protocol):
             return False
         return all(_HEADER.fullmatch(line) is not None for line in lines[1:])
 
-    def _request_head(
-        self, head: bytes
-    ) -> tuple[bytes, bytes | None, bytes | None, bytes | None, int] | None:
+    def _request_head(self, head: bytes) -> _Head | None:
         """The enqueue fields of a head this path serves, else None (aiohttp's business)."""
         if not head.isascii():
             return None
@@ -455,18 +551,10 @@ class FastConnection(asyncio.Protocol):
         key, authorization, length = fields
         if not endpoint.accepts_body(length):
             return None
-        return line[1], line[2], key, authorization, length
+        return _Head(line[1], line[2], key, authorization, length)
 
     # -- serving --------------------------------------------------------------------------
-    def _dispatch(
-        self,
-        recipient_text: bytes,
-        channel_text: bytes | None,
-        key: bytes | None,
-        authorization: bytes | None,
-        body: bytes,
-        start: float,
-    ) -> None:
+    def _dispatch(self, head: _Head, body: bytes, start: float) -> None:
         endpoint = self.endpoint
         answer = _Answer(self, start)
         self._answers.append(answer)
@@ -474,9 +562,11 @@ class FastConnection(asyncio.Protocol):
             if endpoint.memory.over:
                 raise overloaded()
             # the aiohttp handler's steps, in its order (relay/api/queues.py enqueue)
-            recipient = params.recipient_key_matched(recipient_text)  # matched by _REQUEST_LINE
-            channel = params.channel_value(channel_text.decode()) if channel_text else b""
+            recipient = params.recipient_key_matched(head.recipient)  # matched by _REQUEST_LINE
+            channel = params.channel_value(head.channel.decode()) if head.channel else b""
+            key = head.key
             idempotency_key = "" if key is None else params.idempotency_value(key.decode())
+            authorization = head.authorization
             endpoint.auth.verify_enqueue_header(None if authorization is None else authorization.decode())
             payload = params.non_empty(body)
             endpoint.service.enqueue_into(
@@ -522,21 +612,22 @@ class FastConnection(asyncio.Protocol):
             transport.write(answer.data)  # type: ignore[arg-type]
             if answer.close:
                 self._closing = True
+        if self._read_paused and len(answers) <= OWED_LOW:
+            self._resume_reading()
         if answers or transport is None:
             return
         if self._closing:
             self._close()
         elif self._handing_off:
             self._hand_off()
-        elif not self._buf and self._pending_request is None:
+        elif not self._buf and self._pending is None:
             self._idle_since = self._loop.time()
             self._arm_keepalive()
 
     # -- handing the connection to aiohttp -----------------------------------------------
     def _hand_off_soon(self) -> None:
+        self._stop_reading()
         self._handing_off = True
-        assert self.transport is not None
-        self.transport.pause_reading()
         if not self._answers:
             self._hand_off()
 
@@ -544,6 +635,7 @@ class FastConnection(asyncio.Protocol):
         transport = self.transport
         assert transport is not None
         data, self._buf = self._buf, b""
+        self._count_held()
         self._cancel_timers()
         self._guard.closed(self)
         self.transport = None
@@ -561,8 +653,8 @@ class FastConnection(asyncio.Protocol):
         self._closing = True
         if self.transport is not None and not self._answers:
             self._close()
-        elif self.transport is not None:
-            self.transport.pause_reading()
+        else:
+            self._stop_reading()
 
     def busy(self) -> bool:
         return self.transport is not None and bool(self._answers)

@@ -69,7 +69,7 @@ class MemoryGuard:
     the request is answered.
     """
 
-    __slots__ = ("_handle", "ceiling", "claimed", "over", "rss", "threshold")
+    __slots__ = ("_handle", "ceiling", "claimed", "held", "over", "rss", "threshold")
 
     def __init__(self, ceiling: int | None) -> None:
         self.ceiling = ceiling
@@ -77,6 +77,9 @@ class MemoryGuard:
         self.over = False
         self.rss = 0
         self.claimed = 0
+        # request bytes the enqueue fast path holds (read, not yet requests or whole bodies):
+        # counted like claimed bytes, since each will cost as much once it becomes a request
+        self.held = 0
         self._handle: asyncio.TimerHandle | None = None
 
     def claim(self, size: int) -> bool:
@@ -84,7 +87,7 @@ class MemoryGuard:
         if self.ceiling is None:
             return True
         self.rss = rss_bytes()  # fresh: a big body is rare and costs far more than this read
-        if self.rss + (self.claimed + size) * BODY_FACTOR >= self.threshold:
+        if self.rss + (self.claimed + self.held + size) * BODY_FACTOR >= self.threshold:
             return False
         self.claimed += size
         return True
@@ -109,7 +112,7 @@ class MemoryGuard:
 
     def _sample(self) -> None:
         self.rss = rss_bytes()
-        over = self.rss >= self.threshold
+        over = self.rss + self.held * BODY_FACTOR >= self.threshold
         if over != self.over:
             self.over = over
             metrics.OVERLOADED.set(1 if over else 0)
@@ -120,4 +123,5 @@ class MemoryGuard:
                 self.threshold >> 20,
             )
         metrics.RSS_BYTES.set(self.rss)
+        metrics.HTTP_HELD_BYTES.set(self.held)
         self._handle = asyncio.get_running_loop().call_later(SAMPLE_INTERVAL_S, self._sample)

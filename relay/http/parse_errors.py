@@ -28,6 +28,7 @@ _PARSE_REASONS: tuple[tuple[str, str, str], ...] = (
     ("transfer-encoding", "bad_transfer_encoding", "unsupported or malformed Transfer-Encoding"),
     ("content-length", "bad_length", "malformed or conflicting Content-Length"),
     ("data after", "bad_length", "a request body needs a Content-Length or chunked encoding"),
+    ("host", "missing_host", "an HTTP/1.1 request needs a Host header"),
     ("header", "bad_header", "malformed header"),
     ("method", "bad_request_line", "malformed request line"),
     ("version", "bad_request_line", "malformed request line"),

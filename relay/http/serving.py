@@ -20,9 +20,12 @@ import asyncio
 import logging
 import resource
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http import HttpVersion11, RawRequestMessage
+from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
 from relay import metrics
@@ -128,15 +131,23 @@ class ConnectionGuard:
 
 
 class GuardedRequestHandler(RequestHandler):
-    """aiohttp's protocol plus the header timeout, the connection cap and JSON parse errors."""
+    """aiohttp's protocol plus the header timeout, the connection cap and JSON parse errors.
 
-    __slots__ = ("_armed_count", "_guard", "_header_timer")
+    Built on the protocol's public methods only: it learns that a header block is complete
+    from the server's request factory (GuardedServer.make_request) and that its request
+    is answered from finish_response, so it reads none of aiohttp's private state.
+    """
+
+    __slots__ = ("_armed_heads", "_closing", "_guard", "_header_timer", "_heads", "_in_request")
 
     def __init__(self, manager: web.Server, *, guard: ConnectionGuard, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._guard = guard
         self._header_timer: asyncio.TimerHandle | None = None
-        self._armed_count = 0
+        self._heads = 0  # complete header blocks handed to a request
+        self._armed_heads = 0
+        self._in_request = False  # from a request's head until its answer is written
+        self._closing = False
 
     # -- header timeout ------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -154,15 +165,30 @@ class GuardedRequestHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         # Bytes of a new request on an idle connection, headers not complete yet: arm.
-        # While a request is handled (no waiter) or once a header block is parsed
-        # (waiter done), nothing to do: the usual path costs these three reads.
-        if self._header_timer is None:
-            waiter = self._waiter
-            if waiter is not None and not waiter.done() and data:
-                self._arm()
+        # While a request is handled, or with a timer running, nothing to do: the usual
+        # path costs these reads.
+        if self._header_timer is None and not self._in_request and data and not self._closing:
+            self._arm()
+
+    def request_started(self) -> None:
+        """A complete header block became a request (called by GuardedServer.make_request)."""
+        self._heads += 1
+        self._in_request = True
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self._in_request = False
+
+    def force_close(self) -> None:
+        self._closing = True
+        super().force_close()
 
     def _arm(self) -> None:
-        self._armed_count = self._request_count
+        self._armed_heads = self._heads
         self._header_timer = self._guard.arm(self, self._headers_due)
 
     def _headers_due(self) -> None:
@@ -177,15 +203,14 @@ class GuardedRequestHandler(RequestHandler):
         """No complete header block since the timer was armed (and still connected)."""
         return (
             self.transport is not None
-            and not self._upgraded
-            and self._request_count == self._armed_count
-            and not self._force_close
+            and not self._in_request
+            and self._heads == self._armed_heads
+            and not self._closing
         )
 
     def idle(self) -> bool:
         """Between requests on a keep-alive connection: nothing being handled."""
-        waiter = self._waiter
-        return self.transport is not None and waiter is not None and not waiter.done()
+        return self.transport is not None and not self._in_request and not self._closing
 
     def shed(self) -> None:
         log.debug("closed a connection to stay under the connection cap (%d)", self._guard.cap)
@@ -215,10 +240,7 @@ class GuardedRequestHandler(RequestHandler):
         else:
             code, text = describe_parse_error(exc)
             log.debug("refused a malformed request (%s): %s", code, type(exc).__name__)
-        metrics.REJECTED.labels(code).inc()
-        response = error_response(status, code, text)
-        response.force_close()
-        return response
+        return refusal(status, code, text)
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
         # aiohttp passes request-derived text in args/exc_info; keep the type only
@@ -227,18 +249,80 @@ class GuardedRequestHandler(RequestHandler):
         log.error("HTTP layer error: %s", name)
 
 
+def refusal(status: int, code: str, text: str) -> web.Response:
+    """A request refused by the HTTP layer: counted, JSON, and the connection closed after it."""
+    metrics.REJECTED.labels(code).inc()
+    response = error_response(status, code, text)
+    response.force_close()
+    return response
+
+
+def head_refusal(request: web.BaseRequest) -> web.Response | None:
+    """RFC 9112 rules aiohttp's parser lets through, checked on every head it parses (the fast
+    path hands such heads to it): None when the head is fine. No header value is echoed."""
+    headers = request.headers
+    # (an HTTP/1.1 head without Host never gets here: aiohttp's parser refuses it, "missing_host")
+    if request.version < HttpVersion11 and "Transfer-Encoding" in headers:
+        # RFC 9112 section 6.1: the framing cannot be trusted; answer and close
+        return refusal(400, "bad_transfer_encoding", "Transfer-Encoding is not allowed in HTTP/1.0")
+    expect = headers.get("Expect")
+    if expect is not None and expect.lower() != "100-continue":
+        return refusal(417, "expectation_failed", "the only expectation supported is 100-continue")
+    return None
+
+
 # The enqueue fast path's protocol factory (relay/http/fastpath.py), set on the app by build_app
 # when RELAY_HTTP_FASTPATH is on: connections start there and are handed to aiohttp's.
 FastFactory = Callable[["GuardedServer"], asyncio.Protocol]
 FAST_PROTOCOL: web.AppKey[FastFactory] = web.AppKey("relayfleet_fast_protocol")
 
+# aiohttp's per-line limit (request line, each header line), named so the fast path keeps the
+# same one: a head it would pass with a longer line is handed to aiohttp, which refuses it.
+MAX_LINE = 8190
+
 
 class GuardedServer(web.Server):
-    """aiohttp's Server handing out GuardedRequestHandler protocols (or, with the fast path
-    on, fast-path connections that hand themselves to one for anything but an enqueue)."""
+    """The server whose protocols the sites start: GuardedRequestHandler, or, with the fast path
+    on, fast-path connections that hand themselves to one for anything but a clean enqueue.
 
-    guard: ConnectionGuard
-    fast: FastFactory | None
+    It serves the application through the public attributes of the server aiohttp's AppRunner
+    made for it (its request handler and request factory), each head checked first."""
+
+    def __init__(
+        self,
+        app_server: web.Server,
+        guard: ConnectionGuard,
+        fast: FastFactory | None,
+        handler_kwargs: dict[str, Any],
+    ) -> None:
+        self.app_handler = app_server.request_handler
+        self.app_request_factory = app_server.request_factory
+        super().__init__(
+            self.handle,
+            request_factory=self.make_request,
+            handler_cancellation=app_server.handler_cancellation,
+            loop=guard.loop,
+        )
+        self.guard = guard
+        self.fast = fast
+        self.handler_kwargs = handler_kwargs
+
+    def make_request(
+        self,
+        message: RawRequestMessage,
+        payload: StreamReader,
+        protocol: RequestHandler,
+        writer: AbstractStreamWriter,
+        task: asyncio.Task[None],
+    ) -> web.BaseRequest:
+        cast(GuardedRequestHandler, protocol).request_started()
+        return self.app_request_factory(message, payload, protocol, writer, task)
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        refused = head_refusal(request)
+        if refused is not None:
+            return refused
+        return await self.app_handler(request)
 
     # asyncio's protocol factory: any protocol does (aiohttp types it narrower)
     def __call__(self) -> asyncio.Protocol:  # type: ignore[override]
@@ -247,7 +331,7 @@ class GuardedServer(web.Server):
         return self.aiohttp_protocol()
 
     def aiohttp_protocol(self) -> GuardedRequestHandler:
-        return GuardedRequestHandler(self, loop=self._loop, guard=self.guard, **self._kwargs)
+        return GuardedRequestHandler(self, loop=self.guard.loop, guard=self.guard, **self.handler_kwargs)
 
     def pre_shutdown(self) -> None:
         super().pre_shutdown()
@@ -267,18 +351,46 @@ class GuardedServer(web.Server):
         await super().shutdown(timeout)
 
 
-class GuardedAppRunner(web.AppRunner):
-    def __init__(self, app: web.Application, settings: Settings, **kwargs: Any) -> None:
-        super().__init__(app, **runner_kwargs(settings, kwargs))
-        self._settings = settings
+# AppRunner's and Server's own arguments; the rest are the protocol's (RequestHandler's)
+_RUNNER_ARGS = ("handle_signals", "shutdown_timeout", "access_log_class", "handler_cancellation")
 
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        server.__class__ = GuardedServer  # same object, our protocol factory
-        assert isinstance(server, GuardedServer)
-        server.guard = ConnectionGuard(self._settings, asyncio.get_running_loop())
-        server.fast = self._app.get(FAST_PROTOCOL)
-        return server
+
+class GuardedAppRunner(web.AppRunner):
+    """aiohttp's AppRunner (application startup, shutdown and cleanup) whose sites serve through
+    a GuardedServer: its public `server` property is the one sites start listening with."""
+
+    def __init__(self, app: web.Application, settings: Settings, **kwargs: Any) -> None:
+        given = runner_kwargs(settings, kwargs)
+        self._handler_kwargs = {k: v for k, v in given.items() if k not in _RUNNER_ARGS}
+        super().__init__(app, **{k: v for k, v in given.items() if k in _RUNNER_ARGS})
+        self._settings = settings
+        self._shutdown_timeout_s = float(given.get("shutdown_timeout", 60.0))
+        self._guarded: GuardedServer | None = None
+
+    async def setup(self) -> None:
+        await super().setup()
+        app_server = super().server
+        assert app_server is not None
+        guard = ConnectionGuard(self._settings, asyncio.get_running_loop())
+        self._guarded = GuardedServer(app_server, guard, self.app.get(FAST_PROTOCOL), self._handler_kwargs)
+
+    @property
+    def server(self) -> GuardedServer | None:
+        return self._guarded
+
+    async def shutdown(self) -> None:
+        # called by cleanup() between the sites' closing and the app's cleanup: our server's
+        # connections are drained around the application's shutdown, as aiohttp does its own
+        guarded = self._guarded
+        if guarded is not None:
+            guarded.pre_shutdown()
+        await super().shutdown()
+        if guarded is not None:
+            await guarded.shutdown(self._shutdown_timeout_s)
+
+    async def cleanup(self) -> None:
+        await super().cleanup()
+        self._guarded = None
 
 
 def runner_kwargs(settings: Settings, given: dict[str, Any]) -> dict[str, Any]:
@@ -287,6 +399,8 @@ def runner_kwargs(settings: Settings, given: dict[str, Any]) -> dict[str, Any]:
         access_log=None,  # an access line names the path: recipient keys, channels
         keepalive_timeout=settings.keepalive_timeout_s,
         auto_decompress=False,  # never inflate a request body (compressed bodies get 415)
+        max_line_size=MAX_LINE,
+        max_field_size=MAX_LINE,
     )
     return kwargs
 

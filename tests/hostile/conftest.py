@@ -1,7 +1,8 @@
 """Fixtures of the attacker suite (`make hostile`, and part of `make test`).
 
 `hostile_relay`: one relay for the whole suite, started as users start it, with a
-short header timeout so slowloris tests finish quickly. `relay_with(env, nofile)`:
+short header timeout so slowloris tests finish quickly; `aiohttp_relay`: the same with
+the enqueue fast path off. `relay_with(env, nofile)`:
 a relay of its own for an attack that needs other settings (a memory ceiling, a
 small open-files limit). Every relay logs at DEBUG; tests grep it for planted secrets.
 """
@@ -45,6 +46,22 @@ def hostile_relay(hostile_redis: LocalRedis, tmp_path_factory: pytest.TempPathFa
     finally:
         relay.stop()
     # whatever every attack planted, none of it reached the log
+    relay.assert_log_clean()
+
+
+@pytest.fixture(scope="session")
+def aiohttp_relay(hostile_redis: LocalRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Relay]:
+    """The suite's relay with the enqueue fast path off: every request on aiohttp's guarded
+    protocol (for the attacks both paths must answer alike)."""
+    relay = start_relay(
+        hostile_redis,
+        tmp_path_factory.mktemp("aiohttp-relay"),
+        {"RELAY_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S), "RELAY_HTTP_FASTPATH": "0"},
+    )
+    try:
+        yield relay
+    finally:
+        relay.stop()
     relay.assert_log_clean()
 
 
