@@ -32,6 +32,7 @@ from relay.settings import Settings
 log = logging.getLogger("relay.app")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "CONNECT", "TRACE"})
 
 
 def _overloaded() -> web.Response:
@@ -69,13 +70,15 @@ def observed(handler: Handler, guard: MemoryGuard | None = None) -> Handler:
         status = response.status
         if status >= 400 and isinstance(response, web.Response) and response.body is not None:
             metrics.REJECTED.labels(code_of(response)).inc()
-        series = by_method.get(request.method)
+        # a client may send any token as its method: unknown ones share one series
+        method = request.method if request.method in METHODS else "other"
+        series = by_method.get(method)
         if series is None:
             resource = request.match_info.route.resource
             label = (
                 "unmatched" if resource is None or isinstance(resource, _Unmatched) else resource.canonical
             )
-            series = by_method[request.method] = RouteSeries(label, request.method)
+            series = by_method[method] = RouteSeries(label, method)
         series.count(status)
         series.observe(time.perf_counter() - start)
         return response

@@ -54,6 +54,8 @@ def loads(
     # escaped backslashes first, so the quote of a '\\"' pair stays a quote
     skeleton = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURAL)
     if len(skeleton) > max_tokens:
+        if _deeper_than(skeleton[:max_tokens], max_depth):  # a bomb is named as one
+            raise JsonLimitError(f"{what} nests deeper than {max_depth} levels", "json_too_deep")
         raise JsonLimitError(f"{what} has more than {max_tokens} values", "json_too_complex")
     if _deeper_than(skeleton, max_depth):
         raise JsonLimitError(f"{what} nests deeper than {max_depth} levels", "json_too_deep")

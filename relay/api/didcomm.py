@@ -22,7 +22,7 @@ from relay.api.errors import ApiError, json_response
 from relay.api.queues import enqueue_error
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import EnvelopeError
-from relay.didcomm.mediator import ForwardRefused, Mediator, Outcome
+from relay.didcomm.mediator import HANDLED_TYPES, ForwardRefused, Mediator, Outcome
 from relay.didcomm.mediator_pickup import message_id
 from relay.didcomm.messages import MediatorError
 from relay.didcomm.records import CHANNEL, Connection
@@ -41,6 +41,7 @@ REREAD_S = 30.0  # live mode: a wakeup is a hint, re-read this often without one
 LIVE_WINDOW = 100  # live mode: messages delivered and not yet acknowledged, at most
 LIVE_BATCH = 20  # messages per live delivery message
 KEYS_POLL_S = 2.0  # live mode with no registered key yet: look again this often
+OWN_LABELS = frozenset({"envelope", "unknown", "message", "messagepickup/2.0/delivery"})
 
 
 def envelope_cap(max_payload: int) -> int:
@@ -49,7 +50,9 @@ def envelope_cap(max_payload: int) -> int:
 
 
 def _count(mtype: str, result: str) -> None:
-    metrics.DIDCOMM_MESSAGES.labels(mtype, result).inc()
+    """Labels from a bounded set only: a client-named type that is not ours counts as "other"."""
+    label = mtype if mtype in HANDLED_TYPES or mtype in OWN_LABELS else "other"
+    metrics.DIDCOMM_MESSAGES.labels(label, result).inc()
 
 
 def _mediator(request: web.Request) -> Mediator:

@@ -47,6 +47,27 @@ ROLES = {
 MAX_MESSAGE = 1 << 20  # a plaintext protocol message (forwards excepted) is small
 FORWARD_ROOM = 65536  # a forward's plaintext: its packed message plus the routing fields
 FORWARD = "routing/1.0/forward"
+# The message types the mediator acts on: the only values of the metric's `type` label
+# (anything else a client names, a problem-report of any family included, counts as "other").
+HANDLED_TYPES = frozenset(
+    {
+        FORWARD,
+        "didexchange/1.1/request",
+        "didexchange/1.0/request",
+        "didexchange/1.1/complete",
+        "didexchange/1.0/complete",
+        "trust_ping/1.0/ping",
+        "coordinate-mediation/1.0/mediate-request",
+        "coordinate-mediation/1.0/keylist-update",
+        "coordinate-mediation/1.0/keylist-query",
+        "messagepickup/2.0/status-request",
+        "messagepickup/2.0/delivery-request",
+        "messagepickup/2.0/messages-received",
+        "messagepickup/2.0/live-delivery-change",
+        "discover-features/1.0/query",
+        "notification/1.0/problem-report",
+    }
+)
 MAX_UPDATES = 1000
 MAX_MESSAGE_ID = 100
 

@@ -227,6 +227,11 @@ def http(
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
+def report(name: str, **numbers: object) -> None:
+    """A figure of an attack, printed as `HOSTILE <attack>: k=v ...` (docs/reliability.md)."""
+    print(f"HOSTILE {name}: " + " ".join(f"{k}={v}" for k, v in numbers.items()))
+
+
 def recipient(n: int) -> str:
     """A distinct valid recipient key (base64url of 32 bytes) per n."""
     from relay.protocol import b64encode

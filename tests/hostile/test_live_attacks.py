@@ -17,16 +17,12 @@ import time
 import aiohttp
 import pytest
 
-from tests.hostile.harness import Relay, RelayWith, recipient
+from tests.hostile.harness import Relay, RelayWith, recipient, report
 
 pytestmark = pytest.mark.timeout(300)
 
 MiB = 1 << 20
 UNHANDLED = (b"Traceback", b"Error handling request", b"exception was never retrieved", b"Unhandled")
-
-
-def report(name: str, **numbers: object) -> None:
-    print(f"HOSTILE {name}: " + " ".join(f"{k}={v}" for k, v in numbers.items()))
 
 
 async def _metric(s: aiohttp.ClientSession, relay: Relay, name: str) -> float:

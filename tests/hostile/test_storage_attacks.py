@@ -26,17 +26,13 @@ import pytest
 import redis
 
 from relay.protocol import b64decode
-from tests.hostile.harness import Relay, RelayWith, recipient, start_redis, start_relay
+from tests.hostile.harness import Relay, RelayWith, recipient, report, start_redis, start_relay
 from tests.support.tcp_proxy import tcp_proxy
 
 pytestmark = pytest.mark.timeout(300)
 
 MiB = 1 << 20
 BUDGET = 8 * MiB  # RELAY_MAX_RESPONSE_BYTES default (docs/api.md)
-
-
-def report(name: str, **numbers: object) -> None:
-    print(f"HOSTILE {name}: " + " ".join(f"{k}={v}" for k, v in numbers.items()))
 
 
 async def _enqueue(
