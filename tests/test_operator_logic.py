@@ -11,7 +11,7 @@ from relayfleet_operator.executor import MoveFailed, Outcome, run_moves
 from relayfleet_operator.fleet_state import founder, targets
 from relayfleet_operator.rebalance_states import ANNOTATION, Action, decide, moves_status, progress, remaining
 from relayfleet_operator.spec import parse_shard
-from relayfleet_operator.status import Observed, set_condition, shard_status
+from relayfleet_operator.status import Observed, claim_problem, set_condition, shard_status
 from relayfleet_operator.weight_planner import (
     apply_moves,
     plan_by_weight,
@@ -171,6 +171,40 @@ def test_slots_only_move_into_ready_shards() -> None:
     assert targets(members, ShardMap("f", 1, {"a": URLS["a"]}, (SlotRange(0, SLOT_COUNT - 1, "a"),))) == (
         targets([], shard_map)
     )
+
+
+def _claim(phase: str, storage_class: str | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"resources": {"requests": {"storage": "1Gi"}}}
+    if storage_class:
+        spec["storageClassName"] = storage_class
+    return {"metadata": {"name": "data-relayfleet-m-redis-0"}, "spec": spec, "status": {"phase": phase}}
+
+
+def test_a_pending_redis_claim_is_named_in_the_shard_status() -> None:
+    """No StorageClass and no PersistentVolume: the claim stays Pending, and the status says so
+    instead of only "the Redis StatefulSet has no ready pod yet"."""
+    spec = parse_shard(
+        {
+            "metadata": {"name": "m", "namespace": "ns", "generation": 1},
+            "spec": {"fleet": "f", "redis": {"managed": {}}},
+        }
+    )
+    no_class = claim_problem(_claim("Pending"))
+    assert no_class == (
+        "PersistentVolumeClaim data-relayfleet-m-redis-0 is Pending: it names no StorageClass (the "
+        "cluster had no default one when it was made) and no PersistentVolume of 1Gi or more is "
+        "available; see docs/operator.md, Storage"
+    )
+    assert "StorageClass fast has not provided a volume" in str(claim_problem(_claim("Pending", "fast")))
+    assert "lost its PersistentVolume" in str(claim_problem(_claim("Lost")))
+    assert claim_problem(_claim("Bound")) is None
+    assert claim_problem(None) is None
+    sts = {"status": {"replicas": 1, "readyReplicas": 0}}
+    status = shard_status(spec, None, Observed(statefulset=sts, in_shard_map=True, storage=no_class))
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["message"]) == ("False", f"{no_class}; 0/2 relay pods ready")
+    plain = shard_status(spec, None, Observed(statefulset=sts, in_shard_map=True))
+    assert "the Redis StatefulSet has no ready pod yet" in str(plain["conditions"])
 
 
 def test_status_provisioning_then_ready() -> None:

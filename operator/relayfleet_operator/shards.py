@@ -18,7 +18,7 @@ from relayfleet_operator import builders, fleet_state, metrics, shard_redis
 from relayfleet_operator.kube import KubeError
 from relayfleet_operator.replication import probe as probe_replication
 from relayfleet_operator.spec import API_VERSION, SHARD_KIND, ManagedRedis, ShardSpec, SpecError, parse_shard
-from relayfleet_operator.status import Observed, condition, now_rfc3339, shard_status
+from relayfleet_operator.status import Observed, claim_problem, condition, now_rfc3339, shard_status
 from relayfleet_operator.weight_planner import plan_drain
 
 FORCE_DELETE = "relayfleet.dev/force-delete"
@@ -63,10 +63,14 @@ async def _observe(ctx: fleet_state.Context, shard: ShardSpec, url: str | None) 
     sts = None
     reachable = None
     replication = None
+    storage = None
     if isinstance(shard.redis, ManagedRedis):
         sts = await kube.get("apps/v1", "StatefulSet", shard.namespace, builders.redis_name(shard.name))
         if url is not None and sts is not None:
             replication = await probe_replication(url, now_rfc3339())
+        if not ((sts or {}).get("status") or {}).get("readyReplicas"):
+            claim = builders.redis_claim_name(shard.name)
+            storage = claim_problem(await kube.get("v1", "PersistentVolumeClaim", shard.namespace, claim))
     elif url is not None:
         reachable = await shard_redis.ping(url)
     last_backup = None
@@ -85,6 +89,7 @@ async def _observe(ctx: fleet_state.Context, shard: ShardSpec, url: str | None) 
         in_shard_map=shard_map is not None and shard.name in shard_map.shards,
         migrating=ctx.moving.get((shard.namespace, shard.fleet)),
         replication=replication,
+        storage=storage,
     )
 
 

@@ -89,6 +89,7 @@ class Observed:
     error: str | None = None  # the reconcile itself failed, and why
     replication: Mapping[str, Any] | None = None  # managed Redis: status.redis (replication.py)
     last_backup: str | None = None  # the backup CronJob's status.lastSuccessfulTime
+    storage: str | None = None  # managed Redis: why its data claim holds the Pod back (claim_problem)
 
 
 def _int(obj: Mapping[str, Any] | None, *path: str) -> int:
@@ -98,6 +99,31 @@ def _int(obj: Mapping[str, Any] | None, *path: str) -> int:
             return 0
         cur = cur.get(key)
     return cur if isinstance(cur, int) else 0
+
+
+def claim_problem(claim: Mapping[str, Any] | None) -> str | None:
+    """Why a managed Redis's data claim keeps its Pod from starting (None: bound, or not made yet)."""
+    if claim is None:
+        return None
+    name = (claim.get("metadata") or {}).get("name", "?")
+    phase = (claim.get("status") or {}).get("phase")
+    size = (((claim.get("spec") or {}).get("resources") or {}).get("requests") or {}).get("storage", "?")
+    cls = (claim.get("spec") or {}).get("storageClassName")
+    if phase == "Lost":
+        return f"PersistentVolumeClaim {name} lost its PersistentVolume: the Redis data is gone"
+    if phase != "Pending":
+        return None
+    if cls:
+        why = (
+            f"StorageClass {cls} has not provided a volume (does it exist? a WaitForFirstConsumer "
+            "class binds only once the Pod is scheduled)"
+        )
+    else:
+        why = (
+            "it names no StorageClass (the cluster had no default one when it was made) and no "
+            f"PersistentVolume of {size} or more is available"
+        )
+    return f"PersistentVolumeClaim {name} is Pending: {why}; see docs/operator.md, Storage"
 
 
 def _deployment_stuck(dep: Mapping[str, Any] | None) -> str | None:
@@ -128,7 +154,7 @@ def shard_status(
 
     if spec.managed:
         redis_ready = _int(seen.statefulset, "status", "readyReplicas") >= 1
-        redis_why = "the Redis StatefulSet has no ready pod yet"
+        redis_why = seen.storage or "the Redis StatefulSet has no ready pod yet"
     else:
         redis_ready = seen.redis_reachable is not False
         redis_why = "the external Redis does not answer PING"

@@ -30,6 +30,11 @@ def redis_name(shard: str) -> str:
     return f"relayfleet-{shard}-redis"
 
 
+def redis_claim_name(shard: str) -> str:
+    """The data claim of the shard's first Redis Pod (volumeClaimTemplates "data", ordinal 0)."""
+    return f"data-{redis_name(shard)}-0"
+
+
 def redis_config_name(shard: str) -> str:
     return f"relayfleet-{shard}-redis-config"
 
