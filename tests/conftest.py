@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 
@@ -28,6 +29,11 @@ pytest_plugins = [
 ]
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
+
+# Hypothesis keeps its caches (and any example database) outside the repository.
+os.environ.setdefault(
+    "HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "relayfleet-hypothesis")
+)
 
 # Skip reasons that mean "a tool is missing" (not "opt-in", like --soak): on CI they fail.
 _MISSING_TOOL = re.compile(
