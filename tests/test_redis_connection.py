@@ -13,9 +13,9 @@ from relay.storage.connection import (
     RedisTarget,
     RedisURLError,
     TlsOptions,
-    encode,
     open_connection,
 )
+from relay.storage.resp import encode
 
 REDIS = "/usr/bin/redis-server"
 

@@ -131,3 +131,45 @@ async def test_the_watch_holds_writes_from_the_first_sdown_until_the_switch(tmp_
         if old.proc is not None and old.proc.poll() is None:
             old.proc.send_signal(signal.SIGCONT)
         await asyncio.to_thread(shard.stop)
+
+
+async def test_a_primary_the_sentinels_hold_down_is_not_taken(tmp_path: Path) -> None:
+    """Primary discovery (relay, migrator, backup, operator) takes a primary only while the
+    Sentinel's SENTINEL MASTER flags show it up, as redis-py's discover_master does: a primary
+    frozen past down-after with no replica to promote is still named by
+    get-master-addr-by-name, but it is s_down/o_down, so no primary is found (callers answer
+    503 and retry) until it answers again."""
+    from relay.storage import sentinel
+
+    shard = await asyncio.to_thread(ReplicatedShard(tmp_path / "redis", replicas=0).start)
+    node = shard.nodes[0]
+    target = shard.target()
+    try:
+        assert await sentinel.ask_primary(target) == ("127.0.0.1", node.port)
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                await sentinel.ask_primary(target)
+            except sentinel.NoPrimary:
+                break
+            await asyncio.sleep(0.1)
+        with pytest.raises(sentinel.NoPrimary, match="knows no primary it sees up"):
+            await sentinel.ask_primary(target)
+        assert await asyncio.to_thread(shard.primary_port) == node.port  # still named
+        assert await sentinel.survey_primary(target) == (None, 3)
+        node.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                assert await sentinel.ask_primary(target) == ("127.0.0.1", node.port)
+                break
+            except sentinel.NoPrimary:
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the primary was not taken again once it answered")
+    finally:
+        if node.proc is not None and node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGCONT)
+        await asyncio.to_thread(shard.stop)

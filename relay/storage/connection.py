@@ -27,6 +27,8 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import hiredis
 
+from relay.storage.resp import Conn, encode, parse_info
+
 CertReqs = Literal["required", "optional", "none"]
 
 _CERT_REQS: dict[str, ssl.VerifyMode] = {
@@ -197,15 +199,6 @@ def _ssl_reason(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def encode(*parts: str | bytes | int) -> bytes:
-    """One command in RESP."""
-    out = [b"*%d\r\n" % len(parts)]
-    for p in parts:
-        raw = p if isinstance(p, bytes) else str(p).encode()
-        out.append(b"$%d\r\n%b\r\n" % (len(raw), raw))
-    return b"".join(out)
-
-
 def login_commands(target: RedisTarget) -> list[tuple[str, bytes]]:
     """The commands a new connection sends before its first real one, with a safe label each.
     The PING proves the connection works end to end: with TLS 1.3 a server that refuses our
@@ -278,7 +271,6 @@ class _Login(asyncio.Protocol):
     def __init__(self) -> None:
         self._reader = hiredis.Reader()
         self._replies: asyncio.Queue[object] = asyncio.Queue()
-        self._lost: str | None = None
 
     def data_received(self, data: bytes) -> None:
         self._reader.feed(data)
@@ -311,3 +303,17 @@ class _Login(asyncio.Protocol):
                 raise RedisConnectError(f"{label} on {target.address} refused: {str(reply)[:120]}")
         if not self._replies.empty():
             raise RedisConnectError(f"{target.address} sent replies nobody asked for")
+
+
+async def read_info(target: RedisTarget, section: str, timeout: float) -> dict[str, str]:
+    """One INFO section of `target` as a dict (relay/storage/resp.py parses it);
+    RedisConnectError when it cannot be read, TimeoutError past `timeout`."""
+    reader, writer = await open_connection(target, timeout)
+    conn = Conn(reader, writer)
+    try:
+        reply = await asyncio.wait_for(conn.call("INFO", section), timeout)
+    finally:
+        conn.close()
+    if not isinstance(reply, bytes):
+        raise RedisConnectError(f"INFO on {target.address} refused: {str(reply)[:120]}")
+    return parse_info(reply)

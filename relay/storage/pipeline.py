@@ -23,6 +23,7 @@ from relay.fleet.sharding import is_sentinel_url
 from relay.storage import sentinel
 from relay.storage.boot import mark_boot
 from relay.storage.connection import RedisConnectError, RedisTarget, open_protocol
+from relay.storage.resp import Arg, bulk, bulk_str, encode
 from relay.storage.scripts import ALL, Script
 
 
@@ -52,9 +53,6 @@ class StoreRejected(Exception):
     """Redis refused the write (e.g. OOM under noeviction); the caller answers 507."""
 
 
-Arg = bytes | str | int
-
-
 class ReplySink(Protocol):
     """Where one command's reply goes: an asyncio.Future, or an object that acts on the
     reply at once (saves a future and a loop turn per command on hot paths)."""
@@ -77,27 +75,6 @@ class Deferred(Protocol):
 
 
 _Queued = tuple["bytes | Deferred", ReplySink]
-
-
-def bulk_str(value: str) -> bytes:
-    raw = value.encode()
-    return b"$%d\r\n%b\r\n" % (len(raw), raw)
-
-
-def encode_command(*args: Arg) -> bytes:
-    parts = [b"*%d\r\n" % len(args)]
-    for a in args:
-        parts.append(bulk(a))
-    return b"".join(parts)
-
-
-def bulk(a: Arg) -> bytes:
-    if isinstance(a, bytes):
-        return b"$%d\r\n%b\r\n" % (len(a), a)
-    if isinstance(a, str):
-        return bulk_str(a)
-    raw = b"%d" % a
-    return b"$%d\r\n%b\r\n" % (len(raw), raw)
 
 
 _HEADS: dict[tuple[str, int], bytes] = {}
@@ -214,7 +191,7 @@ def _with_wait(
     holds = [sink for _, sink in items if isinstance(sink, _Hold)]
     if not holds:
         return items
-    return [*items, (encode_command("WAIT", needed, timeout_ms), _WaitReply(holds, needed, fenced))]
+    return [*items, (encode("WAIT", needed, timeout_ms), _WaitReply(holds, needed, fenced))]
 
 
 class _Batch:
@@ -508,7 +485,7 @@ class ScriptBatcher:
         # ROLE before the first script: a demoted primary (or a replica a lagging Sentinel
         # still names) must never get a write
         loop = asyncio.get_running_loop()
-        hello = [encode_command("ROLE")]
+        hello = [encode("ROLE")]
         handshake = [(cmd, _watched(loop.create_future())) for cmd in hello] + _script_loads()
         conn.send(_Batch([*handshake], may_reload=False), self._connect_timeout)
         self._inflight += 1  # _batch_done balances it
@@ -536,7 +513,7 @@ def _script_loads() -> list[tuple[bytes, asyncio.Future[Any]]]:
     loop = asyncio.get_running_loop()
     items: list[tuple[bytes, asyncio.Future[Any]]] = []
     for script in ALL:
-        items.append((encode_command("SCRIPT", "LOAD", script.source), _watched(loop.create_future())))
+        items.append((encode("SCRIPT", "LOAD", script.source), _watched(loop.create_future())))
     return items
 
 

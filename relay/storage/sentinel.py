@@ -4,18 +4,20 @@ A shard map entry may name a Sentinel service instead of one Redis (docs/api.md,
 as a ``redis+sentinel://`` URL, see relay/fleet/sharding.py). Everything that opens
 connections asks here where the primary is:
 
-- ``ask_primary``: SENTINEL get-master-addr-by-name, trying each Sentinel in turn
-  (the one that answered last first); ``survey_primary`` asks them all at once and
-  counts who answered (status reports: the operator). Sentinels may lag a failover, so a connection
-  also checks ROLE once open (callers do: the hot path, wakeups); a demoted primary
+- ``ask_primary``: SENTINEL MASTER, trying each Sentinel in turn (the one that answered last
+  first); a primary whose flags say s_down, o_down or disconnected is not taken (as redis-py's
+  discover_master). ``survey_primary`` asks them all at once and counts who answered
+  (status reports: the operator). Sentinels may lag a failover, so a connection also checks
+  ROLE once open (callers do: the hot path, wakeups); a demoted primary
   is never written to.
 - ``SentinelWatch``: one connection per process and service subscribed to
   ``+switch-master`` on a Sentinel (re-made on the next Sentinel when it drops), so
   connections to the old primary are closed within a second of a failover instead
   of at their next error. One per service, shared by the store and the wakeup hub.
 - ``async_client`` / ``sync_client``: redis-py clients for the same URLs (migrator,
-  maintenance, Spark): redis-py's Sentinel pool resolves on connect and drops a
-  connection that answers READONLY.
+  maintenance, Spark): redis-py's Sentinel pool resolves on connect (the async one through
+  ``ask_primary``; the blocking one with redis-py's own discovery, which checks the same
+  flags) and drops a connection that answers READONLY.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
-import hiredis
 import redis
 import redis.asyncio as aioredis
 import redis.asyncio.sentinel as aiosentinel
 import redis.sentinel
 
 from relay.fleet.sharding import SentinelTarget, is_sentinel_url, parse_sentinel_url
+from relay.storage.connection import RedisTarget, open_connection
+from relay.storage.resp import Conn
 
 log = logging.getLogger("relay.sentinel")
 
@@ -46,66 +49,61 @@ class NoPrimary(ConnectionError):
     """No Sentinel named a primary for the service (all down, or mid-failover)."""
 
 
-def _pack(*parts: str | bytes) -> bytes:
-    out = [b"*%d\r\n" % len(parts)]
-    for p in parts:
-        b = p.encode() if isinstance(p, str) else p
-        out.append(b"$%d\r\n%b\r\n" % (len(b), b))
-    return b"".join(out)
-
-
-async def _command(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rd: hiredis.Reader, *parts: str
-) -> Any:
-    writer.write(_pack(*parts))
-    while (reply := rd.gets()) is False:
-        data = await reader.read(4096)
-        if not data:
-            raise ConnectionError("closed by the Sentinel")
-        rd.feed(data)
-    return reply
-
-
-async def _sentinel_connection(
-    target: SentinelTarget, host: str, port: int
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, hiredis.Reader]:
-    reader, writer = await asyncio.open_connection(host, port)
-    rd = hiredis.Reader()
-    if target.sentinel_password is not None:
-        reply = await _command(reader, writer, rd, "AUTH", target.sentinel_password)
-        if isinstance(reply, hiredis.ReplyError):
-            writer.close()
-            raise ConnectionError("Sentinel AUTH refused")
-    return reader, writer, rd
+async def _sentinel_connection(target: SentinelTarget, host: str, port: int, timeout: float) -> Conn:
+    """A connection to one Sentinel, logged in with the Sentinels' password (RedisConnectError
+    when it is refused or unreachable)."""
+    login = RedisTarget(host=host, port=port, password=target.sentinel_password)
+    return Conn(*await open_connection(login, timeout))
 
 
 _last_good: dict[tuple[tuple[str, int], ...], int] = {}  # which Sentinel answered last, per set
 
 
 async def _ask(target: SentinelTarget, host: str, port: int, timeout: float) -> Any:
-    """One Sentinel's reply to get-master-addr-by-name (a hiredis.ReplyError is returned, not
-    raised); OSError or TimeoutError when it does not answer in time."""
-    writer: asyncio.StreamWriter | None = None
+    """One Sentinel's SENTINEL MASTER reply for the service (a hiredis.ReplyError, e.g. for a
+    service it does not know, is returned, not raised); OSError or TimeoutError when it does
+    not answer in time."""
+    conn: Conn | None = None
     try:
         async with asyncio.timeout(timeout):
-            reader, writer, rd = await _sentinel_connection(target, host, port)
-            return await _command(reader, writer, rd, "SENTINEL", "get-master-addr-by-name", target.service)
+            conn = await _sentinel_connection(target, host, port, timeout)
+            return await conn.call("SENTINEL", "MASTER", target.service)
     finally:
-        if writer is not None:
-            writer.close()
+        if conn is not None:
+            conn.close()
+
+
+def _state(reply: Any) -> dict[bytes, Any]:
+    """A SENTINEL MASTER reply's field/value pairs ({} for an error reply)."""
+    if not isinstance(reply, list):
+        return {}
+    return dict(zip(reply[::2], reply[1::2], strict=False))
+
+
+# Flags under which a Sentinel's primary must not be used (as redis-py's discover_master
+# checks them): held down subjectively or by quorum, or this Sentinel has lost its link to it.
+_UNUSABLE = frozenset((b"s_down", b"o_down", b"disconnected"))
 
 
 def _named(reply: Any) -> tuple[str, int] | None:
-    """The (host, port) a get-master-addr-by-name reply names, if it names one."""
-    if isinstance(reply, list) and len(reply) == 2:
-        return reply[0].decode(), int(reply[1])
-    return None
+    """The (host, port) of the primary a SENTINEL MASTER reply describes, when its flags say
+    it is a primary that this Sentinel sees up."""
+    state = _state(reply)
+    flags = state.get(b"flags")
+    ip, port = state.get(b"ip"), state.get(b"port")
+    if not (isinstance(flags, bytes) and isinstance(ip, bytes) and isinstance(port, bytes)):
+        return None
+    names = set(flags.split(b","))
+    if b"master" not in names or names & _UNUSABLE or not port.isdigit():
+        return None
+    return ip.decode(), int(port)
 
 
 async def ask_primary(target: SentinelTarget, timeout: float = _ASK_TIMEOUT_S) -> tuple[str, int]:
-    """(host, port) of the service's primary as a Sentinel names it; NoPrimary when none does.
-    The Sentinels are asked in turn, the one that answered last first: the first answer wins
-    (the hot path wants it fast; a connection checks ROLE afterwards anyway)."""
+    """(host, port) of the service's primary as a Sentinel names it; NoPrimary when none does
+    (or each that does holds it down). The Sentinels are asked in turn, the one that answered
+    last first: the first answer wins (the hot path wants it fast; a connection checks ROLE
+    afterwards anyway)."""
     sentinels = target.sentinels
     start = _last_good.get(sentinels, 0)
     reasons: list[str] = []
@@ -120,7 +118,7 @@ async def ask_primary(target: SentinelTarget, timeout: float = _ASK_TIMEOUT_S) -
         if primary is not None:
             _last_good[sentinels] = idx
             return primary
-        reasons.append(f"{host}:{port} knows no primary")
+        reasons.append(f"{host}:{port} knows no primary it sees up")
     raise NoPrimary(f"no Sentinel named a primary for {target.service}: {'; '.join(reasons)}")
 
 
@@ -140,9 +138,7 @@ async def survey_primary(
             continue
         if isinstance(reply, BaseException):
             raise reply
-        if isinstance(reply, hiredis.ReplyError):  # e.g. NOAUTH: it is up, but tells us nothing
-            continue
-        answered += 1
+        answered += 1  # an error reply (a service it does not know) is an answer too
         primary = _named(reply)
         if primary is not None:
             named.append(primary)
@@ -174,7 +170,6 @@ class SentinelWatch:
     def __init__(self, target: SentinelTarget) -> None:
         self.target = target
         self.listeners: list[Listener] = []
-        self.switches = 0
         self._down: set[int] = set()  # Sentinels (by index) that hold the primary down now
         self._failing: set[int] = set()  # Sentinels (by index) running a failover of it now
         self._last: tuple[str, int] | None = None  # the last primary announced
@@ -204,7 +199,6 @@ class SentinelWatch:
         if self._last == (host, port):
             return  # every Sentinel announces the same switch
         self._last = (host, port)
-        self.switches += 1
         log.warning("Sentinel service %s failed over; new primary %s:%d", self.target.service, host, port)
         for listener in list(self.listeners):
             try:
@@ -215,30 +209,24 @@ class SentinelWatch:
     async def _run(self, idx: int) -> None:
         host, port = self.target.sentinels[idx]
         while True:
-            writer: asyncio.StreamWriter | None = None
+            conn: Conn | None = None
             try:
-                reader, w, rd = await asyncio.wait_for(
-                    _sentinel_connection(self.target, host, port), _ASK_TIMEOUT_S
-                )
-                writer = w
+                conn = await _sentinel_connection(self.target, host, port, _ASK_TIMEOUT_S)
                 # what this Sentinel thinks now (the events only tell changes)
-                state = await asyncio.wait_for(
-                    _command(reader, w, rd, "SENTINEL", "master", self.target.service), _ASK_TIMEOUT_S
-                )
+                state = await conn.call("SENTINEL", "MASTER", self.target.service, idle=_ASK_TIMEOUT_S)
                 down, failing = _flags(state)
                 self._set_down(idx, down)
                 (self._failing.add if failing else self._failing.discard)(idx)
-                w.write(_pack("SUBSCRIBE", *_EVENTS))
+                conn.send("SUBSCRIBE", *_EVENTS)
                 while True:
                     try:
-                        data = await asyncio.wait_for(reader.read(65536), 5.0)
+                        data = await asyncio.wait_for(conn.reader.read(65536), 5.0)
                     except TimeoutError:
-                        w.write(_pack("PING"))  # a dead Sentinel shows as no answer
-                        data = await asyncio.wait_for(reader.read(65536), 2.0)
+                        conn.send("PING")  # a dead Sentinel shows as no answer
+                        data = await asyncio.wait_for(conn.reader.read(65536), 2.0)
                     if not data:
                         raise ConnectionError("closed by the Sentinel")
-                    rd.feed(data)
-                    while (msg := rd.gets()) is not False:
+                    for msg in conn.received(data):
                         self._dispatch(idx, msg)
             except (OSError, TimeoutError):
                 # an unreachable Sentinel's view is unknown: not held against the primary
@@ -246,8 +234,8 @@ class SentinelWatch:
                 self._failing.discard(idx)
                 await asyncio.sleep(0.2)
             finally:
-                if writer is not None:
-                    writer.close()
+                if conn is not None:
+                    conn.close()
 
     def _set_down(self, idx: int, down: bool) -> None:
         if down and idx not in self._down:
@@ -291,10 +279,7 @@ _EVENTS = (
 
 def _flags(reply: object) -> tuple[bool, bool]:
     """(held down, failover in progress) from a SENTINEL MASTER reply's flags."""
-    if not isinstance(reply, list):
-        return False, False
-    fields = dict(zip(reply[::2], reply[1::2], strict=False))
-    flags = fields.get(b"flags", b"")
+    flags = _state(reply).get(b"flags", b"")
     if not isinstance(flags, bytes):
         return False, False
     return b"s_down" in flags or b"o_down" in flags, b"failover_in_progress" in flags
@@ -375,14 +360,28 @@ class _SentinelBackedClient(aioredis.Redis):
             await sentinel.aclose()
 
 
+class _Sentinels(aiosentinel.Sentinel):
+    """redis-py's Sentinel manager, finding the primary with `ask_primary`: the redis-py
+    clients and the hand-written connections take the same node for the primary."""
+
+    target: SentinelTarget
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        try:
+            return await ask_primary(self.target)
+        except NoPrimary as exc:
+            raise redis.sentinel.MasterNotFoundError(str(exc)) from None
+
+
 def async_client(url: str, **kwargs: Any) -> aioredis.Redis:
     """A redis-py asyncio client for a redis:// URL or a Sentinel service's primary."""
     if not is_sentinel_url(url):
         return aioredis.Redis.from_url(url, **kwargs)
     target = parse_sentinel_url(url)
-    manager = aiosentinel.Sentinel(  # type: ignore[no-untyped-call]
+    manager = _Sentinels(  # type: ignore[no-untyped-call]
         list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target, kwargs.get("socket_timeout"))
     )
+    manager.target = target
     client: _SentinelBackedClient = manager.master_for(
         target.service, redis_class=_SentinelBackedClient, **_node_kwargs(target, kwargs)
     )

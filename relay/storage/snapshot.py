@@ -26,7 +26,8 @@ from typing import Any, BinaryIO
 
 import hiredis
 
-from relay.storage.connection import RedisTarget, encode, open_connection
+from relay.storage.connection import RedisTarget, open_connection
+from relay.storage.resp import Conn, encode, parse_info
 
 Progress = Callable[[str, int, int | None], None]  # (phase, done bytes, total bytes or None)
 _CHUNK = 1 << 20
@@ -51,26 +52,12 @@ class SourceInfo:
     role: str
 
 
-def parse_info(text: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and ":" in line:
-            key, _, value = line.partition(":")
-            out[key] = value.strip()
-    return out
-
-
-async def _call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *parts: str) -> Any:
+async def _call(conn: Conn, *parts: str) -> Any:
     """One command and its reply (only while nothing else is in flight on the connection)."""
-    rd = hiredis.Reader()
-    writer.write(encode(*parts))
-    await writer.drain()
-    while (reply := rd.gets()) is False:
-        data = await asyncio.wait_for(reader.read(65536), _IDLE_S)
-        if not data:
-            raise SnapshotError(f"the server closed the connection during {parts[0]}")
-        rd.feed(data)
-    return reply
+    try:
+        return await conn.call(*parts, idle=_IDLE_S)
+    except ConnectionError:
+        raise SnapshotError(f"the server closed the connection during {parts[0]}") from None
 
 
 def _text(reply: Any) -> str:
@@ -85,9 +72,10 @@ async def fetch_rdb(
     """Write a point-in-time RDB of `target` to `out`; returns what the source said and the
     number of bytes written."""
     reader, writer = await open_connection(target, timeout)
+    conn = Conn(reader, writer)
     try:
-        info = parse_info(_text(await _call(reader, writer, "INFO", "server")))
-        info.update(parse_info(_text(await _call(reader, writer, "INFO", "replication"))))
+        info = parse_info(_text(await _call(conn, "INFO", "server")))
+        info.update(parse_info(_text(await _call(conn, "INFO", "replication"))))
         source = SourceInfo(
             redis_version=info.get("redis_version", "?"),
             run_id=info.get("run_id", ""),
@@ -96,7 +84,7 @@ async def fetch_rdb(
         )
         # Only the snapshot, not the command stream after it (Redis >= 7; older ignore it).
         with contextlib.suppress(SnapshotError):
-            _text(await _call(reader, writer, "REPLCONF", "rdb-only", "1"))
+            _text(await _call(conn, "REPLCONF", "rdb-only", "1"))
         writer.write(encode("SYNC"))
         await writer.drain()
         progress("snapshot", 0, None)
@@ -144,11 +132,9 @@ class Replica:
     by clients (which cannot write to it: READONLY, a retryable answer), and writable only
     through the replication stream this process feeds it."""
 
-    def __init__(
-        self, link: asyncio.StreamWriter, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ):
+    def __init__(self, link: asyncio.StreamWriter, conn: Conn):
         self._link = link
-        self._reader, self._writer = reader, writer
+        self._conn = conn
         self.offset = 0  # bytes of replication stream sent after the snapshot
 
     async def apply(self, *parts: str | bytes | int) -> None:
@@ -161,7 +147,7 @@ class Replica:
     async def settle(self) -> None:
         """Wait until the target has executed everything `apply` sent."""
         while True:
-            info = parse_info(_text(await _call(self._reader, self._writer, "INFO", "replication")))
+            info = parse_info(_text(await _call(self._conn, "INFO", "replication")))
             if int(info.get("slave_repl_offset", "-1") or -1) >= self.offset:
                 return
             await asyncio.sleep(0.05)
@@ -233,31 +219,32 @@ async def load_rdb(
     server = await asyncio.start_server(serve, host, 0)
     port = server.sockets[0].getsockname()[1]
     reader, writer = await open_connection(target, timeout)
+    conn = Conn(reader, writer)
     try:
-        _text(await _call(reader, writer, "REPLICAOF", host, str(port)))
+        _text(await _call(conn, "REPLICAOF", host, str(port)))
         async with asyncio.timeout(load_timeout):
             await served.wait()
             if failures or not links:
                 raise SnapshotError(failures[0] if failures else "the target did not ask for the snapshot")
             progress("loading", 0, None)
             while True:
-                info = parse_info(_text(await _call(reader, writer, "INFO", "replication")))
-                loading = parse_info(_text(await _call(reader, writer, "INFO", "persistence")))
+                info = parse_info(_text(await _call(conn, "INFO", "replication")))
+                loading = parse_info(_text(await _call(conn, "INFO", "persistence")))
                 if info.get("master_link_status") == "up" and loading.get("loading") == "0":
                     break
                 await asyncio.sleep(0.1)
             progress("loaded", size, size)
             if prepare is not None:
-                replica = Replica(links[0], reader, writer)
+                replica = Replica(links[0], conn)
                 if target.db:
                     await replica.apply("SELECT", target.db)
                 await prepare(replica)
                 await replica.settle()
-        _text(await _call(reader, writer, "REPLICAOF", "NO", "ONE"))
+        _text(await _call(conn, "REPLICAOF", "NO", "ONE"))
     except BaseException:
         # Never leave the target following a primary that is about to vanish.
         with contextlib.suppress(Exception):
-            await _call(reader, writer, "REPLICAOF", "NO", "ONE")
+            await _call(conn, "REPLICAOF", "NO", "ONE")
         raise
     finally:
         finished.set()

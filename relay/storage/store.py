@@ -26,14 +26,12 @@ from relay.storage.pipeline import (
     StoreOutcomeUnknown,
     StoreRejected,
     StoreUnavailable,
-    bulk,
-    bulk_str,
-    encode_command,
     is_auth_failure,
 )
+from relay.storage.resp import bulk, bulk_str, encode
 from relay.storage.wakeups import NOTICE_PREFIX
 
-_PING = encode_command("PING")
+_PING = encode("PING")
 
 __all__ = [
     "EnqueueOutcome",
@@ -485,7 +483,7 @@ class ShardStore:
 
         Through the pipeline, not the pooled client: a burst of live connects announcing
         at once must not exhaust a small connection pool (which answered them 1013)."""
-        return int(await self._batcher.submit(encode_command("PUBLISH", channel, NOTICE_PREFIX + data)))
+        return int(await self._batcher.submit(encode("PUBLISH", channel, NOTICE_PREFIX + data)))
 
     async def use_nonce(self, slot: int, member: str, now_ms: int, lifetime_ms: int) -> bool:
         """True when the nonce was unused (and is now recorded)."""

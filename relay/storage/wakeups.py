@@ -17,12 +17,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import hiredis
-
 from relay.fleet.sharding import is_sentinel_url
 from relay.storage import keys as K
 from relay.storage import sentinel
 from relay.storage.connection import RedisConnectError, RedisTarget, open_connection
+from relay.storage.resp import Conn, encode
 
 log = logging.getLogger("relay.wakeups")
 
@@ -30,14 +29,6 @@ _IDLE_UNSUBSCRIBE_S = 10.0  # keep hot channels subscribed between long-polls
 _PING_EVERY_S = 5.0
 _DEAD_AFTER_S = 15.0
 _POLL_FALLBACK_S = 0.25
-
-
-def _pack(*parts: str | bytes) -> bytes:
-    out = [b"*%d\r\n" % len(parts)]
-    for p in parts:
-        b = p.encode() if isinstance(p, str) else p
-        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
-    return b"".join(out)
 
 
 _MAP_MOVED = K.SHARD_MAP_MOVED.encode()
@@ -187,7 +178,7 @@ class WakeupHub:
         chan.waiters.add(w)
         if not chan.subscribed and chan.confirm is None:
             chan.confirm = asyncio.get_running_loop().create_future()
-            self._send(_pack("SUBSCRIBE", channel))
+            self._send(encode("SUBSCRIBE", channel))
         return w
 
     def _unregister(self, w: Waiter) -> None:
@@ -211,37 +202,34 @@ class WakeupHub:
         the supervisor reconnects and every waiter re-reads)."""
         self._close_writer()
 
-    async def _open(self, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _open(self, timeout: float) -> Conn:
         """A logged-in connection to the shard's primary (found through Sentinel for a
         redis+sentinel:// URL, then checked with ROLE: never subscribe on a node Sentinel
         has not made primary yet, or one being demoted, where the PUBLISHes do not happen)."""
         if not is_sentinel_url(self.url):
-            return await open_connection(self.target, timeout)
+            return Conn(*await open_connection(self.target, timeout))
         if self._unwatch is None:
             self._unwatch = sentinel.watch(self.url, self._primary_changed)
         try:
             target = RedisTarget.from_url(await sentinel.primary_url(self.url))
         except sentinel.NoPrimary as exc:
             raise RedisConnectError(str(exc)[:200]) from None
-        reader, writer = await open_connection(target, timeout)
-        writer.write(_pack("ROLE"))
-        rd = hiredis.Reader()
-        while (reply := rd.gets()) is False:
-            data = await reader.read(4096)
-            if not data:
-                writer.close()
-                raise RedisConnectError("closed during ROLE")
-            rd.feed(data)
-        if not sentinel.role_is_primary(reply):
-            writer.close()
+        conn = Conn(*await open_connection(target, timeout))
+        try:
+            role = await asyncio.wait_for(conn.call("ROLE"), timeout)
+        except BaseException:
+            conn.close()
+            raise
+        if not sentinel.role_is_primary(role):
+            conn.close()
             raise RedisConnectError("the node Sentinel named is not a primary")
-        return reader, writer
+        return conn
 
     async def _supervise(self) -> None:
         backoff = 0.05
         while True:
             try:
-                reader, writer = await self._open(3.0)
+                conn = await self._open(3.0)
             except (OSError, TimeoutError) as exc:
                 # RedisConnectError's text names the step and the reason, never the credentials
                 reason = str(exc) if isinstance(exc, RedisConnectError) else type(exc).__name__
@@ -252,9 +240,9 @@ class WakeupHub:
                 continue
             backoff = 0.05
             self.last_error = ""
-            self._writer = writer
+            self._writer = conn.writer
             try:
-                await self._session(reader)
+                await self._session(conn)
             except (OSError, ConnectionError, TimeoutError) as exc:
                 self.last_error = f"connection lost: {type(exc).__name__}"
                 log.warning("wakeup subscriber for shard %s lost: %s", self.shard, type(exc).__name__)
@@ -267,25 +255,24 @@ class WakeupHub:
                 self.reconnects += 1
                 self.wake_all()  # waiters poll until we are back
 
-    async def _session(self, reader: asyncio.StreamReader) -> None:
+    async def _session(self, conn: Conn) -> None:
         # resubscribe everything still wanted, then let every waiter re-read
         for chan in list(self._channels.values()):
             if chan.waiters or chan.confirm is not None:
                 if chan.confirm is None or chan.confirm.done():
                     chan.confirm = asyncio.get_running_loop().create_future()
-                self._send(_pack("SUBSCRIBE", chan.name))
+                self._send(encode("SUBSCRIBE", chan.name))
             else:
                 del self._channels[chan.name]
         if self.on_map_moved is not None:
-            self._send(_pack("SUBSCRIBE", K.SHARD_MAP_MOVED))
-        self._send(_pack("PING"))
-        rd = hiredis.Reader()
+            self._send(encode("SUBSCRIBE", K.SHARD_MAP_MOVED))
+        self._send(encode("PING"))
         last_data = time.monotonic()
         last_ping = last_data
         first = True
         while True:
             try:
-                data = await asyncio.wait_for(reader.read(65536), _PING_EVERY_S)
+                data = await asyncio.wait_for(conn.reader.read(65536), _PING_EVERY_S)
             except TimeoutError:
                 data = None
             now = time.monotonic()
@@ -293,8 +280,7 @@ class WakeupHub:
                 raise ConnectionError("closed by server")
             if data:
                 last_data = now
-                rd.feed(data)
-                while (msg := rd.gets()) is not False:
+                for msg in conn.received(data):
                     self._dispatch(msg)
                     if first:
                         first = False
@@ -305,7 +291,7 @@ class WakeupHub:
                 raise TimeoutError("no reply to PING")
             if now - last_ping >= _PING_EVERY_S:
                 last_ping = now
-                self._send(_pack("PING"))
+                self._send(encode("PING"))
                 self._sweep(now)
 
     def _dispatch(self, msg: object) -> None:
@@ -346,4 +332,4 @@ class WakeupHub:
             # Removed at once: a later SUBSCRIBE of the same name is answered after
             # this UNSUBSCRIBE, so its confirmation cannot be confused with it.
             del self._channels[chan.name]
-            self._send(_pack("UNSUBSCRIBE", chan.name))
+            self._send(encode("UNSUBSCRIBE", chan.name))
