@@ -5,17 +5,22 @@ tests/support/observability.py (shared with the live tests against a real Promet
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
+from relayfleet_testing.localredis import LocalRedis
 
 from tests.support.chart import CHART, ROOT, helm_binary, needs_helm
+from tests.support.in_process_relay import RelayFactory
 from tests.support.observability import (
     DASHBOARDS,
     alert_rules,
@@ -25,6 +30,7 @@ from tests.support.observability import (
 )
 
 PROMTOOL = "/usr/bin/promtool"
+DEBIAN_REDIS = "/usr/bin/redis-server"
 
 
 needs_promtool = pytest.mark.skipif(not os.path.exists(PROMTOOL), reason="apt-get install prometheus")
@@ -286,3 +292,40 @@ def test_monitoring_objects_need_the_monitoring_api() -> None:
         "--api-versions", "monitoring.coreos.com/v1", "--set", "metrics.prometheusRule.enabled=false"
     )
     assert "PrometheusRule" not in [d["kind"] for d in off]
+
+
+def _sample(text: str, name: str, labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{labels}}} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_wakeup_reconnects_total_counts_a_real_reconnect(
+    relay_factory: RelayFactory, http: aiohttp.ClientSession
+) -> None:
+    """docs/runbook.md tells on-call to watch relayfleet_wakeup_reconnects_total: it rises when
+    the shard's redis-server restarts and the wakeup subscriber connects again."""
+    name, labels = "relayfleet_wakeup_reconnects_total", 'shard="default"'
+    server = LocalRedis(binary=DEBIAN_REDIS).start()
+    try:
+        relay = await relay_factory(server.url)
+        hub = relay.fleet.hubs["default"]
+        before = _sample(await (await http.get(relay.base_url + "/metrics")).text(), name, labels)
+        assert hub.healthy
+        await asyncio.to_thread(server.stop, signal.SIGKILL)
+        for _ in range(100):
+            if not hub.healthy:
+                break
+            await asyncio.sleep(0.05)
+        assert not hub.healthy
+        await asyncio.to_thread(server.start)
+        after = before
+        for _ in range(100):  # the subscriber retries with a backoff of at most 2 s
+            after = _sample(await (await http.get(relay.base_url + "/metrics")).text(), name, labels)
+            if after > before and hub.healthy:
+                break
+            await asyncio.sleep(0.1)
+        assert after == before + 1
+    finally:
+        server.stop()

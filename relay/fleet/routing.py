@@ -105,7 +105,7 @@ class ShardRouter:
             new_store.on_auth_failure = functools.partial(self._auth_failed.add, name)
             with contextlib.suppress(Exception):
                 await new_store.start()  # an unreachable shard must not stop the others
-            hub = WakeupHub(url, name)
+            hub = WakeupHub(url, name, on_reconnect=metrics.SUBSCRIBER_RECONNECTS.labels(name).inc)
             hub.on_map_moved = self._map_moved
             await hub.start(wait_connected=1.0)
             old_store, old_hub = self.stores.get(name), self.hubs.get(name)

@@ -120,7 +120,9 @@ class _Channel:
 
 
 class WakeupHub:
-    def __init__(self, url: str, shard: str = "default") -> None:
+    def __init__(
+        self, url: str, shard: str = "default", on_reconnect: Callable[[], None] | None = None
+    ) -> None:
         self.url = url
         # a redis+sentinel:// URL names no node: its primary is looked up on every connect
         self.target = RedisTarget.from_url(url) if not is_sentinel_url(url) else RedisTarget()
@@ -130,7 +132,9 @@ class WakeupHub:
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
         self.healthy = False
-        self.reconnects = 0
+        # called each time the subscriber is connected again after losing its connection
+        # (relayfleet_wakeup_reconnects_total, relay/fleet/routing.py)
+        self._on_reconnect = on_reconnect
         self.last_error = ""  # why the subscriber is down (no URL, no secret)
         self._unwatch: Callable[[], None] | None = None
         # called when a migration announces that the map moved slots off this shard
@@ -227,6 +231,7 @@ class WakeupHub:
 
     async def _supervise(self) -> None:
         backoff = 0.05
+        sessions = 0
         while True:
             try:
                 conn = await self._open(3.0)
@@ -240,6 +245,9 @@ class WakeupHub:
                 continue
             backoff = 0.05
             self.last_error = ""
+            sessions += 1
+            if sessions > 1 and self._on_reconnect is not None:
+                self._on_reconnect()
             self._writer = conn.writer
             try:
                 await self._session(conn)
@@ -252,7 +260,6 @@ class WakeupHub:
                 self._close_writer()
                 for chan in self._channels.values():
                     chan.subscribed = False
-                self.reconnects += 1
                 self.wake_all()  # waiters poll until we are back
 
     async def _session(self, conn: Conn) -> None:
