@@ -203,7 +203,8 @@ def test_after_a_sigkill_the_sentinels_promote_a_replica_and_the_old_primary_rej
 
     def promoted() -> dict[str, Any] | None:
         s = shard.probe()
-        return s if s.get("primary") not in (None, f"127.0.0.1:{n0.port}") and "primaryOffset" in s else None
+        settled = s.get("primaryOffset") is not None
+        return s if settled and s.get("primary") not in (None, f"127.0.0.1:{n0.port}") else None
 
     status = wait_for("a replica promoted", promoted, timeout=30)
     failover_s = time.monotonic() - killed
@@ -259,7 +260,7 @@ def test_a_recovered_shard_clears_the_old_message_under_a_merge_patch(tmp_path: 
     dead = SentinelTarget((("127.0.0.1", free_port()),), SERVICE, PASSWORD)
     outage = asyncio.run(replication.probe(dead.url(), "t0"))
     healthy = replication.replication_status(
-        "10.0.0.1:6379", {"role": "master", "master_repl_offset": 5}, 3, "t1"
+        "10.0.0.1:6379", {"role": "master", "master_repl_offset": "5"}, 3, "t1"
     )
     stored = _merge_patch(_merge_patch({}, {"status": {"redis": outage}}), {"status": {"redis": healthy}})
     assert stored["status"]["redis"] == {
@@ -430,7 +431,7 @@ def test_backup_of_a_replicated_shard_follows_the_primary_across_a_failover(
 
 def _settled_primary_not(shard: LocalShard, old: Node) -> dict[str, Any] | None:
     s = shard.probe()
-    return s if "primaryOffset" in s and s.get("primary") != f"127.0.0.1:{old.port}" else None
+    return s if s.get("primaryOffset") is not None and s.get("primary") != f"127.0.0.1:{old.port}" else None
 
 
 def test_operator_moves_slots_off_a_replicated_shard_after_and_during_failovers(

@@ -5,11 +5,11 @@ as a ``redis+sentinel://`` URL, see relay/fleet/sharding.py). Everything that op
 connections asks here where the primary is:
 
 - ``ask_primary``: SENTINEL MASTER, trying each Sentinel in turn (the one that answered last
-  first); a primary whose flags say s_down, o_down or disconnected is not taken (as redis-py's
-  discover_master). ``survey_primary`` asks them all at once and counts who answered
-  (status reports: the operator). Sentinels may lag a failover, so a connection also checks
-  ROLE once open (callers do: the hot path, wakeups); a demoted primary
-  is never written to.
+  first); a primary whose flags say s_down or o_down is not taken (as redis-py's
+  discover_master), one a Sentinel has no link to (disconnected) only when none has.
+  ``survey_primary`` asks them all at once and counts who answered (status reports: the
+  operator). Sentinels may lag a failover, so a connection also checks ROLE once open
+  (callers do: the hot path, wakeups); a demoted primary is never written to.
 - ``SentinelWatch``: one connection per process and service subscribed to
   ``+switch-master`` on a Sentinel (re-made on the next Sentinel when it drops), so
   connections to the old primary are closed within a second of a failover instead
@@ -81,44 +81,54 @@ def _state(reply: Any) -> dict[bytes, Any]:
 
 
 # Flags under which a Sentinel's primary must not be used (as redis-py's discover_master
-# checks them): held down subjectively or by quorum, or this Sentinel has lost its link to it.
-_UNUSABLE = frozenset((b"s_down", b"o_down", b"disconnected"))
+# checks them): held down, subjectively or by quorum.
+_DOWN = frozenset((b"s_down", b"o_down"))
 
 
-def _named(reply: Any) -> tuple[str, int] | None:
-    """The (host, port) of the primary a SENTINEL MASTER reply describes, when its flags say
-    it is a primary that this Sentinel sees up."""
+def _named(reply: Any) -> tuple[tuple[str, int], bool] | None:
+    """The (host, port) of the primary a SENTINEL MASTER reply describes, unless its flags
+    hold it down or call it no primary; with whether this Sentinel's link to it is up (no
+    `disconnected` flag)."""
     state = _state(reply)
     flags = state.get(b"flags")
     ip, port = state.get(b"ip"), state.get(b"port")
     if not (isinstance(flags, bytes) and isinstance(ip, bytes) and isinstance(port, bytes)):
         return None
     names = set(flags.split(b","))
-    if b"master" not in names or names & _UNUSABLE or not port.isdigit():
+    if b"master" not in names or names & _DOWN or not port.isdigit():
         return None
-    return ip.decode(), int(port)
+    return (ip.decode(), int(port)), b"disconnected" not in names
 
 
 async def ask_primary(target: SentinelTarget, timeout: float = _ASK_TIMEOUT_S) -> tuple[str, int]:
     """(host, port) of the service's primary as a Sentinel names it; NoPrimary when none does
     (or each that does holds it down). The Sentinels are asked in turn, the one that answered
     last first: the first answer wins (the hot path wants it fast; a connection checks ROLE
-    afterwards anyway)."""
+    afterwards anyway). A primary named by a Sentinel whose link to it is `disconnected` is
+    taken only when no Sentinel sees it connected: right after a switch every Sentinel
+    reports the new primary so for 0.5-1.5 s (measured here), and refusing it then would
+    add that to every failover."""
     sentinels = target.sentinels
     start = _last_good.get(sentinels, 0)
     reasons: list[str] = []
+    unlinked: tuple[str, int] | None = None
     for i in range(len(sentinels)):
         idx = (start + i) % len(sentinels)
         host, port = sentinels[idx]
         try:
-            primary = _named(await _ask(target, host, port, timeout))
+            named = _named(await _ask(target, host, port, timeout))
         except (OSError, TimeoutError) as exc:
             reasons.append(f"{host}:{port} {type(exc).__name__}")
             continue
-        if primary is not None:
+        if named is None:
+            reasons.append(f"{host}:{port} knows no primary it sees up")
+        elif named[1]:
             _last_good[sentinels] = idx
-            return primary
-        reasons.append(f"{host}:{port} knows no primary it sees up")
+            return named[0]
+        else:
+            unlinked = unlinked or named[0]
+    if unlinked is not None:
+        return unlinked
     raise NoPrimary(f"no Sentinel named a primary for {target.service}: {'; '.join(reasons)}")
 
 
@@ -141,7 +151,7 @@ async def survey_primary(
         answered += 1  # an error reply (a service it does not know) is an answer too
         primary = _named(reply)
         if primary is not None:
-            named.append(primary)
+            named.append(primary[0])
     if not named:
         return None, answered
     return collections.Counter(named).most_common(1)[0][0], answered
