@@ -52,7 +52,8 @@ def loads(
     if max_bytes is not None and len(data) > max_bytes:
         raise JsonLimitError(f"{what} exceeds {max_bytes} bytes", "json_too_large", 413)
     # escaped backslashes first, so the quote of a '\\"' pair stays a quote
-    skeleton = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURAL)
+    unescaped = data.replace(b"\\\\", b"").replace(b'\\"', b"") if b"\\" in data else data
+    skeleton = unescaped.translate(None, _NOT_STRUCTURAL)
     if len(skeleton) > max_tokens:
         if _deeper_than(skeleton[:max_tokens], max_depth):  # a bomb is named as one
             raise JsonLimitError(f"{what} nests deeper than {max_depth} levels", "json_too_deep")
@@ -66,9 +67,9 @@ def loads(
 
 
 def _deeper_than(skeleton: bytes, limit: int) -> bool:
-    brackets = _STRING.sub(b"", skeleton).translate(None, _NOT_BRACKET)
-    if brackets.count(b"[") + brackets.count(b"{") <= limit:
+    if skeleton.count(b"[") + skeleton.count(b"{") <= limit:  # the usual case: few containers
         return False
+    brackets = _STRING.sub(b"", skeleton).translate(None, _NOT_BRACKET)
     depth = 0
     for byte in brackets:
         if byte in _OPEN:
