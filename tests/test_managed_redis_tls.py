@@ -16,7 +16,7 @@ from urllib.parse import quote
 import pytest
 import redis
 from relayfleet_operator import builders
-from relayfleet_operator.spec import ManagedRedis, SpecError, parse_shard
+from relayfleet_operator.spec import ManagedRedis, parse_shard
 from relayfleet_testing.localredis import free_port
 
 from relay.storage import keys as K
@@ -29,13 +29,10 @@ DEBIAN_REDIS = "/usr/bin/redis-server"
 TLS = parse_shard(shard_body("t", redis={"managed": {"tls": {"secretName": "shard-t-tls"}}}))
 
 
-def test_tls_parses_and_is_refused_with_replicas() -> None:
+def test_tls_parses() -> None:
+    # with replicas, or without a secretName, the API server refuses it (tests/test_operator_k8s.py)
     assert isinstance(TLS.redis, ManagedRedis)
     assert TLS.redis.tls_secret == "shard-t-tls"
-    with pytest.raises(SpecError, match="not supported with replicas"):
-        parse_shard(shard_body(redis={"managed": {"replicas": 1, "tls": {"secretName": "x"}}}))
-    with pytest.raises(SpecError, match="secretName"):
-        parse_shard(shard_body(redis={"managed": {"tls": {}}}))
 
 
 def test_builders_mount_the_certificate_and_put_the_ca_in_the_url(tmp_path: Path) -> None:

@@ -115,7 +115,8 @@ def test_founder_is_the_oldest_valid_shard_whatever_the_handling_order() -> None
     older = [member("z", "2025-12-31T23:59:59Z"), member("a", same)]
     assert founder(older) == founder(list(reversed(older))) == "z"
     leaving = member("z", "2025-01-01T00:00:00Z", deletionTimestamp=same)
-    invalid = member("Bad_Name", "2020-01-01T00:00:00Z")
+    invalid = member("bad", "2020-01-01T00:00:00Z")
+    invalid["spec"]["backup"] = {"schedule": "hourly"}  # passes the schema, not parse_shard
     assert founder([leaving, invalid, member("m", same)]) == "m"
     assert founder([]) is None
 

@@ -73,6 +73,11 @@ INVALID = [
         "relay.podTemplate.annotations keys must be valid annotation names",
     ),
     (with_relay(podTemplate={"nodeSelector": {"pool": 3}}), "spec.relay.podTemplate.nodeSelector.pool"),
+    (with_relay(env=[{"name": "RELAY_X", "value": 1}]), "spec.relay.env[0].value"),
+    (with_relay(didcommSeedSecretRef={}), "spec.relay.didcommSeedSecretRef.name"),
+    (with_relay(podTemplate={"tolerations": "all"}), "spec.relay.podTemplate.tolerations"),
+    (with_relay(podTemplate={"affinity": "anywhere"}), "spec.relay.podTemplate.affinity"),
+    (with_relay(podTemplate={"priorityClassName": 5}), "spec.relay.podTemplate.priorityClassName"),
 ]
 
 

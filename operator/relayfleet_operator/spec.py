@@ -1,8 +1,10 @@
 """A RelayShard's spec as typed values, with the CRD's defaults applied.
 
-The API server fills defaults already; repeating them here keeps the pure builders total
-(they also receive hand-written bodies in tests and from older stored objects). Bad input
-raises SpecError with a message naming the field, never a KeyError.
+The API server validates every RelayShard against the CRD (crds/relayshards.yaml: types,
+ranges, enums, names, CEL rules) and fills its defaults; repeating the defaults here keeps
+the pure builders total (they also receive hand-written bodies in tests and from objects
+stored before a default existed). The checks are not repeated: SpecError is left for what
+the schema cannot say (whole-byte sizes, a five-field cron schedule).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ REBALANCE_PLURAL = "relayrebalances"
 DEFAULT_IMAGE = "ghcr.io/relayfleet/relayfleet:0.2.0"
 DEFAULT_REDIS_IMAGE = "redis:7.2"
 
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DURATION = re.compile(r"^([0-9]+)(s|m|h|d)$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([KMGTPE]i|[kMGTPE]|m)?$")
@@ -130,7 +131,7 @@ class RelayConfig:
 
 
 # The operator sets these itself (or they carry secrets, which are mounted as files instead):
-# spec.relay.env may not name them. The CRD's CEL rule repeats this list.
+# spec.relay.env may not name them: the CRD's CEL rule rejects this list (tests keep the two equal).
 RESERVED_RELAY_ENV = frozenset(
     {
         "RELAY_FLEET",
@@ -155,7 +156,6 @@ RESERVED_RELAY_ENV = frozenset(
         "RELAY_DIDCOMM_SEED_FILE",
     }
 )
-_RELAY_ENV_NAME = re.compile(r"^RELAY_[A-Z0-9_]{1,64}$")
 
 
 @dataclass(frozen=True)
@@ -208,236 +208,130 @@ def quantity_bytes(value: Quantity) -> int:
     return int(number * factor)
 
 
-def _obj(parent: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
-    value = parent.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise SpecError(f"{where}.{key} must be an object")
-    return value
+def _obj(parent: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value: Mapping[str, Any] | None = parent.get(key)
+    return value if value is not None else {}
 
 
-def _int(parent: Mapping[str, Any], key: str, where: str, default: int, lo: int, hi: int) -> int:
-    value = parent.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{where}.{key} must be an integer, got {value!r}")
-    if not lo <= value <= hi:
-        raise SpecError(f"{where}.{key} must be between {lo} and {hi}, got {value}")
-    return value
+def _resources(value: Mapping[str, Any]) -> dict[str, dict[str, Quantity]]:
+    return {kind: dict(value[kind]) for kind in ("requests", "limits") if value.get(kind)}
 
 
-def _str(parent: Mapping[str, Any], key: str, where: str, default: str | None = None) -> str:
-    value = parent.get(key, default)
-    if not isinstance(value, str) or not value:
-        raise SpecError(f"{where}.{key} must be a non-empty string")
-    return value
-
-
-def _resources(value: Mapping[str, Any], where: str) -> dict[str, dict[str, Quantity]]:
-    out: dict[str, dict[str, Quantity]] = {}
-    for kind in ("requests", "limits"):
-        section = _obj(value, kind, where)
-        if section:
-            entries: dict[str, Quantity] = {}
-            for k, v in section.items():
-                if isinstance(v, bool) or not isinstance(v, int | str):
-                    raise SpecError(f"{where}.{kind}.{k} must be a quantity")
-                entries[str(k)] = v
-            out[kind] = entries
-    return out
+def _size(parent: Mapping[str, Any], where: str, default: Quantity) -> Quantity:
+    """A storage size as given, once it is known to be whole bytes (the schema's quantity
+    pattern also admits milli and exponent forms)."""
+    size: Quantity = parent.get("size", default)
+    try:
+        quantity_bytes(size)
+    except SpecError as exc:
+        raise SpecError(f"{where}.size: {exc}") from None
+    return size
 
 
 def _redis(spec: Mapping[str, Any]) -> ManagedRedis | ExternalRedis:
-    redis = _obj(spec, "redis", "spec")
-    managed, external = redis.get("managed"), redis.get("external")
-    if (managed is None) == (external is None):
-        raise SpecError("exactly one of redis.managed or redis.external must be set")
-    if managed is not None:
-        m = _obj(redis, "managed", "spec.redis")
-        storage = _obj(m, "storage", "spec.redis.managed")
-        fsync = m.get("appendfsync", "everysec")
-        if fsync not in ("everysec", "always"):
-            raise SpecError("spec.redis.managed.appendfsync must be everysec or always")
-        size = storage.get("size", "1Gi")
-        quantity_bytes(size)  # validates
-        res = _obj(m, "resources", "spec.redis.managed")
-        storage_class = storage.get("storageClassName")
-        replicas = _int(m, "replicas", "spec.redis.managed", 0, 0, 2)
-        min_replicas = _int(m, "minReplicas", "spec.redis.managed", 0, 0, 2)
-        if min_replicas > replicas:
-            raise SpecError("spec.redis.managed.minReplicas must not exceed spec.redis.managed.replicas")
-        tls_secret: str | None = None
-        if m.get("tls") is not None:
-            tls_secret = _str(_obj(m, "tls", "spec.redis.managed"), "secretName", "spec.redis.managed.tls")
-            if replicas:
-                raise SpecError("spec.redis.managed.tls is not supported with replicas yet")
+    redis = _obj(spec, "redis")
+    if redis.get("managed") is not None:
+        m = _obj(redis, "managed")
+        storage = _obj(m, "storage")
+        res = _obj(m, "resources")
+        tls = m.get("tls")
         return ManagedRedis(
-            replicas=replicas,
-            min_replicas=min_replicas,
-            tls_secret=tls_secret,
-            image=_str(m, "image", "spec.redis.managed", ManagedRedis.image),
-            storage_size=size,
-            storage_class=storage_class if isinstance(storage_class, str) and storage_class else None,
-            appendfsync=fsync,
+            replicas=m.get("replicas", 0),
+            min_replicas=m.get("minReplicas", 0),
+            tls_secret=tls["secretName"] if tls is not None else None,
+            image=m.get("image", ManagedRedis.image),
+            storage_size=_size(storage, "spec.redis.managed.storage", "1Gi"),
+            storage_class=storage.get("storageClassName") or None,
+            appendfsync=m.get("appendfsync", "everysec"),
             maxmemory_bytes=quantity_bytes(m.get("maxmemory", 0)),
-            resources=_resources(res, "spec.redis.managed.resources") if res else default_redis_resources(),
+            resources=_resources(res) if res else default_redis_resources(),
         )
-    e = _obj(redis, "external", "spec.redis")
-    url, ref = e.get("url"), e.get("secretRef")
-    if (url is None) == (ref is None):
-        raise SpecError("exactly one of redis.external.url or redis.external.secretRef must be set")
-    if url is not None:
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise SpecError("spec.redis.external.url must start with redis://, rediss:// or unix://")
-        return ExternalRedis(url=url)
-    r = _obj(e, "secretRef", "spec.redis.external")
-    return ExternalRedis(
-        secret_name=_str(r, "name", "spec.redis.external.secretRef"),
-        secret_key=_str(r, "key", "spec.redis.external.secretRef", "url"),
-    )
+    e = _obj(redis, "external")
+    if e.get("url") is not None:
+        return ExternalRedis(url=e["url"])
+    ref = _obj(e, "secretRef")
+    return ExternalRedis(secret_name=ref["name"], secret_key=ref.get("key", "url"))
 
 
 def _backup(spec: Mapping[str, Any]) -> Backup | None:
     if spec.get("backup") is None:
         return None
-    b = _obj(spec, "backup", "spec")
-    schedule = _str(b, "schedule", "spec.backup", Backup.schedule)
-    if len(schedule.split()) != 5:
+    b = _obj(spec, "backup")
+    schedule: str = b.get("schedule", Backup.schedule)
+    if len(schedule.split()) != 5:  # the schema bounds only its length
         raise SpecError("spec.backup.schedule must be a cron schedule of 5 fields")
-    suspend = b.get("suspend", False)
-    if not isinstance(suspend, bool):
-        raise SpecError("spec.backup.suspend must be a boolean")
-    storage = _obj(b, "storage", "spec.backup")
-    size = storage.get("size", Backup.storage_size)
-    quantity_bytes(size)  # validates
-    storage_class = storage.get("storageClassName")
+    storage = _obj(b, "storage")
     return Backup(
         schedule=schedule,
-        keep=_int(b, "keep", "spec.backup", Backup.keep, 1, 1000),
-        suspend=suspend,
-        storage_size=size,
-        storage_class=storage_class if isinstance(storage_class, str) and storage_class else None,
+        keep=b.get("keep", Backup.keep),
+        suspend=b.get("suspend", False),
+        storage_size=_size(storage, "spec.backup.storage", Backup.storage_size),
+        storage_class=storage.get("storageClassName") or None,
     )
 
 
 def _secret_ref(parent: Mapping[str, Any], key: str, default_key: str) -> SecretKeyRef | None:
-    where = f"spec.relay.{key}"
-    if parent.get(key) is None:
-        return None
-    ref = _obj(parent, key, "spec.relay")
-    return SecretKeyRef(_str(ref, "name", where), _str(ref, "key", where, default_key))
-
-
-def _objects(parent: Mapping[str, Any], key: str, where: str) -> tuple[Mapping[str, Any], ...]:
-    value = parent.get(key)
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
-        raise SpecError(f"{where}.{key} must be a list of objects")
-    return tuple(value)
-
-
-def _string_map(parent: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
-    value = _obj(parent, key, where)
-    if not all(isinstance(v, str) for v in value.values()):
-        raise SpecError(f"{where}.{key} values must be strings")
-    return {str(k): str(v) for k, v in value.items()}
-
-
-def _relay_env(relay: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
-    out: list[tuple[str, str]] = []
-    for item in _objects(relay, "env", "spec.relay"):
-        name, value = item.get("name"), item.get("value", "")
-        if not isinstance(name, str) or not _RELAY_ENV_NAME.match(name):
-            raise SpecError(f"spec.relay.env: {name!r} is not a RELAY_* variable name")
-        if name in RESERVED_RELAY_ENV:
-            raise SpecError(
-                f"spec.relay.env: {name} is set by the operator (or is a secret: use a secretRef)"
-            )
-        if not isinstance(value, str):
-            raise SpecError(f"spec.relay.env: the value of {name} must be a string")
-        if any(name == seen for seen, _ in out):
-            raise SpecError(f"spec.relay.env: {name} appears twice")
-        out.append((name, value))
-    return tuple(out)
+    ref = parent.get(key)
+    return None if ref is None else SecretKeyRef(ref["name"], ref.get("key", default_key))
 
 
 def _relay(spec: Mapping[str, Any]) -> RelayConfig:
-    relay = _obj(spec, "relay", "spec")
-    pod = _obj(relay, "podTemplate", "spec.relay")
-    where = "spec.relay.podTemplate"
-    public_url = relay.get("publicURL")
-    if public_url is not None and (
-        not isinstance(public_url, str) or not public_url.startswith(("https://", "http://"))
-    ):
-        raise SpecError("spec.relay.publicURL must be an http(s) URL")
-    affinity = pod.get("affinity")
-    if affinity is not None and not isinstance(affinity, Mapping):
-        raise SpecError(f"{where}.affinity must be an object")
-    priority = pod.get("priorityClassName")
-    if priority is not None and not isinstance(priority, str):
-        raise SpecError(f"{where}.priorityClassName must be a string")
+    relay = _obj(spec, "relay")
+    pod = _obj(relay, "podTemplate")
     return RelayConfig(
         enqueue_tokens=_secret_ref(relay, "enqueueTokensSecretRef", "tokens"),
         push_webhook=_secret_ref(relay, "pushWebhookSecretRef", "url"),
         didcomm_seed=_secret_ref(relay, "didcommSeedSecretRef", "seed"),
-        public_url=public_url or None,
-        env=_relay_env(relay),
+        public_url=relay.get("publicURL") or None,
+        env=tuple((item["name"], item.get("value", "")) for item in relay.get("env") or ()),
         pod_template=PodTemplate(
-            affinity=affinity or None,
-            tolerations=_objects(pod, "tolerations", where),
-            topology_spread_constraints=_objects(pod, "topologySpreadConstraints", where),
-            node_selector=_string_map(pod, "nodeSelector", where),
-            priority_class_name=priority or None,
-            annotations=_string_map(pod, "annotations", where),
+            affinity=pod.get("affinity") or None,
+            tolerations=tuple(pod.get("tolerations") or ()),
+            topology_spread_constraints=tuple(pod.get("topologySpreadConstraints") or ()),
+            node_selector=dict(_obj(pod, "nodeSelector")),
+            priority_class_name=pod.get("priorityClassName") or None,
+            annotations=dict(_obj(pod, "annotations")),
         ),
     )
 
 
 def parse_shard(body: Mapping[str, Any]) -> ShardSpec:
-    """Build a ShardSpec from a RelayShard object (as a dict or kopf Body)."""
-    meta = _obj(body, "metadata", "object")
-    spec = _obj(body, "spec", "object")
-    name = _str(meta, "name", "metadata")
-    if len(name) > 32 or not _DNS1035.match(name):
-        raise SpecError("RelayShard name must be a DNS-1035 label of at most 32 characters")
-    fleet = _str(spec, "fleet", "spec")
-    if len(fleet) > 32 or not _DNS1035.match(fleet):
-        raise SpecError("spec.fleet must be a DNS-1035 label of at most 32 characters")
-    retention = _obj(spec, "retention", "spec")
-    limits = _obj(spec, "limits", "spec")
-    res = _obj(spec, "resources", "spec")
-    auto = spec.get("autoRebalance", False)
-    if not isinstance(auto, bool):
-        raise SpecError("spec.autoRebalance must be a boolean")
-    pull = spec.get("imagePullPolicy", "IfNotPresent")
-    if pull not in ("Always", "IfNotPresent", "Never"):
-        raise SpecError("spec.imagePullPolicy must be Always, IfNotPresent or Never")
+    """Build a ShardSpec from a RelayShard object (as a dict or kopf Body).
+
+    The API server has checked the object against the CRD's schema and CEL rules
+    (crds/relayshards.yaml: types, ranges, enums, names, exactly-one-of, reserved env);
+    only what the schema cannot say is checked here, as SpecError.
+    """
+    meta = _obj(body, "metadata")
+    spec = _obj(body, "spec")
+    retention = _obj(spec, "retention")
+    limits = _obj(spec, "limits")
+    res = _obj(spec, "resources")
     generation = meta.get("generation", 0)
     return ShardSpec(
-        name=name,
-        namespace=_str(meta, "namespace", "metadata", "default"),
+        name=meta["name"],
+        namespace=meta.get("namespace") or "default",
         uid=str(meta.get("uid", "")),
         generation=generation if isinstance(generation, int) else 0,
-        fleet=fleet,
+        fleet=spec["fleet"],
         redis=_redis(spec),
         backup=_backup(spec),
-        replicas=_int(spec, "replicas", "spec", 2, 0, 1000),
-        weight=_int(spec, "weight", "spec", 100, 1, 10000),
-        image=_str(spec, "image", "spec", DEFAULT_IMAGE),
-        image_pull_policy=pull,
-        auto_rebalance=auto,
-        resources=_resources(res, "spec.resources") if res else default_relay_resources(),
+        replicas=spec.get("replicas", 2),
+        weight=spec.get("weight", 100),
+        image=spec.get("image", DEFAULT_IMAGE),
+        image_pull_policy=spec.get("imagePullPolicy", "IfNotPresent"),
+        auto_rebalance=spec.get("autoRebalance", False),
+        resources=_resources(res) if res else default_relay_resources(),
         retention=Retention(
-            max_age_seconds=parse_duration(_str(retention, "maxAge", "spec.retention", "7d")),
-            max_messages=_int(retention, "maxMessages", "spec.retention", 10000, 1, 100_000_000),
+            max_age_seconds=parse_duration(retention.get("maxAge", "7d")),
+            max_messages=retention.get("maxMessages", Retention.max_messages),
         ),
         limits=Limits(
-            max_payload_bytes=_int(limits, "maxPayloadBytes", "spec.limits", 5242880, 1, 2**29),
-            rate_limit_messages=_int(limits, "rateLimitMessages", "spec.limits", 500, 1, 1_000_000),
-            rate_limit_window_seconds=_int(limits, "rateLimitWindowSeconds", "spec.limits", 5, 1, 3600),
-            max_queue_messages=_int(limits, "maxQueueMessages", "spec.limits", 10000, 1, 100_000_000),
-            max_queue_bytes=_int(limits, "maxQueueBytes", "spec.limits", 268435456, 1, 2**40),
+            max_payload_bytes=limits.get("maxPayloadBytes", Limits.max_payload_bytes),
+            rate_limit_messages=limits.get("rateLimitMessages", Limits.rate_limit_messages),
+            rate_limit_window_seconds=limits.get("rateLimitWindowSeconds", Limits.rate_limit_window_seconds),
+            max_queue_messages=limits.get("maxQueueMessages", Limits.max_queue_messages),
+            max_queue_bytes=limits.get("maxQueueBytes", Limits.max_queue_bytes),
         ),
         relay=_relay(spec),
     )
