@@ -26,6 +26,7 @@ from tests.support.observability import (
     alert_rules,
     dashboard_queries,
     metric_names,
+    registry_names,
     rendered_rule_groups,
 )
 
@@ -75,33 +76,9 @@ def test_every_alert_is_complete_and_in_the_runbook() -> None:
         assert a["alert"].lower() in anchors, f"docs/runbook.md has no section '## {a['alert']}'"
 
 
-def _registry_names() -> set[str]:
-    """Every sample name the relay, the operator and the Spark run summary can expose."""
-    from prometheus_client import CollectorRegistry
-    from relayfleet_operator import metrics as operator_metrics
-
-    from relay import metrics as relay_metrics
-    from spark_jobs.run_summary import RunSummary
-
-    registries: list[CollectorRegistry] = [relay_metrics.REGISTRY, operator_metrics.REGISTRY]
-    for job, figures in (
-        ("retention", ("messages_removed", "bytes_removed", "queues_deleted", "queues_scanned")),
-        ("rebalance", ("slots_proposed", "bytes_proposed", "max_over_mean_before", "max_over_mean_after")),
-    ):
-        run = RunSummary(job, figures={f: 1.0 for f in figures})
-        registries.append(run.registry(ok=True, duration=1.0))
-    names: set[str] = set()
-    for reg in registries:
-        for family in reg.collect():
-            names.add(family.name)
-            for suffix in ("_total", "_bucket", "_sum", "_count", "_created"):
-                names.add(family.name + suffix)
-    return names
-
-
 def test_every_metric_name_exists() -> None:
     """No typo'd names, including the operator's and the Spark jobs' (which a local fleet lacks)."""
-    known = _registry_names()
+    known = registry_names()
     used = {n for _, _, e in dashboard_queries() for n in metric_names(e)}
     used |= {
         n

@@ -42,6 +42,16 @@ def test_operator_queries_against_a_real_prometheus(kwok_fleet: KwokFleet, tmp_p
             lambda: prom.query("min(count_over_time(relayfleet_operator_bytes_moved_total[1h])) > 2"),
             20,
         )
+        # the counters of what this run did moved (docs/observability.md names each)
+        for moved in (
+            "relayfleet_operator_reconciles_total",
+            "relayfleet_operator_reconcile_duration_seconds_count",
+            "relayfleet_operator_migrations_total",
+            "relayfleet_operator_slots_moved_total",
+            "relayfleet_operator_bytes_moved_total",
+        ):
+            assert prom.query(f"sum({moved}) > 0"), moved
+        assert prom.query("max(relayfleet_operator_shard_map_epoch) > 1")  # the join rewrote the map
 
         checked, empty = 0, []
         for dashboard, title, expr in dashboard_queries():

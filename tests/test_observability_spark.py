@@ -119,6 +119,11 @@ def test_spark_summaries_through_a_pushgateway(
             lambda: len(prom.query("relayfleet_spark_job_success")) == 2,
             WAIT_S,
         )
+        for name in (
+            "relayfleet_spark_job_duration_seconds",
+            "relayfleet_spark_job_last_run_timestamp_seconds",
+        ):
+            assert len(prom.query(f"{name} > 0")) == 2, name  # each job pushed its own
         empty, checked = [], 0
         for dashboard, title, expr in dashboard_queries():
             if spark_only(expr):

@@ -4,9 +4,12 @@ machine and the bounded-concurrency executor. No API server needed."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
+import kopf
 import pytest
+from relayfleet_operator import metrics as operator_metrics
+from relayfleet_operator import shards
 from relayfleet_operator.executor import MoveFailed, Outcome, run_moves
 from relayfleet_operator.fleet_state import founder, targets
 from relayfleet_operator.rebalance_states import ANNOTATION, Action, decide, moves_status, progress, remaining
@@ -119,6 +122,21 @@ def test_founder_is_the_oldest_valid_shard_whatever_the_handling_order() -> None
     invalid["spec"]["backup"] = {"schedule": "hourly"}  # passes the schema, not parse_shard
     assert founder([leaving, invalid, member("m", same)]) == "m"
     assert founder([]) is None
+
+
+def test_an_invalid_spec_is_counted_as_an_operator_error() -> None:
+    """What the schema cannot refuse ends the reconcile and counts in relayfleet_operator_errors_total."""
+    body = member("bad", "2026-01-01T00:00:00Z")
+    body["spec"]["backup"] = {"schedule": "hourly"}
+
+    def errors() -> float:
+        labels = {"kind": "RelayShard", "error": "SpecError"}
+        return operator_metrics.REGISTRY.get_sample_value("relayfleet_operator_errors_total", labels) or 0.0
+
+    before = errors()
+    with pytest.raises(kopf.PermanentError, match="5 fields"):
+        asyncio.run(shards.reconcile(cast(Any, None), body, announce=False))  # fails before any I/O
+    assert errors() == before + 1
 
 
 # --- status ---------------------------------------------------------------------------------------

@@ -89,3 +89,27 @@ def metric_names(expr: str) -> set[str]:
 
 def local(expr: str) -> bool:
     return not any(name.startswith(NOT_LOCAL) for name in metric_names(expr))
+
+
+def registry_names() -> set[str]:
+    """Every sample name the relay, the operator and the Spark run summary can expose."""
+    from prometheus_client import CollectorRegistry
+    from relayfleet_operator import metrics as operator_metrics
+
+    from relay import metrics as relay_metrics
+    from spark_jobs.run_summary import RunSummary
+
+    registries: list[CollectorRegistry] = [relay_metrics.REGISTRY, operator_metrics.REGISTRY]
+    for job, figures in (
+        ("retention", ("messages_removed", "bytes_removed", "queues_deleted", "queues_scanned")),
+        ("rebalance", ("slots_proposed", "bytes_proposed", "max_over_mean_before", "max_over_mean_after")),
+    ):
+        run = RunSummary(job, figures={f: 1.0 for f in figures})
+        registries.append(run.registry(ok=True, duration=1.0))
+    names: set[str] = set()
+    for reg in registries:
+        for family in reg.collect():
+            names.add(family.name)
+            for suffix in ("_total", "_bucket", "_sum", "_count", "_created"):
+                names.add(family.name + suffix)
+    return names
