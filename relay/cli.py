@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
+import os
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -24,8 +27,9 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        # one line, exit 2 (the contract), instead of argparse's usage dump
-        self.exit(2, f"relayfleet: {message}\n")
+        # one line, exit 2 (the contract), instead of argparse's usage dump; named by the
+        # command it is about ("relayfleet migrate: ...")
+        self.exit(2, f"{self.prog}: {message}\n")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +115,22 @@ def _add_relay_args(p: argparse.ArgumentParser) -> None:
           "(none: http://HOST:PORT)")  # fmt: skip
 
 
+def _add_map_args(p: argparse.ArgumentParser) -> None:
+    """Where the shard map is, as `relay` reads it: a file, or the ConfigMap the relays watch."""
+    src = p.add_mutually_exclusive_group()
+    _flag(p, "--shard-map", env="RELAY_SHARD_MAP", default=None, to=src, metavar="FILE",
+          help="shard map JSON file (one of these two is required)")  # fmt: skip
+    _flag(p, "--shard-map-configmap", env="RELAY_SHARD_MAP_CONFIGMAP", default=None, to=src,
+          metavar="NS/NAME", help="shard map ConfigMap (Kubernetes; KUBECONFIG or in-cluster)")  # fmt: skip
+
+
+def _configmap_name(value: str) -> tuple[str, str]:
+    namespace, _, name = value.partition("/")
+    if not namespace or not name or "/" in name:
+        raise ConfigError(f"--shard-map-configmap must be NAMESPACE/NAME, got {value!r}")
+    return namespace, name
+
+
 def _log_level(p: argparse.ArgumentParser) -> None:
     levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
     _flag(p, "--log-level", env="RELAY_LOG_LEVEL", default="INFO", kind="one of " + ", ".join(levels),
@@ -140,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_relay_args(sub.add_parser("relay", help="run a relay process", epilog=_relay_epilog()))
     mig = sub.add_parser("migrate", help="move slots to a shard, online")
-    mig.add_argument("--shard-map", required=True, metavar="FILE", help="shard map file [no env; required]")
+    _add_map_args(mig)
     mig.add_argument("--slots", required=True, metavar="A-B", help="slot range to move [no env; required]")
     mig.add_argument("--to", required=True, metavar="SHARD", help="target shard [no env; required]")
     _log_level(mig)
@@ -293,20 +313,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = _run_plugin(argv[0], argv[1:])
         if code is not None:
             return code
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    name = f"relayfleet {args.command}"
+    if extra:  # named by the subcommand they were given to, as its own parser's errors are
+        print(f"{name}: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
+        return 2
     try:
         _resolve_env(args)
     except ConfigError as exc:
-        print(f"relayfleet: {exc}", file=sys.stderr)
+        print(f"{name}: {exc}", file=sys.stderr)
         return 2
     _log_setup(args)
     try:
         return _dispatch(args)
     except (ShardMapError, ConfigError, RedisURLError) as exc:
-        print(f"relayfleet: {exc}", file=sys.stderr)
+        print(f"{name}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 0
+    except Exception as exc:  # a runtime failure: one line, exit 1 (the traceback at DEBUG)
+        logging.getLogger("relay.cli").debug("%s failed", name, exc_info=True)
+        print(f"{name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -320,9 +348,17 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(json.dumps({"public": b64encode(public), "private": b64encode(private)}))
         return 0
     if cmd == "migrate":
-        from relay.fleet.migration.command import migrate_main
+        from relay.fleet.migration.command import file_place, migrate_main
 
-        return migrate_main(args.shard_map, args.slots, args.to)
+        if args.shard_map_configmap:
+            from relay.fleet.configmap import configmap_place
+
+            place = configmap_place(*_configmap_name(args.shard_map_configmap))
+        elif args.shard_map:
+            place = file_place(args.shard_map)
+        else:
+            raise ConfigError("one of --shard-map or --shard-map-configmap is required")
+        return migrate_main(place, args.slots, args.to)
     if cmd == "operator":
         from relayfleet_operator.config import OperatorSettings
         from relayfleet_operator.main import run
@@ -337,12 +373,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         if not args.kube:
             urls = args.urls or [env_value("RELAY_URL") or "http://127.0.0.1:8080"]
             return int(top_main(urls, once=args.once))
-        from relay.top_kube import KubeDiscoveryError, KubeRelays, default_namespace
+        from relay.top_kube import KubeConfigError, KubeDiscoveryError, KubeRelays, default_namespace
 
         try:
             ns = args.namespace or default_namespace(args.kubeconfig)
             relays = KubeRelays(ns, args.fleet, direct=args.direct, kubeconfig=args.kubeconfig)
             return int(top_main([], once=args.once, source=relays))
+        except KubeConfigError as exc:
+            print(f"relayfleet top: {exc}", file=sys.stderr)
+            return 2
         except KubeDiscoveryError as exc:
             print(f"relayfleet top: {exc}", file=sys.stderr)
             return 1
@@ -354,6 +393,10 @@ def _relay(args: argparse.Namespace) -> int:
     from relay.fleet import routing
     from relay.storage.connection import RedisTarget
 
+    if (reason := _cannot_listen(args.host, args.port)) is not None:
+        # before connecting to anything: one line, exit 2 (the bind below is the backstop)
+        print(f"relayfleet relay: cannot listen on {args.host}:{args.port}: {reason}", file=sys.stderr)
+        return 2
     settings = Settings.from_env(
         host=args.host,
         port=args.port,
@@ -376,30 +419,59 @@ def _relay(args: argparse.Namespace) -> int:
         try:
             shard_map = routing.load_file(args.shard_map)
         except OSError as exc:
-            print(f"relayfleet: cannot read shard map {args.shard_map}: {exc.strerror}", file=sys.stderr)
+            print(
+                f"relayfleet relay: cannot read shard map {args.shard_map}: {exc.strerror}", file=sys.stderr
+            )
             return 2
         source = routing.file_source(args.shard_map)
     elif args.shard_map_configmap:
         from relay.fleet.configmap import configmap_source
 
-        namespace, _, name = args.shard_map_configmap.partition("/")
-        if not namespace or not name:
-            print("relayfleet: --shard-map-configmap must be NAMESPACE/NAME", file=sys.stderr)
-            return 2
-        source = configmap_source(namespace, name)
+        source = configmap_source(*_configmap_name(args.shard_map_configmap))
         first = asyncio.run(source())
         if first is None:
-            print(f"relayfleet: ConfigMap {args.shard_map_configmap} holds no shard map", file=sys.stderr)
+            print(
+                f"relayfleet relay: ConfigMap {args.shard_map_configmap} holds no shard map", file=sys.stderr
+            )
             return 1
         shard_map = first
     else:
         print(
-            "relayfleet: one of --redis-url, --shard-map or --shard-map-configmap is required",
+            "relayfleet relay: one of --redis-url, --shard-map or --shard-map-configmap is required",
             file=sys.stderr,
         )
         return 2
-    _run(serve(settings, shard_map, source, drain_delay_s=settings.shutdown_delay_s))
+    try:
+        _run(serve(settings, shard_map, source, drain_delay_s=settings.shutdown_delay_s))
+    except OSError as exc:
+        if exc.errno not in _CANNOT_LISTEN:
+            raise
+        # a configuration error (port taken, address not ours): one line, exit 2
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        print(f"relayfleet relay: cannot listen on {args.host}:{args.port}: {reason}", file=sys.stderr)
+        return 2
     return 0
+
+
+_CANNOT_LISTEN = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why the relay could not listen on host:port (taken, not an address of this machine),
+    or None. Binds the way the server does (SO_REUSEADDR), so a port in TIME_WAIT passes."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return str(exc.strerror)
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(addr)
+            except OSError as exc:
+                if exc.errno in _CANNOT_LISTEN:
+                    return os.strerror(exc.errno) if exc.errno else str(exc)
+    return None
 
 
 def _run(coro: object) -> None:

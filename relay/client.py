@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
 
 import aiohttp
 import orjson
@@ -70,6 +70,22 @@ def _error(status: int, body: dict[str, Any], headers: Mapping[str, str]) -> Rel
     return (RateLimited if status in RETRYABLE else RelayError)(status, body, headers)
 
 
+def check_base_url(url: str) -> str:
+    """A relay's base URL without its trailing slash; ValueError saying what is wrong (no
+    scheme, no host, or the API's /v1 given: the client adds that itself)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r} (e.g. http://127.0.0.1:8080)")
+    try:
+        parts.port  # noqa: B018 (a bad port raises here)
+    except ValueError:
+        raise ValueError(f"bad port in {url!r}") from None
+    base = url.rstrip("/")
+    if parts.query or parts.fragment or base.endswith("/v1"):
+        raise ValueError(f"give the relay's base URL, without /v1 or a query: {url!r}")
+    return base
+
+
 Key = bytes | str  # raw 32 bytes, or the base64url text `relayfleet keygen` prints
 
 
@@ -113,9 +129,7 @@ class RelayClient:
         retries: int = 0,
         max_retry_wait: float = 30.0,
     ) -> None:
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
-        self.base_url = base_url.rstrip("/")
+        self.base_url = check_base_url(base_url)
         if isinstance(private_key, KeyPair):
             private_key = private_key.private
         self.private_key = None if private_key is None else key_bytes(private_key, "private_key")

@@ -19,6 +19,8 @@ class EnvHelpFormatter(argparse.RawDescriptionHelpFormatter):
         text = action.help or ""
         if text == argparse.SUPPRESS or isinstance(action, argparse._HelpAction) or "[env " in text:
             return action.help
+        if not action.option_strings and action.nargs is None and action.default is None:
+            return action.help  # a subcommand's line in the command list: its own --help tells
         if "[no env" in text:
             return text
         parts = [] if _NAMES_ENV.search(text) else ["no env"]

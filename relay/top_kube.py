@@ -28,12 +28,16 @@ class KubeDiscoveryError(RuntimeError):
     """No usable Kubernetes configuration, or the API refused to list the fleet."""
 
 
+class KubeConfigError(KubeDiscoveryError):
+    """No usable Kubernetes configuration (or client): a configuration error, exit 2."""
+
+
 def default_namespace(kubeconfig: str | None) -> str:
     """The namespace kubectl would use: the kubeconfig context's, in a pod its own, else default."""
     try:
         from kubernetes import config
     except ImportError:
-        raise KubeDiscoveryError(
+        raise KubeConfigError(
             "--kube needs the kubernetes package: pip install 'relayfleet[operator]'"
         ) from None
     try:
@@ -60,8 +64,8 @@ class KubeRelays:
     def __post_init__(self) -> None:
         try:
             self.core: Any = kube_core_api(self.kubeconfig)
-        except ShardMapError as exc:
-            raise KubeDiscoveryError(str(exc)) from None
+        except ShardMapError as exc:  # no configuration, or no kubernetes package
+            raise KubeConfigError(str(exc)) from None
         from kubernetes import client
 
         self.discovery: Any = client.DiscoveryV1Api(self.core.api_client)

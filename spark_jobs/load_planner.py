@@ -47,6 +47,11 @@ from relay.storage.maintenance import MaintenanceError
 
 METRICS = ("blend", "bytes", "messages", "rate")
 DEFAULT_TOLERANCE = 0.10
+# Below both, a fleet is idle: nothing worth moving, whatever the ratios (2 enqueues a minute
+# on one shard is "200% of the mean" and still no reason to move a slot). The CLI's defaults;
+# plan() itself applies no floor unless asked.
+MIN_BYTES = 64 * 1024 * 1024
+MIN_RATE = 60.0  # enqueues per minute, the whole fleet
 _MAX_ROUNDS = 512
 
 
@@ -111,6 +116,7 @@ class Plan:
     before: tuple[ShardBalance, ...]
     after: tuple[ShardBalance, ...]
     notes: tuple[str, ...] = field(default=())
+    idle: bool = False  # below the minimum load: balanced by definition, no moves
 
     @property
     def bytes_moved(self) -> int:
@@ -130,7 +136,7 @@ class Plan:
 
     @property
     def balanced(self) -> bool:
-        return self.max_ratio(self.after) <= 1.0 + self.tolerance + 1e-9
+        return self.idle or self.max_ratio(self.after) <= 1.0 + self.tolerance + 1e-9
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -139,6 +145,7 @@ class Plan:
             "metric": self.metric,
             "tolerance": self.tolerance,
             "balanced": self.balanced,
+            "idle": self.idle,
             "maxOverMean": {
                 "before": round(self.max_ratio(self.before), 4),
                 "after": round(self.max_ratio(self.after), 4),
@@ -146,7 +153,7 @@ class Plan:
             "bytesMoved": self.bytes_moved,
             "messagesMoved": self.messages_moved,
             "slotsMoved": self.slots_moved,
-            "moves": [m.row() for m in self.moves],
+            "moves": [m.to_json() for m in self.moves],  # a RelayRebalance's proposal.moves
             "shards": {
                 b.shard: {"weight": b.weight, "before": b.to_json(), "after": a.to_json()}
                 for b, a in zip(self.before, self.after, strict=True)
@@ -165,11 +172,37 @@ class Plan:
             )
         lines.append(
             f"max load/mean {self.max_ratio(self.before):.3f} -> {self.max_ratio(self.after):.3f} "
-            f"(tolerance {1 + self.tolerance:.2f}); {len(self.moves)} moves, {self.slots_moved} slots, "
+            f"(tolerance {self.tolerance:g}); {len(self.moves)} moves, {self.slots_moved} slots, "
             f"{_size(self.bytes_moved)} moved"
         )
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(line.rstrip() for line in lines)
+
+    def proposal(self) -> dict[str, Any]:
+        """The RelayRebalance `spec.proposal` carrying this plan (crds/relayrebalances.yaml)."""
+        doc = self.to_json()
+        return {
+            "shardMapEpoch": self.epoch,
+            "moves": doc["moves"],
+            "summary": {
+                k: doc[k]
+                for k in ("metric", "tolerance", "maxOverMean", "bytesMoved", "slotsMoved", "balanced")
+            },
+        }
+
+    def rebalance_manifest(self, name: str, namespace: str | None = None) -> dict[str, Any]:
+        """A RelayRebalance object for `kubectl apply -f` (not approved: the operator waits)."""
+        from spark_jobs.shard_io import GROUP, VERSION
+
+        meta: dict[str, Any] = {"name": name}
+        if namespace:
+            meta["namespace"] = namespace
+        return {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "RelayRebalance",
+            "metadata": meta,
+            "spec": {"fleet": self.fleet, "proposal": self.proposal()},
+        }
 
 
 def _size(n: int) -> str:
@@ -263,8 +296,12 @@ def plan(
     weights: Mapping[str, float] | None = None,
     metric: str = "blend",
     tolerance: float = DEFAULT_TOLERANCE,
+    min_bytes: int = 0,
+    min_rate: float = 0.0,
 ) -> Plan:
-    """The moves that balance the fleet; see the module docstring for the method."""
+    """The moves that balance the fleet; see the module docstring for the method. A fleet
+    holding fewer than `min_bytes` and taking fewer than `min_rate` enqueues a minute is idle:
+    balanced, no moves."""
     if not 0 <= tolerance < 10:
         raise PlanningError(f"tolerance must be within 0..10, got {tolerance}")
     shards = list(shard_map.shards)
@@ -300,12 +337,20 @@ def plan(
         notes.append(f"{pinned} slots not movable (migrating, importing or moved) stay where they are")
 
     owner = list(owner0)
-    _greedy(shards, w, owner, load, nbytes, movable, tolerance, notes)
+    total_bytes, total_rate = sum(nbytes), sum(rate)
+    idle = total_bytes < min_bytes and total_rate < min_rate
+    if idle:
+        notes.append(
+            f"fleet below the minimum load ({_size(total_bytes)} < {_size(min_bytes)} held, "
+            f"{total_rate:.1f} < {min_rate:g} enqueues/min): nothing worth moving"
+        )
+    else:
+        _greedy(shards, w, owner, load, nbytes, movable, tolerance, notes)
     moves = _diff(owner0, owner, nbytes, msgs)
     before = _balance(shards, w, owner0, load, msgs, nbytes, rate)
     after = _balance(shards, w, owner, load, msgs, nbytes, rate)
     return Plan(
-        shard_map.fleet, shard_map.epoch, metric, tolerance, tuple(moves), before, after, tuple(notes)
+        shard_map.fleet, shard_map.epoch, metric, tolerance, tuple(moves), before, after, tuple(notes), idle
     )
 
 
@@ -524,8 +569,12 @@ def read_stats_direct(shard_map: ShardMap, at_ms: int, task_slots: int = 2048) -
 def add_plan_args(p: Any) -> None:
     """Options shared by `relayfleet plan` and the Spark rebalance job."""
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--shard-map", metavar="FILE", help="shard map JSON file")
-    src.add_argument("--shard-map-configmap", metavar="NS/NAME", help="ConfigMap holding shardmap.json")
+    src.add_argument("--shard-map", metavar="FILE", help="shard map JSON file (env RELAY_SHARD_MAP)")
+    src.add_argument(
+        "--shard-map-configmap",
+        metavar="NS/NAME",
+        help="ConfigMap holding shardmap.json, as the relays read it (env RELAY_SHARD_MAP_CONFIGMAP)",
+    )
     p.add_argument(
         "--credentials-dir",
         default=os.environ.get("RELAY_REDIS_CREDENTIALS_DIR"),
@@ -537,7 +586,21 @@ def add_plan_args(p: Any) -> None:
         "--tolerance",
         type=float,
         default=DEFAULT_TOLERANCE,
-        help="allowed max load/mean above 1 (default: 0.10 = 10%%)",
+        help="allowed max load/mean above 1 (default: 0.1 = 10%% above the mean)",
+    )
+    p.add_argument(
+        "--min-bytes",
+        type=int,
+        default=MIN_BYTES,
+        metavar="N",
+        help="with --min-rate: a fleet below both is idle, no moves (default: %(default)s)",
+    )
+    p.add_argument(
+        "--min-rate",
+        type=float,
+        default=MIN_RATE,
+        metavar="PER_MIN",
+        help="fleet enqueues per minute below which (with --min-bytes) it is idle (default: %(default)s)",
     )
     p.add_argument(
         "--weight",
@@ -547,6 +610,19 @@ def add_plan_args(p: Any) -> None:
         help="shard weight (repeatable; default 1, or RelayShard spec.weight with a ConfigMap)",
     )
     p.add_argument("--table", action="store_true", help="print the before/after table on stderr")
+
+
+def map_from_args(args: Any) -> ShardMap:
+    """The shard map the flags name, else the one RELAY_SHARD_MAP / RELAY_SHARD_MAP_CONFIGMAP
+    name (as `relayfleet relay` reads them; a flag wins over both variables)."""
+    from spark_jobs.shard_io import load_shard_map
+
+    path, configmap = args.shard_map, args.shard_map_configmap
+    if not path and not configmap:
+        path = os.environ.get("RELAY_SHARD_MAP") or None
+        configmap = os.environ.get("RELAY_SHARD_MAP_CONFIGMAP") or None
+        args.shard_map, args.shard_map_configmap = path, configmap
+    return load_shard_map(path, configmap)
 
 
 def resolve_weights(args: Any, shard_map: ShardMap) -> dict[str, float]:
@@ -568,17 +644,25 @@ def resolve_weights(args: Any, shard_map: ShardMap) -> dict[str, float]:
 
 def plan_main(argv: list[str]) -> int:
     """`relayfleet plan`: read every shard's slot statistics, print the JSON plan."""
-    from spark_jobs.shard_io import ArgParser, JobError, UsageError, load_shard_map, now_ms, with_credentials
+    from spark_jobs.shard_io import ArgParser, JobError, UsageError, now_ms, with_credentials
 
     p = ArgParser(prog="relayfleet plan", description="Rebalance plan without Spark; JSON on stdout.")
     add_plan_args(p)
+    p.add_argument(
+        "--rebalance-yaml",
+        metavar="FILE",
+        help="also write the plan as a RelayRebalance to FILE, for kubectl apply -f",
+    )
+    p.add_argument("--name", default="manual-rebalance", help="with --rebalance-yaml: its metadata.name")
     try:
         args = p.parse_args(argv)
-        shard_map = load_shard_map(args.shard_map, args.shard_map_configmap)
+        shard_map = map_from_args(args)
         weights = resolve_weights(args, shard_map)
         shard_map = with_credentials(shard_map, args.credentials_dir)
         stats = read_stats_direct(shard_map, now_ms())
-        result = plan(shard_map, stats, weights, args.metric, args.tolerance)
+        result = plan(shard_map, stats, weights, args.metric, args.tolerance, args.min_bytes, args.min_rate)
+        if args.rebalance_yaml:
+            write_rebalance_yaml(result, args.rebalance_yaml, args.name, args.shard_map_configmap)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except (UsageError, PlanningError) as exc:
@@ -591,3 +675,19 @@ def plan_main(argv: list[str]) -> int:
         print(result.table(), file=sys.stderr)
     print(json.dumps(result.to_json(), indent=2))
     return 0
+
+
+def write_rebalance_yaml(result: Plan, path: str, name: str, configmap: str | None) -> None:
+    """The plan as a RelayRebalance YAML file (in the ConfigMap's namespace when read from one)."""
+    from spark_jobs.shard_io import JobError, UsageError
+
+    try:
+        import yaml
+    except ImportError:
+        raise UsageError("--rebalance-yaml needs pyyaml: pip install 'relayfleet[operator]'") from None
+    namespace = configmap.partition("/")[0] if configmap else None
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            yaml.safe_dump(result.rebalance_manifest(name, namespace), f, sort_keys=False)
+    except OSError as exc:
+        raise JobError(f"cannot write {path}: {exc.strerror or exc}") from None

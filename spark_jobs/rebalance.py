@@ -28,6 +28,7 @@ from spark_jobs.load_planner import (
     PlanningError,
     SlotLoad,
     add_plan_args,
+    map_from_args,
     plan,
     resolve_weights,
 )
@@ -40,7 +41,6 @@ from spark_jobs.shard_io import (
     SlotTask,
     UsageError,
     kube_api,
-    load_shard_map,
     now_ms,
     read_slot_stats,
     split_ns_name,
@@ -139,19 +139,7 @@ def proposal_body(result: Plan, namespace: str, auto_approve: bool = False) -> d
 
 
 def proposal_spec(result: Plan) -> dict[str, Any]:
-    doc = result.to_json()
-    return {
-        "shardMapEpoch": result.epoch,
-        "moves": [m.to_json() for m in result.moves],
-        "summary": {
-            "metric": doc["metric"],
-            "tolerance": doc["tolerance"],
-            "maxOverMean": doc["maxOverMean"],
-            "bytesMoved": doc["bytesMoved"],
-            "slotsMoved": doc["slotsMoved"],
-            "balanced": doc["balanced"],
-        },
-    }
+    return result.proposal()
 
 
 def submit_proposal(result: Plan, namespace: str, auto_approve: bool) -> str:
@@ -212,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _prepare(args: argparse.Namespace) -> JobInput:
     """Read the shard map and the weights; where the proposal goes."""
-    shard_map = load_shard_map(args.shard_map, args.shard_map_configmap)
+    shard_map = map_from_args(args)
     weights = resolve_weights(args, shard_map)
     shard_map = with_credentials(shard_map, args.credentials_dir)
     tasks = split_tasks(shard_map, args.task_slots)
@@ -231,7 +219,8 @@ def _propose(
 ) -> None:
     """The Spark part: scan, plan, then the JSON plan or the RelayRebalance proposal."""
     rows = collect_slot_stats(spark, tasks, now_ms(), progress=not args.quiet)
-    result = plan(shard_map, loads_from(slot_frame(spark, rows)), weights, args.metric, args.tolerance)
+    loads = loads_from(slot_frame(spark, rows))
+    result = plan(shard_map, loads, weights, args.metric, args.tolerance, args.min_bytes, args.min_rate)
     print(result.table(), file=sys.stderr)
     summary = result.to_json()
     run.figures.update(

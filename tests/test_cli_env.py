@@ -62,23 +62,23 @@ def test_relay_help_lists_every_variable() -> None:
 @pytest.mark.parametrize(
     ("env", "args", "message"),
     [
-        ({"RELAY_PORT": "abc"}, (), "relayfleet: RELAY_PORT must be a port number, got 'abc'"),
-        ({"RELAY_AUTH": "basic"}, (), "relayfleet: RELAY_AUTH must be ed25519 or none, got 'basic'"),
-        ({}, ("--port", "70000"), "relayfleet: --port must be a port number, got '70000'"),
+        ({"RELAY_PORT": "abc"}, (), "relayfleet relay: RELAY_PORT must be a port number, got 'abc'"),
+        ({"RELAY_AUTH": "basic"}, (), "relayfleet relay: RELAY_AUTH must be ed25519 or none, got 'basic'"),
+        ({}, ("--port", "70000"), "relayfleet relay: --port must be a port number, got '70000'"),
         (
             {"RELAY_MAX_PAYLOAD": "lots"},
             ("--redis-url", "redis://127.0.0.1:1/0"),
-            "relayfleet: RELAY_MAX_PAYLOAD must be an integer, got 'lots'",
+            "relayfleet relay: RELAY_MAX_PAYLOAD must be an integer, got 'lots'",
         ),
         (
             {"RELAY_SHARD_HEALTH_INTERVAL_S": "nan"},
             ("--redis-url", "redis://127.0.0.1:1/0"),
-            "relayfleet: RELAY_SHARD_HEALTH_INTERVAL_S must be a number, got 'nan'",
+            "relayfleet relay: RELAY_SHARD_HEALTH_INTERVAL_S must be a number, got 'nan'",
         ),
         (
             {"RELAY_REDIS_URL": "rediss://u:secret@h:1/0?ssl_ca_cert=/ca.pem"},
             (),
-            "relayfleet: unknown Redis URL option 'ssl_ca_cert'",
+            "relayfleet relay: unknown Redis URL option 'ssl_ca_cert'",
         ),
     ],
 )
@@ -149,11 +149,11 @@ def test_every_flag_in_every_help_screen_names_env_and_default(command: str) -> 
     [
         (
             {"RELAYFLEET_OPERATOR_RESYNC_SECONDS": "abc"},
-            "relayfleet: RELAYFLEET_OPERATOR_RESYNC_SECONDS must be a number, got 'abc'",
+            "relayfleet operator: RELAYFLEET_OPERATOR_RESYNC_SECONDS must be a number, got 'abc'",
         ),
         (
             {"RELAYFLEET_OPERATOR_HEALTH_PORT": "99999"},
-            "relayfleet: RELAYFLEET_OPERATOR_HEALTH_PORT must be a port number, got 99999",
+            "relayfleet operator: RELAYFLEET_OPERATOR_HEALTH_PORT must be a port number, got 99999",
         ),
     ],
 )

@@ -8,11 +8,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import jsonschema  # type: ignore[import-untyped]
 import pytest
+import yaml
 
 from relay.fleet.contract import Move
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, even_split
 from spark_jobs.load_planner import Plan, PlanningError, SlotLoad, plan, plan_main, slot_loads
+from tests.support.chart import crd, schema_of
 from tests.support.naive_planner import naive
 from tests.support.spark_session import FleetFactory, Seed, seed
 
@@ -69,7 +72,10 @@ def test_skew_is_fixed_within_tolerance_with_contiguous_moves() -> None:
     assert len(after.ranges) <= len(m.ranges) + 2
     # the before/after table and the JSON agree with the moves
     doc = p.to_json()
-    assert doc["moves"] == [[mv.start, mv.end, mv.source, mv.target, mv.bytes] for mv in p.moves]
+    assert doc["moves"] == [  # the RelayRebalance shape
+        {"slots": mv.slots, "from": mv.source, "to": mv.target, "bytes": mv.bytes, "messages": mv.messages}
+        for mv in p.moves
+    ]
     assert doc["bytesMoved"] == sum(mv.bytes for mv in p.moves)
     assert doc["shards"]["a"]["after"]["slots"] == after.slot_counts()["a"]
     assert "max load/mean" in p.table()
@@ -225,12 +231,38 @@ def test_plan_main_reads_real_shards(
     seed(m, seeds)
     path = tmp_path / "map.json"
     path.write_text(m.dumps())
-    assert plan_main(["--shard-map", str(path), "--metric", "bytes", "--table"]) == 0
+    rebalance = tmp_path / "rebalance.yaml"
+    argv = ["--shard-map", str(path), "--metric", "bytes", "--table", "--min-bytes", "0"]
+    assert plan_main([*argv, "--rebalance-yaml", str(rebalance)]) == 0
     out = capsys.readouterr()
     doc = json.loads(out.out)
     assert "load/mean" in out.err
     assert doc["maxOverMean"]["before"] == pytest.approx(2.0)
     assert doc["balanced"]
     assert doc["moves"]
-    assert all(row[2] == "a" and row[3] == "b" for row in doc["moves"])
-    assert doc["bytesMoved"] == sum(row[4] for row in doc["moves"]) > 0
+    assert all((mv["from"], mv["to"]) == ("a", "b") for mv in doc["moves"])
+    assert doc["bytesMoved"] == sum(mv["bytes"] for mv in doc["moves"]) > 0
+    assert f"(tolerance {doc['tolerance']:g})" in out.err  # one notation in the JSON and the table
+    manifest = yaml.safe_load(rebalance.read_text())
+    assert manifest["kind"] == "RelayRebalance"
+    assert manifest["spec"]["proposal"]["moves"] == doc["moves"]
+    jsonschema.validate(manifest, schema_of(crd("relayrebalances.yaml")))
+    # the same fleet under a floor it does not reach (64 MiB, 10000 enqueues/min): idle, no moves
+    assert plan_main(["--shard-map", str(path), "--metric", "bytes", "--min-rate", "10000"]) == 0
+    idle = json.loads(capsys.readouterr().out)
+    assert (idle["balanced"], idle["idle"], idle["moves"]) == (True, True, [])
+    assert "below the minimum load" in idle["notes"][-1]
+
+
+def test_plan_reads_the_shard_map_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "map.json"
+    doc = fleet("ab").to_json()
+    doc["shards"] = {"a": {"redis": "redis://127.0.0.1:1/0"}, "b": {"redis": "redis://127.0.0.1:1/0"}}
+    path.write_text(json.dumps(doc))
+    monkeypatch.setenv("RELAY_SHARD_MAP", str(path))
+    assert plan_main([]) == 1  # the map was read (its shards are down): not "required"
+    assert "127.0.0.1:1/0" in capsys.readouterr().err
+    monkeypatch.setenv("RELAY_SHARD_MAP", str(tmp_path / "nope.json"))
+    assert plan_main([]) == 2

@@ -39,27 +39,29 @@ def run_module(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
     [
         (
             {"RELAYFLEET_OPERATOR_RESYNC_SECONDS": "abc"},
-            "relayfleet: RELAYFLEET_OPERATOR_RESYNC_SECONDS must be a number, got 'abc'",
+            "relayfleet operator: RELAYFLEET_OPERATOR_RESYNC_SECONDS must be a number, got 'abc'",
         ),
         (
             {"RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS": "0"},
-            "relayfleet: RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS must be a positive number of seconds",
+            "relayfleet operator: RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS must be a positive number of"
+            " seconds",
         ),
         (
             {"RELAYFLEET_OPERATOR_RETRY_SECONDS": "inf"},
-            "relayfleet: RELAYFLEET_OPERATOR_RETRY_SECONDS must be a number, got 'inf'",
+            "relayfleet operator: RELAYFLEET_OPERATOR_RETRY_SECONDS must be a number, got 'inf'",
         ),
         (
             {"RELAYFLEET_OPERATOR_HEALTH_PORT": "99999"},
-            "relayfleet: RELAYFLEET_OPERATOR_HEALTH_PORT must be a port number, got 99999",
+            "relayfleet operator: RELAYFLEET_OPERATOR_HEALTH_PORT must be a port number, got 99999",
         ),
         (
             {"RELAYFLEET_OPERATOR_METRICS_PORT": "http"},
-            "relayfleet: RELAYFLEET_OPERATOR_METRICS_PORT must be a port number, got 'http'",
+            "relayfleet operator: RELAYFLEET_OPERATOR_METRICS_PORT must be a port number, got 'http'",
         ),
         (
             {"RELAY_LOG_LEVEL": "loud"},
-            "relayfleet: RELAY_LOG_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'loud'",
+            "relayfleet operator: RELAY_LOG_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL,"
+            " got 'loud'",
         ),
     ],
 )

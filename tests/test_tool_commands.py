@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 
@@ -90,8 +92,9 @@ def _descendants(pid: int) -> set[int]:
 
 
 def test_dev_fleet_stopped_by_sigterm_leaves_no_process_behind() -> None:
-    # a supervisor or a test stops `relayfleet dev` with SIGTERM: its relay and Redis go too
-    port = str(free_port())
+    # a supervisor or a test stops `relayfleet dev` with SIGTERM: its relay and Redis go too,
+    # and so does its folder (shard map, Redis data); its Redis port is the one asked for
+    port, redis_port = str(free_port()), free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -104,6 +107,8 @@ def test_dev_fleet_stopped_by_sigterm_leaves_no_process_behind() -> None:
             port,
             "--auth",
             "none",
+            "--redis-port",
+            str(redis_port),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -111,16 +116,41 @@ def test_dev_fleet_stopped_by_sigterm_leaves_no_process_behind() -> None:
     )
     try:
         assert proc.stdout is not None
+        seen = []
         for line in proc.stdout:
+            seen.append(line)
             if "relay ready" in line:
                 break
+        assert any(f"a=redis://127.0.0.1:{redis_port}/0" in line for line in seen), seen
+        map_line = next(line for line in seen if line.startswith("shard map: "))
+        workdir = Path(map_line.split()[2]).parent
+        assert workdir.name.startswith("relayfleet-dev-")
+        assert workdir.is_dir()
         children = _descendants(proc.pid)
         assert len(children) >= 2, children  # the relay and a redis-server
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         alive = {p for p in children if os.path.exists(f"/proc/{p}")}
         assert not alive, f"left running: {alive}"
+        assert not workdir.exists(), f"left behind: {workdir}"
     finally:
         stop_process(proc, 10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_dev_does_not_take_another_process_on_its_port_for_its_relay() -> None:
+    # another process answers /readyz on the port: dev says the port is taken, at once
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "relayfleet_testing.devfleet", "--no-demo", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert out.returncode == 2
+    assert out.stderr == f"relayfleet dev: --port: port {port} is already in use\n"
+    assert "relay ready" not in out.stdout

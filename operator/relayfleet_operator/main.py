@@ -44,11 +44,11 @@ def run(namespace: str | None, all_namespaces: bool, settings: OperatorSettings 
         try:
             settings = OperatorSettings.from_env()
         except ConfigError as exc:
-            print(f"relayfleet: {exc}", file=sys.stderr)
+            print(f"relayfleet operator: {exc}", file=sys.stderr)
             return 2
     configure_logging(settings)
     if namespace and all_namespaces:
-        print("relayfleet: --namespace and --all-namespaces are exclusive", file=sys.stderr)
+        print("relayfleet operator: --namespace and --all-namespaces are exclusive", file=sys.stderr)
         return 2
     try:
         import kopf
@@ -57,7 +57,10 @@ def run(namespace: str | None, all_namespaces: bool, settings: OperatorSettings 
     except ImportError as exc:
         if exc.name not in OPERATOR_EXTRA:
             raise  # a broken install of our own modules is a bug, not a missing extra
-        print(f"relayfleet: the operator needs the [operator] extra ({exc.name} missing)", file=sys.stderr)
+        print(
+            f"relayfleet operator: the operator needs the [operator] extra ({exc.name} missing)",
+            file=sys.stderr,
+        )
         return 1
     from relayfleet_operator.kube import Kube
 
@@ -66,10 +69,10 @@ def run(namespace: str | None, all_namespaces: bool, settings: OperatorSettings 
         kube = Kube.from_config(settings.kubeconfig)
     except Exception as exc:  # kubernetes raises several unrelated types here
         print(
-            f"relayfleet: no usable Kubernetes configuration (KUBECONFIG or in-cluster): {exc}",
+            f"relayfleet operator: no usable Kubernetes configuration (KUBECONFIG or in-cluster): {exc}",
             file=sys.stderr,
         )
-        return 1
+        return 2  # a configuration error (docs/api.md, "Command line")
     crds_dir = settings.crds_dir
     if crds_dir:
         from relayfleet_operator.crds import CRDError, install_from_dir
@@ -78,7 +81,7 @@ def run(namespace: str | None, all_namespaces: bool, settings: OperatorSettings 
         try:
             install_from_dir(kube, crds_dir)
         except (CRDError, KubeError, OSError, ValueError) as exc:  # yaml errors are ValueErrors
-            print(f"relayfleet: applying the CRDs from {crds_dir} failed: {exc}", file=sys.stderr)
+            print(f"relayfleet operator: applying the CRDs from {crds_dir} failed: {exc}", file=sys.stderr)
             return 1
     watched = None if all_namespaces else namespace or default_namespace(settings.kubeconfig)
     scope = "all namespaces" if watched is None else f"namespace {watched}"
@@ -99,10 +102,10 @@ def run(namespace: str | None, all_namespaces: bool, settings: OperatorSettings 
             memo=kopf.Memo(kube=kube, settings=settings),
         )
     except OSError as exc:
-        print(f"relayfleet: operator failed: {exc}", file=sys.stderr)
+        print(f"relayfleet operator: operator failed: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # one line for the user, not a traceback
-        print(f"relayfleet: operator failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"relayfleet operator: operator failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0
 
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = OperatorSettings.from_env()
     except ConfigError as exc:
-        print(f"relayfleet: {exc}", file=sys.stderr)
+        print(f"relayfleet operator: {exc}", file=sys.stderr)
         return 2
     namespace = args.namespace or (None if args.all_namespaces else settings.namespace)
     return run(namespace, args.all_namespaces, dataclasses.replace(settings, namespace=namespace))

@@ -35,13 +35,14 @@ def read_url(url: str | None, url_file: str | None) -> str:
         try:
             text = Path(url_file).read_text("utf-8").strip()
         except OSError as exc:
-            raise BackupError(f"cannot read {url_file}: {exc.strerror}") from None
+            raise RedisURLError(f"cannot read {url_file}: {exc.strerror}") from None
         if not text:
-            raise BackupError(f"{url_file} is empty")
+            raise RedisURLError(f"{url_file} is empty")
         return text
     if url:
         return url
-    raise BackupError("one of --redis-url (or RELAY_REDIS_URL) or --redis-url-file is required")
+    # configuration errors (exit 2), not a failure of the shard
+    raise RedisURLError("one of --redis-url (or RELAY_REDIS_URL) or --redis-url-file is required")
 
 
 class _Parser(argparse.ArgumentParser):

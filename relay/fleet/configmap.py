@@ -33,11 +33,12 @@ from relay.fleet.contract import (
     shard_map_from_configmap_data,
     update_shard_map,
 )
-from relay.fleet.migration import MapConflict
+from relay.fleet.migration import MapConflict, MapPlace
 from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
 
 __all__ = [
     "ConfigMapSource",
+    "configmap_place",
     "configmap_publisher",
     "configmap_reader",
     "configmap_source",
@@ -294,3 +295,12 @@ def configmap_reader(
         return source._latest[1]
 
     return read
+
+
+def configmap_place(namespace: str, name: str, *, kubeconfig: str | None = None) -> MapPlace:
+    """The ConfigMap the relays watch (`--shard-map-configmap NS/NAME`), for `relayfleet migrate`."""
+    return MapPlace(
+        f"ConfigMap {namespace}/{name}",
+        configmap_reader(namespace, name, kubeconfig=kubeconfig),
+        configmap_publisher(namespace, name, kubeconfig=kubeconfig),
+    )

@@ -20,12 +20,13 @@ from __future__ import annotations
 from relay.fleet.migration.errors import MigrationError
 from relay.fleet.migration.map_file import file_publisher, file_reader, write_map_file
 from relay.fleet.migration.protocol import migrate_slots
-from relay.fleet.migration.publishing import CurrentMap, MapConflict, PublishMap
+from relay.fleet.migration.publishing import CurrentMap, MapConflict, MapPlace, PublishMap
 from relay.fleet.migration.report import MigrationReport, Progress, ProgressFn
 
 __all__ = [
     "CurrentMap",
     "MapConflict",
+    "MapPlace",
     "MigrationError",
     "MigrationReport",
     "Progress",

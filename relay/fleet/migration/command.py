@@ -1,5 +1,6 @@
-"""`relayfleet migrate --shard-map FILE --slots A-B --to SHARD`: the command line around
-`migrate_slots` on a map file, with a progress bar on stderr and exit codes 0/1/2."""
+"""`relayfleet migrate (--shard-map FILE | --shard-map-configmap NS/NAME) --slots A-B --to SHARD`:
+the command line around `migrate_slots` on the map where the relays read it, with a progress bar
+on stderr and exit codes 0/1/2."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import sys
 from typing import TextIO
 
 from relay.fleet.migration.errors import MigrationError
-from relay.fleet.migration.map_file import file_publisher, file_reader, read_map_file
+from relay.fleet.migration.map_file import file_publisher, file_reader
 from relay.fleet.migration.protocol import migrate_slots, validate_request
+from relay.fleet.migration.publishing import MapPlace
 from relay.fleet.migration.report import Progress
-from relay.fleet.sharding import ShardMapError, parse_slot_spec
+from relay.fleet.sharding import ShardMap, ShardMapError, parse_slot_spec
 from relay.progress import ProgressReporter
 
-__all__ = ["ProgressBar", "migrate_main"]
+__all__ = ["ProgressBar", "file_place", "migrate_main"]
 
 
 class ProgressBar:
@@ -40,37 +42,35 @@ class ProgressBar:
         )
 
 
-def migrate_main(shard_map_path: str, slots: str, to: str) -> int:
-    """`relayfleet migrate --shard-map FILE --slots A-B --to SHARD`: 0 done, 2 bad arguments, 1 failed."""
+def file_place(path: str) -> MapPlace:
+    """The shard map file the relays reload (`--shard-map FILE`)."""
+    return MapPlace(f"shard map {path}", file_reader(path), file_publisher(path))
+
+
+async def _read(place: MapPlace) -> ShardMap:
+    return await place.read()
+
+
+def migrate_main(place: MapPlace, slots: str, to: str) -> int:
+    """`relayfleet migrate`: 0 done, 2 bad arguments (or an unreadable map), 1 failed."""
     try:
         wanted = parse_slot_spec(slots)
-        shard_map = read_map_file(shard_map_path)
+        shard_map = asyncio.run(_read(place))
         validate_request(shard_map, wanted, to)
     except OSError as exc:
-        print(f"relayfleet: cannot read shard map {shard_map_path}: {exc.strerror}", file=sys.stderr)
+        print(f"relayfleet migrate: cannot read {place.where}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     except (ShardMapError, MigrationError) as exc:
-        print(f"relayfleet: {exc}", file=sys.stderr)
+        print(f"relayfleet migrate: {exc}", file=sys.stderr)
         return 2
     bar = ProgressBar(to)
     try:
-        report = asyncio.run(
-            migrate_slots(
-                shard_map,
-                wanted,
-                to,
-                file_publisher(shard_map_path),
-                bar,
-                current_map=file_reader(shard_map_path),
-            )
-        )
-    except MigrationError as exc:
+        report = asyncio.run(migrate_slots(shard_map, wanted, to, place.publish, bar, current_map=place.read))
+    except (MigrationError, ShardMapError) as exc:
         print(f"\nrelayfleet migrate: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(
-            f"\nrelayfleet migrate: cannot write shard map {shard_map_path}: {exc.strerror}", file=sys.stderr
-        )
+        print(f"\nrelayfleet migrate: cannot write {place.where}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     print(report.summary())
     return 0

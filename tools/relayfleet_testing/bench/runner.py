@@ -30,7 +30,7 @@ from relayfleet_testing.bench.results import Results, Row, size_label
 from relayfleet_testing.bench.scenarios import Run
 from relayfleet_testing.bench.targets import RedisServer, Target
 
-from relay.helpfmt import EnvHelpFormatter
+from relay import cli
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[3]
@@ -388,12 +388,9 @@ class Bench:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="relayfleet bench",
-        description="Side-by-side benchmarks (see docs/benchmarks.md).",
-        formatter_class=EnvHelpFormatter,
-        epilog=targets.ENV_HELP,
-    )
+    # the relay CLI's parser: a usage error is one line, exit 2
+    p = cli.command_parser("relayfleet bench", "Side-by-side benchmarks (see docs/benchmarks.md).")
+    p.epilog = targets.ENV_HELP
     p.add_argument("--quick", action="store_true", help="fewer scenarios and shorter runs: about a minute")
     p.add_argument(
         "--output",

@@ -19,6 +19,8 @@ def dev_main(argv: list[str]) -> int:
     cli.env_flag(p, "--port", env="RELAY_PORT", default=8080, parse=cli.port_number, kind="a port number",
                  help="HTTP port")  # fmt: skip
     p.add_argument("--shards", type=int, default=1, help="local shards to start [no env; default 1]")
+    p.add_argument("--redis-port", type=int, default=0, metavar="FIRST",
+                   help="Redis ports FIRST, FIRST+1, ... [no env; default: free ports]")  # fmt: skip
     p.add_argument("--no-demo", action="store_true", help="skip the demo [no env; default off]")
     cli.env_flag(p, "--auth", env="RELAY_AUTH", default="ed25519", parse=cli.one_of("ed25519", "none"),
                  kind="ed25519 or none", help="request authentication")  # fmt: skip
@@ -26,7 +28,9 @@ def dev_main(argv: list[str]) -> int:
     args = cli.parse_command(p, argv)
     from relayfleet_testing.devfleet.fleet import run_dev
 
-    return run_dev(port=args.port, shards=args.shards, demo=not args.no_demo, auth=args.auth)
+    return run_dev(
+        port=args.port, shards=args.shards, demo=not args.no_demo, auth=args.auth, redis_port=args.redis_port
+    )
 
 
 def demo_main(argv: list[str]) -> int:
@@ -38,12 +42,17 @@ def demo_main(argv: list[str]) -> int:
     args = cli.parse_command(p, argv)
     from relayfleet_testing.devfleet.demo import run_demo
 
-    from relay.client import RelayError, wait_ready
+    from relay.client import RelayClientError, check_base_url, wait_ready
 
     try:
-        asyncio.run(wait_ready(args.url, 10))
-        asyncio.run(run_demo(args.url))
-    except (OSError, TimeoutError, RelayError, aiohttp.ClientError) as exc:
+        url = check_base_url(args.url)
+    except ValueError as exc:
+        print(f"relayfleet demo: --url: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(wait_ready(url, 10))
+        asyncio.run(run_demo(url))
+    except (OSError, TimeoutError, RelayClientError, aiohttp.ClientError) as exc:
         print(f"relayfleet demo: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

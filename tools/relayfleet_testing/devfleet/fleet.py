@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 from relayfleet_testing.localredis import LocalRedis
 
@@ -22,32 +26,81 @@ def _stop(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_dev(port: int, shards: int, demo: bool, auth: str) -> int:
+def port_taken(port: int) -> bool:
+    """Whether something already listens on 127.0.0.1:port (or it cannot be bound)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+async def _own_relay_ready(url: str, relay: subprocess.Popen[bytes], epoch: int, timeout: float) -> None:
+    """Wait until the relay answers and is the child started here: it serves the shard map
+    epoch only this run wrote (another process on the port would not). RuntimeError when
+    the child exits first."""
+    import aiohttp
+
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while time.monotonic() < deadline:
+            if relay.poll() is not None:
+                raise RuntimeError(f"the relay exited with code {relay.returncode} (see its log above)")
+            try:
+                async with http.get(url + "/readyz") as ready, http.get(url + "/metrics") as metrics:
+                    if ready.status == 200 and _serves_epoch(await metrics.text(), epoch):
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"relay at {url} not ready after {timeout:.0f}s")
+
+
+def _serves_epoch(metrics_text: str, epoch: int) -> bool:
+    for line in metrics_text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "relayfleet_shard_map_epoch":
+            return float(value) == epoch
+    return False
+
+
+def run_dev(port: int, shards: int, demo: bool, auth: str, redis_port: int = 0) -> int:
     signal.signal(signal.SIGTERM, _stop)
     if shards < 1 or shards > 64:
-        print("relayfleet: --shards must be between 1 and 64", file=sys.stderr)
+        print("relayfleet dev: --shards must be between 1 and 64", file=sys.stderr)
         return 2
+    redis_ports = [redis_port + i for i in range(shards)] if redis_port else [0] * shards
+    if redis_port and not 0 < redis_port <= 65536 - shards:
+        print(f"relayfleet dev: --redis-port must leave room for {shards} ports", file=sys.stderr)
+        return 2
+    for p, what in [(port, "--port"), *((rp, "--redis-port") for rp in redis_ports if rp)]:
+        if port_taken(p):
+            print(f"relayfleet dev: {what}: port {p} is already in use", file=sys.stderr)
+            return 2
     workdir = tempfile.mkdtemp(prefix="relayfleet-dev-")
     servers: list[LocalRedis] = []
     relay: subprocess.Popen[bytes] | None = None
     try:
         for i in range(shards):
-            servers.append(LocalRedis(dir=os.path.join(workdir, f"shard-{i}")).start())
+            servers.append(LocalRedis(port=redis_ports[i], dir=os.path.join(workdir, f"shard-{i}")).start())
         names = [chr(ord("a") + i) if i < 26 else f"s{i}" for i in range(shards)]
-        shard_map = even_split("dev", {n: s.url for n, s in zip(names, servers, strict=True)})
+        # an epoch of this run's own: the relay that serves it is the child started below
+        epoch = secrets.randbelow(2**31) + 2
+        shard_map = replace(
+            even_split("dev", {n: s.url for n, s in zip(names, servers, strict=True)}), epoch=epoch
+        )
         map_path = os.path.join(workdir, "shardmap.json")
         with open(map_path, "w") as f:
             f.write(shard_map.dumps())
         print(f"redis shard(s): {', '.join(f'{n}={s.url}' for n, s in zip(names, servers, strict=True))}")
-        print(f"shard map: {map_path}")
+        print(f"shard map: {map_path} (removed on exit)")
         relay = subprocess.Popen(
             [sys.executable, "-m", "relay", "--port", str(port), "--shard-map", map_path, "--auth", auth],
             env={**os.environ, "RELAY_FLEET": "dev"},
         )
         url = f"http://127.0.0.1:{port}"
-        from relay.client import wait_ready
-
-        asyncio.run(wait_ready(url, 30))
+        asyncio.run(_own_relay_ready(url, relay, epoch, 30))
         print(f"relay ready: {url}   (Ctrl-C stops everything)", flush=True)
         if demo:
             from relayfleet_testing.devfleet.demo import run_demo
@@ -60,7 +113,7 @@ def run_dev(port: int, shards: int, demo: bool, auth: str) -> int:
         return 0 if relay.returncode in (None, 0) else 1
     except KeyboardInterrupt:
         return 0
-    except (RuntimeError, FileNotFoundError, TimeoutError) as exc:
+    except (RuntimeError, OSError, TimeoutError) as exc:
         print(f"relayfleet dev: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -70,5 +123,7 @@ def run_dev(port: int, shards: int, demo: bool, auth: str) -> int:
                 relay.wait(15)
             except subprocess.TimeoutExpired:
                 relay.kill()
+                relay.wait()
         for s in servers:
             s.stop()
+        shutil.rmtree(workdir, ignore_errors=True)  # the map and the Redis data: nothing left behind
