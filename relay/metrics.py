@@ -168,20 +168,21 @@ OVERLOADED = Gauge(
 )
 HTTP_READ_PAUSES = Counter(
     "relayfleet_http_read_pauses_total",
-    "Times the enqueue fast path stopped reading a connection (flow control), by reason",
-    ["reason"],  # answers_owed | write_buffer | memory
+    "Enqueue fast path flow control: reading stopped at the answers-owed bound (answers_owed),"
+    " or the write buffer passed its high-water mark (write_buffer)",
+    ["reason"],  # answers_owed | write_buffer
     registry=REGISTRY,
 )
 HTTP_HELD_BYTES = Gauge(
     "relayfleet_http_held_bytes",
-    "Request bytes the enqueue fast path holds, not yet requests (counted by the memory guard)",
+    "Request bytes the enqueue fast path holds, read and not yet answered (counted by the memory guard)",
     registry=REGISTRY,
 )
 
 # Retry reasons start at 0, so the dashboard's retry panel has series before the first move.
 for _reason in ("moved", "migrating", "failover"):
     RETRIES.labels(_reason)
-for _reason in ("answers_owed", "write_buffer", "memory"):
+for _reason in ("answers_owed", "write_buffer"):
     HTTP_READ_PAUSES.labels(_reason)
 
 

@@ -70,8 +70,8 @@ _DIGITS = re.compile(rb"[0-9]{1,18}")
 _FOREIGN = frozenset((b"transfer-encoding", b"content-encoding", b"expect", b"upgrade", b"http2-settings"))
 MAX_HEAD = MAX_LINE  # aiohttp's line limit, for the whole head: a longer one is left to aiohttp
 # Flow control (as aiohttp's protocol has it): a connection stops being read while it owes
-# OWED_HIGH answers (or its transport is above the write high-water mark, or the memory guard
-# is over and it owes any), and is read again once it owes at most OWED_LOW.
+# OWED_HIGH answers or its transport is above the write high-water mark, and is read again
+# once it owes at most OWED_LOW and the transport is below its low-water mark.
 OWED_HIGH = 64
 OWED_LOW = 16
 MAX_LINES = 64  # more header lines than any client sends: aiohttp's business
@@ -188,13 +188,14 @@ class _Answer:
     """One request's answer slot, in request order; where its enqueue's outcome goes
     (relay.service.OutcomeSink: called while Redis's reply is read, so it never raises)."""
 
-    __slots__ = ("close", "conn", "data", "start")
+    __slots__ = ("close", "conn", "data", "size", "start")
 
     def __init__(self, conn: FastConnection, start: float) -> None:
         self.conn = conn
         self.start = start
         self.data: bytes | None = None
         self.close = False
+        self.size = 0  # body bytes counted by the memory guard while it is owed
 
     def done(self) -> bool:
         return self.data is not None
@@ -338,9 +339,12 @@ class FastConnection(asyncio.Protocol):
 
     # -- flow control ---------------------------------------------------------------------
     def pause_writing(self) -> None:
-        """The transport's write buffer passed its high-water mark: read no more requests."""
+        """The transport's write buffer passed its high-water mark (the client is not reading
+        its answers): read no more requests until it drains."""
         self._write_paused = True
-        self._pause_reading("write_buffer")
+        metrics.HTTP_READ_PAUSES.labels("write_buffer").inc()
+        if not self._handing_off:
+            self._stop_reading()
 
     def resume_writing(self) -> None:
         self._write_paused = False
@@ -349,19 +353,15 @@ class FastConnection(asyncio.Protocol):
 
     def _backlogged(self) -> bool:
         """Whether to stop reading before the next request (O(1): called per request)."""
-        owed = len(self._answers)
-        if owed >= OWED_HIGH:
-            self._pause_reading("answers_owed")
+        if len(self._answers) >= OWED_HIGH:
+            if not self._read_paused:
+                metrics.HTTP_READ_PAUSES.labels("answers_owed").inc()
+                self._stop_reading()
             return True
-        if self._write_paused or (owed and self.endpoint.memory.over):
-            self._pause_reading("write_buffer" if self._write_paused else "memory")
+        if self._write_paused:
+            self._stop_reading()
             return True
         return False
-
-    def _pause_reading(self, reason: str) -> None:
-        if not self._read_paused and self.transport is not None and not self._handing_off:
-            self._stop_reading()
-            metrics.HTTP_READ_PAUSES.labels(reason).inc()
 
     def _stop_reading(self) -> None:
         if not self._read_paused and self.transport is not None:
@@ -385,7 +385,7 @@ class FastConnection(asyncio.Protocol):
 
     def _count_held(self) -> None:
         """Tell the memory guard how many request bytes this connection buffers (called once
-        per read, not per request)."""
+        per read, not per request; a dispatched request's body is counted until answered)."""
         held = len(self._buf) + (self._body_have if self._pending is not None else 0)
         if held != self._held:
             self.endpoint.memory.held += held - self._held
@@ -557,6 +557,8 @@ class FastConnection(asyncio.Protocol):
     def _dispatch(self, head: _Head, body: bytes, start: float) -> None:
         endpoint = self.endpoint
         answer = _Answer(self, start)
+        answer.size = len(body)
+        endpoint.memory.held += answer.size  # released when its answer leaves (flush)
         self._answers.append(answer)
         try:
             if endpoint.memory.over:
@@ -605,13 +607,16 @@ class FastConnection(asyncio.Protocol):
         """Write the answers that are ready, in request order."""
         answers = self._answers
         transport = self.transport
+        released = 0
         while answers and answers[0].data is not None:
             answer = answers.popleft()
+            released += answer.size
             if transport is None:
                 continue
             transport.write(answer.data)  # type: ignore[arg-type]
             if answer.close:
                 self._closing = True
+        self.endpoint.memory.held -= released
         if self._read_paused and len(answers) <= OWED_LOW:
             self._resume_reading()
         if answers or transport is None:

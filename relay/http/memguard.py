@@ -77,8 +77,8 @@ class MemoryGuard:
         self.over = False
         self.rss = 0
         self.claimed = 0
-        # request bytes the enqueue fast path holds (read, not yet requests or whole bodies):
-        # counted like claimed bytes, since each will cost as much once it becomes a request
+        # request bytes the enqueue fast path holds (read and not yet answered: buffered,
+        # partial bodies, bodies in flight to Redis): counted like claimed bytes
         self.held = 0
         self._handle: asyncio.TimerHandle | None = None
 

@@ -232,6 +232,16 @@ def report(name: str, **numbers: object) -> None:
     print(f"HOSTILE {name}: " + " ".join(f"{k}={v}" for k, v in numbers.items()))
 
 
+async def metric(relay: Relay, line_start: str) -> float:
+    """The value of the first /metrics line starting with `line_start` (0 when none)."""
+    answer = await request_answer(relay, http("GET", "/metrics"))
+    assert answer.status == 200, answer
+    for line in answer.body.decode().splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def recipient(n: int) -> str:
     """A distinct valid recipient key (base64url of 32 bytes) per n."""
     from relay.protocol import b64encode

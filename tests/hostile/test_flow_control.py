@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 
 import pytest
 
-from tests.hostile.harness import Relay, RelayWith, http, recipient, request_answer
+from tests.hostile.harness import Relay, RelayWith, http, metric, recipient, report, request_answer
 
 pytestmark = pytest.mark.hostile
 
@@ -65,30 +66,52 @@ async def _still_serves(relay: Relay) -> None:
 
 
 async def test_a_client_that_never_reads_answers_is_stopped_being_read(relay_with: RelayWith) -> None:
-    """One connection writes pipelined enqueues for 8 s and never reads: the relay stops
-    reading it once its answers back up, so RSS stays far under RELAY_MAX_RSS_MB."""
+    """One connection keeps writing pipelined enqueues and never reads: once its answers fill
+    the socket buffers and the transport passes its write high-water mark, the relay stops
+    reading it (nothing more is stored), and RSS stays far under RELAY_MAX_RSS_MB."""
     relay = relay_with({"RELAY_MAX_RSS_MB": "256", "RELAY_RATE_LIMIT": "1000000"})
     batch = _enqueues(1000)
-    sent = 0
-    _reader, writer = await asyncio.open_connection(relay.host, relay.port)
-    async with _Peak(relay) as peak:
-        deadline = time.monotonic() + 8.0
-        stalled_at: float | None = None
-        while time.monotonic() < deadline:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # small, as a stalled reader's window
+    sock.connect((relay.host, relay.port))
+    _reader, writer = await asyncio.open_connection(sock=sock)
+
+    async def write_forever() -> None:
+        while True:
             writer.write(batch)
-            try:
-                await asyncio.wait_for(writer.drain(), max(0.05, deadline - time.monotonic()))
-            except TimeoutError:
-                stalled_at = stalled_at or time.monotonic()
+            await writer.drain()
+
+    stored = 'relayfleet_messages_total{op="enqueued"}'
+    async with _Peak(relay) as peak:
+        writing = asyncio.create_task(write_forever())
+        started = time.monotonic()
+        before = -1.0
+        while time.monotonic() - started < 40:
+            await asyncio.sleep(1.0)
+            now = await metric(relay, stored)
+            if now == before:  # nothing stored for a second: no longer read
                 break
-            sent += 1000
-        await asyncio.sleep(1.0)  # what was read is answered (or buffered) by now
+            before = now
+        stalled_after = time.monotonic() - started
+        await asyncio.sleep(1.0)
+        after = await metric(relay, stored)
+        writing.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+            await writing
     writer.transport.abort()
-    print(
-        f"HOSTILE never-reads: {sent} enqueues written in 8 s, "
-        f"rss {peak.start >> 20} -> peak {peak.peak >> 20} MiB (+{peak.growth_mb:.0f})"
+    owed_pauses = await metric(relay, 'relayfleet_http_read_pauses_total{reason="answers_owed"}')
+    write_pauses = await metric(relay, 'relayfleet_http_read_pauses_total{reason="write_buffer"}')
+    report(
+        "never-reads",
+        stored_before_reads_stopped=int(before),
+        stopped_after_s=round(stalled_after, 1),
+        rss_mib=f"{peak.start >> 20}->{peak.peak >> 20}",
+        growth_mib=round(peak.growth_mb, 1),
+        pauses_answers_owed=owed_pauses,
+        pauses_write_buffer=write_pauses,
     )
-    assert stalled_at is not None, "the relay read everything a non-reading client sent"
+    assert after == before, "the relay kept reading a client that reads nothing"
+    assert write_pauses >= 1, "never paused on the write buffer's high-water mark"
     assert peak.growth_mb < GROWTH_BOUND_MB, f"RSS grew {peak.growth_mb:.0f} MiB"
     await _still_serves(relay)
     relay.assert_log_clean()
@@ -118,13 +141,40 @@ async def test_pipelined_enqueues_cost_bounded_memory_and_return_it(relay_with: 
     writer.close()
     await asyncio.sleep(1.5)
     left = (relay.rss_bytes() - peak.start) / (1 << 20)
-    print(
-        f"HOSTILE 40k-pipelined: {answers} answered ({stored} stored), "
-        f"growth while unread +{stalled_growth:.0f} MiB, "
-        f"peak +{peak.growth_mb:.0f} MiB, held after the client left +{left:.0f} MiB"
+    pauses = await metric(relay, 'relayfleet_http_read_pauses_total{reason="answers_owed"}')
+    report(
+        "40k-pipelined",
+        answered=answers,
+        stored=stored,
+        growth_while_unread_mib=round(stalled_growth, 1),
+        peak_growth_mib=round(peak.growth_mb, 1),
+        held_after_client_left_mib=round(left, 1),
+        answers_owed_pauses=pauses,
     )
     assert answers == stored == 40_000
+    assert pauses >= 1, "never paused at the answers owed bound"
     assert peak.growth_mb < GROWTH_BOUND_MB, f"RSS grew {peak.growth_mb:.0f} MiB"
     assert left < GROWTH_BOUND_MB / 2, f"{left:.0f} MiB still held after the client left"
     await _still_serves(relay)
+    relay.assert_log_clean()
+
+
+async def test_over_the_ceiling_pipelined_refusals_are_answered_and_let_go(relay_with: RelayWith) -> None:
+    """Over the memory ceiling 2,000 pipelined enqueues are each refused 503 in order, and
+    the request bytes the memory guard counted for them are all let go afterwards."""
+    relay = relay_with({"RELAY_MAX_RSS_MB": "30"})  # below a relay's ~50 MiB at rest: over at once
+    await asyncio.sleep(0.5)
+    reader, writer = await asyncio.open_connection(relay.host, relay.port)
+    writer.write(_enqueues(2000, first=9000))
+    received = bytearray()
+    while received.count(b"HTTP/1.1 ") < 2000:
+        chunk = await asyncio.wait_for(reader.read(1 << 20), 10)
+        assert chunk, "closed before every answer"
+        received += chunk
+    writer.close()
+    await asyncio.sleep(0.5)  # the guard's gauge is sampled every 200 ms
+    held = await metric(relay, "relayfleet_http_held_bytes")
+    report("memory-over-pipelined", refused=received.count(b"HTTP/1.1 503 "), held_after=held)
+    assert received.count(b"HTTP/1.1 503 ") == 2000
+    assert held == 0
     relay.assert_log_clean()

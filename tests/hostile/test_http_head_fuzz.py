@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.hostile.harness import Relay, recipient
+from tests.hostile.harness import Relay, recipient, report
 
 EXAMPLES = int(os.environ.get("RELAY_FUZZ_EXAMPLES", "150"))
 ANSWER_BOUND_S = 3.0  # generous for a loaded CI machine; the figure measured is printed
@@ -208,7 +208,7 @@ def test_http_heads_fast_path_vs_aiohttp_vs_rfc(hostile_relay: Relay, aiohttp_re
             assert fast.status == expected, (head, fast)
 
     check()
-    print(f"HOSTILE http-head fuzz: {EXAMPLES} heads x 2 paths, slowest answer {slowest * 1000:.0f} ms")
+    report("http-head-fuzz", heads=EXAMPLES, paths=2, slowest_answer_ms=round(slowest * 1000))
     hostile_relay.assert_log_clean()
     aiohttp_relay.assert_log_clean()
 

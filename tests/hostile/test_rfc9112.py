@@ -22,6 +22,7 @@ from tests.hostile.harness import (
     Answer,
     Relay,
     read_response,
+    report,
     request_answer,
 )
 
@@ -78,7 +79,7 @@ async def test_a_header_line_past_the_head_limit_is_400(relay: Relay) -> None:
     long_line = b"X-Long: " + SECRET_HEADER.encode() * 2400  # ~60 KB
     data = ENQUEUE + b" HTTP/1.1\r\nHost: x\r\n" + long_line + b"\r\nContent-Length: %d\r\n\r\n" % len(BODY)
     answers, closed, seconds = await _answers(relay, data + BODY)
-    print(f"HOSTILE 60KB header line: {answers[0].status if answers else 0} in {seconds * 1000:.0f} ms")
+    report("60KB-header-line", status=answers[0].status if answers else 0, ms=round(seconds * 1000))
     _refused_as_json(answers[0], 400, "headers_too_large")
     assert closed
     assert len(answers) == 1
@@ -99,7 +100,7 @@ async def test_http11_without_host_is_400(relay: Relay) -> None:
 async def test_a_complete_bare_lf_request_is_answered_at_once(relay: Relay) -> None:
     data = ENQUEUE + b" HTTP/1.1\nHost: x\nContent-Length: %d\n\n" % len(BODY) + BODY
     answers, _closed, seconds = await _answers(relay, data)
-    print(f"HOSTILE bare-LF request: {answers[0].status if answers else 0} in {seconds * 1000:.0f} ms")
+    report("bare-LF-request", status=answers[0].status if answers else 0, ms=round(seconds * 1000))
     assert answers, "no answer"
     assert answers[0].status == 400, answers
     assert answers[0].headers["content-type"].startswith("application/json")
