@@ -148,6 +148,7 @@ class ShardHealth:
         self._stats_at = time.monotonic() - stats_s
         self._scraped_at = time.monotonic()
         self._known: set[str] = set()
+        self._exporting: set[str] = set()  # shards whose load gauges this relay exports
         self.first_round = asyncio.Event()  # set once a tick completed (tests wait on it)
 
     async def run(self) -> None:
@@ -182,11 +183,16 @@ class ShardHealth:
         metrics.SHARD_MEMORY_MAX.labels(name).set(health["max"])
         metrics.SHARD_AOF_ENABLED.labels(name).set(health["aof"])
         metrics.SHARD_PERSISTENCE_OK.labels(name).set(health["persistence_ok"])
+        if name in self._exporting:
+            # the map's count, every health round: right seconds after a migration, not a
+            # load interval later (the map is in memory; the sweep below reads Redis)
+            metrics.SHARD_SLOTS.labels(name).set(len(self.fleet.map.slots_of(name)))
         if not want_load:
             return
         try:
             if not await self._hold_lease(store):
                 self._drop(name, _LOAD_GAUGES)  # another relay exports this shard's load
+                self._exporting.discard(name)
                 return
             slots = self.fleet.map.slots_of(name)
             load = await read_load(store, slots, int(time.time() * 1000))
@@ -200,6 +206,7 @@ class ShardHealth:
         metrics.SHARD_SLOTS.labels(name).set(load.slots)
         metrics.SHARD_SLOTS_MIGRATING.labels(name).set(load.migrating)
         metrics.SHARD_STATS_TIMESTAMP.labels(name).set(time.time())
+        self._exporting.add(name)
         metrics.SHARD_STATS_SECONDS.observe(time.perf_counter() - started)
 
     async def _hold_lease(self, store: ShardStore) -> bool:
@@ -224,6 +231,7 @@ class ShardHealth:
         """Drop the series of shards that left the map, so they don't alert as stale."""
         for gone in self._known - current:
             self._drop(gone, _HEALTH_GAUGES + _LOAD_GAUGES)
+            self._exporting.discard(gone)
         self._known = current
 
 

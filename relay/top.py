@@ -22,6 +22,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REFRESH_S = 2.0
 _TIMEOUT_S = 2.0
+# The relays read shard load every RELAY_SHARD_STATS_INTERVAL_S (30 s by default) and only
+# after a scrape; figures older than that plus one health round (5 s) are marked stale.
+STATS_INTERVAL_S = 30.0
+STALE_S = STATS_INTERVAL_S + 5.0
+ONCE_WAIT_S = 10.0  # --once: how long to wait for the relays' first load read
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -193,12 +198,14 @@ def render(before: list[Scrape], after: list[Scrape]) -> str:
             f"{s.total('relayfleet_live_connections'):6.0f} {s.total('relayfleet_shard_map_epoch'):9.0f}"
         )
     lines.append("")
-    lines.extend(_shard_table(up))
+    lines.extend(shard_table(up))
     return "\n".join(lines)
 
 
-def _shard_table(up: Iterable[Scrape]) -> list[str]:
-    # The freshest relay's view of each shard; 'up' is down if any relay says so.
+def shard_table(up: Iterable[Scrape], now: float | None = None) -> list[str]:
+    # The freshest relay's view of each shard; 'up' is down if any relay says so. Load figures
+    # not read yet show "-", figures older than STALE_S are marked "*" in the AGE column.
+    now = time.time() if now is None else now
     columns = (
         ("messages", "relayfleet_shard_messages"),
         ("bytes", "relayfleet_shard_bytes"),
@@ -208,6 +215,7 @@ def _shard_table(up: Iterable[Scrape]) -> list[str]:
         ("migr", "relayfleet_shard_slots_migrating"),
         ("mem", "relayfleet_shard_memory_used_bytes"),
         ("maxmem", "relayfleet_shard_memory_max_bytes"),
+        ("read_at", "relayfleet_shard_stats_last_success_timestamp_seconds"),
     )
     shards: dict[str, dict[str, float]] = {}
     for s in up:
@@ -218,21 +226,49 @@ def _shard_table(up: Iterable[Scrape]) -> list[str]:
             for name, value in s.by(metric, "shard").items():
                 shards.setdefault(name, {"up": 1.0})[col] = value
     header = f"{'SHARD':<16} {'REDIS':<6} {'MESSAGES':>10} {'BYTES':>10} {'QUEUES':>8} {'ENQ/MIN':>8} "
-    header += f"{'SLOTS':>6} {'MIGR':>5} {'MEMORY':>18}"
+    header += f"{'SLOTS':>6} {'MIGR':>5} {'AGE':>5} {'MEMORY':>18}"
     out = [header]
+    unread = stale = False
     for name in sorted(shards):
         r = shards[name]
-        mem = _bytes(r.get("mem", 0.0))
+        mem = _bytes(r.get("mem", 0.0)) if "mem" in r else "-"
         if r.get("maxmem"):
             mem += f"/{_bytes(r['maxmem'])}"
+
+        if "read_at" in r:
+            age_s = max(0.0, now - r["read_at"])
+            age = f"{age_s:.0f}s" + ("*" if age_s > STALE_S else "")
+            stale = stale or age_s > STALE_S
+        else:
+            age, unread = "-", True
+        nbytes = _bytes(r["bytes"]) if "bytes" in r else "-"
         out.append(
-            f"{name[:16]:<16} {'up' if r['up'] else 'DOWN':<6} {r.get('messages', 0):10.0f} "
-            f"{_bytes(r.get('bytes', 0.0)):>10} {r.get('queues', 0):8.0f} {r.get('enq/min', 0):8.0f} "
-            f"{r.get('slots', 0):6.0f} {r.get('migr', 0):5.0f} {mem:>18}"
+            f"{name[:16]:<16} {'up' if r['up'] else 'DOWN':<6} {_cell(r, 'messages'):>10} {nbytes:>10} "
+            f"{_cell(r, 'queues'):>8} {_cell(r, 'enq/min'):>8} {_cell(r, 'slots'):>6} "
+            f"{_cell(r, 'migr'):>5} {age:>5} {mem:>18}"
         )
     if not shards:
         out.append("(no shard figures yet)")
+    if unread:
+        out.append(f"- not read yet: relays read shard load every {STATS_INTERVAL_S:.0f} s, after a scrape")
+    if stale:
+        out.append(f"* stale: read more than {STALE_S:.0f} s ago (the relay exporting it may be gone)")
     return out
+
+
+def _cell(row: dict[str, float], col: str) -> str:
+    return f"{row[col]:.0f}" if col in row else "-"
+
+
+def _load_unread(scrapes: Iterable[Scrape]) -> bool:
+    """Whether some shard a relay reports has no load figures yet."""
+    shards: set[str] = set()
+    read: set[str] = set()
+    for s in scrapes:
+        if not s.error:
+            shards |= set(s.by("relayfleet_shard_up", "shard"))
+            read |= set(s.by("relayfleet_shard_stats_last_success_timestamp_seconds", "shard"))
+    return bool(shards - read)
 
 
 def top_main(
@@ -265,6 +301,10 @@ def top_main(
                 return 1
             time.sleep(1.0)
             after = scrape_now()
+            deadline = time.monotonic() + ONCE_WAIT_S
+            while _load_unread(after) and time.monotonic() < deadline:
+                time.sleep(1.0)  # the first scrape made the relays read it: wait for them
+                after = scrape_now()
             print(render(before, after), file=stream)
             if all(s.error for s in after):
                 print("relayfleet top: no relay answered", file=sys.stderr)

@@ -5,13 +5,19 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import subprocess
+import sys
 
 import aiohttp
 import pytest
+from relayfleet_testing.localredis import LocalRedis
 
+from relay.client import RelayClient, wait_ready
 from relay.shard_health import MONITOR
-from relay.top import Scrape, quantile, top_main
+from relay.top import Scrape, quantile, shard_table, top_main
 from tests.support.in_process_relay import RunningRelay
+from tests.support.procs import stop_process
+from tests.support.prometheus import free_port
 
 
 async def test_once_shows_rates_relays_and_shards(relay: RunningRelay) -> None:
@@ -74,3 +80,72 @@ def test_quantile_from_bucket_deltas() -> None:
     assert p50 == pytest.approx(0.1)
     assert p99 == pytest.approx(0.1 + 0.9 * 0.98)
     assert quantile(0.5, "h", [after], [after]) is None  # nothing happened in between
+
+
+def test_unread_and_stale_figures_are_marked() -> None:
+    def relay(shard: str, read_at: float | None) -> Scrape:
+        s = Scrape("http://r")
+        s.samples[("relayfleet_shard_up", (("shard", shard),))] = 1.0
+        if read_at is not None:
+            for name, value in [
+                ("relayfleet_shard_messages", 4000.0),
+                ("relayfleet_shard_slots", 8192.0),
+                ("relayfleet_shard_stats_last_success_timestamp_seconds", read_at),
+            ]:
+                s.samples[(name, (("shard", shard),))] = value
+        return s
+
+    now = 1_000_000.0
+    rows = shard_table([relay("fresh", now - 3), relay("old", now - 100), relay("new", None)], now)
+    by_shard = {row.split()[0]: row.split() for row in rows[1:4]}
+    assert by_shard["fresh"][2] == "4000"
+    assert (by_shard["fresh"][6], by_shard["fresh"][8]) == ("8192", "3s")
+    assert by_shard["old"][8] == "100s*"
+    assert by_shard["new"][2:9] == ["-"] * 7  # not 0: not read yet
+    assert any(line.startswith("- not read yet") for line in rows)
+    assert any(line.startswith("* stale") for line in rows)
+
+
+def test_once_on_a_fresh_relay_shows_what_the_fleet_holds(redis_server: LocalRedis) -> None:
+    # a relay process nobody scraped before: --once waits for its first load read
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "relay",
+            "--port",
+            str(port),
+            "--redis-url",
+            redis_server.url,
+            "--auth",
+            "none",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(wait_ready(url, 30))
+
+        async def fill() -> None:
+            async with RelayClient(url) as c:
+                for _ in range(40):
+                    await c.enqueue(os.urandom(32), b"held")
+
+        asyncio.run(fill())
+        out = subprocess.run(
+            [sys.executable, "-c", TOP, url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        stop_process(proc, grace=10)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("default "))
+    cells = row.split()
+    assert (cells[2], cells[6]) == ("40", "16384"), out.stdout
+
+
+TOP = "import sys; from relay.cli import main; sys.exit(main(['top', '--once', sys.argv[1]]))"
