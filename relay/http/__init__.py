@@ -3,5 +3,6 @@
 - fastpath: the enqueue fast path, a callback protocol every connection starts on;
 - serving: aiohttp's server and protocol hardened for hostile clients, the connection guard;
 - memguard: the per-process memory guard (refuse new work near the RSS ceiling);
-- logsafe: log hygiene (no request bytes in any log line).
+- logsafe: log hygiene (no request bytes in any log line);
+- parse_errors: what aiohttp's parser refused, as fixed texts.
 """

@@ -16,7 +16,16 @@ import time
 
 import pytest
 
-from tests.hostile.harness import Relay, RelayWith, http, metric, recipient, report, request_answer
+from tests.hostile.harness import (
+    Relay,
+    RelayWith,
+    http,
+    metric,
+    read_response,
+    recipient,
+    report,
+    request_answer,
+)
 
 pytestmark = pytest.mark.hostile
 
@@ -159,11 +168,16 @@ async def test_pipelined_enqueues_cost_bounded_memory_and_return_it(relay_with: 
     relay.assert_log_clean()
 
 
-async def test_over_the_ceiling_pipelined_refusals_are_answered_and_let_go(relay_with: RelayWith) -> None:
-    """Over the memory ceiling 2,000 pipelined enqueues are each refused 503 in order, and
-    the request bytes the memory guard counted for them are all let go afterwards."""
+async def test_refusals_over_the_ceiling_let_go_of_held_bytes(relay_with: RelayWith) -> None:
+    """Over the memory ceiling 2,000 pipelined enqueues are each refused 503 in order; the
+    request bytes the memory guard counts (a half-sent body here) are held while they are
+    and all let go afterwards."""
     relay = relay_with({"RELAY_MAX_RSS_MB": "30"})  # below a relay's ~50 MiB at rest: over at once
     await asyncio.sleep(0.5)
+    half_sent_reader, half_sent = await asyncio.open_connection(relay.host, relay.port)
+    body = b"y" * 100_000  # under the claim size: the fast path holds it
+    head = http("POST", f"/v1/queues/{recipient(8999)}/messages", body)[: -len(body)]
+    half_sent.write(head + body[:50_000])
     reader, writer = await asyncio.open_connection(relay.host, relay.port)
     writer.write(_enqueues(2000, first=9000))
     received = bytearray()
@@ -173,8 +187,19 @@ async def test_over_the_ceiling_pipelined_refusals_are_answered_and_let_go(relay
         received += chunk
     writer.close()
     await asyncio.sleep(0.5)  # the guard's gauge is sampled every 200 ms
-    held = await metric(relay, "relayfleet_http_held_bytes")
-    report("memory-over-pipelined", refused=received.count(b"HTTP/1.1 503 "), held_after=held)
+    held_during = await metric(relay, "relayfleet_http_held_bytes")
+    half_sent.write(body[50_000:])
+    assert (await asyncio.wait_for(read_response(half_sent_reader), 10)).status == 503
+    half_sent.close()
+    await asyncio.sleep(0.5)
+    held_after = await metric(relay, "relayfleet_http_held_bytes")
+    report(
+        "memory-over-pipelined",
+        refused=received.count(b"HTTP/1.1 503 "),
+        held_with_half_a_body=held_during,
+        held_after=held_after,
+    )
     assert received.count(b"HTTP/1.1 503 ") == 2000
-    assert held == 0
+    assert held_during >= 50_000
+    assert held_after == 0
     relay.assert_log_clean()
