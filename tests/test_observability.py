@@ -137,10 +137,15 @@ def test_dashboard_is_well_formed() -> None:
 _UNIT_CASES: list[tuple[list[tuple[str, str]], list[tuple[int, str, dict[str, str] | None]]]] = [
     (
         [
-            ('relayfleet_shard_up{shard="a", instance="r1"}', "1 1 0x10"),
-            ('relayfleet_shard_up{shard="a", instance="r2"}', "1x12"),
+            ('relayfleet_shard_up{namespace="n", fleet="f", shard="a", instance="r1"}', "1 1 0x10"),
+            ('relayfleet_shard_up{namespace="n", fleet="f", shard="a", instance="r2"}', "1x12"),
+            # another fleet's shard "a", up: not merged with the first
+            ('relayfleet_shard_up{namespace="n", fleet="g", shard="a", instance="r3"}', "1x12"),
         ],
-        [(1, "RelayfleetShardRedisDown", None), (10, "RelayfleetShardRedisDown", {"shard": "a"})],
+        [
+            (1, "RelayfleetShardRedisDown", None),
+            (10, "RelayfleetShardRedisDown", {"namespace": "n", "fleet": "f", "shard": "a"}),
+        ],
     ),
     (
         [
@@ -169,16 +174,19 @@ _UNIT_CASES: list[tuple[list[tuple[str, str]], list[tuple[int, str, dict[str, st
     ([], [(40, "RelayfleetRetentionJobNotRun", {"spark_job": "retention"})]),
     (
         [
-            ('relayfleet_operator_redis_replicas_online{namespace="n", shard="r"}', "2 2 0x10"),
-            ('relayfleet_operator_redis_min_replicas{namespace="n", shard="r"}', "1x12"),
-            ('relayfleet_operator_last_backup_timestamp_seconds{namespace="n", shard="r"}', "0x2000"),
+            ('relayfleet_operator_redis_replicas_online{namespace="n", fleet="f", shard="r"}', "2 2 0x10"),
+            ('relayfleet_operator_redis_min_replicas{namespace="n", fleet="f", shard="r"}', "1x12"),
+            (
+                'relayfleet_operator_last_backup_timestamp_seconds{namespace="n", fleet="f", shard="r"}',
+                "0x2000",
+            ),
         ],
         [
             (1, "RelayfleetShardReplicasBelowMinimum", None),
-            (6, "RelayfleetShardReplicasBelowMinimum", {"namespace": "n", "shard": "r"}),
+            (6, "RelayfleetShardReplicasBelowMinimum", {"namespace": "n", "fleet": "f", "shard": "r"}),
             (60, "RelayfleetShardBackupMissing", None),
             (1560 + 20, "RelayfleetShardBackupMissing", None),  # over 26 h, not yet for 30 min
-            (1560 + 40, "RelayfleetShardBackupMissing", {"namespace": "n", "shard": "r"}),
+            (1560 + 40, "RelayfleetShardBackupMissing", {"namespace": "n", "fleet": "f", "shard": "r"}),
         ],
     ),
 ]

@@ -516,7 +516,7 @@ def test_replication_and_backup_figures_become_operator_metrics() -> None:
             "spec": {"fleet": "main", "redis": {"managed": {"replicas": 2}}},
         }
     )
-    labels = {"namespace": "ns-m", "shard": "m1"}
+    labels = {"namespace": "ns-m", "fleet": "main", "shard": "m1"}
     first = {
         "redis": {
             "primary": "a:6379",

@@ -59,31 +59,31 @@ REBALANCES_ACTIVE = Gauge(
 REDIS_REPLICAS_ONLINE = Gauge(
     "relayfleet_operator_redis_replicas_online",
     "Replicas in state online behind a managed shard's primary, as last probed.",
-    ["namespace", "shard"],
+    ["namespace", "fleet", "shard"],
     registry=REGISTRY,
 )
 REDIS_MIN_REPLICAS = Gauge(
     "relayfleet_operator_redis_min_replicas",
     "spec.redis.managed.minReplicas of a managed shard with replicas (writes wait for this many).",
-    ["namespace", "shard"],
+    ["namespace", "fleet", "shard"],
     registry=REGISTRY,
 )
 REDIS_REPLICA_LAG_BYTES = Gauge(
     "relayfleet_operator_redis_replica_lag_bytes",
     "The largest replication lag (primary offset minus replica offset) of a managed shard.",
-    ["namespace", "shard"],
+    ["namespace", "fleet", "shard"],
     registry=REGISTRY,
 )
 REDIS_PRIMARY_CHANGES = Counter(
     "relayfleet_operator_redis_primary_changes_total",
     "Times a managed shard's primary was seen to change between two probes (failovers).",
-    ["namespace", "shard"],
+    ["namespace", "fleet", "shard"],
     registry=REGISTRY,
 )
 LAST_BACKUP_SECONDS = Gauge(
     "relayfleet_operator_last_backup_timestamp_seconds",
     "Unix time of the last successful backup of a shard (its CronJob's lastSuccessfulTime).",
-    ["namespace", "shard"],
+    ["namespace", "fleet", "shard"],
     registry=REGISTRY,
 )
 
