@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,7 @@ async def test_invitation_is_out_of_band_1_1_with_the_public_endpoint(relay: Run
     endpoints = [s["serviceEndpoint"] for s in inv["services"]]
     assert endpoints == [PUBLIC + "/v1/didcomm", "wss://relay.example.test/v1/didcomm/ws"]
     assert inv["services"][0]["recipientKeys"][0].startswith("did:key:z6Mk")
+    assert [s["id"] for s in inv["services"]] == ["#inline-0", "#inline-1"]  # unique ids
     url = body["invitation_url"]
     assert url.startswith(PUBLIC + "/v1/didcomm?oob=")
     assert json.loads(dk.b64decode_any(url.split("oob=", 1)[1])) == inv
@@ -455,3 +457,21 @@ async def test_keylist_rules(agent: Agent, relay: RunningRelay, http: Any) -> No
     )
     assert reply is not None
     assert reply["updated"][0]["result"] == "success"
+
+
+async def test_a_wildcard_host_without_a_public_url_is_warned_about(
+    redis_server: LocalRedis, relay_factory: RelayFactory, seed_file: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="relay.didcomm"):
+        relay = await relay_factory(redis_server.url, didcomm_seed_file=seed_file, host="0.0.0.0", port=8123)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "relay.didcomm"]
+    assert warnings == [
+        "the DIDComm mediator advertises http://0.0.0.0:8123, which agents cannot reach: --host 0.0.0.0 "
+        "listens on every address; set --public-url (RELAY_PUBLIC_URL) to the URL agents use"
+    ]
+    # exactly that text: the address and the flags, never the seed or a key
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="relay.didcomm"):
+        await relay_factory(redis_server.url, didcomm_seed_file=seed_file, host="0.0.0.0", public_url=PUBLIC)
+    assert not [r for r in caplog.records if r.name == "relay.didcomm"]
+    assert relay.base_url  # the relay itself still serves (the test server binds 127.0.0.1)

@@ -29,6 +29,7 @@ from relay.didcomm.records import CHANNEL, Connection
 from relay.service import Unavailable
 
 log = logging.getLogger("relay.didcomm")
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 
 routes = web.RouteTableDef()
 
@@ -264,6 +265,13 @@ def setup(app: web.Application) -> None:
     if not s.didcomm_seed_file:
         return
     public = s.public_url or f"http://{s.host}:{s.port}"
+    if not s.public_url and s.host in WILDCARD_HOSTS:
+        log.warning(
+            "the DIDComm mediator advertises %s, which agents cannot reach: --host %s listens on "
+            "every address; set --public-url (RELAY_PUBLIC_URL) to the URL agents use",
+            public,
+            s.host,
+        )
     try:
         identity = load_identity(s.didcomm_seed_file, public)
     except (OSError, dk.DidError) as exc:

@@ -118,13 +118,13 @@ class Mediator:
             "handshake_protocols": list(HANDSHAKES),
             "services": [
                 {
-                    "id": "#inline-0",
+                    "id": f"#inline-{i}",  # unique within the invitation: agents key services by id
                     "type": "did-communication",
                     "recipientKeys": [ident.connection.did_key],
                     "routingKeys": [],
                     "serviceEndpoint": endpoint,
                 }
-                for endpoint in (ident.endpoint, ident.ws_endpoint)
+                for i, endpoint in enumerate((ident.endpoint, ident.ws_endpoint))
             ],
         }
 
