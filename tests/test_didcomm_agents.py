@@ -44,6 +44,7 @@ import redis
 from relayfleet_testing.localredis import LocalRedis, free_port
 
 from relay.didcomm import keys as dk
+from relay.didcomm.envelope import pack
 from relay.fleet.migration import write_map_file
 from relay.fleet.routing import load_file
 from relay.fleet.sharding import even_split
@@ -123,6 +124,31 @@ class World:
                     raise AgentError(f"relayfleet stored no forward for {content!r} in {timeout} s")
                 await asyncio.sleep(0.02)
 
+    async def poison(self) -> dict[str, list[int]]:
+        """What an attacker with only Credo's public keys can do: anonymous forwards to every
+        key Credo registered whose `msg` is 3,000 nested `[` (a string), 3,000 nested objects,
+        or shaped like an envelope that opens for nobody; and 3,000 `[` enqueued on each key's
+        queue through the plain API. Statuses per kind."""
+        routing = self.identity.routing.verkey
+        bombs = {
+            "string_3000": json.dumps("[" * 3000).encode(),
+            "object_3000": b'{"a": ' * 3000 + b"{}" + b"}" * 3000,
+            "shaped_garbage": json.dumps(SHAPED_GARBAGE).encode(),
+        }
+        statuses: dict[str, list[int]] = {name: [] for name in bombs}
+        headers = {"Content-Type": "application/didcomm-envelope-enc"}
+        async with aiohttp.ClientSession() as http:
+            for key in self.registered_keys():
+                to = dk.b64decode_any(key)
+                for name, inner in bombs.items():
+                    body = pack(_forward(to, inner), [routing], None)
+                    async with http.post(self.relay_url + "/v1/didcomm", data=body, headers=headers) as resp:
+                        statuses[name].append(resp.status)
+                # the plain enqueue API takes any bytes on the key's queue
+                async with http.post(f"{self.relay_url}/v1/queues/{key}/messages", data=b"[" * 3000) as resp:
+                    statuses.setdefault("raw_enqueue", []).append(resp.status)
+        return statuses
+
     def registered_keys(self) -> list[str]:
         """Every recipient key registered with the mediator (unpadded base64url), from Redis."""
         found: list[str] = []
@@ -164,6 +190,25 @@ class World:
             finally:
                 client.close()
         return placement
+
+
+# shaped like a packed message, opens for nobody: stored, handed to Credo, which drops it
+SHAPED_GARBAGE = {
+    "protected": "e30",
+    "iv": "AAAAAAAAAAAAAAAA",
+    "ciphertext": "AAAA",
+    "tag": "AAAAAAAAAAAAAAAAAAAAAA",
+}
+
+
+def _forward(to: bytes, msg_json: bytes) -> bytes:
+    """A forward's plaintext with `msg` exactly `msg_json` (json.dumps recurses on deep values)."""
+    head = {
+        "@type": "https://didcomm.org/routing/1.0/forward",
+        "@id": os.urandom(8).hex(),
+        "to": dk.b58encode(to),
+    }
+    return json.dumps(head).encode()[:-1] + b', "msg": ' + msg_json + b"}"
 
 
 def first_arrivals(messages: list[dict[str, Any]]) -> tuple[list[str], int]:
@@ -294,6 +339,22 @@ async def test_twenty_basic_messages_arrive_in_order_with_http_polling(world: Wo
         assert repeats == 0, f"{repeats} messages delivered twice"
 
 
+async def test_a_poisoned_inbox_does_not_stop_pickup_polling(world: World) -> None:
+    with world.diagnosed():
+        statuses = await world.poison()
+        world.figures["poison_statuses_polling"] = statuses
+        assert set(statuses["string_3000"]) == {400}
+        assert set(statuses["object_3000"]) == {400}
+        assert set(statuses["shaped_garbage"]) == {202}
+        assert set(statuses["raw_enqueue"]) == {201}
+        already = len(world.credo.basic_messages)
+        contents = [f"after-poison-poll-{i}" for i in range(5)]
+        t0 = time.monotonic()
+        await world.send_paced(contents)
+        await _wait_first_arrivals(world.credo, contents, timeout=90, start=already)
+        world.figures["after_poison_poll_s"] = round(time.monotonic() - t0, 2)
+
+
 async def test_live_mode_on_the_websocket_delivers_within_a_second(world: World) -> None:
     with world.diagnosed():
         await world.credo.stop()
@@ -334,6 +395,23 @@ async def _wait_inbound(credo: CredoAgent, type_suffix: str, timeout: float) -> 
         event = await credo.wait_event("inbound", max(0.1, deadline - time.monotonic()))
         if str(event.get("type", "")).endswith(type_suffix):
             return event
+
+
+async def test_a_poisoned_inbox_does_not_stop_live_mode(world: World) -> None:
+    with world.diagnosed():
+        statuses = await world.poison()
+        world.figures["poison_statuses_live"] = statuses
+        assert set(statuses["shaped_garbage"]) == {202}
+        assert set(statuses["string_3000"]) == set(statuses["object_3000"]) == {400}
+        already = len(world.credo.basic_messages)
+        contents = [f"after-poison-live-{i}" for i in range(3)]
+        t0 = time.monotonic()
+        for content in contents:
+            await world.acapy.send_basic_message(world.acapy_conn, content)
+        await _wait_first_arrivals(world.credo, contents, timeout=30, start=already)
+        world.figures["after_poison_live_s"] = round(time.monotonic() - t0, 2)
+        # no live round failed on the poison (it would close the socket 1011 and log this)
+        assert "didcomm live delivery failed" not in world.relay.log_path.read_text()
 
 
 async def test_killed_before_acking_gets_the_messages_again_after_restart(world: World) -> None:

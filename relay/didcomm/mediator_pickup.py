@@ -10,15 +10,18 @@ import uuid
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from relay import boundedjson, metrics
 from relay.didcomm import keys as dk
+from relay.didcomm.envelope import shaped
 from relay.didcomm.messages import MediatorError, reply
 from relay.didcomm.records import CHANNEL, Connection, Lease, Records
 from relay.service import QueueService
 from relay.storage.store import Message
 
-__all__ = ["MAX_IDS", "LiveSession", "Pickup", "message_id", "parse_message_id"]
+__all__ = ["MAX_IDS", "LiveSession", "Pickup", "message_id", "packable", "parse_message_id"]
 
 MAX_IDS = 10_000
+SWEEPS = 8  # reads per delivery while what is read holds messages that must be dropped
 
 
 class LiveSession(Protocol):
@@ -49,6 +52,16 @@ def parse_message_id(text: str) -> tuple[bytes, int] | None:
         return dk.b64decode_any(key), int(seq)
     except dk.DidError:
         return None
+
+
+def packable(payload: bytes) -> bool:
+    """Whether an agent can take `payload` as a packed message (a JSON envelope): the one
+    parse Pickup makes of a stored payload, bounded like every other (relay/boundedjson.py)."""
+    try:
+        shaped(boundedjson.loads(payload, None, "a payload"))
+    except ValueError:  # JsonLimitError, EnvelopeError
+        return False
+    return True
 
 
 def now_ms() -> int:
@@ -112,17 +125,37 @@ class Pickup:
     async def pending(
         self, queues: list[bytes], limit: int, leases: dict[bytes, Lease] | None = None
     ) -> list[tuple[bytes, Message]]:
-        """Up to `limit` held messages of the queues, oldest first; past each active lease."""
+        """Up to `limit` held packed messages of the queues, oldest first; past each active
+        lease. Anything else met on the way is removed (`drop`) and the read done again."""
         now = now_ms()
         starts = {
             k: lease.cursor + 1 for k, lease in (leases or {}).items() if lease.active(now) and k in queues
         }
-        results = await asyncio.gather(
-            *(self.service.read(k, CHANNEL, starts.get(k), limit, 0) for k in queues)
-        )
-        merged = [(k, m) for k, r in zip(queues, results, strict=True) for m in r.messages]
-        merged.sort(key=lambda km: km[1].received_ms)
-        return merged[:limit]
+        for _ in range(SWEEPS):
+            results = await asyncio.gather(
+                *(self.service.read(k, CHANNEL, starts.get(k), limit, 0) for k in queues)
+            )
+            merged = [(k, m) for k, r in zip(queues, results, strict=True) for m in r.messages]
+            merged.sort(key=lambda km: km[1].received_ms)
+            batch = merged[:limit]
+            unpackable = [(k, m) for k, m in batch if not packable(m.payload)]
+            if not unpackable:
+                break
+            await self.drop(unpackable)
+            dropped = {(k, m.seq) for k, m in unpackable}
+            batch = [(k, m) for k, m in batch if (k, m.seq) not in dropped]
+        return batch
+
+    async def drop(self, unpackable: list[tuple[bytes, Message]]) -> None:
+        """Remove what no agent could take as a packed message. Forwards store only packed
+        messages; the plain enqueue API can put anything on a key's queue, and a DIDComm agent
+        fails a whole delivery on one attachment it cannot parse (Credo-ts does), then meets
+        that one first in every delivery after: one such message would block the queue."""
+        per_key: dict[bytes, list[int]] = {}
+        for key, m in unpackable:
+            per_key.setdefault(key, []).append(m.seq)
+        await asyncio.gather(*(self.service.ack(k, CHANNEL, None, seqs) for k, seqs in per_key.items()))
+        metrics.DIDCOMM_MESSAGES.labels("messagepickup/2.0/delivery", "dropped").inc(len(unpackable))
 
     async def lease_out(self, batch: list[tuple[bytes, Message]], leases: dict[bytes, Lease]) -> None:
         """Record that `batch` went out: its queues' leases move past it."""
@@ -155,7 +188,7 @@ class Pickup:
     def delivery(
         self, doc: dict[str, Any] | None, prefix: str, batch: list[tuple[bytes, Message]]
     ) -> dict[str, Any]:
-        # the stored bytes, never parsed: what a queue holds cannot fail its delivery
+        # the stored bytes as they are (`pending` made sure each is a packed message)
         attachments = [
             {
                 "@id": message_id(key, m.seq),
