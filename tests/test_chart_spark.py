@@ -3,9 +3,12 @@ what executors connect to, what each Pod asks of the node, and what Spark may do
 
 from __future__ import annotations
 
+import subprocess
 from typing import Any
 
-from tests.support.chart import needs_helm, render
+import pytest
+
+from tests.support.chart import CHART, HELM, needs_helm, render
 
 pytestmark = needs_helm
 
@@ -42,3 +45,42 @@ def test_executors_are_handed_the_driver_pod_ip_not_a_wildcard() -> None:
         assert "0.0.0.0" not in " ".join(driver(cj)["args"])
         env = {e["name"]: e for e in driver(cj)["env"]}
         assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def test_spark_requests_fit_a_small_node_by_default_and_follow_the_values() -> None:
+    """Executors asked for spark.executor.cores whole CPUs each (1): on a 2-CPU node beside a
+    fleet they stayed Pending. Their CPU request is a value of the chart, 250m by default."""
+    cj = cronjobs()["relayfleet-retention-default"]
+    conf = spark_conf(cj)
+    assert conf["spark.kubernetes.executor.request.cores"] == "250m"
+    assert "spark.kubernetes.executor.limit.cores" not in conf
+    assert (conf["spark.executor.memory"], conf["spark.executor.memoryOverhead"]) == ("512m", "384m")
+    executors = int(conf["spark.executor.instances"])
+    driver_cpu = quantity_cpu(driver(cj)["resources"]["requests"]["cpu"])
+    total = driver_cpu + executors * quantity_cpu(conf["spark.kubernetes.executor.request.cores"])
+    assert total <= 1.0, f"one job asks for {total} CPUs"
+
+    conf = spark_conf(
+        cronjobs(
+            "spark.executor.requestCores=500m",
+            "spark.executor.limitCores=1",
+            "spark.executor.instances=3",
+            "spark.executor.memory=2g",
+        )["relayfleet-rebalance-default"]
+    )
+    assert conf["spark.kubernetes.executor.request.cores"] == "500m"
+    assert conf["spark.kubernetes.executor.limit.cores"] == "1"
+    assert (conf["spark.executor.instances"], conf["spark.executor.memory"]) == ("3", "2g")
+
+
+@pytest.mark.parametrize("bad", ["spark.executor.requestCores=lots", "spark.executor.memoryOverhead=1GiB"])
+def test_the_values_schema_refuses_bad_spark_sizes(bad: str) -> None:
+    assert HELM is not None
+    proc = subprocess.run(
+        [HELM, "template", "relayfleet", str(CHART), "--set", bad],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "values don't meet the specifications of the schema" in proc.stderr
