@@ -84,3 +84,20 @@ def test_the_values_schema_refuses_bad_spark_sizes(bad: str) -> None:
     )
     assert proc.returncode != 0
     assert "values don't meet the specifications of the schema" in proc.stderr
+
+
+def test_the_spark_role_lets_spark_clean_up_its_services() -> None:
+    """Spark deletes its application's Services when it stops: a 403 ended every job."""
+    (role,) = [
+        d
+        for d in render(include_crds=False)
+        if d["kind"] == "Role" and d["metadata"]["name"] == "relayfleet-spark"
+    ]
+    verbs = {
+        v
+        for r in role["rules"]
+        if "services" in r["resources"] and r["apiGroups"] == [""]
+        for v in r["verbs"]
+    }
+    assert {"delete", "deletecollection", "list"} <= verbs
+    assert "create" not in verbs  # client mode creates none
