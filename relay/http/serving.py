@@ -12,6 +12,12 @@
   connection still waiting for its headers (else the oldest idle keep-alive one) is
   closed to make room, so a crowd of dribbling sockets cannot starve /healthz of fds.
 - Request bodies are never decompressed (auto_decompress off); params refuses them 415.
+- RFC 9112 rules the parser lets through: HTTP/1.0 with Transfer-Encoding is 400 and
+  closes, an Expect other than 100-continue is 417 JSON (GuardedServer.handle).
+
+Built on aiohttp's public API only (docs/design-decisions.md): a web.Server subclass that
+AppRunner's `server` property hands the sites, the request factory, RequestHandler's
+public methods.
 """
 
 from __future__ import annotations
@@ -22,11 +28,9 @@ import resource
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
-from aiohttp import web
+from aiohttp import StreamReader, web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http import HttpVersion11, RawRequestMessage
-from aiohttp.streams import StreamReader
-from aiohttp.web_protocol import RequestHandler
 
 from relay import metrics
 from relay.api.errors import error_response
@@ -130,7 +134,7 @@ class ConnectionGuard:
         return None
 
 
-class GuardedRequestHandler(RequestHandler):
+class GuardedRequestHandler(web.RequestHandler):
     """aiohttp's protocol plus the header timeout, the connection cap and JSON parse errors.
 
     Built on the protocol's public methods only: it learns that a header block is complete
@@ -311,7 +315,7 @@ class GuardedServer(web.Server):
         self,
         message: RawRequestMessage,
         payload: StreamReader,
-        protocol: RequestHandler,
+        protocol: web.RequestHandler,
         writer: AbstractStreamWriter,
         task: asyncio.Task[None],
     ) -> web.BaseRequest:
@@ -346,7 +350,7 @@ class GuardedServer(web.Server):
         while any(c.busy() for c in self.guard.open) and loop.time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.01)  # polled at shutdown only: no event per request to keep
         for conn in list(self.guard.open):
-            if not isinstance(conn, RequestHandler):
+            if not isinstance(conn, web.RequestHandler):
                 conn.shed()
         await super().shutdown(timeout)
 
