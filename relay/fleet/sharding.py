@@ -140,7 +140,7 @@ def parse_shard_map(doc: object) -> ShardMap:
             raise ShardMapError(f"shard {name!r} needs a 'redis' URL string or 'sentinels' and 'service'")
         if spec["redis"].startswith(SENTINEL_SCHEME + "://"):
             parse_sentinel_url(spec["redis"], f"shard {name!r}")
-        elif not spec["redis"].startswith(("redis://", "rediss://", "unix://")):
+        elif not spec["redis"].startswith(tuple(f"{s}://" for s in NODE_SCHEMES)):
             raise ShardMapError(f"shard {name!r} has an unsupported redis URL scheme")
         shards[name] = spec["redis"]
     raw_slots = doc.get("slots")
@@ -211,6 +211,7 @@ def parse_slot_spec(spec: str) -> list[int]:
 # and written back as the entry it came from. Only code that opens connections reads it.
 
 SENTINEL_SCHEME = "redis+sentinel"
+NODE_SCHEMES = ("redis", "rediss", "unix")  # one Redis node (relay.storage.connection opens them)
 
 
 @dataclass(frozen=True)
