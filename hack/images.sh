@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2016  # sh -c scripts in single quotes expand in the chroot, on purpose
-# Both container images without a Docker daemon (hack/release.sh calls this where no daemon answers):
+# The container images without a Docker daemon (hack/release.sh calls this where no daemon answers
+# for the first two; hack/cluster-images.sh for all four, make cluster's node):
 #
-#   dist/relayfleet-image-<v>.oci.tar        Dockerfile:       relay + operator, `.[operator]`
-#   dist/relayfleet-spark-image-<v>.oci.tar  Dockerfile.spark: Spark jobs, `.[spark,operator]`
+#   DISTDIR/relayfleet-image-<v>.oci.tar        Dockerfile:       relay + operator, `.[operator]`
+#   DISTDIR/relayfleet-spark-image-<v>.oci.tar  Dockerfile.spark: Spark jobs, `.[spark,operator]`
+#   DISTDIR/redis-image-<v>.oci.tar             Dockerfile.redis: Debian's redis-server and
+#                                               redis-sentinel as uid 999, with the tools the
+#                                               operator's Redis scripts use
+#   DISTDIR/pause-image-<v>.oci.tar             the Pod sandbox: pause.c of the k8s.io/kubernetes
+#                                               module hack/control-plane.sh pins, static (gcc)
 #
-# usage: hack/images.sh VERSION WHEEL DISTDIR   (as root: debootstrap, chroot, unshare)
+# usage: hack/images.sh VERSION WHEEL DISTDIR [IMAGE...]   (as root: debootstrap, chroot, unshare)
+#   IMAGE: relayfleet, relayfleet-spark (the default: both), redis, pause; WHEEL is unused ("-")
+#   unless a relayfleet image is asked for.
+# Each archive's index names its image ghcr.io/relayfleet/NAME:TAG (TAG: VERSION; pause: the pinned
+# Kubernetes version), so a plain `ctr -n k8s.io images import FILE` gives that name.
 #
 # Each image is the Dockerfile's recipe on a Debian bookworm rootfs made by `debootstrap
 # --variant=minbase` from the apt mirror (Debian's python3.11 in place of python:3.11-slim, whose
@@ -18,8 +28,20 @@
 # again and run in a chroot (separate mount and pid namespaces) as the image's user:
 #   relay image:  `relayfleet --help`; `relayfleet relay` answers /healthz 200 against a redis-server
 #   spark image:  `spark-submit --version` through tini + the entrypoint; a local[1] PySpark job
+#   redis image:  the tools are there; `redis-server` answers `redis-cli ping` as uid 999
+#   pause image:  /pause runs and exits 0 on SIGTERM
 set -euo pipefail
 version="$1" wheel="$2" dist="$3"
+shift 3
+wanted=("$@")
+((${#wanted[@]} > 0)) || wanted=(relayfleet relayfleet-spark)
+want() { printf '%s\n' "${wanted[@]}" | grep -qxF -- "$1"; }
+for name in "${wanted[@]}"; do
+  case "${name}" in
+    relayfleet | relayfleet-spark | redis | pause) ;;
+    *) printf 'images: unknown image %s (relayfleet, relayfleet-spark, redis, pause)\n' "${name}" >&2; exit 2 ;;
+  esac
+done
 # shellcheck source=hack/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 rf_init images
@@ -37,7 +59,9 @@ epoch="${SOURCE_DATE_EPOCH:-$(git -C "${root}" log -1 --format=%ct 2>/dev/null |
 for tool in debootstrap unshare chroot curl; do
   command -v "${tool}" >/dev/null || { log "${tool} not found (apt-get install debootstrap util-linux curl)"; exit 1; }
 done
-[[ -x "${redis_server}" ]] || { log "${redis_server} not found (the relay image's smoke test needs it)"; exit 1; }
+if want relayfleet; then
+  [[ -x "${redis_server}" ]] || { log "${redis_server} not found (the relay image's smoke test needs it)"; exit 1; }
+fi
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/relayfleet-images.XXXXXX")"
 pids=()
@@ -74,6 +98,8 @@ base() {
   shift 2
   local recipe key dir
   recipe="$(printf '%s\n' "v1" "${suite}" "${mirror}" "${security}" "${parent}" "$@")"
+  # base_setup: a shell step before the packages go in (a user whose uid they must not pick)
+  [[ -z "${base_setup-}" ]] || recipe+=$'\n'"${base_setup}"
   key="$(printf '%s' "${recipe}" | rf_key)"
   dir="${cache}/image-base/${name}-${key}"
   if [[ -d "${dir}" ]]; then
@@ -100,8 +126,10 @@ EOF
     cp -a "${parent}" "${tmp}"
   fi
   cp /etc/resolv.conf "${tmp}/etc/resolv.conf"
-  in_root "${tmp}" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive sh -c '
+  in_root "${tmp}" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive \
+    BASE_SETUP="${base_setup-}" sh -c '
     set -e
+    eval "${BASE_SETUP}"
     apt-get update -qq
     apt-get -y -qq -o Dpkg::Options::=--force-confold upgrade >/dev/null
     if [ "$#" -gt 0 ]; then apt-get install -y -qq --no-install-recommends "$@" >/dev/null; fi
@@ -147,82 +175,151 @@ image() {
     --base-path /usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin >"${work}/${name}.image-config.json"
 }
 
-# pack_and_unpack NAME: dist/NAME-image-<v>.oci.tar, then its layer unpacked into ${work}/NAME.run
+# pack_and_unpack NAME [TAG]: dist/NAME-image-<v>.oci.tar, then its layer unpacked into ${work}/NAME.run
 pack_and_unpack() {
-  local name="$1" out="${dist}/$1-image-${version}.oci.tar"
+  local name="$1" tag="${2:-${version}}" out="${dist}/$1-image-${version}.oci.tar"
   local digest
   digest="$("${py}" "${root}/hack/oci_image.py" pack --rootfs "${work}/${name}" --config "${work}/${name}.image-config.json" \
-    --ref "${version}" --epoch "${epoch}" --out "${out}")"
-  log "${out##*/}: ghcr.io/relayfleet/${name}:${version} manifest ${digest} ($(du -m "${out}" | cut -f1) MiB)"
+    --ref "${tag}" --name "ghcr.io/relayfleet/${name}:${tag}" --epoch "${epoch}" --out "${out}")"
+  log "${out##*/}: ghcr.io/relayfleet/${name}:${tag} manifest ${digest} ($(du -m "${out}" | cut -f1) MiB)"
   if command -v skopeo >/dev/null; then
-    skopeo inspect --config "oci-archive:${out}:${version}" >/dev/null \
+    skopeo inspect --config "oci-archive:${out}:${tag}" >/dev/null \
       || { log "skopeo inspect oci-archive:${out} failed"; exit 1; }
   fi
   rm -rf "${work:?}/${name}"
   "${py}" "${root}/hack/oci_image.py" unpack --archive "${out}" --out "${work}/${name}.run" >"${work}/${name}.run.config.json"
   # what a container runtime provides: /etc/hosts naming the pod's hostname (Spark resolves it)
-  printf '127.0.0.1\tlocalhost\n::1\tlocalhost\n127.0.1.1\t%s\n' "$(hostname)" >"${work}/${name}.run/etc/hosts"
+  [[ ! -d "${work}/${name}.run/etc" ]] ||
+    printf '127.0.0.1\tlocalhost\n::1\tlocalhost\n127.0.1.1\t%s\n' "$(hostname)" >"${work}/${name}.run/etc/hosts"
 }
 
 relay_pkgs=(python3.11 python3.11-venv python3 ca-certificates netbase tzdata)
 spark_pkgs=(openjdk-17-jre-headless tini procps)
+redis_pkgs=(redis-server redis-sentinel redis-tools)
 started=${SECONDS}
-relay_base="$(base relay "" "${relay_pkgs[@]}")"
-spark_base="$(base spark "${relay_base}" "${spark_pkgs[@]}")"
+if want relayfleet || want relayfleet-spark; then
+  relay_base="$(base relay "" "${relay_pkgs[@]}")"
+fi
+if want relayfleet-spark; then
+  spark_base="$(base spark "${relay_base}" "${spark_pkgs[@]}")"
+fi
+if want redis; then
+  # uid/gid 999 before Debian's package would pick a system uid of its own (the operator runs
+  # Redis as 999); home /data, the volume the operator mounts
+  base_setup='groupadd --system --gid 999 redis && useradd --system --uid 999 --gid 999 --no-create-home --home-dir /data --shell /usr/sbin/nologin redis'
+  redis_base="$(base redis "" "${redis_pkgs[@]}")"
+  base_setup=""
+fi
 log "bases ready in $((SECONDS - started)) s"
 
-# --- relayfleet (Dockerfile) ----------------------------------------------------------------
-image relayfleet Dockerfile "${relay_base}" operator
-in_root "${work}/relayfleet" sh -c 'groupadd --gid 10001 relayfleet && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin relayfleet'
-pack_and_unpack relayfleet
-
-# --- relayfleet-spark (Dockerfile.spark) ----------------------------------------------------
-image relayfleet-spark Dockerfile.spark "${spark_base}" spark,operator
-rfs="${work}/relayfleet-spark"
-in_root "${rfs}" sh -c 'groupadd --gid 185 spark && useradd --uid 185 --gid 185 --no-create-home --home-dir /app --shell /usr/sbin/nologin spark'
-ln -s /opt/venv/lib/python3.11/site-packages/pyspark "${rfs}/opt/spark"
-mkdir -p "${rfs}/app"
-(cd "${root}" && git ls-files -z spark_jobs | tar --null -T - -cf -) | tar -xf - -C "${rfs}/app" --no-same-owner
-install -m 0755 "${root}/e2e/docker/spark-entrypoint.sh" "${rfs}/opt/entrypoint.sh"
-[[ -x "${rfs}/usr/lib/jvm/java-17-openjdk-amd64/bin/java" ]] || { log "JAVA_HOME of Dockerfile.spark is not in the rootfs"; exit 1; }
-pack_and_unpack relayfleet-spark
-log "both images packed in $((SECONDS - started)) s; running them"
+if want relayfleet; then
+  # --- relayfleet (Dockerfile) ----------------------------------------------------------------
+  image relayfleet Dockerfile "${relay_base}" operator
+  in_root "${work}/relayfleet" sh -c 'groupadd --gid 10001 relayfleet && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin relayfleet'
+  pack_and_unpack relayfleet
+fi
+if want relayfleet-spark; then
+  # --- relayfleet-spark (Dockerfile.spark) ----------------------------------------------------
+  image relayfleet-spark Dockerfile.spark "${spark_base}" spark,operator
+  rfs="${work}/relayfleet-spark"
+  in_root "${rfs}" sh -c 'groupadd --gid 185 spark && useradd --uid 185 --gid 185 --no-create-home --home-dir /app --shell /usr/sbin/nologin spark'
+  ln -s /opt/venv/lib/python3.11/site-packages/pyspark "${rfs}/opt/spark"
+  mkdir -p "${rfs}/app"
+  (cd "${root}" && git ls-files -z spark_jobs | tar --null -T - -cf -) | tar -xf - -C "${rfs}/app" --no-same-owner
+  install -m 0755 "${root}/e2e/docker/spark-entrypoint.sh" "${rfs}/opt/entrypoint.sh"
+  [[ -x "${rfs}/usr/lib/jvm/java-17-openjdk-amd64/bin/java" ]] || { log "JAVA_HOME of Dockerfile.spark is not in the rootfs"; exit 1; }
+  pack_and_unpack relayfleet-spark
+fi
+if want redis; then
+  # --- redis (Dockerfile.redis) --------------------------------------------------------------
+  cp -a "${redis_base}" "${work}/redis"
+  mkdir -p "${work}/redis/data"
+  chown 999:999 "${work}/redis/data"
+  "${py}" "${root}/hack/oci_image.py" config --dockerfile "${root}/Dockerfile.redis" \
+    --base-path /usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin >"${work}/redis.image-config.json"
+  pack_and_unpack redis
+fi
+if want pause; then
+  # --- pause: the sandbox every Pod starts with (containerd's sandbox_image) ------------------
+  kube_version="$(sed -n 's/^KUBE_VERSION="\(.*\)"$/\1/p' "${root}/hack/control-plane.sh")"
+  kube_src="$(GOMODCACHE="${cache}/go/mod" GOFLAGS=-mod=mod GOTOOLCHAIN=local \
+    go mod download -json "k8s.io/kubernetes@${kube_version}" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+  [[ -f "${kube_src}/build/pause/linux/pause.c" ]] || { log "no build/pause/linux/pause.c in k8s.io/kubernetes@${kube_version}"; exit 1; }
+  pause_tag="$(sed -n 's/^TAG ?= \(.*\)$/\1/p' "${kube_src}/build/pause/Makefile")"
+  mkdir -p "${work}/pause"
+  # upstream's CFLAGS (build/pause/Makefile)
+  gcc -Os -Wall -Werror -static "-DVERSION=v${pause_tag}-relayfleet" -o "${work}/pause/pause" \
+    "${kube_src}/build/pause/linux/pause.c"
+  strip "${work}/pause/pause"
+  printf '{"Entrypoint": ["/pause"], "User": "65535:65535", "Env": ["PATH=/"]}\n' >"${work}/pause.image-config.json"
+  pack_and_unpack pause "${kube_version}"
+fi
+log "images packed in $((SECONDS - started)) s; running them"
 
 # --- run them -----------------------------------------------------------------------------
 smoke=${SECONDS}
-run="${work}/relayfleet.run"
-image_argv "${run}" --help
-in_root "${run}" "${argv[@]}" >"${work}/help.txt"
-grep -q 'relay' "${work}/help.txt" || { log "relayfleet --help in the image printed no usage"; exit 1; }
 free_port() { "${py}" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-redis_port="$(free_port)" relay_port="$(free_port)"
-"${redis_server}" --port "${redis_port}" --bind 127.0.0.1 --save '' --appendonly no --dir "${work}" >"${work}/redis.log" 2>&1 &
-pids+=($!)
-# the image's ENTRYPOINT + CMD with the listen address and Redis URL of this test
-image_argv "${run}" relay --host 127.0.0.1 --port "${relay_port}" --redis-url "redis://127.0.0.1:${redis_port}/0"
-"${ns[@]}" "${run}" "${argv[@]}" >"${work}/relay.log" 2>&1 &
-pids+=($!)
-healthy=""
-for _ in $(seq 1 120); do
-  if curl -fsS "http://127.0.0.1:${relay_port}/healthz" >"${work}/healthz.json" 2>/dev/null; then healthy=1; break; fi
-  sleep 0.5
-done
-[[ -n "${healthy}" ]] || { log "the relay image's relay never answered /healthz 200:"; tail -20 "${work}/relay.log" >&2; exit 1; }
-log "relayfleet image: --help ok; relay /healthz 200: $(head -c 200 "${work}/healthz.json")"
-
-run="${work}/relayfleet-spark.run"
-image_argv "${run}" spark-submit --version
-in_root "${run}" "${argv[@]}" >"${work}/spark-version.txt" 2>&1 \
-  || { tail -20 "${work}/spark-version.txt" >&2; exit 1; }
-grep -q 'version' "${work}/spark-version.txt" || { log "spark-submit --version printed no version"; exit 1; }
-image_argv "${run}" python -c '
+if want relayfleet; then
+  run="${work}/relayfleet.run"
+  image_argv "${run}" --help
+  in_root "${run}" "${argv[@]}" >"${work}/help.txt"
+  grep -q 'relay' "${work}/help.txt" || { log "relayfleet --help in the image printed no usage"; exit 1; }
+  redis_port="$(free_port)" relay_port="$(free_port)"
+  "${redis_server}" --port "${redis_port}" --bind 127.0.0.1 --save '' --appendonly no --dir "${work}" >"${work}/redis.log" 2>&1 &
+  pids+=($!)
+  # the image's ENTRYPOINT + CMD with the listen address and Redis URL of this test
+  image_argv "${run}" relay --host 127.0.0.1 --port "${relay_port}" --redis-url "redis://127.0.0.1:${redis_port}/0"
+  "${ns[@]}" "${run}" "${argv[@]}" >"${work}/relay.log" 2>&1 &
+  pids+=($!)
+  healthy=""
+  for _ in $(seq 1 120); do
+    if curl -fsS "http://127.0.0.1:${relay_port}/healthz" >"${work}/healthz.json" 2>/dev/null; then healthy=1; break; fi
+    sleep 0.5
+  done
+  [[ -n "${healthy}" ]] || { log "the relay image's relay never answered /healthz 200:"; tail -20 "${work}/relay.log" >&2; exit 1; }
+  log "relayfleet image: --help ok; relay /healthz 200: $(head -c 200 "${work}/healthz.json")"
+fi
+if want relayfleet-spark; then
+  run="${work}/relayfleet-spark.run"
+  image_argv "${run}" spark-submit --version
+  in_root "${run}" "${argv[@]}" >"${work}/spark-version.txt" 2>&1 \
+    || { tail -20 "${work}/spark-version.txt" >&2; exit 1; }
+  grep -q 'version' "${work}/spark-version.txt" || { log "spark-submit --version printed no version"; exit 1; }
+  image_argv "${run}" python -c '
 from pyspark.sql import SparkSession
 s = SparkSession.builder.master("local[1]").appName("image-smoke").getOrCreate()
 print("rows", s.range(1000).selectExpr("sum(id) AS t").first()["t"])
 s.stop()'
-in_root "${run}" "${argv[@]}" >"${work}/spark-job.txt" 2>"${work}/spark-job.err" \
-  || { tail -30 "${work}/spark-job.err" >&2; exit 1; }
-grep -q '^rows 499500$' "${work}/spark-job.txt" \
-  || { log "the local PySpark job gave a wrong answer"; tail -20 "${work}/spark-job.txt" "${work}/spark-job.err" >&2; exit 1; }
-log "relayfleet-spark image: $(grep -m1 -o 'version [0-9.]*' "${work}/spark-version.txt"); local[1] job ok"
+  in_root "${run}" "${argv[@]}" >"${work}/spark-job.txt" 2>"${work}/spark-job.err" \
+    || { tail -30 "${work}/spark-job.err" >&2; exit 1; }
+  grep -q '^rows 499500$' "${work}/spark-job.txt" \
+    || { log "the local PySpark job gave a wrong answer"; tail -20 "${work}/spark-job.txt" "${work}/spark-job.err" >&2; exit 1; }
+  log "relayfleet-spark image: $(grep -m1 -o 'version [0-9.]*' "${work}/spark-version.txt"); local[1] job ok"
+fi
+if want redis; then
+  run="${work}/redis.run"
+  in_root "${run}" sh -c 'for t in sh getent sha1sum timeout redis-cli redis-server redis-sentinel; do
+    command -v "$t" >/dev/null || { echo "missing $t" >&2; exit 1; }; done'
+  [[ "$(stat -c %u "${run}/data")" == 999 ]] || { log "/data in the redis image is not uid 999's"; exit 1; }
+  redis_port="$(free_port)"
+  image_argv "${run}" redis-server --port "${redis_port}" --bind 127.0.0.1 --save '' --appendonly no
+  "${ns[@]}" "${run}" "${argv[@]}" >"${work}/redis-image.log" 2>&1 &
+  pids+=($!)
+  pong=""
+  for _ in $(seq 1 60); do
+    if [[ "$(in_root "${run}" redis-cli -p "${redis_port}" ping 2>/dev/null)" == PONG ]]; then pong=1; break; fi
+    sleep 0.5
+  done
+  [[ -n "${pong}" ]] || { log "redis-server in the redis image never answered PING:"; tail -20 "${work}/redis-image.log" >&2; exit 1; }
+  log "redis image: $(in_root "${run}" redis-server --version | cut -d' ' -f1-3); PING answered as uid 999"
+fi
+if want pause; then
+  run="${work}/pause.run"
+  "${ns[@]}" "${run}" /pause >"${work}/pause.log" 2>&1 &
+  pause_pid=$!
+  sleep 0.5
+  kill -TERM "${pause_pid}"
+  wait "${pause_pid}" || { log "/pause did not exit 0 on SIGTERM"; cat "${work}/pause.log" >&2; exit 1; }
+  log "pause image: $(head -c 100 "${work}/pause.log" | tr '\n' ' ')exits 0 on SIGTERM"
+fi
 log "images run in $((SECONDS - smoke)) s; total $((SECONDS - started)) s"

@@ -2,12 +2,15 @@
 """Daemonless image packing for `make release` (hack/images.sh): a root filesystem → an OCI archive.
 
     oci_image.py config --dockerfile Dockerfile --base-path PATH   the final stage's image config, JSON
-    oci_image.py pack --rootfs DIR --config FILE --ref TAG --out X.oci.tar [--epoch N]
+    oci_image.py pack --rootfs DIR --config FILE --ref TAG [--name NAME] --out X.oci.tar [--epoch N]
 
 `config` reads the runtime settings (ENV, USER, WORKDIR, EXPOSE, ENTRYPOINT, CMD) from the
 Dockerfile itself, so the daemonless image and `docker build` cannot drift apart on them.
 `pack` writes one gzip layer of the whole tree plus config, manifest and index in an OCI image
-layout, tarred (what `skopeo copy oci-archive:X.oci.tar docker://...` pushes). The output is
+layout, tarred (what `skopeo copy oci-archive:X.oci.tar docker://...` pushes). The index names
+the manifest by its tag (`org.opencontainers.image.ref.name`, what skopeo's `oci-archive:X:TAG`
+looks up) and, given --name, by its full name (`io.containerd.image.name`, what a plain
+`ctr images import X` names the image; without it ctr would call it `import-<date>:TAG`). The output is
 reproducible: entries sorted, mtimes clamped to --epoch, owners numeric, gzip header time 0.
 Standard library only: it runs under any Python 3.11 (the release venv's).
 """
@@ -142,8 +145,13 @@ def _json_blob(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
-def pack(rootfs: Path, image_config: dict[str, Any], ref: str, out: Path, epoch: int) -> str:
-    """Write the OCI archive; returns the manifest digest."""
+CONTAINERD_NAME = "io.containerd.image.name"
+
+
+def pack(
+    rootfs: Path, image_config: dict[str, Any], ref: str, out: Path, epoch: int, name: str = ""
+) -> str:
+    """Write the OCI archive (named `name` for containerd, if given); returns the manifest digest."""
     created = _rfc3339(epoch)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         layout = Path(tmp)
@@ -175,6 +183,8 @@ def pack(rootfs: Path, image_config: dict[str, Any], ref: str, out: Path, epoch:
         }
         manifest_desc = {"mediaType": OCI_MANIFEST, **put(_json_blob(manifest))}
         manifest_desc["annotations"] = {"org.opencontainers.image.ref.name": ref}
+        if name:
+            manifest_desc["annotations"][CONTAINERD_NAME] = name
         manifest_desc["platform"] = {"architecture": _arch(), "os": "linux"}
         (layout / "index.json").write_bytes(
             _json_blob({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [manifest_desc]})
@@ -272,6 +282,7 @@ def main(argv: list[str]) -> int:
     pk.add_argument(
         "--ref", required=True, help="tag recorded in index.json (org.opencontainers.image.ref.name)"
     )
+    pk.add_argument("--name", default="", help=f"full image name recorded as {CONTAINERD_NAME}")
     pk.add_argument("--out", type=Path, required=True)
     pk.add_argument("--epoch", type=int, default=int(os.environ.get("SOURCE_DATE_EPOCH", "0")))
     up = sub.add_parser("unpack", help="extract an OCI archive's layers; prints its config JSON")
@@ -290,7 +301,9 @@ def main(argv: list[str]) -> int:
     if args.cmd == "config":
         print(json.dumps(dockerfile_config(args.dockerfile.read_text(), args.base_path), indent=2))
         return 0
-    digest = pack(args.rootfs, json.loads(args.config.read_text()), args.ref, args.out, args.epoch)
+    digest = pack(
+        args.rootfs, json.loads(args.config.read_text()), args.ref, args.out, args.epoch, args.name
+    )
     print(digest)
     return 0
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The Debian packages the test suite needs (real redis-server, Sentinel, nginx+nchan, wrk,
-# Prometheus, Pushgateway, shellcheck; debootstrap and skopeo for
-# make release's daemonless images). `make test` runs this first: as root it installs what is
-# missing; otherwise it fails with the exact command to run. Nothing is skipped for lack of them.
+# Prometheus, Pushgateway, shellcheck; debootstrap and skopeo for make release's daemonless
+# images; containerd, runc, the CNI plugins and kube-proxy's tools for make cluster's real node).
+# `make test` runs this first: as root it installs what is missing; otherwise it fails with the
+# exact command to run. Nothing is skipped for lack of them.
 set -euo pipefail
 
 # package            a file it installs (what the tests look for)
@@ -18,6 +19,14 @@ checks=(
   "shellcheck             /usr/bin/shellcheck"
   "debootstrap            /usr/sbin/debootstrap"
   "skopeo                 /usr/bin/skopeo"
+  # make cluster's real node (hack/cluster.sh): container runtime, CNI, kube-proxy's tools
+  "containerd             /usr/bin/containerd"
+  "runc                   /usr/sbin/runc"
+  "containernetworking-plugins /usr/lib/cni/bridge"
+  "iptables               /usr/sbin/iptables"
+  "conntrack              /usr/sbin/conntrack"
+  "ebtables               /usr/sbin/ebtables"
+  "socat                  /usr/bin/socat"
 )
 
 # --check: report only, never install. SYSTEM_DEPS_ROOT: look under another root (tests).
