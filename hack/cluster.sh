@@ -25,9 +25,11 @@
 #   RELAYFLEET_CLUSTER_DIR     state dir: certificates, configs, logs, etcd, containerd, kubelet
 #                              (default /var/lib/relayfleet-cluster; removed by down)
 #   RELAYFLEET_CLUSTER_IMAGES  0: bring the node up without importing the images (default 1)
+#   RELAYFLEET_CLUSTER_KEEP_FAILED  1: a failed up keeps everything for a look (default: torn down,
+#                              the logs copied to a temp dir first)
 #   RELAYFLEET_CACHE_DIR, RELAYFLEET_BUILD_NICE  as for hack/control-plane.sh
 #   PYTHON                     the provisioner's and the image tools' Python (default .venv/bin/python)
-set -euo pipefail
+set -Eeuo pipefail
 
 # shellcheck source=hack/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -453,6 +455,7 @@ up() {
   mkdir -p "${state}" "${logs}" "${run}" "${conf}"
   printf '%s\n' "${bin_dir}" >"${state}/bin-dir"
   snapshot "${before}"
+  trap up_failed ERR
   local t_up=${SECONDS}
   make_pki
   render_configs "${conf}"
@@ -472,7 +475,7 @@ up() {
     --listen-peer-urls "http://127.0.0.1:${etcd_peer_port}" \
     --initial-advertise-peer-urls "http://127.0.0.1:${etcd_peer_port}" \
     --initial-cluster "${node_name}=http://127.0.0.1:${etcd_peer_port}" \
-    --listen-metrics-urls "" --log-level warn --quota-backend-bytes 2147483648
+    --log-level warn --quota-backend-bytes 2147483648
   wait_for etcd 60 http_ok "http://127.0.0.1:${etcd_port}/health"
 
   start kube-apiserver "${bin_dir}/kube-apiserver" \
@@ -527,11 +530,28 @@ up() {
   wait_for "the node ${node_name} Ready" 180 node_ready
   wait_for "CoreDNS ready" 60 http_ok "http://127.0.0.1:${dns_ready_port}/ready"
   wait_for "the default ServiceAccount" 60 kubectl_ -n default get serviceaccount default
+  trap - ERR
   log "cluster up in $((SECONDS - t_up))s (binaries $((t_up - t0))s before); logs in ${logs}"
   printf 'KUBECONFIG=%s\n' "${kubeconfig}"
 }
 
 ctr_() { ctr --address "${sock}" "$@"; }
+
+# A failed up leaves nothing running: its logs are copied out, then down puts the machine back
+# (RELAYFLEET_CLUSTER_KEEP_FAILED=1 keeps it all for a look; make cluster-down ends it then).
+up_failed() {
+  trap - ERR
+  if [[ "${RELAYFLEET_CLUSTER_KEEP_FAILED:-0}" == 1 ]]; then
+    log "up failed; everything kept (logs in ${logs}); make cluster-down when done"
+    exit 1
+  fi
+  local saved
+  saved="$(mktemp -d "${TMPDIR:-/tmp}/relayfleet-cluster-logs.XXXXXX")"
+  cp -a "${logs}/." "${saved}/" 2>/dev/null || true
+  log "up failed; the logs are in ${saved}; tearing down"
+  down || true
+  exit 1
+}
 
 cluster_answers() {
   [[ -f "${state}/bin-dir" ]] || return 1
@@ -649,7 +669,7 @@ down() {
   fi
   # mounts under the state dir (kubelet volumes, container rootfs, sandbox shm), deepest first
   local m
-  findmnt -rn -o TARGET | grep -F "${state}/" | sort -r | while read -r m; do
+  findmnt -rn -o TARGET | { grep -F "${state}/" || true; } | sort -r | while read -r m; do
     umount "${m}" 2>/dev/null || umount -l "${m}" || log "WARNING: cannot unmount ${m}"
   done
   while read -r cg; do

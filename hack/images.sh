@@ -315,7 +315,8 @@ if want redis; then
 fi
 if want pause; then
   run="${work}/pause.run"
-  "${ns[@]}" "${run}" /pause >"${work}/pause.log" 2>&1 &
+  # a static binary alone in its rootfs (no /proc to mount for in_root): run it as it is
+  "${run}/pause" >"${work}/pause.log" 2>&1 &
   pause_pid=$!
   sleep 0.5
   kill -TERM "${pause_pid}"

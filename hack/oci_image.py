@@ -148,9 +148,7 @@ def _json_blob(obj: Any) -> bytes:
 CONTAINERD_NAME = "io.containerd.image.name"
 
 
-def pack(
-    rootfs: Path, image_config: dict[str, Any], ref: str, out: Path, epoch: int, name: str = ""
-) -> str:
+def pack(rootfs: Path, image_config: dict[str, Any], ref: str, out: Path, epoch: int, name: str = "") -> str:
     """Write the OCI archive (named `name` for containerd, if given); returns the manifest digest."""
     created = _rfc3339(epoch)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -301,9 +299,7 @@ def main(argv: list[str]) -> int:
     if args.cmd == "config":
         print(json.dumps(dockerfile_config(args.dockerfile.read_text(), args.base_path), indent=2))
         return 0
-    digest = pack(
-        args.rootfs, json.loads(args.config.read_text()), args.ref, args.out, args.epoch, args.name
-    )
+    digest = pack(args.rootfs, json.loads(args.config.read_text()), args.ref, args.out, args.epoch, args.name)
     print(digest)
     return 0
 

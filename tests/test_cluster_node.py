@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 import yaml
-from kubernetes import client
-
 from relayfleet_testing import hostpath_provisioner as hp
+
 from tests.support.k8s_cluster import KubeCluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,9 +73,12 @@ def test_containerd_runs_pods_on_this_machine_kind_and_keeps_to_its_state_dir(
     cri = cfg["plugins"]["io.containerd.grpc.v1.cri"]
     # without it every sandbox fails where root lacks CAP_SYS_RESOURCE
     assert cri["restrict_oom_score_adj"] is True
-    assert cri["sandbox_image"] == _image_ref("pause") == "ghcr.io/relayfleet/pause:" + (
-        re.search(r'^KUBE_VERSION="(.*)"$', (ROOT / "hack/control-plane.sh").read_text(), re.M) or [""]
-    )[1]
+    assert (
+        cri["sandbox_image"]
+        == _image_ref("pause")
+        == "ghcr.io/relayfleet/pause:"
+        + (re.search(r'^KUBE_VERSION="(.*)"$', (ROOT / "hack/control-plane.sh").read_text(), re.M) or [""])[1]
+    )
     runc = cri["containerd"]["runtimes"]["runc"]["options"]
     assert runc["SystemdCgroup"] is False  # cgroupfs, as the kubelet
     paths = [
@@ -95,7 +97,8 @@ def test_pods_route_nowhere_but_the_bridge_and_services(rendered: tuple[Path, Pa
     conf, state = rendered
     (conflist,) = (conf / "cni").glob("*.conflist")
     (bridge,) = json.loads(conflist.read_text())["plugins"]
-    assert bridge["type"] == "bridge" and bridge["ipMasq"] is False
+    assert bridge["type"] == "bridge"
+    assert bridge["ipMasq"] is False
     routes = bridge["ipam"]["routes"]
     assert routes == [{"dst": str(SERVICE_CIDR), "gw": "10.244.0.1"}]  # no default route
     assert Path(bridge["ipam"]["dataDir"]).is_relative_to(state)
@@ -104,10 +107,12 @@ def test_pods_route_nowhere_but_the_bridge_and_services(rendered: tuple[Path, Pa
 def test_kubelet_and_kube_proxy_settings_this_machine_needs(rendered: tuple[Path, Path]) -> None:
     conf, state = rendered
     kubelet: dict[str, Any] = yaml.safe_load((conf / "kubelet.yaml").read_text())
-    assert kubelet["failCgroupV1"] is False and kubelet["cgroupDriver"] == "cgroupfs"
+    assert kubelet["failCgroupV1"] is False
+    assert kubelet["cgroupDriver"] == "cgroupfs"
     assert kubelet["failSwapOn"] is False
     assert kubelet["resolvConf"] == ""  # nothing of the host's resolver reaches a Pod
-    assert kubelet["clusterDNS"] == ["10.244.0.1"] and kubelet["readOnlyPort"] == 0
+    assert kubelet["clusterDNS"] == ["10.244.0.1"]
+    assert kubelet["readOnlyPort"] == 0
     assert kubelet["authentication"]["anonymous"]["enabled"] is False
     assert Path(kubelet["podLogsDir"]).is_relative_to(state)
     proxy: dict[str, Any] = yaml.safe_load((conf / "kube-proxy.yaml").read_text())
@@ -143,7 +148,8 @@ def test_the_bootstrap_makes_the_provisioner_the_default_storage_class(
     docs = [d for d in yaml.safe_load_all((conf / "bootstrap.yaml").read_text()) if d]
     (sc,) = [d for d in docs if d["kind"] == "StorageClass"]
     assert sc["metadata"]["annotations"]["storageclass.kubernetes.io/is-default-class"] == "true"
-    assert sc["provisioner"] == hp.PROVISIONER and sc["reclaimPolicy"] == "Delete"
+    assert sc["provisioner"] == hp.PROVISIONER
+    assert sc["reclaimPolicy"] == "Delete"
 
 
 def test_images_are_named_under_the_project() -> None:
@@ -155,7 +161,8 @@ def test_images_are_named_under_the_project() -> None:
         text=True,
         timeout=30,
     )
-    assert bad.returncode != 0 and "unknown image nginx" in bad.stderr
+    assert bad.returncode != 0
+    assert "unknown image nginx" in bad.stderr
 
 
 # --- the provisioner's decisions (pure) ---------------------------------------------------------
@@ -224,9 +231,7 @@ def test_only_its_own_released_volumes_are_deleted() -> None:
         pv("foreign", "Released", by="example.com/else"),
         pv("kept", "Released", policy="Retain"),
     ]
-    assert [v["metadata"]["name"] for v in hp.volumes_to_delete(volumes, hp.PROVISIONER)] == [
-        "released"
-    ]
+    assert [v["metadata"]["name"] for v in hp.volumes_to_delete(volumes, hp.PROVISIONER)] == ["released"]
 
 
 # --- against a real API server --------------------------------------------------------------------
@@ -239,53 +244,64 @@ def test_provisioner_binds_a_claim_and_cleans_up_after_it(
     suffix = uuid.uuid4().hex[:6]
     sc_name, ns = f"hostpath-{suffix}", apiserver_ns
     provisioner = f"relayfleet.dev/test-{suffix}"
-    with kube_apiserver.api_client() as api:
-        core, storage = client.CoreV1Api(api), client.StorageV1Api(api)
-        storage.create_storage_class(
-            {
-                "apiVersion": "storage.k8s.io/v1",
-                "kind": "StorageClass",
-                "metadata": {"name": sc_name},
-                "provisioner": provisioner,
-                "reclaimPolicy": "Delete",
-            }
-        )
-        try:
-            claim = core.create_namespaced_persistent_volume_claim(
-                ns,
-                {
-                    "metadata": {"name": "data"},
-                    "spec": {
-                        "storageClassName": sc_name,
-                        "accessModes": ["ReadWriteOnce"],
-                        "resources": {"requests": {"storage": "64Mi"}},
-                    },
+
+    def kubectl(*args: str, doc: dict[str, Any] | None = None) -> Any:
+        out = kube_apiserver.kubectl(*args, input=None if doc is None else json.dumps(doc)).stdout
+        return json.loads(out) if out.startswith("{") else out
+
+    def our_volumes() -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = kubectl("get", "pv", "-o", "json")["items"]
+        return [v for v in items if v["spec"].get("storageClassName") == sc_name]
+
+    sc = {"kind": "StorageClass", "metadata": {"name": sc_name}, "reclaimPolicy": "Delete"}
+    kubectl("create", "-f", "-", doc={"apiVersion": "storage.k8s.io/v1", **sc, "provisioner": provisioner})
+    try:
+        claim = kubectl(
+            "-n",
+            ns,
+            "create",
+            "-o",
+            "json",
+            "-f",
+            "-",
+            doc={
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": "data"},
+                "spec": {
+                    "storageClassName": sc_name,
+                    "accessModes": ["ReadWriteOnce"],
+                    "resources": {"requests": {"storage": "64Mi"}},
                 },
-            )
-            # no PV controller here: a claim stays Pending, which is what the provisioner looks for
-            core.patch_namespaced_persistent_volume_claim_status(
-                "data", ns, {"status": {"phase": "Pending"}}
-            )
+            },
+        )
+        # no PV controller here to set it: Pending is what the provisioner looks for
+        kubectl(
+            "-n", ns, "patch", "pvc", "data", "--subresource=status", "-p", '{"status":{"phase":"Pending"}}'
+        )
+        with kube_apiserver.api_client() as api:
             prov = hp.Provisioner(api, tmp_path / "volumes", provisioner)
             prov.run_once()
-            pv = core.read_persistent_volume(f"pvc-{claim.metadata.uid}")
-            assert pv.spec.claim_ref.uid == claim.metadata.uid
-            assert pv.spec.capacity == {"storage": "64Mi"}
-            path = Path(pv.spec.host_path.path)
+            (pv,) = our_volumes()
+            assert pv["metadata"]["name"] == f"pvc-{claim['metadata']['uid']}"
+            assert pv["spec"]["claimRef"]["uid"] == claim["metadata"]["uid"]
+            assert pv["spec"]["capacity"] == {"storage": "64Mi"}
+            path = Path(pv["spec"]["hostPath"]["path"])
             assert path.parent == (tmp_path / "volumes").resolve()
             assert stat.S_IMODE(path.stat().st_mode) == 0o777  # writable by any uid, no fsGroup
-            prov.run_once()  # idempotent: nothing new
-            assert len([v for v in core.list_persistent_volume().items if v.spec.storage_class_name == sc_name]) == 1
+            prov.run_once()  # nothing new
+            assert len(our_volumes()) == 1
 
-            core.patch_persistent_volume_status(pv.metadata.name, {"status": {"phase": "Released"}})
+            name = pv["metadata"]["name"]
+            kubectl("patch", "pv", name, "--subresource=status", "-p", '{"status":{"phase":"Released"}}')
             prov.run_once()
             assert not path.exists()
-            # deleted (only the pv-protection finalizer, no controller here to drop it, may hold it)
-            assert core.read_persistent_volume(pv.metadata.name).metadata.deletion_timestamp
-        finally:
-            storage.delete_storage_class(sc_name)
-            for v in core.list_persistent_volume().items:
-                if v.spec.storage_class_name == sc_name:
-                    core.patch_persistent_volume(v.metadata.name, {"metadata": {"finalizers": None}})
-                    if not v.metadata.deletion_timestamp:
-                        core.delete_persistent_volume(v.metadata.name)
+            # deleted (the pv-protection finalizer may hold it: no controller here drops it)
+            assert all(v["metadata"].get("deletionTimestamp") for v in our_volumes())
+    finally:
+        kubectl("delete", "storageclass", sc_name)
+        for v in our_volumes():
+            kubectl(
+                "patch", "pv", v["metadata"]["name"], "--type=merge", "-p", '{"metadata":{"finalizers":null}}'
+            )
+            kubectl("delete", "pv", v["metadata"]["name"], "--ignore-not-found", "--wait=false")

@@ -155,6 +155,17 @@ def test_pack_writes_a_reproducible_oci_archive_that_skopeo_reads(tmp_path: Path
     assert members["opt/hardlinked"].islnk() or members["opt/venv/bin/tool"].islnk()
     assert all(m.mtime <= 1_700_000_000 for m in members.values())
 
+    assert "io.containerd.image.name" not in entry["annotations"]  # no name asked for
+    named = tmp_path / "named.oci.tar"
+    oci.pack(rootfs, config, "9.9.9", named, 1_700_000_000, name="ghcr.io/relayfleet/x:9.9.9")
+    with tarfile.open(named) as archive:
+        annotations = json.loads(oci.blob_of(archive, "index.json").read())["manifests"][0]["annotations"]
+    # a plain `ctr images import` names the image by the first, skopeo's oci-archive:X:TAG the second
+    assert annotations == {
+        "io.containerd.image.name": "ghcr.io/relayfleet/x:9.9.9",
+        "org.opencontainers.image.ref.name": "9.9.9",
+    }
+
     out = tmp_path / "unpacked"
     assert oci.unpack(first, out)["config"] == config
     assert (out / "opt" / "venv" / "bin" / "tool").read_text() == "#!/bin/sh\necho hi\n"

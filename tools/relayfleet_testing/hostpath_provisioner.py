@@ -29,7 +29,7 @@ from typing import Any
 
 import urllib3
 from kubernetes import client, config
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 PROVISIONER = "relayfleet.dev/hostpath"
 PROVISIONED_BY = "pv.kubernetes.io/provisioned-by"
@@ -122,7 +122,7 @@ class Provisioner:
         self.provisioner = provisioner
 
     def _plain(self, items: Any) -> list[Obj]:
-        return [self.api.sanitize_for_serialization(i) for i in items]
+        return [self.api.sanitize_for_serialization(i) for i in items]  # type: ignore[no-untyped-call]
 
     def run_once(self) -> None:
         classes = our_classes(self._plain(self.storage.list_storage_class().items), self.provisioner)
@@ -139,8 +139,9 @@ class Provisioner:
         path = self.root / name
         path.mkdir(parents=True, exist_ok=True)
         os.chmod(path, 0o777)  # not subject to the umask; hostPath ignores fsGroup
+        body: Any = volume_for(claim, storage_class, path, self.provisioner)  # sent as it is
         try:
-            self.core.create_persistent_volume(volume_for(claim, storage_class, path, self.provisioner))
+            self.core.create_persistent_volume(body)
         except ApiException as e:
             if e.status != 409:  # 409: made by an earlier pass
                 raise
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args.root.mkdir(parents=True, exist_ok=True)
-    api = config.new_client_from_config(config_file=args.kubeconfig)
+    api = config.new_client_from_config(config_file=args.kubeconfig)  # type: ignore[no-untyped-call]
     provisioner = Provisioner(api, args.root, args.provisioner)
     log.info("serving StorageClasses of %s; volumes under %s", args.provisioner, args.root)
     while True:
