@@ -20,6 +20,12 @@ API = (ROOT / "docs" / "api.md").read_text()
 SNAKE = re.compile(r"^[a-z]+(?:_[a-z0-9]+)*$")
 # calls whose code argument is a literal: (position, default)
 CODE_ARGS = {"bad_request": (1, "bad_request"), "PickupError": (1, "bad_pickup_message")}
+# errors built as (text, code, status): their code (or default) and status (or 400)
+TEXT_CODE_STATUS = {
+    "MediatorError": "bad_didcomm_message",
+    "EnvelopeError": "bad_envelope",
+    "JsonLimitError": "",
+}
 
 
 def _literal(node: ast.expr) -> object:
@@ -39,6 +45,11 @@ def codes_in_code() -> dict[str, set[int]]:
                 if len(args) >= 2 and isinstance(args[0], int) and 400 <= args[0] < 600:
                     if isinstance(args[1], str) and SNAKE.match(args[1]):
                         out.setdefault(args[1], set()).add(args[0])
+                elif fn in TEXT_CODE_STATUS:
+                    code = args[1] if len(args) > 1 else TEXT_CODE_STATUS[fn]
+                    status = args[2] if len(args) > 2 else 400
+                    if isinstance(code, str) and SNAKE.match(code) and isinstance(status, int):
+                        out.setdefault(code, set()).add(status)
                 elif fn in CODE_ARGS:
                     pos, default = CODE_ARGS[fn]
                     code = args[pos] if len(args) > pos else default
