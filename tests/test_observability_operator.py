@@ -34,6 +34,7 @@ def operator_only(expr: str) -> bool:
 def test_operator_queries_against_a_real_prometheus(kwok_fleet: KwokFleet, tmp_path: Path) -> None:
     fleet = kwok_fleet
     fleet.redis("a", "b")
+    fleet.seed("a", queues=20, per_queue=2)  # data for the join to move (bytes moved)
     fleet.operator.start()
     with run_prometheus(tmp_path, [f"127.0.0.1:{fleet.operator.metrics_port}"]) as prom:
         fleet.auto_rebalanced_join()
