@@ -316,7 +316,7 @@ class _Enqueue:
         try:
             outcome = enqueue_outcome(reply)
         except (SlotMoved, SlotMigrating) as exc:
-            self.service._spawn(self.retry(exc))
+            self.service._spawn(self.settle(self.retry(exc)))
             return
         except Exception as exc:  # handed to the caller, as an awaited call would raise it
             self.fail(exc)
@@ -326,9 +326,9 @@ class _Enqueue:
     def set_exception(self, exception: BaseException, /) -> None:
         self.answered = True
         if isinstance(exception, StoreOutcomeUnknown):
-            self.service._spawn(self.resolve())
+            self.service._spawn(self.settle(self.resolve()))
         elif isinstance(exception, StoreUnavailable):
-            self.service._spawn(self.retry(exception))
+            self.service._spawn(self.settle(self.retry(exception)))
         else:
             self.fail(exception)
 
@@ -356,7 +356,18 @@ class _Enqueue:
         """The same attempt again (same time and token), asking Redis whether it stored it."""
         return route.store.enqueue(route.keys, self.req, self.ts, self.token, resend=True)
 
-    async def resolve(self) -> None:
+    async def settle(self, attempts: Awaitable[EnqueueOutcome]) -> None:
+        """Finish with the outcome `attempts` gives, or fail with what it raises."""
+        try:
+            outcome = await attempts
+        except BaseException as err:
+            self.fail(err)
+            if not isinstance(err, Exception):
+                raise
+            return
+        self.finish(outcome)
+
+    async def resolve(self) -> EnqueueOutcome:
         """The reply to a sent attempt was lost. Resend until Redis answers: with the
         message's seq if the lost attempt stored it, else by storing it now. Redis can tell
         only within the queue's rate window (enqueue.lua keeps "<seq>:<token>" there that
@@ -366,48 +377,32 @@ class _Enqueue:
         window_s = self.service.settings.limits.rate_window_ms / 1000
         limit = min(self.deadline, self.sent_at + window_s - _RESOLVE_MARGIN_S)
         delay = 0.01
-        try:
-            while True:
-                route = self.service.fleet.route(self.req.recipient, self.req.channel)
-                try:
-                    outcome = await self.resend(route)
-                except (SlotMoved, SlotMigrating) as exc:  # a migration copies the rate window too
-                    outcome = await self.service._retry(
-                        self.req.recipient, self.req.channel, self.resend, route, limit, exc
-                    )
-                except StoreUnavailable:
-                    metrics.RETRIES.labels("outcome_unknown").inc()
-                    if loop.time() + delay > limit:
-                        raise Unavailable("shard unavailable; the message may have been stored") from None
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 0.25)
-                    continue
-                break
-        except BaseException as err:
-            self.fail(err)
-            if not isinstance(err, Exception):
-                raise
-            return
-        self.finish(outcome)
+        while True:
+            route = self.service.fleet.route(self.req.recipient, self.req.channel)
+            try:
+                return await self.resend(route)
+            except (SlotMoved, SlotMigrating) as exc:  # a migration copies the rate window too
+                return await self.service._retry(
+                    self.req.recipient, self.req.channel, self.resend, route, limit, exc
+                )
+            except StoreUnavailable:
+                metrics.RETRIES.labels("outcome_unknown").inc()
+                if loop.time() + delay > limit:
+                    raise Unavailable("shard unavailable; the message may have been stored") from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.25)
 
-    async def retry(self, exc: Exception) -> None:
-        try:
-            # repeated after an unknown outcome only under an Idempotency-Key (no double store)
-            outcome = await self.service._retry(
-                self.req.recipient,
-                self.req.channel,
-                self.attempt,
-                self.route,
-                self.deadline,
-                exc,
-                bool(self.req.idempotency_key),
-            )
-        except BaseException as err:
-            self.fail(err)
-            if not isinstance(err, Exception):
-                raise
-            return
-        self.finish(outcome)
+    def retry(self, exc: Exception) -> Awaitable[EnqueueOutcome]:
+        # repeated after an unknown outcome only under an Idempotency-Key (no double store)
+        return self.service._retry(
+            self.req.recipient,
+            self.req.channel,
+            self.attempt,
+            self.route,
+            self.deadline,
+            exc,
+            bool(self.req.idempotency_key),
+        )
 
 
 _RESOLVE_MARGIN_S = 1.0  # clock skew between relays and Redis's view of the rate window
