@@ -77,6 +77,7 @@ def cluster_env(
                 "uninstall",
                 RELEASE,
                 "--wait=false",
+                "--no-hooks",  # the custom resources were deleted above, their finalizers go below
             ],
             capture_output=True,
             check=False,

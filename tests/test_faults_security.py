@@ -165,6 +165,8 @@ def test_relay_redis_and_operator_pods_are_non_root_and_read_only() -> None:
         _check_pod(d["metadata"]["name"], d["spec"]["template"]["spec"])
     for d in (d for d in docs if d["kind"] == "CronJob"):
         _check_pod(d["metadata"]["name"], d["spec"]["jobTemplate"]["spec"]["template"]["spec"])
+    for d in (d for d in docs if d["kind"] == "Job"):  # the uninstall hook
+        _check_pod(d["metadata"]["name"], d["spec"]["template"]["spec"])
 
 
 def test_managed_redis_requires_a_password() -> None:

@@ -190,7 +190,7 @@ async def reconcile(ctx: fleet_state.Context, body: Mapping[str, Any], *, announ
 
 def _export_redis(shard: ShardSpec, previous: Mapping[str, Any], status: Obj) -> None:
     """Replication and backup figures of a managed shard as the operator's own metrics."""
-    labels = (shard.namespace, shard.fleet, shard.name)  # as the relays' series: namespace, fleet, shard
+    labels = (shard.namespace, shard.name)
     redis = status.get("redis")
     if isinstance(shard.redis, ManagedRedis) and shard.redis.sentinel:
         metrics.REDIS_MIN_REPLICAS.labels(*labels).set(shard.redis.min_replicas)
@@ -277,11 +277,13 @@ async def drain(ctx: fleet_state.Context, body: Mapping[str, Any]) -> None:
                 if (condition(previous, "Ready") or {}).get("message") != why:
                     notify(body, "WaitingForTarget", why, warning=True)
                 raise kopf.TemporaryError(why, delay=ctx.retry_seconds)
-            elif others:
+            elif others and not set(others) <= _deleting_names(members):
                 why = f"no shard can take the slots yet ({', '.join(others)} are leaving the fleet too)"
                 raise kopf.TemporaryError(why, delay=ctx.retry_seconds)
             else:
-                await _last_shard(ctx, body, shard, shard_map, previous)
+                # The last shard, or every shard of the fleet is being deleted (a namespace
+                # or an uninstall going): the fleet ends, if no data would be lost with it.
+                await _last_shard(ctx, body, shard, shard_map, previous, members)
                 drop_map = True  # the fleet ends with its last shard
 
         def change(m: ShardMap | None) -> ShardMap | None:
@@ -306,27 +308,60 @@ async def _delete_children(ctx: fleet_state.Context, shard: ShardSpec) -> None:
         await ctx.kube.delete(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
 
 
+def _deleting_names(members: list[Obj]) -> set[str]:
+    return {str((o.get("metadata") or {}).get("name")) for o in members if fleet_state.deleting(o)}
+
+
+async def _holds_data(ctx: fleet_state.Context, obj: Mapping[str, Any], shard_map: ShardMap) -> str | None:
+    """None when the shard may go without losing data (force-delete, or its Redis holds no
+    queue); otherwise why not."""
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    if annotations.get(FORCE_DELETE) == "true":
+        return None
+    try:
+        spec = parse_shard(obj)
+        url = await fleet_state.redis_url(ctx.kube, spec)
+        if not await shard_redis.holds_data(url, shard_map.slots_of(spec.name)):
+            return None
+        return "holds data"
+    except Exception as exc:  # failing to look means "assume data"
+        return f"holds data (could not check: {type(exc).__name__})"
+
+
 async def _last_shard(
-    ctx: fleet_state.Context, body: Mapping[str, Any], shard: ShardSpec, shard_map: ShardMap, previous: Obj
+    ctx: fleet_state.Context,
+    body: Mapping[str, Any],
+    shard: ShardSpec,
+    shard_map: ShardMap,
+    previous: Obj,
+    members: list[Obj],
 ) -> None:
-    """No other shard can take the slots: allow deletion only if nothing would be lost."""
+    """No other shard can take the slots (this is the last one, or every shard of the fleet
+    is being deleted): allow deletion only if nothing would be lost."""
     annotations = (body.get("metadata") or {}).get("annotations") or {}
     if annotations.get(FORCE_DELETE) == "true":
-        notify(body, "ForceDelete", f"{FORCE_DELETE}=true: deleting the last shard without moving data", True)
-        return
-    try:
-        url = await fleet_state.redis_url(ctx.kube, shard)
-        has_data = await shard_redis.holds_data(url, shard_map.slots_of(shard.name))
-        unknown = ""
-    except Exception as exc:  # failing to look means "assume data"
-        has_data, unknown = True, f" (could not check: {type(exc).__name__})"
-    if not has_data:
-        return
-    why = (
-        f"{shard.name} is the last shard of fleet {shard.fleet} and holds data{unknown}: its slots have "
-        f"nowhere to go. Add another RelayShard to the fleet and the deletion continues, or annotate "
-        f"{FORCE_DELETE}=true to delete the data with it."
-    )
+        notify(body, "ForceDelete", f"{FORCE_DELETE}=true: deleting the shard without moving its data", True)
+    going = [o for o in members if (o.get("metadata") or {}).get("name") in shard_map.shards]
+    if len(going) <= 1:
+        reason = await _holds_data(ctx, body, shard_map)
+        if reason is None:
+            return
+        why = (
+            f"{shard.name} is the last shard of fleet {shard.fleet} and {reason}: its slots have "
+            f"nowhere to go. Add another RelayShard to the fleet and the deletion continues, or annotate "
+            f"{FORCE_DELETE}=true to delete the data with it."
+        )
+    else:
+        reasons = {str(o["metadata"]["name"]): await _holds_data(ctx, o, shard_map) for o in going}
+        keeping = {n: r for n, r in sorted(reasons.items()) if r is not None}
+        if not keeping:
+            return
+        who = "; ".join(f"{n} {r}" for n, r in keeping.items())
+        why = (
+            f"every shard of fleet {shard.fleet} is being deleted and {who}: the slots have nowhere "
+            f"to go. Add a RelayShard to the fleet and the data moves there, or annotate each "
+            f"{FORCE_DELETE}=true to delete the data with it."
+        )
     status = shard_status(
         shard, previous, Observed(blocked=why, slot_count=len(shard_map.slots_of(shard.name)))
     )
