@@ -464,6 +464,9 @@ up() {
   ip link add "${bridge}" type bridge
   ip addr add "${node_ip}/${pod_cidr#*/}" dev "${bridge}"
   ip link set "${bridge}" up
+  # the host reaches Services from the node's address over the bridge (kube-proxy's rules), not
+  # by the default route (goes with the bridge on down)
+  ip route add "${service_cidr}" dev "${bridge}" src "${node_ip}"
   # Pods route nowhere but the bridge (and the host itself): drop any forwarding in or out of it
   iptables -N RELAYFLEET-NODE-FORWARD
   iptables -A RELAYFLEET-NODE-FORWARD -i "${bridge}" ! -o "${bridge}" -j DROP
@@ -574,11 +577,11 @@ status() {
 state_pids() {
   local p exe
   for p in /proc/[0-9]*; do
-    tr '\0' ' ' <"${p}/cmdline" 2>/dev/null | grep -qF -- "${state}/" || continue
+    tr '\0' ' ' 2>/dev/null <"${p}/cmdline" | grep -qF -- "${state}/" || continue
     exe="$(readlink "${p}/exe" 2>/dev/null)" || continue
     case "${exe##*/}" in
       containerd | containerd-shim-runc-v2 | etcd | kube-* | kubelet | coredns) echo "${p#/proc/}" ;;
-      python*) tr '\0' ' ' <"${p}/cmdline" | grep -qF hostpath_provisioner && echo "${p#/proc/}" ;;
+      python*) tr '\0' ' ' 2>/dev/null <"${p}/cmdline" | grep -qF hostpath_provisioner && echo "${p#/proc/}" ;;
     esac
   done
   return 0
@@ -607,6 +610,26 @@ remove_chains() { # family: delete the KUBE-*, CNI-*, RELAYFLEET-* chains (and j
       }
       { print }' <<<"${saved}" | "${restore}" -T "${table}" ||
       log "WARNING: ${restore} of table ${table} failed"
+  done
+}
+
+# The tables iptables (nf_tables backend) made for those chains, if they did not exist before up
+# and hold nothing now but empty built-in chains.
+remove_empty_tables() {
+  command -v nft >/dev/null || return 0
+  local fam tool table saved extra
+  for fam in ip ip6; do
+    tool=iptables-save
+    [[ "${fam}" == ip6 ]] && tool=ip6tables-save
+    for table in filter nat mangle raw security; do
+      grep -qx "table ${fam} ${table}" "${before}/nft" 2>/dev/null && continue
+      nft list table "${fam}" "${table}" >/dev/null 2>&1 || continue
+      saved="$("${tool}" -t "${table}" 2>/dev/null)" || continue
+      extra="$(grep -v -e '^[#*]' -e '^COMMIT' -e '^:\(PREROUTING\|INPUT\|FORWARD\|OUTPUT\|POSTROUTING\) ACCEPT' \
+        <<<"${saved}" || true)"
+      [[ -z "${extra}" ]] || continue
+      nft delete table "${fam}" "${table}" || log "WARNING: cannot delete the empty table ${fam} ${table}"
+    done
   done
 }
 
@@ -653,6 +676,7 @@ down() {
   fi
   remove_chains 4
   remove_chains 6
+  remove_empty_tables
   # network namespaces the runtime made (/run/netns/cni-*), then the bridge and its veths
   local ns
   for ns in /run/netns/*; do

@@ -24,6 +24,7 @@ checks=(
   "runc                   /usr/sbin/runc"
   "containernetworking-plugins /usr/lib/cni/bridge"
   "iptables               /usr/sbin/iptables"
+  "nftables               /usr/sbin/nft"
   "conntrack              /usr/sbin/conntrack"
   "ebtables               /usr/sbin/ebtables"
   "socat                  /usr/bin/socat"
