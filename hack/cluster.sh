@@ -575,15 +575,16 @@ status() {
 # state dir: what down must end, found without matching any broad name (a kubectl or a test
 # that names the kubeconfig is not ours to end). Containers' processes are found by cgroup.
 state_pids() {
-  local p exe
-  for p in /proc/[0-9]*; do
-    tr '\0' ' ' 2>/dev/null <"${p}/cmdline" | grep -qF -- "${state}/" || continue
+  local f p exe
+  # one grep over every command line (a fork per process is minutes on a loaded machine)
+  while read -r f; do
+    p="${f%/cmdline}"
     exe="$(readlink "${p}/exe" 2>/dev/null)" || continue
     case "${exe##*/}" in
       containerd | containerd-shim-runc-v2 | etcd | kube-* | kubelet | coredns) echo "${p#/proc/}" ;;
-      python*) tr '\0' ' ' 2>/dev/null <"${p}/cmdline" | grep -qF hostpath_provisioner && echo "${p#/proc/}" ;;
+      python*) grep -qaF hostpath_provisioner "${f}" 2>/dev/null && echo "${p#/proc/}" ;;
     esac
-  done
+  done < <(grep -laF -- "${state}/" /proc/[0-9]*/cmdline 2>/dev/null)
   return 0
 }
 
