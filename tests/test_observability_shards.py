@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import replace
 
 import aiohttp
 import pytest
@@ -13,6 +14,7 @@ import redis
 from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
+from relay.fleet.sharding import even_split
 from relay.shard_health import MONITOR, ShardHealth, read_load
 from relay.storage import keys as K
 from tests.support.in_process_relay import RunningRelay
@@ -78,6 +80,26 @@ async def test_totals_memory_and_down(redis_server: LocalRedis, relay: RunningRe
     redis_server.stop()
     await monitor.tick()
     assert gauge(metrics.SHARD_UP, shard) == 0
+
+
+async def test_slot_count_follows_the_map_within_a_health_round(
+    redis_server: LocalRedis, relay: RunningRelay
+) -> None:
+    """The shard's slot count comes from the map on every health round (not the load sweep,
+    30 s apart): right seconds after a migration, with no scrape in between."""
+    (shard,) = relay.fleet.stores
+    await asyncio.wait_for(relay.app[MONITOR].first_round.wait(), 10)
+    monitor = ShardHealth(relay.fleet, health_s=1.0, stats_s=3600.0)
+    await scrape(relay)
+    await monitor.tick()
+    assert gauge(metrics.SHARD_SLOTS, shard) == 16384
+    halved = replace(
+        even_split(relay.fleet.map.fleet, {shard: redis_server.url, "other": redis_server.url}),
+        epoch=relay.fleet.map.epoch + 1,
+    )
+    assert await relay.fleet.install(halved)
+    await monitor.tick()  # no scrape, no load sweep due
+    assert gauge(metrics.SHARD_SLOTS, shard) == len(halved.slots_of(shard)) == 8192
 
 
 LEASE_S = 3.0  # at least; well above one sweep of 16384 slots on an idle machine (~0.5 s)
