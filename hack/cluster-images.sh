@@ -86,6 +86,7 @@ build_missing() { # name...: under the lock, again
   # shellcheck disable=SC2064  # out is fixed now
   trap "rm -rf '${out}'" EXIT
   if printf '%s\n' "${missing[@]}" | grep -q '^relayfleet'; then
+    [[ -x "${py}" ]] || die "no ${py} (make venv-dev, or set PYTHON)"
     log "wheel of the work tree"
     rf_nice "${py}" -m build --wheel --outdir "${out}/wheel" "${repo_root}" >"${out}/build.log" 2>&1 ||
       { tail -20 "${out}/build.log" >&2; die "building the wheel failed"; }

@@ -73,6 +73,7 @@ outside_paths=(/run/containerd /run/netns /var/log/containers /var/log/pods /var
 daemons=(etcd kube-apiserver kube-controller-manager kube-scheduler containerd kubelet kube-proxy
   coredns provisioner)
 
+py="${PYTHON:-${repo_root}/.venv/bin/python}"
 pki="${state}/pki"
 conf="${state}/conf"
 logs="${state}/logs"
@@ -448,6 +449,7 @@ up() {
     return 0
   fi
   bash "${repo_root}/hack/system-deps.sh" --check || die "missing Debian packages (make system-deps)"
+  [[ -x "${py}" ]] || die "no ${py} (make venv-dev, or set PYTHON to a Python with the dev venv's packages)"
   local t0=${SECONDS}
   bin_dir="$(bash "${repo_root}/hack/control-plane.sh" --node)"
   log "binaries ready in $((SECONDS - t0))s (${bin_dir})"
@@ -526,13 +528,17 @@ up() {
     --node-ip "${node_ip}" --root-dir "${state}/kubelet" --v=1
   start kube-proxy "${bin_dir}/kube-proxy" --config "${conf}/kube-proxy.yaml"
   start coredns "${bin_dir}/coredns" -conf "${conf}/Corefile"
-  start provisioner "${PYTHON:-${repo_root}/.venv/bin/python}" -m relayfleet_testing.hostpath_provisioner \
+  start provisioner "${py}" -m relayfleet_testing.hostpath_provisioner \
     --kubeconfig "${state}/provisioner.kubeconfig" --root "${state}/volumes" \
     --provisioner "${provisioner_name}"
 
   wait_for "the node ${node_name} Ready" 180 node_ready
   wait_for "CoreDNS ready" 60 http_ok "http://127.0.0.1:${dns_ready_port}/ready"
   wait_for "the default ServiceAccount" 60 kubectl_ -n default get serviceaccount default
+  local name
+  for name in "${daemons[@]}"; do
+    alive "${name}" || { log "${name} is not running: ${logs}/${name}.log"; tail -5 "${logs}/${name}.log" >&2; false; }
+  done
   trap - ERR
   log "cluster up in $((SECONDS - t_up))s (binaries $((t_up - t0))s before); logs in ${logs}"
   printf 'KUBECONFIG=%s\n' "${kubeconfig}"
