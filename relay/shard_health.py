@@ -1,8 +1,8 @@
 """Per-shard health and load gauges, read by each relay in the background.
 
 Two cadences, both cheap:
-- health (every RELAY_SHARD_HEALTH_INTERVAL_S s, default 5): PING plus INFO memory
-  and persistence of every shard: two round trips per shard.
+- health (every RELAY_SHARD_HEALTH_INTERVAL_S s, default 5): PING, then INFO memory
+  and persistence of every shard that answered: three round trips per shard.
 - load (at most every RELAY_SHARD_STATS_INTERVAL_S s, default 30, and only when
   /metrics was scraped since the last read, so an unscraped relay costs the shards
   nothing): per slot the map gives the shard, HMGET of its stats hash, GET of its state
@@ -173,6 +173,11 @@ class ShardHealth:
 
     async def _probe(self, name: str, store: ShardStore, want_load: bool) -> None:
         started = time.perf_counter()
+        # PING over the store's own connection first: INFO goes through redis-py, whose connect
+        # on uvloop leaves a future behind when cut short while DNS does not answer.
+        if not await store.ping():
+            metrics.SHARD_UP.labels(name).set(0)
+            return
         try:
             health = await asyncio.wait_for(read_health(store), _PROBE_TIMEOUT_S)
         except (RedisError, OSError, TimeoutError):

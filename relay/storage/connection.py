@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -228,6 +229,34 @@ async def open_connection(
 P = TypeVar("P", bound=asyncio.BaseProtocol)
 
 
+async def _connect_tcp(
+    loop: asyncio.AbstractEventLoop, target: RedisTarget
+) -> tuple[asyncio.Transport, _Login]:
+    """create_connection to each address of `target.host` in turn, resolved here first. The
+    loop is never handed a name: uvloop's create_connection resolves it in a future that a
+    cancelled connect (our timeout, while DNS hangs) leaves behind, and its gaierror is then
+    logged as "Future exception was never retrieved". loop.getaddrinfo cancels cleanly."""
+    ctx = target.ssl_context()
+    infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+    failure: OSError = OSError(f"{target.host} has no address")
+    for family, _, proto, _, sockaddr in infos:
+        try:
+            return await loop.create_connection(
+                _Login,
+                str(sockaddr[0]),
+                target.port,
+                family=family,
+                proto=proto,
+                ssl=ctx,
+                server_hostname=target.host if ctx is not None else None,
+            )
+        except ssl.SSLError:
+            raise
+        except OSError as exc:
+            failure = exc
+    raise failure
+
+
 async def open_protocol(
     target: RedisTarget, factory: Callable[[], P], timeout: float
 ) -> tuple[asyncio.Transport, P]:
@@ -240,14 +269,7 @@ async def open_protocol(
             if target.unix_path is not None:
                 transport, login = await loop.create_unix_connection(_Login, target.unix_path)
             else:
-                ctx = target.ssl_context()
-                transport, login = await loop.create_connection(
-                    _Login,
-                    target.host,
-                    target.port,
-                    ssl=ctx,
-                    server_hostname=target.host if ctx is not None else None,
-                )
+                transport, login = await _connect_tcp(loop, target)
         except ssl.SSLError as exc:
             reason = _ssl_reason(exc)
             raise RedisConnectError(f"TLS handshake with {target.address} failed: {reason}") from None

@@ -318,7 +318,7 @@ class ScriptBatcher:
         wait_timeout_ms: int = 1000,
         fence_in_failover: bool = True,
     ) -> None:
-        self._client = client  # loads scripts (start, NOSCRIPT); the hot path is raw
+        self._client = client  # writes the boot mark of a new connection (boot.py); the rest is raw
         # >= 1: every durable write is answered only once WAIT confirms that many replicas
         self.min_replicas = min_replicas
         self._wait_timeout_ms = wait_timeout_ms
@@ -351,10 +351,6 @@ class ScriptBatcher:
         # a batch that ends in WAIT may spend its whole timeout there before replying
         wait_s = self._wait_timeout_ms / 1000 if self.min_replicas else 0.0
         return self._reply_timeout + wait_s + (sent_bytes + commands * self._reply_bytes) / _MIN_BYTES_PER_S
-
-    async def load_scripts(self) -> None:
-        for script in ALL:
-            await self._client.script_load(script.source)
 
     def call(
         self, script: Script, keys: tuple[str, ...], args: tuple[Arg, ...], durable: bool = False

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from relay.fleet.sharding import is_sentinel_url, min_replicas_of
 from relay.storage import keys as K
@@ -334,10 +333,11 @@ class ShardStore:
             self.on_auth_failure()
 
     async def start(self) -> None:
-        try:
-            await self._batcher.load_scripts()
-        except (RedisError, OSError) as exc:
-            raise StoreUnavailable(type(exc).__name__) from None
+        """Connect the hot lane now, not at the first request (its handshake loads the scripts).
+        Through the store's own connection: redis-py's, on uvloop, leaves a future behind when a
+        connect is cut short while DNS does not answer."""
+        if not await self.ping():
+            raise StoreUnavailable(self.last_error or "unavailable")
 
     async def close(self) -> None:
         await self._batcher.close()
