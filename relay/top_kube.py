@@ -14,8 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from relay.fleet.configmap import kube_core_api
-from relay.fleet.sharding import ShardMapError
+from relay import kubeapi
 from relay.top import http_fetch
 
 FLEET_SERVICES = "app.kubernetes.io/managed-by=relayfleet-operator,app.kubernetes.io/component=fleet"
@@ -63,28 +62,29 @@ class KubeRelays:
 
     def __post_init__(self) -> None:
         try:
-            self.core: Any = kube_core_api(self.kubeconfig)
-        except ShardMapError as exc:  # no configuration, or no kubernetes package
+            api = kubeapi.api_client(self.kubeconfig)
+        except kubeapi.KubeConfigError as exc:  # no configuration, or no kubernetes package
             raise KubeConfigError(str(exc)) from None
         from kubernetes import client
 
-        self.discovery: Any = client.DiscoveryV1Api(self.core.api_client)
+        self.core: Any = client.CoreV1Api(api)
+        self.discovery: Any = client.DiscoveryV1Api(api)
 
     def services(self) -> list[str]:
         selector = FLEET_SERVICES + (f",relayfleet.dev/fleet={self.fleet}" if self.fleet else "")
-        found = self._call(self.core.list_namespaced_service, self.namespace, label_selector=selector)
-        return sorted(s.metadata.name for s in found.items)
+        found = self._list(self.core.list_namespaced_service, self.namespace, label_selector=selector)
+        return sorted(s.metadata.name for s in found)
 
     def urls(self) -> list[str]:
         """One URL per ready relay endpoint: pod/<name>:<port> (proxy) or http://<ip>:<port>."""
         out: list[str] = []
         for service in self.services():
-            slices = self._call(
+            slices = self._list(
                 self.discovery.list_namespaced_endpoint_slice,
                 self.namespace,
                 label_selector=f"kubernetes.io/service-name={service}",
             )
-            for eps in slices.items:
+            for eps in slices:
                 ports = {p.name: p.port for p in eps.ports or () if p.port}
                 port = ports.get("http") or next(iter(ports.values()), None)
                 if port is None:
@@ -122,12 +122,13 @@ class KubeRelays:
             raise OSError(f"pod proxy: {type(exc).__name__}") from None
         return data.decode("utf-8", "replace")
 
-    def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+    def _list(self, method: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        """Every item of a list call, page by page (kubeapi.list_all)."""
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
         try:
-            return method(*args, _request_timeout=10, **kwargs)
+            return kubeapi.list_all(method, *args, _request_timeout=10, **kwargs)
         except ApiException as exc:
             raise KubeDiscoveryError(
                 f"listing the fleet in {self.namespace}: {exc.status} {exc.reason}"

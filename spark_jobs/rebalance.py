@@ -146,8 +146,9 @@ def submit_proposal(result: Plan, namespace: str, auto_approve: bool) -> str:
     """Create the RelayRebalance, or refresh this job's earlier proposal that nobody
     approved yet (one open proposal per fleet, as Strimzi's KafkaRebalance refresh).
     Returns what was done, for the log."""
-    client = kube_api()
-    api = client.CustomObjectsApi()
+    from kubernetes import client
+
+    api: Any = client.CustomObjectsApi(kube_api())
     plural = "relayrebalances"
     selector = f"{LABEL_FLEET}={result.fleet},{LABEL_PROPOSER}={PROPOSER}"
     try:

@@ -9,7 +9,6 @@ and executors import this module with only the task function's needs.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -88,22 +87,16 @@ def split_tasks(shard_map: ShardMap, max_slots: int = DEFAULT_TASK_SLOTS) -> lis
 
 
 def kube_api() -> Any:
-    """The kubernetes client module, configured in-cluster or from KUBECONFIG."""
+    """An ApiClient of the project's one Kubernetes client (relay/kubeapi.py: in-cluster, else
+    $KUBECONFIG; retries on transient errors)."""
+    from relay import kubeapi
+
     try:
-        from kubernetes import client
-        from kubernetes import config as kube_config
-    except ImportError:
+        return kubeapi.api_client()
+    except kubeapi.KubernetesMissing:
         raise UsageError("--shard-map-configmap needs the kubernetes client (the [operator] extra)") from None
-    config: Any = kube_config  # the client's loaders are untyped
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        try:
-            # KUBECONFIG read now: the client's own default is fixed at its import
-            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
-        except (config.ConfigException, OSError) as exc:
-            raise JobError(f"no Kubernetes configuration (in-cluster or KUBECONFIG): {exc}") from None
-    return client
+    except kubeapi.KubeConfigError as exc:
+        raise JobError(str(exc)) from None
 
 
 def split_ns_name(value: str, flag: str) -> tuple[str, str]:
@@ -130,9 +123,11 @@ def load_shard_map(path: str | None, configmap: str | None) -> ShardMap:
             raise UsageError(f"shard map {path}: {exc}") from None
     if configmap:
         namespace, name = split_ns_name(configmap, "--shard-map-configmap")
-        client = kube_api()
+        api = kube_api()
+        from kubernetes import client
+
         try:
-            cm = client.CoreV1Api().read_namespaced_config_map(name, namespace)
+            cm = client.CoreV1Api(api).read_namespaced_config_map(name, namespace)
         except client.ApiException as exc:
             raise JobError(f"cannot read ConfigMap {namespace}/{name}: {exc.status} {exc.reason}") from None
         try:
@@ -157,14 +152,17 @@ def with_credentials(shard_map: ShardMap, directory: str | None) -> ShardMap:
 
 def fleet_shard_specs(namespace: str, fleet: str) -> dict[str, Mapping[str, Any]]:
     """spec of every RelayShard of the fleet in the namespace, by name."""
-    client = kube_api()
+    from kubernetes import client
+
+    from relay.kubeapi import list_all
+
+    api: Any = client.CustomObjectsApi(kube_api())
     try:
-        api = client.CustomObjectsApi()
-        listing = api.list_namespaced_custom_object(GROUP, VERSION, namespace, "relayshards")
+        listing = list_all(api.list_namespaced_custom_object, GROUP, VERSION, namespace, "relayshards")
     except client.ApiException as exc:
         raise JobError(f"cannot list RelayShards in {namespace}: {exc.status} {exc.reason}") from None
     out: dict[str, Mapping[str, Any]] = {}
-    for item in listing.get("items", []):
+    for item in listing:
         spec = item.get("spec") or {}
         if spec.get("fleet") == fleet:
             out[item["metadata"]["name"]] = spec

@@ -134,7 +134,7 @@ def test_install_upgrades_an_older_crd_and_leaves_a_newer_one(
     kube_apiserver.kubectl("create", "-f", "-", input=json.dumps(old))
 
     async def install(docs: list[dict[str, Any]]) -> list[crds.Decision]:
-        kube = Kube.from_config(str(kube_apiserver.kubeconfig))
+        kube = await Kube.from_config(str(kube_apiserver.kubeconfig))
         try:
             return await crds.install(kube, docs)
         finally:

@@ -83,7 +83,7 @@ def test_what_is_left_is_said_per_object() -> None:
 
 
 async def _run(fleet: KwokFleet, timeout_s: float) -> tuple[int, str]:
-    kube = Kube.from_config(str(fleet.cluster.kubeconfig))
+    kube = await Kube.from_config(str(fleet.cluster.kubeconfig))
     out = io.StringIO()
     try:
         code = await uninstall.run(kube, [fleet.ns], timeout_s, poll_s=0.5, out=out)

@@ -61,7 +61,7 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 async def probe_kube(memo: kopf.Memo, **_: Any) -> str:
     """Liveness detail: the API server answers our own client too."""
     ctx = _ctx(memo)
-    await ctx.kube.request("GET", "/version")
+    await ctx.kube.version()
     return "ok"
 
 

@@ -1,44 +1,27 @@
-"""A small async Kubernetes API client: get, list, server-side apply, create, replace, patch.
+"""The operator's Kubernetes calls: get, list, server-side apply, create, replace, patch, delete.
 
 kopf watches and patches the custom resources through its own client; this one serves the
-handlers' writes of child objects. It borrows only configuration loading (kubeconfig or the
-in-cluster service account) from the `kubernetes` package and talks HTTP with aiohttp, so
-handlers never block the event loop.
+handlers' reads and writes of child objects. It is the `kubernetes` package's asyncio client
+(`kubernetes.aio`), configured by relay/kubeapi.py (the one Kubernetes client of the project:
+kubeconfig or in-cluster, retries with backoff on 429/5xx/connection errors, lists page by
+page). Kinds are resolved by the API server's discovery (its dynamic client), so any kind the
+server serves, CRDs included, needs no table here.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
-
+from relay import kubeapi
 from relay.fleet.contract import Obj
+from relay.kubeapi import KubeConfigError
 from relayfleet_operator.builders import MANAGER
 
-_PLURALS: dict[str, str] = {
-    "ConfigMap": "configmaps",
-    "Secret": "secrets",
-    "Service": "services",
-    "ServiceAccount": "serviceaccounts",
-    "Event": "events",
-    "Pod": "pods",
-    "PersistentVolumeClaim": "persistentvolumeclaims",
-    "Deployment": "deployments",
-    "StatefulSet": "statefulsets",
-    "PodDisruptionBudget": "poddisruptionbudgets",
-    "NetworkPolicy": "networkpolicies",
-    "CronJob": "cronjobs",
-    "Role": "roles",
-    "RoleBinding": "rolebindings",
-    "RelayShard": "relayshards",
-    "RelayRebalance": "relayrebalances",
-    "CustomResourceDefinition": "customresourcedefinitions",
-}
-_CLUSTER_SCOPED = {"CustomResourceDefinition", "Namespace"}
+_TIMEOUT_S = 30.0  # per request (the client's default is 5 minutes)
+
+__all__ = ["Conflict", "Kube", "KubeConfigError", "KubeError", "NotFound"]
 
 
 class KubeError(Exception):
@@ -59,149 +42,140 @@ class Conflict(KubeError):
     """409: AlreadyExists on create, or a stale resourceVersion on replace."""
 
 
-def object_path(
-    api_version: str,
-    kind: str,
-    namespace: str | None,
-    name: str | None = None,
-    subresource: str | None = None,
-) -> str:
-    try:
-        plural = _PLURALS[kind]
-    except KeyError:
-        raise ValueError(f"kind {kind!r} is unknown to relayfleet_operator.kube") from None
-    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
-    path = base if kind in _CLUSTER_SCOPED or namespace is None else f"{base}/namespaces/{namespace}"
-    path = f"{path}/{plural}"
-    if name:
-        path = f"{path}/{name}"
-        if subresource:
-            path = f"{path}/{subresource}"
-    return path
-
-
-def _obj_path(obj: Mapping[str, Any], subresource: str | None = None) -> str:
-    meta = obj.get("metadata") or {}
-    return object_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"], subresource)
-
-
 class Kube:
-    def __init__(
-        self,
-        host: str,
-        ssl_context: ssl.SSLContext | bool,
-        authorization: Callable[[], str | None] = lambda: None,
-        timeout: float = 30.0,
-    ) -> None:
-        self.host = host.rstrip("/")
-        self._ssl = ssl_context
-        self._authorization = authorization
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
-        self._session: aiohttp.ClientSession | None = None
+    """One cluster's API. The HTTP session belongs to the event loop of the first call after
+    construction or `close` (the operator installs CRDs in one loop, then runs kopf's)."""
 
-    # --- construction ----------------------------------------------------------------
+    def __init__(self, configuration: Any, page: int = kubeapi.PAGE) -> None:
+        self._configuration = configuration
+        self._page = page
+        self._api: Any = None  # kubernetes.aio.client.ApiClient
+        self._dynamic: Any = None  # kubernetes.aio.dynamic.DynamicClient over it
 
     @classmethod
-    def from_config(cls, kubeconfig: str | None = None, context: str | None = None) -> Kube:
+    async def from_config(cls, kubeconfig: str | None = None, context: str | None = None) -> Kube:
         """The given kubeconfig file (OperatorSettings.kubeconfig: RELAYFLEET_OPERATOR_KUBECONFIG
-        or KUBECONFIG), else ~/.kube/config when present, else the in-cluster service account."""
-        from kubernetes import client, config  # only configuration loading
-
-        cfg = client.Configuration()
-        path = kubeconfig
-        default = os.path.expanduser("~/.kube/config")
-        if path or os.path.exists(default):
-            config.load_kube_config(  # type: ignore[no-untyped-call]
-                config_file=path or default, context=context, client_configuration=cfg, persist_config=False
-            )
-        else:
-            config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-        ctx: ssl.SSLContext | bool
-        if not cfg.verify_ssl:
-            ctx = False
-        else:
-            ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
-            if cfg.cert_file:
-                ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-
-        def authorization() -> str | None:
-            token: str | None = cfg.get_api_key_with_prefix("BearerToken")
-            return token
-
-        return cls(cfg.host, ctx, authorization)
+        or KUBECONFIG), else the in-cluster service account, else ~/.kube/config;
+        kubeapi.KubeConfigError when none is usable."""
+        return cls(await kubeapi.load_aio_configuration(kubeconfig, context))
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        api, self._api, self._dynamic = self._api, None, None
+        if api is not None:
+            await api.close()
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        return self._session
+    async def _client(self) -> Any:
+        if self._dynamic is None:
+            from kubernetes.aio import client, dynamic
 
-    # --- transport ------------------------------------------------------------------
+            api = client.ApiClient(self._configuration)
+            try:  # discovery's first requests: /version, /api, /apis
+                self._dynamic = await dynamic.DynamicClient(api)  # type: ignore[no-untyped-call]
+            except BaseException:
+                await api.close()  # type: ignore[no-untyped-call]
+                raise
+            self._api = api
+        return self._dynamic
 
-    async def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: Mapping[str, str] | None = None,
-        body: object = None,
-        content_type: str = "application/json",
+    async def _call(
+        self, api_version: str, kind: str, verb: str, subresource: str | None = None, **params: Any
     ) -> Obj:
-        headers = {"Accept": "application/json"}
-        auth = self._authorization()
-        if auth:
-            headers["Authorization"] = auth
-        data = None
-        if body is not None:
-            headers["Content-Type"] = content_type
-            data = json.dumps(body).encode()
-        async with self._client().request(
-            method, self.host + path, params=params, data=data, headers=headers, ssl=self._ssl
-        ) as resp:
-            text = await resp.text()
-            if resp.status >= 400:
-                raise _error(resp.status, text)
-            if not text:
-                return {}
-            result = json.loads(text)
-            return result if isinstance(result, dict) else {"items": result}
+        """The dynamic client's `verb` (get, create, replace, patch, server_side_apply, delete)
+        on the kind's resource (or its `subresource`), with retries; API errors become KubeError."""
+        from kubernetes.aio.client.exceptions import ApiException
+        from kubernetes.aio.dynamic.exceptions import ResourceNotFoundError
+
+        async def attempt() -> Obj:
+            dyn = await self._client()
+            resource = await dyn.resources.get(api_version=api_version, kind=kind)
+            if subresource is not None:
+                resource = resource.subresources[subresource]
+            return _dict(await getattr(dyn, verb)(resource, _request_timeout=_TIMEOUT_S, **params))
+
+        try:
+            return await kubeapi.retrying(attempt)
+        except ResourceNotFoundError:
+            raise NotFound(404, "NotFound", f"the server serves no {kind} in {api_version}") from None
+        except ApiException as exc:
+            raise _error(exc.status or 0, exc.body or exc.reason or "") from None
 
     # --- verbs ----------------------------------------------------------------------
 
+    async def version(self) -> Obj:
+        """The server's /version (the liveness probe: the API answers our own client too)."""
+
+        async def attempt() -> Obj:
+            dyn = await self._client()
+            return _dict(await dyn.request("get", "/version", serializer=_as_is, _request_timeout=_TIMEOUT_S))
+
+        return await kubeapi.retrying(attempt)
+
     async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> Obj | None:
         try:
-            return await self.request("GET", object_path(api_version, kind, namespace, name))
+            return await self._call(api_version, kind, "get", name=name, namespace=namespace)
         except NotFound:
             return None
 
     async def list(
         self, api_version: str, kind: str, namespace: str | None, label_selector: str | None = None
     ) -> list[Obj]:
-        params = {"labelSelector": label_selector} if label_selector else None
-        result = await self.request("GET", object_path(api_version, kind, namespace), params=params)
-        items: list[Obj] = result.get("items") or []
-        return items
+        """Every object of the kind (in `namespace`), read `page` objects per request."""
+        items: list[Obj] = []
+        token: str | None = None
+        while True:
+            page = await self._call(
+                api_version,
+                kind,
+                "get",
+                namespace=namespace,
+                label_selector=label_selector,
+                limit=self._page,
+                _continue=token,
+            )
+            items.extend(page.get("items") or [])
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return items
 
     async def apply(self, obj: Mapping[str, Any], force: bool = True) -> Obj:
         """Server-side apply as the operator's field manager: fields we own are reset to the
         desired values (drift corrected), fields others own are left alone."""
-        params = {"fieldManager": MANAGER, "force": "true" if force else "false"}
-        return await self.request(
-            "PATCH", _obj_path(obj), params=params, body=obj, content_type="application/apply-patch+yaml"
+        meta = obj.get("metadata") or {}
+        return await self._call(
+            obj["apiVersion"],
+            obj["kind"],
+            "server_side_apply",
+            body=dict(obj),
+            name=meta["name"],
+            namespace=meta.get("namespace"),
+            field_manager=MANAGER,
+            force_conflicts=force,
         )
 
     async def create(self, obj: Mapping[str, Any]) -> Obj:
+        """Conflict (409 AlreadyExists) also when a create whose answer was lost is retried."""
         meta = obj.get("metadata") or {}
-        path = object_path(obj["apiVersion"], obj["kind"], meta.get("namespace"))
-        return await self.request("POST", path, params={"fieldManager": MANAGER}, body=obj)
+        return await self._call(
+            obj["apiVersion"],
+            obj["kind"],
+            "create",
+            body=dict(obj),
+            namespace=meta.get("namespace"),
+            field_manager=MANAGER,
+        )
 
     async def replace(self, obj: Mapping[str, Any]) -> Obj:
         """PUT with the object's resourceVersion: Conflict if someone wrote in between."""
-        return await self.request("PUT", _obj_path(obj), params={"fieldManager": MANAGER}, body=obj)
+        meta = obj.get("metadata") or {}
+        return await self._call(
+            obj["apiVersion"],
+            obj["kind"],
+            "replace",
+            body=dict(obj),
+            name=meta["name"],
+            namespace=meta.get("namespace"),
+            field_manager=MANAGER,
+        )
 
     async def merge_patch(
         self,
@@ -212,26 +186,43 @@ class Kube:
         patch: Mapping[str, Any],
         subresource: str | None = None,
     ) -> Obj:
-        return await self.request(
-            "PATCH",
-            object_path(api_version, kind, namespace, name, subresource),
-            params={"fieldManager": MANAGER},
-            body=patch,
+        return await self._call(
+            api_version,
+            kind,
+            "patch",
+            subresource,
+            body=dict(patch),
+            name=name,
+            namespace=namespace,
             content_type="application/merge-patch+json",
+            field_manager=MANAGER,
         )
 
     async def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
         try:
-            await self.request("DELETE", object_path(api_version, kind, namespace, name))
+            await self._call(api_version, kind, "delete", name=name, namespace=namespace)
         except NotFound:
             return False
         return True
 
 
-def _error(status: int, text: str) -> KubeError:
-    reason, message = "", text[:500]
+def _as_is(_client: Any, data: Any) -> Any:
+    return data
+
+
+def _dict(value: Any) -> Obj:
+    if isinstance(value, dict):
+        return value
+    data = value.to_dict()
+    if not isinstance(data, dict):
+        raise TypeError("the API server answered something other than an object")
+    return data
+
+
+def _error(status: int, body: str) -> KubeError:
+    reason, message = "", body[:500]
     try:
-        doc = json.loads(text)
+        doc = json.loads(body)
         if isinstance(doc, dict):
             reason = str(doc.get("reason", ""))
             message = str(doc.get("message", message))

@@ -1,7 +1,8 @@
 """Process entry: `relayfleet operator [--namespace NS | --all-namespaces]`, or
 `python -m relayfleet_operator` with the same flags.
 
-Uses KUBECONFIG (or ~/.kube/config) when present, else the in-cluster service account.
+Uses RELAYFLEET_OPERATOR_KUBECONFIG or KUBECONFIG when set, else the pod's service account,
+else ~/.kube/config (relay/kubeapi.py).
 The environment is read once, by OperatorSettings.from_env() (config.py), before anything
 starts; `--help` lists every variable with its default.
 """
@@ -9,6 +10,7 @@ starts; `--help` lists every variable with its default.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import sys
@@ -62,16 +64,13 @@ def run(namespace: str | None, all_namespaces: bool, settings: OperatorSettings 
             file=sys.stderr,
         )
         return 1
-    from relayfleet_operator.kube import Kube
+    from relayfleet_operator.kube import Kube, KubeConfigError
 
     try:
         # Checked here, once, so a missing configuration is one clear line, not a retry loop.
-        kube = Kube.from_config(settings.kubeconfig)
-    except Exception as exc:  # kubernetes raises several unrelated types here
-        print(
-            f"relayfleet operator: no usable Kubernetes configuration (KUBECONFIG or in-cluster): {exc}",
-            file=sys.stderr,
-        )
+        kube = asyncio.run(Kube.from_config(settings.kubeconfig))
+    except KubeConfigError as exc:
+        print(f"relayfleet operator: {exc}", file=sys.stderr)
         return 2  # a configuration error (docs/api.md, "Command line")
     crds_dir = settings.crds_dir
     if crds_dir:

@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     namespaces: list[str | None] = [None] if args.all_namespaces else list(args.namespace)
 
     async def go() -> int:
-        kube = Kube.from_config()
+        kube = await Kube.from_config()
         try:
             return await run(kube, namespaces, args.timeout)
         finally:

@@ -13,8 +13,9 @@ with optimistic concurrency (resourceVersion), refusing a map that is not newer 
 `MapConflict`; `configmap_reader` is the matching `current_map`, so concurrent
 migrations of disjoint slots compose.
 
-Kubernetes configuration: an explicit kubeconfig, else in-cluster, else $KUBECONFIG
-or ~/.kube/config. The kubernetes package comes with the [operator] extra.
+The client is the project's one Kubernetes client (relay/kubeapi.py: an explicit kubeconfig,
+else in-cluster, else $KUBECONFIG or ~/.kube/config; retries on 429/5xx/connection errors).
+The kubernetes package comes with the [operator] extra.
 """
 
 from __future__ import annotations
@@ -48,32 +49,17 @@ log = logging.getLogger("relay.configmap")
 
 
 def _core_api(kubeconfig: str | None) -> Any:
-    try:
-        from kubernetes import client, config
-    except ImportError:
-        raise ShardMapError(
-            "reading the shard map from a ConfigMap needs the kubernetes package: "
-            "pip install 'relayfleet[operator]'"
-        ) from None
-    cfg = client.Configuration()
-    try:
-        if kubeconfig is None:
-            try:
-                config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-                return client.CoreV1Api(client.ApiClient(cfg))
-            except config.ConfigException:
-                pass  # not in a pod: a kubeconfig, as kubectl would use
-        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)  # type: ignore[no-untyped-call]
-    except (config.ConfigException, OSError, TypeError, ValueError) as exc:
-        raise ShardMapError(
-            f"no usable Kubernetes configuration (not in a pod, no kubeconfig): {exc}"
-        ) from None
-    return client.CoreV1Api(client.ApiClient(cfg))
+    """A CoreV1Api of the project's one Kubernetes client (relay/kubeapi.py: in-cluster, else a
+    kubeconfig; retries on transient errors)."""
+    from relay import kubeapi
 
+    try:
+        api = kubeapi.api_client(kubeconfig)
+    except kubeapi.KubeConfigError as exc:
+        raise ShardMapError(str(exc)) from None
+    from kubernetes import client
 
-def kube_core_api(kubeconfig: str | None = None) -> Any:
-    """A CoreV1Api the way the relay finds its cluster (in-cluster, else a kubeconfig)."""
-    return _core_api(kubeconfig)
+    return client.CoreV1Api(api)
 
 
 def _parse(cm: Any, where: str) -> ShardMap:
@@ -96,7 +82,6 @@ class ConfigMapSource:
         self._handed_out = ""
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.watch_errors = 0
 
     async def __call__(self) -> ShardMap | None:
         if self._latest is None:
@@ -172,19 +157,12 @@ class ConfigMapSource:
                             "ConfigMap %s was deleted; keeping shard map epoch %s", self.where, self._epoch()
                         )
                 backoff = 0.5
-            except ApiException as exc:
-                self.watch_errors += 1
-                if exc.status == 410:
-                    rv = ""
-                    continue
-                log.warning("watching ConfigMap %s failed: %s %s", self.where, exc.status, exc.reason)
-                rv = ""
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
-            except (HTTPError, OSError, ValueError) as exc:
-                self.watch_errors += 1
-                log.warning("watching ConfigMap %s failed: %s", self.where, type(exc).__name__)
-                rv = ""
+            except (ApiException, HTTPError, OSError, ValueError) as exc:
+                rv = ""  # list again
+                if isinstance(exc, ApiException) and exc.status == 410:
+                    continue  # our version is too old for the watch: at once
+                why = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else type(exc).__name__
+                log.warning("watching ConfigMap %s failed: %s", self.where, why)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
 

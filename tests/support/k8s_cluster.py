@@ -51,7 +51,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from kubernetes.client import ApiClient
-from kubernetes.config import kube_config
+
+from relay import kubeapi
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO_ROOT / "hack" / "control-plane.sh"
@@ -94,10 +95,9 @@ class KubeCluster:
         return found
 
     def api_client(self) -> ApiClient:
-        """A kubernetes.client.ApiClient for this cluster (use it as a context manager)."""
-        api: ApiClient = kube_config.new_client_from_config(  # type: ignore[no-untyped-call]
-            config_file=str(self.kubeconfig), persist_config=False
-        )
+        """A kubernetes.client.ApiClient for this cluster, configured as the product's
+        (relay/kubeapi.py: retries on transient errors); use it as a context manager."""
+        api: ApiClient = kubeapi.api_client(str(self.kubeconfig))
         return api
 
     def kubectl(
