@@ -359,11 +359,16 @@ start() {
   log "started ${name} (pid $!)"
 }
 
-alive() { # name
+# pid_of NAME: the daemon's pid if it still runs (a pid file outlives a crash, and the pid may
+# have been reused since: the process must still name the state dir)
+pid_of() {
   local pid
   pid="$(cat "${run}/$1.pid" 2>/dev/null)" || return 1
-  kill -0 "${pid}" 2>/dev/null
+  grep -qaF -- "${state}/" "/proc/${pid}/cmdline" 2>/dev/null || return 1
+  echo "${pid}"
 }
+
+alive() { pid_of "$1" >/dev/null; }
 
 # wait_for DESC SECONDS CMD...: poll CMD until it succeeds; fail naming DESC (and the logs).
 wait_for() {
@@ -386,8 +391,7 @@ wait_for() {
 # stop NAME [GRACE]: SIGTERM, then SIGKILL after GRACE seconds (the API server may take minutes).
 stop() {
   local name="$1" grace="${2:-10}" pid i
-  pid="$(cat "${run}/${name}.pid" 2>/dev/null)" || return 0
-  if kill -TERM "${pid}" 2>/dev/null; then
+  if pid="$(pid_of "${name}")" && kill -TERM "${pid}" 2>/dev/null; then
     for ((i = 0; i < grace * 5; i++)); do
       kill -0 "${pid}" 2>/dev/null || break
       sleep 0.2
