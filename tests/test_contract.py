@@ -20,7 +20,6 @@ def test_every_side_uses_the_same_move() -> None:
     assert move.to_json() == {"slots": "0-99", "from": "a", "to": "b", "bytes": 1000, "messages": 7}
     assert move_from_json(move.to_json()) == move
     assert move_from_json({"slots": "7", "from": "a", "to": "b"}) == Move(7, 7, "a", "b")
-    assert move.row() == [0, 99, "a", "b", 1000]
 
 
 @pytest.mark.parametrize(

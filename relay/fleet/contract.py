@@ -83,10 +83,6 @@ class Move:
             "messages": self.messages,
         }
 
-    def row(self) -> list[Any]:
-        """[start, end, from, to, bytes]: the compact form of `relayfleet plan`'s JSON."""
-        return [self.start, self.end, self.source, self.target, self.bytes]
-
 
 def parse_slots(text: str) -> tuple[int, int]:
     """An "A-B" or "A" slot range; PlanError with the contract's text otherwise."""
