@@ -214,7 +214,7 @@ COMMANDS_GROUP = "relayfleet.commands"
 TOOLS_DIST = "relayfleet-testing"
 # the relayfleet distribution's own commands from other packages, named in --help
 PRODUCT_COMMANDS = {
-    "plan": "rebalance plan without Spark (JSON on stdout): --shard-map FILE",
+    "plan": "rebalance plan without Spark (JSON; --rebalance-yaml writes a RelayRebalance)",
 }
 # relayfleet-testing's commands, named in --help (and in the one-line hint) even when absent
 TOOL_COMMANDS = {
