@@ -190,7 +190,7 @@ async def reconcile(ctx: fleet_state.Context, body: Mapping[str, Any], *, announ
 
 def _export_redis(shard: ShardSpec, previous: Mapping[str, Any], status: Obj) -> None:
     """Replication and backup figures of a managed shard as the operator's own metrics."""
-    labels = (shard.namespace, shard.name)
+    labels = (shard.namespace, shard.fleet, shard.name)  # as the relays' series: namespace, fleet, shard
     redis = status.get("redis")
     if isinstance(shard.redis, ManagedRedis) and shard.redis.sentinel:
         metrics.REDIS_MIN_REPLICAS.labels(*labels).set(shard.redis.min_replicas)
