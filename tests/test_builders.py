@@ -184,6 +184,11 @@ def test_relay_deployment() -> None:
     assert env["RELAY_RATE_LIMIT"] == "50"
     assert env["RELAY_RATE_WINDOW_MS"] == "10000"
     assert env["RELAY_FLEET"] == "main"
+    # serving on while the terminating Pod's endpoint goes, then the longest long-poll, within the grace
+    delay = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert delay[0] == "sleep"
+    assert int(delay[1]) >= 5
+    assert pod["terminationGracePeriodSeconds"] > int(delay[1]) + 60
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["serviceAccountName"] == "relayfleet-main-relay"

@@ -11,6 +11,7 @@ from relayfleet_operator.builders.names import (
     CREDENTIALS_DIR,
     RELAY_PORT,
     RELAY_SECRETS_DIR,
+    RELAY_SHUTDOWN_DELAY_S,
     RELAY_UID,
     credentials_name,
     labels,
@@ -137,6 +138,9 @@ def relay_deployment(shard: ShardSpec, secrets_digest: str | None = None) -> Obj
             "periodSeconds": 5,
             "failureThreshold": 3,
         },
+        # SIGTERM only once the terminating Pod's endpoint has left kube-proxy's rules: a relay
+        # that stopped accepting at once dropped connections still routed to it.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(RELAY_SHUTDOWN_DELAY_S)]}}},
         "livenessProbe": {
             "httpGet": {"path": "/healthz", "port": "http"},
             "periodSeconds": 10,
@@ -173,7 +177,8 @@ def relay_deployment(shard: ShardSpec, secrets_digest: str | None = None) -> Obj
                     "serviceAccountName": relay_account_name(shard.fleet),
                     "automountServiceAccountToken": True,  # the relay watches the shard map ConfigMap
                     "securityContext": pod_security(RELAY_UID),
-                    "terminationGracePeriodSeconds": 70,  # longer than the longest long-poll (60 s)
+                    # longer than the preStop delay plus the longest long-poll (60 s)
+                    "terminationGracePeriodSeconds": RELAY_SHUTDOWN_DELAY_S + 65,
                     "containers": [container],
                     "volumes": [
                         secret_volume("credentials", credentials_name(shard.fleet), optional=True),

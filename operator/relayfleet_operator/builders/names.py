@@ -10,6 +10,7 @@ LABEL_SHARD = "relayfleet.dev/shard"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 CONFIG_HASH = "relayfleet.dev/config-hash"
 RELAY_PORT = 8080
+RELAY_SHUTDOWN_DELAY_S = 5  # a terminating relay serves this long before SIGTERM (preStop)
 REDIS_PORT = 6379
 SENTINEL_PORT = 26379
 SENTINELS_PER_SHARD = 3
