@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 
 import pytest
@@ -15,7 +16,7 @@ from relay.storage.connection import (
     TlsOptions,
     open_connection,
 )
-from relay.storage.resp import encode
+from relay.storage.resp import Conn, encode
 
 REDIS = "/usr/bin/redis-server"
 
@@ -104,3 +105,31 @@ async def test_connect_timeout_is_a_timeout() -> None:
             w.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_reply_wait_cancelled_as_the_reply_arrives_ends_cancelled() -> None:
+    # Python 3.11's wait_for returned the data when the cancellation landed in the loop turn
+    # its read completed: the cancelled task went on with the connection open (a stopped
+    # Sentinel watcher kept its subscription). Every turn of the read is tried here.
+    outcomes = set()
+    for turns in range(8):
+        ours, peer = socket.socketpair()
+        reader, writer = await asyncio.open_connection(sock=ours)
+        conn = Conn(reader, writer)
+        try:
+            task = asyncio.create_task(conn.reply(idle=5.0))
+            await asyncio.sleep(0)  # the task waits for the server
+            peer.sendall(b"+PONG\r\n")
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            if task.cancel():
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                outcomes.add("cancelled")
+            else:
+                assert task.result() == b"PONG"
+                outcomes.add("answered")
+        finally:
+            conn.close()
+            peer.close()
+    assert outcomes == {"cancelled", "answered"}  # the cancellation met the read before and after its end

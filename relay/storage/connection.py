@@ -333,7 +333,8 @@ async def read_info(target: RedisTarget, section: str, timeout: float) -> dict[s
     reader, writer = await open_connection(target, timeout)
     conn = Conn(reader, writer)
     try:
-        reply = await asyncio.wait_for(conn.call("INFO", section), timeout)
+        async with asyncio.timeout(timeout):
+            reply = await conn.call("INFO", section)
     finally:
         conn.close()
     if not isinstance(reply, bytes):

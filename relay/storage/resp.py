@@ -61,12 +61,21 @@ class Conn:
             out.append(reply)
         return out
 
+    async def read(self, idle: float | None = None) -> bytes:
+        """The next bytes the server sends (b"" once it has closed the connection); TimeoutError
+        when it sends nothing for `idle` seconds. asyncio.timeout, not wait_for: Python 3.11's
+        wait_for returns the data when a cancellation lands just as the read completes, and
+        a cancelled task that goes on reading keeps its connection open."""
+        if idle is None:
+            return await self.reader.read(65536)
+        async with asyncio.timeout(idle):
+            return await self.reader.read(65536)
+
     async def reply(self, idle: float | None = None) -> Any:
         """The next reply; ConnectionError when the server closes the connection, TimeoutError
         when it sends nothing for `idle` seconds."""
         while (reply := self._rd.gets()) is False:
-            read = self.reader.read(65536)
-            data = await (read if idle is None else asyncio.wait_for(read, idle))
+            data = await self.read(idle)
             if not data:
                 raise ConnectionError("the server closed the connection")
             self._rd.feed(data)

@@ -230,10 +230,10 @@ class SentinelWatch:
                 conn.send("SUBSCRIBE", *_EVENTS)
                 while True:
                     try:
-                        data = await asyncio.wait_for(conn.reader.read(65536), 5.0)
+                        data = await conn.read(5.0)
                     except TimeoutError:
                         conn.send("PING")  # a dead Sentinel shows as no answer
-                        data = await asyncio.wait_for(conn.reader.read(65536), 2.0)
+                        data = await conn.read(2.0)
                     if not data:
                         raise ConnectionError("closed by the Sentinel")
                     for msg in conn.received(data):

@@ -220,7 +220,8 @@ class WakeupHub:
             raise RedisConnectError(str(exc)[:200]) from None
         conn = Conn(*await open_connection(target, timeout))
         try:
-            role = await asyncio.wait_for(conn.call("ROLE"), timeout)
+            async with asyncio.timeout(timeout):
+                role = await conn.call("ROLE")
         except BaseException:
             conn.close()
             raise
@@ -279,7 +280,7 @@ class WakeupHub:
         first = True
         while True:
             try:
-                data = await asyncio.wait_for(conn.reader.read(65536), _PING_EVERY_S)
+                data = await conn.read(_PING_EVERY_S)
             except TimeoutError:
                 data = None
             now = time.monotonic()
