@@ -89,7 +89,8 @@ async def fetch_rdb(
         await writer.drain()
         progress("snapshot", 0, None)
         while True:
-            line = await asyncio.wait_for(reader.readline(), _IDLE_S)
+            async with asyncio.timeout(_IDLE_S):
+                line = await reader.readline()
             if not line:
                 raise SnapshotError("the server closed the connection before sending the snapshot")
             if line.strip():
@@ -106,7 +107,8 @@ async def fetch_rdb(
         total = int(header[1:])
         done = 0
         while done < total:
-            chunk = await asyncio.wait_for(reader.read(min(_CHUNK, total - done)), _IDLE_S)
+            async with asyncio.timeout(_IDLE_S):
+                chunk = await reader.read(min(_CHUNK, total - done))
             if not chunk:
                 raise SnapshotError(f"the connection closed after {done} of {total} snapshot bytes")
             out.write(chunk)
