@@ -56,7 +56,7 @@ didcomm-toolchain:
 
 ## didcomm-e2e: only the DIDComm mediator e2e with the real agents (make test runs it too)
 didcomm-e2e: venv-dev didcomm-toolchain
-	$(PY) -m pytest tests/test_didcomm_agents.py $(PYTEST_ARGS)
+	$(PY) -m pytest tests/relay/didcomm/test_didcomm_agents.py $(PYTEST_ARGS)
 
 chart-crds:
 	cp crds/*.yaml charts/relayfleet/crds/

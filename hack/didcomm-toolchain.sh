@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the real DIDComm agents tests/test_didcomm_agents.py talks to.
+# Build the real DIDComm agents tests/relay/didcomm/test_didcomm_agents.py talks to.
 #
 # Nothing prebuilt is downloaded: Askar is compiled from its crates.io source,
 # Credo-ts comes from npm (its native FFI modules rebuilt here, the askar

@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 document of the HTTP API (docs/api.md), served at /v1/openapi.json.
 
-Written by hand next to the views it describes; tests/test_openapi.py runs
+Written by hand next to the views it describes; tests/relay/api/test_openapi.py runs
 generated requests against a live relay and checks every answer against it.
 """
 

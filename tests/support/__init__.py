@@ -1,4 +1,4 @@
-"""Libraries the tests share (no tests here; tests/test_layers.py keeps test modules from
+"""Libraries the tests share (no tests here; tests/project/test_layers.py keeps test modules from
 importing one another or a conftest, so shared helpers land here).
 
 - Relays and fleets: in_process_relay (the `relay_factory` relays), fleet_harness (redis-server

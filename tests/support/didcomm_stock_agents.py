@@ -1,4 +1,4 @@
-"""Real DIDComm agents for the mediator e2e test (tests/test_didcomm_agents.py).
+"""Real DIDComm agents for the mediator e2e test (tests/relay/didcomm/test_didcomm_agents.py).
 
 * ``toolchain()`` runs ``hack/didcomm-toolchain.sh`` (a no-op once built; see docs/e2e.md)
   and returns where Askar, the Credo-ts node_modules and ACA-Py are. As a pytest plugin

@@ -1,7 +1,7 @@
 """A small DIDComm v1 agent for the tests: its own keys and did:peer:2, packs with PyNaCl
 (through relay.didcomm.envelope, whose output the known-answer tests pin to Credo's), and
 speaks to the relay over HTTP or its WebSocket. The e2e with stock Credo-ts and ACA-Py is
-tests/test_didcomm_agents.py; this one makes every protocol step observable."""
+tests/relay/didcomm/test_didcomm_agents.py; this one makes every protocol step observable."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ read+ack consumers, drain consumers and long-polls through every relay, recordin
 response into a `tests.support.history.History`, and finally reads every queue to its end.
 `Migrator` moves the workload's slots back and forth between shards meanwhile.
 
-The harness itself is tested in tests/test_fleet_harness.py.
+The harness itself is tested in tests/relay/fleet/test_fleet_harness.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Crashing `relayfleet migrate` at a step: the CLI's argv and crash env, filler queues in the
 moving range, and a workload whose queues live there
-(tests/test_migration_crash.py, tests/test_faults_migration.py)."""
+(tests/relay/fleet/test_migration_crash.py, tests/relay/fleet/test_faults_migration.py)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ METRIC_NAME = re.compile(r"\brelayfleet_[a-z0-9_]+\b")
 # Series that a local fleet cannot produce: the operator runs only against Kubernetes, and the
 # Spark jobs' summaries reach Prometheus through a Pushgateway. Here their names are checked
 # against the real registries and their alerts by promtool rule unit tests; with data, by
-# tests/test_observability_operator.py and tests/test_observability_spark.py.
+# tests/operator/test_observability_operator.py and tests/spark_jobs/test_observability_spark.py.
 NOT_LOCAL = ("relayfleet_operator_", "relayfleet_spark_job_")
 
 

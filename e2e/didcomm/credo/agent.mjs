@@ -1,4 +1,4 @@
-// A headless Credo-ts agent for the relayfleet DIDComm e2e test (tests/test_didcomm_agents.py).
+// A headless Credo-ts agent for the relayfleet DIDComm e2e test (tests/relay/didcomm/test_didcomm_agents.py).
 //
 // It is a stock Credo-ts 0.6 agent (Askar wallet in a persistent sqlite store) acting as a
 // mediation recipient. The test drives it with JSON lines on stdin and reads JSON lines on

@@ -1,5 +1,5 @@
 """Test hook: the named protocol steps at which `relayfleet migrate` can be made to die like
-a killed process (tests/test_migration_crash.py kills it at each one and reruns it)."""
+a killed process (tests/relay/fleet/test_migration_crash.py kills it at each one and reruns it)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,176 @@
+"""The operator's configuration is read once: OperatorSettings.from_env(), validated before the
+operator starts (`python -m relayfleet_operator` exits 2 with one line naming the variable),
+listed with defaults in --help, and never read while its modules are imported."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import kopf
+import pytest
+from relayfleet_operator import handlers
+from relayfleet_operator.config import OPERATOR_ENV, OperatorSettings
+
+from relay.settings import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_module(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m relayfleet_operator ARGS` with only the given operator variables set."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("RELAY_", "RELAYFLEET_", "KUBECONFIG"))}
+    full.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "relayfleet_operator", *args],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"RELAYFLEET_OPERATOR_RESYNC_SECONDS": "abc"},
+            "relayfleet operator: RELAYFLEET_OPERATOR_RESYNC_SECONDS must be a number, got 'abc'",
+        ),
+        (
+            {"RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS": "0"},
+            "relayfleet operator: RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS must be a positive number of"
+            " seconds",
+        ),
+        (
+            {"RELAYFLEET_OPERATOR_RETRY_SECONDS": "inf"},
+            "relayfleet operator: RELAYFLEET_OPERATOR_RETRY_SECONDS must be a number, got 'inf'",
+        ),
+        (
+            {"RELAYFLEET_OPERATOR_HEALTH_PORT": "99999"},
+            "relayfleet operator: RELAYFLEET_OPERATOR_HEALTH_PORT must be a port number, got 99999",
+        ),
+        (
+            {"RELAYFLEET_OPERATOR_METRICS_PORT": "http"},
+            "relayfleet operator: RELAYFLEET_OPERATOR_METRICS_PORT must be a port number, got 'http'",
+        ),
+        (
+            {"RELAY_LOG_LEVEL": "loud"},
+            "relayfleet operator: RELAY_LOG_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL,"
+            " got 'loud'",
+        ),
+    ],
+)
+def test_bad_value_exits_2_with_one_line_naming_the_variable(env: dict[str, str], message: str) -> None:
+    out = run_module("--namespace", "x", env=env)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == message  # one line: no traceback, no kopf start-up
+    assert out.stdout == ""
+
+
+def test_help_names_every_variable_with_its_default() -> None:
+    out = run_module("-h")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for var in OPERATOR_ENV:
+        line = next((ln for ln in text.splitlines() if ln.split()[:1] == [var.name]), None)
+        assert line is not None, f"{var.name} missing from --help"
+        assert f"[default {var.default}]" in line, line
+    assert "RELAY_OPERATOR_NAMESPACE -> RELAYFLEET_OPERATOR_NAMESPACE" in text  # deprecated, still read
+    assert "env RELAYFLEET_OPERATOR_NAMESPACE" in " ".join(text.split())
+
+
+def test_from_env_reads_every_variable_and_the_defaults_are_plain(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for var in OPERATOR_ENV:
+        monkeypatch.delenv(var.name, raising=False)
+    monkeypatch.delenv("RELAY_OPERATOR_NAMESPACE", raising=False)
+    assert OperatorSettings.from_env() == OperatorSettings()
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_RESYNC_SECONDS", "7.5")
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS", "1")
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_RETRY_SECONDS", "4")
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_HEALTH_PORT", "8181")
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_METRICS_PORT", "0")
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_CRDS_DIR", str(tmp_path))
+    monkeypatch.setenv("KUBECONFIG", os.pathsep.join(["/k/one", "/k/two"]))
+    monkeypatch.setenv("RELAY_LOG_LEVEL", "debug")
+    monkeypatch.setenv("RELAY_OPERATOR_NAMESPACE", "old-name")  # deprecated name, still read
+    got = OperatorSettings.from_env()
+    assert got == OperatorSettings(
+        namespace="old-name",
+        health_port=8181,
+        metrics_port=0,
+        resync_seconds=7.5,
+        rebalance_tick_seconds=1.0,
+        retry_seconds=4.0,
+        crds_dir=tmp_path,
+        kubeconfig="/k/one",
+        log_level="DEBUG",
+    )
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_NAMESPACE", "new-name")  # the new name wins
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_KUBECONFIG", "/k/operator")
+    got = OperatorSettings.from_env()
+    assert (got.namespace, got.kubeconfig) == ("new-name", "/k/operator")
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_HEALTH_PORT", "-1")
+    with pytest.raises(ConfigError, match="RELAYFLEET_OPERATOR_HEALTH_PORT must be a port number"):
+        OperatorSettings.from_env()
+
+
+def test_handlers_take_their_periods_from_the_settings() -> None:
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, OperatorSettings(resync_seconds=7.0, rebalance_tick_seconds=3.0))
+    # kopf keeps timers in its spawning registry (no public accessor for their intervals)
+    from kopf._core.intents.handlers import TimerHandler
+
+    spawned = registry._spawning.get_all_handlers()
+    timers = {h.id: (h.interval, h.initial_delay) for h in spawned if isinstance(h, TimerHandler)}
+    assert len(timers) == len(spawned)
+    assert timers == {"shard_resync": (7.0, 7.0), "rebalance_tick": (3.0, None)}
+
+
+def test_importing_the_operator_reads_no_environment() -> None:
+    """Every module of the operator imported with os.environ watched: none of them may read
+    a variable while it is imported (kopf, kubernetes and the rest may)."""
+    script = textwrap.dedent(
+        """
+        import os, pkgutil, importlib, sys
+        pkg_dir = os.path.join(os.getcwd(), "operator", "relayfleet_operator")
+        reads = []
+        # os.environ.get and `in` reach __getitem__ through these; the caller is above them
+        SKIP = ("os.py", "<frozen os>", "_collections_abc.py", "<frozen _collections_abc>")
+
+        class Watched(type(os.environ)):
+            def __getitem__(self, key):
+                frame = sys._getframe(1)
+                while frame is not None and frame.f_code.co_filename.endswith(SKIP):
+                    frame = frame.f_back
+                if frame is not None and frame.f_code.co_filename.startswith(pkg_dir):
+                    reads.append((key, frame.f_code.co_filename))
+                return super().__getitem__(key)
+
+        env = os.environ
+        os.environ = Watched(env._data, env.encodekey, env.decodekey, env.encodevalue, env.decodevalue)
+        import relayfleet_operator
+        names = [m.name for m in pkgutil.walk_packages(relayfleet_operator.__path__, "relayfleet_operator.")]
+        names = [n for n in names if n != "relayfleet_operator.__main__"]
+        for name in names:
+            importlib.import_module(name)
+        assert len(names) > 20, names
+        print(reads)
+        """
+    )
+    env = {
+        **os.environ,
+        "RELAYFLEET_OPERATOR_RESYNC_SECONDS": "abc",  # read at import, this would raise
+        "RELAYFLEET_OPERATOR_RETRY_SECONDS": "abc",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,506 @@
+"""Smoke tests of the benchmark harness: generators, process handling, report. Not performance."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from relayfleet_testing.bench import cpu, cputime, layers, main, report, scenarios, targets, wrk
+from relayfleet_testing.bench.loadgen import Conn, _dechunk, closed_loop
+from relayfleet_testing.bench.procs import BenchError, Child, Procs, free_port, wait_port
+from relayfleet_testing.bench.results import Results, Row, percentile
+from relayfleet_testing.bench.scenarios import OCTET
+from relayfleet_testing.localredis import LocalRedis
+
+from relay.storage.store import QueueLimits
+from tests.support.in_process_relay import RelayFactory
+
+WRK_MISSING = not Path(wrk.WRK).exists()
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Procs:
+    return Procs(tmp_path)
+
+
+@pytest.fixture
+async def ceiling(procs: Procs) -> AsyncIterator[targets.Target]:
+    try:
+        yield await targets.start_ceiling(procs, 1)
+    finally:
+        procs.stop_all()
+
+
+def relay_target(base_url: str) -> targets.Target:
+    port = urlsplit(base_url).port
+    assert port is not None
+    return targets.Target("relay-test", "relay", [port])
+
+
+# -- process handling ----------------------------------------------------------------------
+
+
+def test_stop_all_ends_every_child_by_pid(procs: Procs) -> None:
+    children = [procs.start("sleeper", ["sleep", "30"]) for _ in range(3)]
+    procs.stop_all()
+    for child in children:
+        assert child.popen.returncode is not None
+        assert (
+            not os.path.exists(f"/proc/{child.pid}")
+            or "zombie" in Path(f"/proc/{child.pid}/status").read_text()
+        )
+    assert procs.running() == []
+
+
+def test_a_child_ignoring_sigterm_is_killed(procs: Procs) -> None:
+    child = procs.start(
+        "stubborn",
+        [
+            sys.executable,
+            "-c",
+            "import signal,time; signal.signal(15, signal.SIG_IGN); print('x', flush=True); time.sleep(30)",
+        ],
+    )
+    deadline = time.monotonic() + 5
+    while not child.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)  # the handler is installed once it printed
+    started = time.monotonic()
+    procs.stop(child, timeout=0.3)
+    assert child.popen.returncode == -9
+    assert time.monotonic() - started < 3
+
+
+async def test_a_server_that_dies_is_a_clear_error(procs: Procs) -> None:
+    child = procs.start("broken", [sys.executable, "-c", "import sys; print('bad config'); sys.exit(3)"])
+    with pytest.raises(BenchError, match=r"broken exited with status 3 before listening:\nbad config"):
+        await wait_port(free_port(), child, within=5)
+
+
+def test_missing_binary_is_a_clear_error(procs: Procs) -> None:
+    with pytest.raises(BenchError, match="cannot start ghost"):
+        procs.start("ghost", ["/nonexistent/ghost"])
+
+
+def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--no-such-flag"]) == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+# -- the own generator ---------------------------------------------------------------------
+
+
+def test_chunked_bodies_decode_only_when_complete() -> None:
+    raw = bytearray(b"HEAD\r\n\r\n4\r\nabcd\r\n3;ext=1\r\nefg\r\n0\r\n\r\nNEXT")
+    assert _dechunk(raw, 8) == (b"abcdefg", len(raw) - 4)
+    assert _dechunk(bytearray(b"4\r\nab"), 0) is None
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 1001)]
+    assert percentile(values, 50) == 500
+    assert percentile(values, 99) == 990
+    assert percentile(values, 99.9) == 999
+    assert percentile([7.0], 99.9) == 7
+
+
+async def test_own_generator_against_the_ceiling(ceiling: targets.Target) -> None:
+    conn = await Conn.open("127.0.0.1", ceiling.ports[0])
+    try:
+        resp = await conn.request("POST", "/v1/queues/abc/messages", b"x" * 70000)
+        assert resp.status == 201
+        assert resp.body == b'{"seq":1,"duplicate":false}'
+    finally:
+        conn.close()
+    req = b"GET /empty HTTP/1.1\r\nHost: x\r\n\r\n"
+    result = await closed_loop("127.0.0.1", ceiling.ports, lambda _: req, 4, 0.3)
+    assert result.requests > 50
+    assert result.errors == 0
+
+
+async def test_wake_probes_against_the_ceiling(ceiling: targets.Target) -> None:
+    values = await scenarios.wake_probes(ceiling, 5, 256, 0.003)
+    assert values["probes"] == 5
+    assert values["missed"] == 0
+    assert 0 <= values["p50_ms"] < 1000
+
+
+async def test_longpoll_memory_and_wakeups_on_a_real_relay(
+    redis_server: LocalRedis, relay_factory: RelayFactory
+) -> None:
+    relay = await relay_factory(redis_server.url)
+    target = relay_target(relay.base_url)
+    target.children = []  # in-process: RSS is this test process's; only the plumbing is checked
+    idle = scenarios.IdlePolls(target)
+    try:
+        await idle.grow(20)
+        await asyncio.sleep(0.2)
+        values = await scenarios.wake_probes(target, 10, 256, 0.003)
+    finally:
+        await idle.close()
+    assert values["probes"] == 10
+    assert values["missed"] == 0
+    assert idle.early == 0
+
+
+async def test_read_ack_drains_every_prefilled_message(
+    redis_server: LocalRedis, relay_factory: RelayFactory
+) -> None:
+    relay = await relay_factory(redis_server.url)
+    row = await scenarios.read_ack(relay_target(relay.base_url), redis_server.url, 10, 400, 4)
+    assert row.values["messages"] == 400
+    assert row.values["rate"] > 0
+
+
+# -- wrk -----------------------------------------------------------------------------------
+
+
+def test_lua_literals_escape_quotes_backslashes_and_binary() -> None:
+    script = wrk.lua_script("POST", ["/a]]b"], [b'{"x":"]]"}', b"\\\x00\xff"], {"K": "v"})
+    assert '"/a]]b"' in script
+    assert '"{\\034x\\034:\\034]]\\034}"' in script
+    assert '"\\092\\000\\255"' in script
+
+
+@pytest.mark.skipif(WRK_MISSING, reason="wrk is not installed")
+async def test_wrk_enqueue_run_against_the_ceiling(procs: Procs, ceiling: targets.Target) -> None:
+    run = scenarios.Run(procs, 1, 0)
+    row = await scenarios.enqueue(run, ceiling, 4096, 4)
+    assert row.values["rate"] > 50
+    assert row.values["errors"] == 0
+    assert row.values["p99_ms"] >= row.values["p50_ms"] > 0
+
+
+@pytest.mark.skipif(WRK_MISSING, reason="wrk is not installed")
+async def test_wrk_fanout_counts_per_recipient_refusals(
+    procs: Procs, redis_server: LocalRedis, relay_factory: RelayFactory
+) -> None:
+    # one message per queue per window: every reuse of a body is refused per recipient
+    relay = await relay_factory(redis_server.url, limits=QueueLimits(rate_count=1))
+    row = await scenarios.fanout(scenarios.Run(procs, 1, 0), relay_target(relay.base_url), 256, 3, 2)
+    assert row.values["rate"] > 0
+    assert row.values["errors"] == 0
+    assert row.values["inner_errors"] > 0
+    assert row.note.startswith("a sample request got 200")
+
+
+def test_wrk_output_parsing_sums_instances() -> None:
+    line = (
+        'WRKJSON {"requests":%d,"duration_us":2000000,"bytes":1,"connect":0,"read":0,"write":0,'
+        '"status":%d,"timeout":0,"p50_us":1000,"p90_us":2000,"p99_us":%d,"max_us":9000,"inner":0}'
+    )
+    parts = [wrk.parse_output("noise\n" + line % (100, 0, 3000)), wrk.parse_output(line % (300, 10, 5000))]
+    res = wrk.combine(parts)
+    assert res.requests == 400
+    assert res.errors == 10
+    assert res.ok_rate == pytest.approx(195)
+    assert res.p99_ms == 5
+    with pytest.raises(BenchError):
+        wrk.parse_output("Running 1s test")
+
+
+# -- configuration and report ---------------------------------------------------------------
+
+
+def test_nchan_config_is_rendered_not_edited(tmp_path: Path) -> None:
+    shared = targets.SHARED_NCHAN_CONF
+    template = shared.read_text() if shared.exists() else _MINI_NCHAN
+    text = targets.render_nchan_conf(template, tmp_path, 4321, "redis://127.0.0.1:9/0", 19000, 4096)
+    assert "${" not in text
+    assert "listen 127.0.0.1:4321;" in text
+    assert "worker_connections 19000;" in text
+    assert "nchan_max_reserved_memory 4096M;" in text
+    assert "location = /bench/static" in text
+    with pytest.raises(BenchError, match="unknown variable"):
+        targets.render_nchan_conf(template + "${OTHER}", tmp_path, 1, "redis://x", 1, 1)
+
+
+def test_the_nchan_config_comes_from_beside_the_checkout_or_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No machine path: ../shared/peers/nchan.conf relative to this checkout, or the variable;
+    missing, a BenchError says where it looked and what to set."""
+    root = Path(__file__).resolve().parents[2]
+    assert root.parent / "shared" / "peers" / "nchan.conf" == targets.SHARED_NCHAN_CONF
+    monkeypatch.delenv(targets.NCHAN_CONF_ENV, raising=False)
+    if targets.SHARED_NCHAN_CONF.is_file():
+        assert targets.nchan_conf() == targets.SHARED_NCHAN_CONF
+    own = tmp_path / "peer.conf"
+    own.write_text(_MINI_NCHAN)
+    monkeypatch.setenv(targets.NCHAN_CONF_ENV, str(own))
+    assert targets.nchan_conf() == own
+    monkeypatch.setenv(targets.NCHAN_CONF_ENV, str(tmp_path / "absent.conf"))
+    with pytest.raises(BenchError) as caught:
+        targets.nchan_conf()
+    assert str(tmp_path / "absent.conf") in str(caught.value)
+    assert targets.NCHAN_CONF_ENV in str(caught.value)
+
+
+def test_relays_run_under_this_interpreter_unless_the_variable_names_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(targets.RELAY_PYTHON_ENV, raising=False)
+    assert targets.relay_python() == sys.executable
+    monkeypatch.setenv(targets.RELAY_PYTHON_ENV, "/opt/py/bin/python3")
+    assert targets.relay_python() == "/opt/py/bin/python3"
+
+
+def test_bench_help_names_its_variables(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    with pytest.raises(SystemExit):
+        cpu.main(["--help"])
+    shown = capsys.readouterr().out
+    for name in (targets.NCHAN_CONF_ENV, targets.RELAY_PYTHON_ENV):
+        assert shown.count(name) == 2, name  # relayfleet bench and bench.cpu
+
+
+_MINI_NCHAN = """events { worker_connections 8192; }
+http {
+  nchan_max_reserved_memory 256M;
+  upstream r { nchan_redis_server ${REDIS_URL}; }
+  server {
+    listen 127.0.0.1:${PORT};
+    client_body_temp_path ${PREFIX}/tmp-body;
+  }
+}
+"""
+
+
+def _results() -> Results:
+    res = Results()
+    for target, rate in (("relay-1p", 9000.0), ("aiohttp-1p", 20000.0), ("nchan-redis", 15000.0)):
+        res.add(
+            Row("enqueue", target, {"size": 256, "conns": 64}, {"rate": rate, "p50_ms": 1.0, "p99_ms": 5.0})
+        )
+    res.add(Row("limit", "redis XADD", {"size": 256, "conns": 64}, {"rate": 300000.0}))
+    res.add(
+        Row(
+            "longpoll",
+            "relay-1p",
+            {"idle": 10000, "size": 256},
+            {"p50_ms": 0.5, "p99_ms": 3.0, "p999_ms": 4.0, "rss_per_poll_kib": 9.5, "probes": 1000.0},
+        )
+    )
+    res.skip("live", "relay-1p", "WebSocket handshake answered 404")
+    return res
+
+
+def test_report_shows_ratios_targets_and_skips() -> None:
+    text = report.render(
+        _results(), "quick", "relayfleet bench --quick", {"CPU": "test"}, "now", 12.0, 64, ["n"]
+    )
+    assert "| relay-1p | 256 B | 9,000 | 0.03 | - | 0.45 (aiohttp-1p) | 0.60 |" in text
+    assert "| enqueue 256 B, relay-1p | ≥ 15,000 msg/s | 9,000 | missed (at 0.60 of goal) |" in text
+    assert "| RSS per idle poll (10,000) | ≤ 15.0 KiB | 9.5 | met |" in text
+    assert "- live / relay-1p: WebSocket handshake answered 404" in text
+
+
+def test_report_write_keeps_hand_written_text(tmp_path: Path) -> None:
+    path = tmp_path / "benchmarks.md"
+    report.write(path, "quick", "first\n")
+    path.write_text(path.read_text() + "\n## Analysis\n\nhand-written\n")
+    report.write(path, "quick", "second\n")
+    report.write(path, "full", "full run\n")
+    text = path.read_text()
+    assert "first" not in text
+    assert text.count("second") == 1
+    assert "hand-written" in text
+    assert "full run" in text
+
+
+def test_bench_writes_under_the_current_directory_not_next_to_the_module(tmp_path: Path) -> None:
+    from relayfleet_testing.bench.runner import default_output
+
+    assert default_output(tmp_path) == tmp_path / "benchmarks.md"
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "benchmarks.md").write_text("# Benchmarks\n")
+    assert default_output(tmp_path) == tmp_path / "docs" / "benchmarks.md"
+
+
+# -- CPU per message (the head to head with nchan) --------------------------------------------
+
+_BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
+
+
+def _wait_for_line(child: Child, text: str, within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    while text not in child.output():
+        assert child.alive(), child.log_tail()
+        assert time.monotonic() < deadline, f"no {text!r} from {child.name}"
+        time.sleep(0.02)
+
+
+def test_cpu_of_a_process_tree_counts_live_and_reaped_children(procs: Procs) -> None:
+    # the parent burns 0.3 s itself, then a child that burns 0.4 s and is reaped, then one
+    # that burns 0.2 s and stays alive: the tree has all three, the parent alone only its own
+    code = (
+        "import os, sys, time\n"
+        + _BURN.format(s=0.3)
+        + "pid = os.fork()\n"
+        + "if pid == 0:\n"
+        + "".join("    " + line + "\n" for line in _BURN.format(s=0.4).splitlines())
+        + "    os._exit(0)\n"
+        + "os.waitpid(pid, 0)\n"
+        + "if os.fork() == 0:\n"
+        + "".join("    " + line + "\n" for line in _BURN.format(s=0.2).splitlines())
+        + "    print('burnt', flush=True)\n"
+        + "    time.sleep(30)\n"
+        + "    os._exit(0)\n"
+        + "time.sleep(30)\n"
+    )
+    child = procs.start("burner", [sys.executable, "-c", code], capture=True)
+    try:
+        _wait_for_line(child, "burnt")
+        own = cputime.cpu_seconds(child.pid)
+        tree = cputime.tree_cpu_seconds(child.pid)
+        assert 0.28 <= own < 0.6
+        assert 0.85 <= tree < 1.5  # 0.3 + 0.4 + 0.2, plus interpreter start-ups
+        assert cputime.total_cpu_seconds([child.pid, child.pid]) == pytest.approx(2 * tree, abs=0.05)
+    finally:
+        procs.stop_all()
+    assert cputime.tree_cpu_seconds(child.pid) == 0.0  # gone: nothing more to count
+
+
+def test_cpu_window_per_message() -> None:
+    window = cputime.CpuWindow(server_s=0.5, redis_s=0.25, messages=10000)
+    assert window.values() == pytest.approx({"server_cpu_us": 50.0, "redis_cpu_us": 25.0, "cpu_us": 75.0})
+    assert all(math.isnan(v) for v in cputime.CpuWindow(1.0, 1.0, 0).per_message_us())
+
+
+@pytest.mark.skipif(WRK_MISSING, reason="wrk is not installed")
+async def test_enqueue_run_measures_relay_and_redis_cpu_per_message(procs: Procs) -> None:
+    redis = await targets.start_redis(procs, aof=True)
+    relay = await targets.start_relay(procs, redis.url, 1)
+    try:
+        row = await scenarios.enqueue(scenarios.Run(procs, 1, 1), relay, 4096, 8, redis)
+        await redis.flushall()  # with AOF: flush, rewrite, and wait for the rewrite's fork
+        assert await redis.info_memory_mib() < 5
+    finally:
+        procs.stop_all()
+    v = row.values
+    assert v["errors"] == 0
+    assert v["rate"] > 0
+    # every stored message costs the relay and Redis some CPU, far less than a second
+    assert 1 < v["server_cpu_us"] < 1e5
+    assert 1 < v["redis_cpu_us"] < 1e5
+    assert v["cpu_us"] == pytest.approx(v["server_cpu_us"] + v["redis_cpu_us"])
+
+
+@pytest.mark.skipif(WRK_MISSING, reason="wrk is not installed")
+async def test_layers_answer_like_the_relay(procs: Procs) -> None:
+    ports = {layer: free_port() for layer in layers.LAYERS}
+    children = {
+        layer: procs.start(
+            layer,
+            [sys.executable, "-m", "relayfleet_testing.bench.layers", "--layer", layer, "--port", str(port)],
+            cwd=targets.REPO,
+        )
+        for layer, port in ports.items()
+    }
+    try:
+        for layer, port in ports.items():
+            await targets.wait_http(port, "/readyz", children[layer])
+            conn = await Conn.open("127.0.0.1", port)
+            try:
+                for body in (b"x" * 70000, b"", b"y" * 256):  # a body over many reads, none, a small one
+                    resp = await conn.request("POST", "/v1/queues/abc/messages", body, tuple(OCTET.items()))
+                    assert (layer, resp.status, resp.body) == (layer, 201, b'{"seq":1,"duplicate":false}')
+            finally:
+                conn.close()
+        target = targets.Target("layer", "aiohttp", [ports["protocol"]], [children["protocol"]])
+        row = await scenarios.enqueue(scenarios.Run(procs, 1, 0), target, 256, 4)
+    finally:
+        procs.stop_all()
+    assert row.values["errors"] == 0
+    assert row.values["server_cpu_us"] > 0
+    assert math.isnan(row.values["redis_cpu_us"])  # no Redis given: not measured, not zero
+
+
+def _vs_nchan_results(cpu_relay: float, cpu_nchan: float) -> Results:
+    res = Results()
+    for size, relay_rate, nchan_rate in ((256, 11000.0, 10000.0), (4096, 9000.0, 10000.0)):
+        for target, rate, cpu_us in (
+            ("relay-1p", relay_rate, cpu_relay),
+            ("nchan-redis", nchan_rate, cpu_nchan),
+        ):
+            res.add(
+                Row(
+                    "enqueue",
+                    target,
+                    {"size": size, "conns": 64},
+                    {"rate": rate, "server_cpu_us": cpu_us - 30, "redis_cpu_us": 30.0, "cpu_us": cpu_us},
+                )
+            )
+    res.add(
+        Row("limit", "redis enqueue.lua", {"size": 256, "conns": 64}, {"rate": 9000.0, "redis_cpu_us": 31.5})
+    )
+    return res
+
+
+def test_report_enqueue_head_to_head_table() -> None:
+    text = report.render(_vs_nchan_results(80.0, 100.0), "full", "relayfleet bench", {}, "now", 1.0, 64, [])
+    assert text.index("### Enqueue head to head with nginx + nchan") < text.index("### Standing targets")
+    assert (
+        "| enqueue 256 B: relay-1p / nchan-redis msg/s | ≥ 1.0 x | 1.10 (11,000 / 10,000 msg/s) | - | met |"
+        in text
+    )
+    assert (
+        "| enqueue 4 KiB: relay-1p / nchan-redis msg/s | ≥ 1.0 x | 0.90 (9,000 / 10,000 msg/s) | - | missed |"
+        in text
+    )
+    cpu_row = "enqueue 4 KiB: (relay + Redis) / (nginx + Redis) CPU per message"
+    assert f"| {cpu_row} | ≤ 1.0 x | 0.80 (80.0 / 100.0 µs) | - | met |" in text
+    assert "| enqueue 64 KiB: relay-1p / nchan-redis msg/s | ≥ 1.0 x | - | not measured |" in text
+    assert "3 of 4 measured head-to-head targets met." in text
+    # the split per target and size, and Redis's own cost per enqueue.lua call
+    assert "| relay-1p | 4 KiB | 64 | 9,000 | 50.0 | 30.0 | 80.0 |" in text
+    assert "| redis enqueue.lua | 256 B | 64 | 9,000 | - | 31.5 | 31.5 |" in text
+    worse = report.render(_vs_nchan_results(120.0, 100.0), "full", "relayfleet bench", {}, "now", 1.0, 64, [])
+    assert "CPU per message | ≤ 1.0 x | 1.20 (120.0 / 100.0 µs) | - | missed |" in worse
+    assert "one run per side and size" in worse
+
+
+def test_report_head_to_head_verdict_takes_the_alternating_runs_medians() -> None:
+    res = _vs_nchan_results(80.0, 100.0)  # the single runs are not the verdict once alternating runs exist
+    for n, (relay_rate, nchan_rate) in enumerate(((9000.0, 10000.0), (13000.0, 10000.0), (12000.0, 11000.0))):
+        for target, rate, cpu_us in (("relay-1p", relay_rate, 90.0 - n), ("nchan-redis", nchan_rate, 100.0)):
+            values = {"rate": rate, "cpu_us": cpu_us}
+            res.add(Row("head_to_head", target, {"size": 256, "conns": 64, "round": n + 1}, values))
+    text = report.render(res, "full", "relayfleet bench", {}, "now", 1.0, 64, [])
+    assert "the median of 3 alternating runs per side and size" in text
+    # medians 12,000 / 10,000 msg/s; each round's own ratio in order
+    msg_row = "| enqueue 256 B: relay-1p / nchan-redis msg/s | ≥ 1.0 x | 1.20 (12,000 / 10,000 msg/s)"
+    assert f"{msg_row} | 0.90, 1.30, 1.09 | met |" in text
+    cpu_row = "enqueue 256 B: (relay + Redis) / (nginx + Redis) CPU per message"
+    assert f"| {cpu_row} | ≤ 1.0 x | 0.89 (89.0 / 100.0 µs) | 0.90, 0.89, 0.88 | met |" in text
+    # a size without alternating runs keeps its single runs
+    assert (
+        "| enqueue 4 KiB: relay-1p / nchan-redis msg/s | ≥ 1.0 x | 0.90 (9,000 / 10,000 msg/s) | - | missed |"
+        in text
+    )
+
+
+def test_cpu_tool_summary_compares_with_nchan() -> None:
+    relay = cpu.Subject("this", targets.Target("this", "relay", []), None)
+    nchan = cpu.Subject(cpu.NCHAN, targets.Target(cpu.NCHAN, "nchan-redis", []), None)
+    layer = cpu.Subject("layer:protocol", targets.Target("layer:protocol", "aiohttp", []), None)
+    relay.runs[256] = [cpu.Measured(60.0, 30.0, 5000.0), cpu.Measured(70.0, 30.0, 4000.0)]
+    nchan.runs[256] = [cpu.Measured(20.0, 80.0, 9000.0)]
+    layer.runs[256] = [cpu.Measured(15.0, math.nan, 20000.0)]
+    text = cpu.summary([relay, nchan, layer], [256], 64, 8)
+    assert "| this | 256 B | 90, 100 | 65.0 | 30.0 | 95.0 | 0.95 | 4,500 |" in text
+    assert "| nchan-redis | 256 B | 100 | 20.0 | 80.0 | 100.0 | 1.00 | 9,000 |" in text
+    assert "| layer:protocol | 256 B | 15 | 15.0 | - | 15.0 | 0.15 | 20,000 |" in text
+
+
+def test_cpu_tool_refuses_unknown_layers_and_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cpu.main(["--layers", "protocol,bogus"]) == 1
+    assert "unknown layer 'bogus'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cpu.main(["--size", "256,x"])
