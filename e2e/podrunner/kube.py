@@ -8,8 +8,8 @@ import logging
 from typing import Any
 
 from kubernetes.client import ApiClient
-from kubernetes.config import kube_config
 
+from relay import kubeapi
 from relay.fleet.contract import Obj
 
 log = logging.getLogger("e2e.podrunner")
@@ -31,9 +31,8 @@ class Api:
 
     def __init__(self, kubeconfig: str) -> None:
         self.kubeconfig = kubeconfig
-        self.client: ApiClient = kube_config.new_client_from_config(  # type: ignore[no-untyped-call]
-            config_file=kubeconfig, persist_config=False
-        )
+        # the project's one client setup (relay/kubeapi.py): retries on transient errors
+        self.client: ApiClient = kubeapi.api_client(kubeconfig)
 
     def call(self, method: str, path: str, body: Any = None, ctype: str = "application/json") -> Any:
         # param_serialize adds the host and the bearer token; client certificates live in the pool.

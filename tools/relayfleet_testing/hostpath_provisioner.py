@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import urllib3
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
+from relay import kubeapi
 
 PROVISIONER = "relayfleet.dev/hostpath"
 PROVISIONED_BY = "pv.kubernetes.io/provisioned-by"
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args.root.mkdir(parents=True, exist_ok=True)
-    api = config.new_client_from_config(config_file=args.kubeconfig)  # type: ignore[no-untyped-call]
+    api = kubeapi.api_client(args.kubeconfig)  # the project's one client setup: retries on transient errors
     provisioner = Provisioner(api, args.root, args.provisioner)
     log.info("serving StorageClasses of %s; volumes under %s", args.provisioner, args.root)
     while True:
