@@ -16,7 +16,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,18 @@ def didcomm_relay(workdir: Path, env: dict[str, str] | None = None) -> Relay:
 def stop_all(relay: Relay) -> None:
     relay.stop()
     relay.redis.stop()
+
+
+def serving(workdir: Path) -> Iterator[Relay]:
+    """A module fixture's body: a mediator relay for the module's attacks, stopped afterwards,
+    its log then checked clean (no planted marker, no traceback, no RecursionError)."""
+    started = didcomm_relay(workdir)
+    try:
+        yield started
+    finally:
+        stop_all(started)
+        started.assert_log_clean()
+        assert b"RecursionError" not in started.log_bytes()
 
 
 @dataclass

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from tests.hostile.didcomm_attacker import didcomm_relay, mediated, stop_all
+from tests.hostile.didcomm_attacker import mediated, serving
 from tests.hostile.harness import Relay, report, request_answer
 
 pytestmark = pytest.mark.timeout(180)
@@ -24,12 +24,7 @@ WEBDAV = ("PROPFIND", "MKCOL", "LOCK", "SEARCH", "PURGE", "REPORT")
 
 @pytest.fixture(scope="module")
 def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Relay]:
-    started = didcomm_relay(tmp_path_factory.mktemp("labels"))
-    try:
-        yield started
-    finally:
-        stop_all(started)
-        started.assert_log_clean()
+    yield from serving(tmp_path_factory.mktemp("labels"))
 
 
 async def _metrics(http: aiohttp.ClientSession, relay: Relay) -> str:

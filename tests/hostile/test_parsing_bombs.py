@@ -26,7 +26,6 @@ from relay.didcomm import keys as dk
 from relay.didcomm.envelope import pack
 from tests.hostile.didcomm_attacker import (
     LoopProbe,
-    didcomm_relay,
     exchange_request,
     hand_packed,
     invitation_key,
@@ -35,7 +34,7 @@ from tests.hostile.didcomm_attacker import (
     peer4_did,
     post,
     sealed_sender_envelope,
-    stop_all,
+    serving,
 )
 from tests.hostile.harness import Relay, recipient, report
 from tests.support.didcomm_test_agent import msg
@@ -48,13 +47,7 @@ STALL_MS = 250  # the probe's worst answer while an attack runs (a loaded 2-core
 
 @pytest.fixture(scope="module")
 def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Relay]:
-    started = didcomm_relay(tmp_path_factory.mktemp("bombs"))
-    try:
-        yield started
-    finally:
-        stop_all(started)
-        started.assert_log_clean()
-        assert b"RecursionError" not in started.log_bytes()
+    yield from serving(tmp_path_factory.mktemp("bombs"))
 
 
 def _invitation_doc(relay: Relay) -> dict[str, Any]:

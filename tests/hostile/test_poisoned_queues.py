@@ -27,7 +27,7 @@ from relayfleet_testing.localredis import free_port
 
 from relay.didcomm import keys as dk
 from relay.protocol import b64decode, b64encode
-from tests.hostile.didcomm_attacker import Mediated, didcomm_relay, mediated, nested, post, stop_all
+from tests.hostile.didcomm_attacker import Mediated, mediated, nested, post, serving
 from tests.hostile.harness import Relay, RelayWith, recipient, report
 from tests.support.didcomm_test_agent import msg
 
@@ -40,13 +40,7 @@ PICKUP = "https://didcomm.org/messagepickup/2.0/"
 
 @pytest.fixture(scope="module")
 def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Relay]:
-    started = didcomm_relay(tmp_path_factory.mktemp("poison"))
-    try:
-        yield started
-    finally:
-        stop_all(started)
-        started.assert_log_clean()
-        assert b"RecursionError" not in started.log_bytes()
+    yield from serving(tmp_path_factory.mktemp("poison"))
 
 
 async def _enqueue(http: aiohttp.ClientSession, relay: Relay, key: str, payloads: tuple[bytes, ...]) -> None:
