@@ -56,6 +56,9 @@ def _run_pytest(tmp_path: Path, ci: str) -> subprocess.CompletedProcess[str]:
     )
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     env["CI"] = ci
+    # the copied conftest imports tests.support: the checkout first on the path, whatever ran before
+    repo = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
     return subprocess.run(
         [
             sys.executable,
