@@ -75,9 +75,10 @@ bench: venv-dev
 bench-quick: venv-dev
 	$(VENV)/bin/relayfleet bench --quick
 
-## e2e: the end-to-end suite on the kwok control plane (pods as local processes, test-only runner)
-e2e: venv-dev control-plane
-	$(PY) -m pytest e2e $(PYTEST_ARGS)
+## e2e: the end-to-end suite on a real single-node cluster: `make cluster` unless KUBECONFIG=PATH
+## (or RELAYFLEET_KUBECONFIG) names one; torn down afterwards (docs/e2e.md)
+e2e: venv-dev control-plane didcomm-toolchain
+	bash e2e/run.sh
 
 ## cluster: a real single-node Kubernetes cluster on this machine (as root: containerd, kubelet,
 ## kube-proxy, CoreDNS, a host-path provisioner, the images imported; docs/e2e.md). Its last line

@@ -1,17 +1,14 @@
-"""A fresh namespace of a cluster with the chart installed: on the kwok cluster the test-only pod
-runner (e2e/podrunner) is started as the kubelet of one extra node, and every other node is
-tainted meanwhile so each pod of the test lands on it."""
+"""A fresh namespace of a real cluster with the chart installed, removed afterwards (its objects,
+the operator's finalizers, the namespace). A failed test leaves the cluster's view of the
+namespace (pods, events, every container's log) in the workdir, printed at teardown."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,11 +24,8 @@ if TYPE_CHECKING:  # at run time pytest_plugins (e2e/conftest.py) imports it
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "relayfleet"
-TAINT = "relayfleet.dev/e2e-podrunner"
-# Extra `helm install` arguments (kind: the locally built image tags), split like a shell would.
+# Extra `helm install` arguments (image names or pull policies of a cluster), split like a shell would.
 HELM_ARGS_ENV = "RELAYFLEET_E2E_HELM_ARGS"
-# "1": use the pod runner on a --kubeconfig cluster too (a kwok cluster you started yourself).
-PODRUNNER_ENV = "RELAYFLEET_E2E_PODRUNNER"
 
 
 def _helm(cluster: KubeCluster) -> str:
@@ -42,122 +36,59 @@ def _helm(cluster: KubeCluster) -> str:
 
 @contextlib.contextmanager
 def cluster_env(
-    cluster: KubeCluster,
-    request: pytest.FixtureRequest,
-    chart: Path = CHART,
-    runner_env: dict[str, str] | None = None,
+    cluster: KubeCluster, request: pytest.FixtureRequest, chart: Path = CHART, *extra: str
 ) -> Iterator[Env]:
-    """A fresh namespace with `chart` installed (and the pod runner, given `runner_env`)."""
+    """A fresh namespace with `chart` installed (`extra`: more `helm install` arguments)."""
     # Not pytest's tmp_path: concurrent pytest runs rotate those away, logs included.
     workdir = Path(tempfile.mkdtemp(prefix="relayfleet-e2e-"))
     failed_before = request.session.testsfailed
     ns = f"rf-e2e-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", ns)
-    runner: subprocess.Popen[bytes] | None = None
-    tainted: list[str] = []
-    env = Env(cluster, ns, workdir, None)
+    env = Env(cluster, ns, workdir)
     try:
-        if not cluster.external or os.environ.get(PODRUNNER_ENV) == "1":
-            runner, tainted = _start_runner(cluster, ns, workdir, runner_env or {})
-            env.runner_addresses = workdir / "runner" / "addresses.json"
-        _helm_install(env, chart)
+        _helm_install(env, chart, *extra)
         yield env
     finally:
+        failed = request.session.testsfailed != failed_before
+        if failed:
+            with contextlib.suppress(Exception):
+                print(f"--- cluster state of {ns}: {env.save_diagnostics()}")
         env.close()
-        cluster.kubectl(
-            "-n", ns, "delete", "relayshards,relayrebalances", "--all", "--wait=false", check=False
-        )
-        subprocess.run(
-            [
-                _helm(cluster),
-                "--kubeconfig",
-                str(cluster.kubeconfig),
-                "-n",
-                ns,
-                "uninstall",
-                RELEASE,
-                "--wait=false",
-                "--no-hooks",  # the custom resources were deleted above, their finalizers go below
-            ],
-            capture_output=True,
-            check=False,
-            timeout=120,
-        )
-        # Shards holding the operator's finalizer would keep the namespace alive.
-        for name in cluster.kubectl("-n", ns, "get", "rshard", "-o", "name", check=False).stdout.split():
-            cluster.kubectl(
-                "-n", ns, "patch", name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False
-            )
-        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        if runner is not None:
-            _stop(runner)
-            print(
-                f"--- pod runner log: {workdir / 'runner.log'}; pod logs under {workdir / 'runner' / 'pods'}"
-            )
-        for node in tainted:
-            cluster.kubectl("taint", "node", node, f"{TAINT}:NoSchedule-", check=False)
-        if request.session.testsfailed == failed_before:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
+        delete_namespace(env)
+        if failed:
             print(f"--- e2e logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _start_runner(
-    cluster: KubeCluster, ns: str, workdir: Path, extra_env: dict[str, str]
-) -> tuple[subprocess.Popen[bytes], list[str]]:
-    node = f"{ns}-node"
-    # Every other node refuses new pods while the test runs, so the scheduler picks the runner's.
-    tainted = [n.split("/", 1)[1] for n in cluster.kubectl("get", "nodes", "-o", "name").stdout.split()]
-    for n in tainted:
-        cluster.kubectl("taint", "node", n, f"{TAINT}=elsewhere:NoSchedule", "--overwrite")
-    log = (workdir / "runner.log").open("wb")
-    runner = subprocess.Popen(
+def delete_namespace(env: Env) -> None:
+    """Custom resources first (the operator still runs to drain them), then the release, then
+    whatever finalizer is left, then the namespace."""
+    env.kubectl("delete", "relayshards,relayrebalances", "--all", "--wait=false", check=False)
+    subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "e2e.podrunner",
+            _helm(env.cluster),
             "--kubeconfig",
-            str(cluster.kubeconfig),
-            "--namespace",
-            ns,
-            "--node",
-            node,
-            "--workdir",
-            str(workdir / "runner"),
+            str(env.cluster.kubeconfig),
+            "-n",
+            env.namespace,
+            "uninstall",
+            RELEASE,
+            "--wait=false",
+            "--no-hooks",
         ],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, **extra_env},
+        capture_output=True,
+        check=False,
+        timeout=120,
     )
-    log.close()
-    deadline = time.monotonic() + 60
-    while True:
-        ready = cluster.kubectl(
-            "get", "node", node, "-o", "jsonpath={.status.conditions[?(@.type=='Ready')].status}", check=False
-        ).stdout
-        if ready == "True":
-            return runner, tainted
-        if runner.poll() is not None or time.monotonic() > deadline:
-            _stop(runner)
-            raise AssertionError(
-                f"pod runner node {node} never became Ready: {(workdir / 'runner.log').read_text()}"
-            )
-        time.sleep(0.5)
+    # Objects holding the operator's finalizers would keep the namespace alive.
+    for kind in ("rshard", "rrebalance"):
+        for name in env.kubectl("get", kind, "-o", "name", check=False).stdout.split():
+            env.kubectl("patch", name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False)
+    env.cluster.kubectl("delete", "namespace", env.namespace, "--wait=false", check=False)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(40)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-def helm_install_args(env: Env, verb: str, chart: Path) -> list[str]:
+def helm_install_args(env: Env, verb: str, chart: Path, *extra: str) -> list[str]:
     """`helm install|upgrade` of the release with the e2e settings."""
     return [
         _helm(env.cluster),
@@ -175,12 +106,17 @@ def helm_install_args(env: Env, verb: str, chart: Path) -> list[str]:
         "--set",
         f"spark.fleets={{{FLEET}}}",
         *os.environ.get(HELM_ARGS_ENV, "").split(),
+        *extra,
     ]
 
 
-def _helm_install(env: Env, chart: Path) -> None:
+def _helm_install(env: Env, chart: Path, *extra: str) -> None:
     done = subprocess.run(
-        helm_install_args(env, "install", chart), capture_output=True, text=True, check=False, timeout=180
+        helm_install_args(env, "install", chart, *extra),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=180,
     )
     if done.returncode != 0:
         raise AssertionError(f"helm install failed: {done.stderr.strip()}")

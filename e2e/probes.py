@@ -19,7 +19,10 @@ from tests.support.shard_specs import shard as relayshard
 
 T = TypeVar("T")
 FLEET_SERVICE = f"relayfleet-{FLEET}"
+# The images of the test's RelayShards when not the operator's defaults (the relay's, and the
+# managed Redis's): the names the cluster's node holds.
 SHARD_IMAGE = os.environ.get("RELAYFLEET_E2E_SHARD_IMAGE", "")
+REDIS_IMAGE = os.environ.get("RELAYFLEET_E2E_REDIS_IMAGE", "")
 TIMINGS: dict[str, float] = {}
 
 
@@ -41,13 +44,19 @@ def wait_for(what: str, check: Callable[[], T | None], timeout: float = 120.0, i
         time.sleep(interval)
 
 
-def shard(name: str, **spec: Any) -> str:
-    """A RelayShard of the fleet, small enough for the test machine, as JSON for kubectl apply."""
+def shard(name: str, ha: bool = False, **spec: Any) -> str:
+    """A RelayShard of the fleet, small enough for a 2-CPU node, as JSON for kubectl apply.
+    `ha`: two Redis replicas besides the primary, writes wait for one, three Sentinels."""
+    managed: dict[str, Any] = {
+        "storage": {"size": "64Mi"},
+        "resources": {"requests": {"cpu": "20m", "memory": "32Mi"}},
+        **({"image": REDIS_IMAGE} if REDIS_IMAGE else {}),
+        **({"replicas": 2, "minReplicas": 1} if ha else {}),
+    }
     small: dict[str, Any] = {
         "replicas": 1,
-        "redis": {"managed": {"storage": {"size": "64Mi"}}},
-        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
-        # kind: the image e2e/kind/run.sh built and loaded (ignored by the pod runner).
+        "redis": {"managed": managed},
+        "resources": {"requests": {"cpu": "20m", "memory": "64Mi"}},
         **({"image": SHARD_IMAGE} if SHARD_IMAGE else {}),
     }
     return json.dumps(relayshard(name, FLEET, **{**small, **spec}))
@@ -66,6 +75,24 @@ def slots_of(m: ShardMap) -> dict[str, int]:
     for r in m.ranges:
         out[r.shard] += r.end - r.start + 1
     return out
+
+
+def primary_pod(e2e: Env, shard: str) -> str:
+    """The Pod of `shard`'s Redis that takes writes: the one a replicated shard's status names
+    (as its Sentinels report it: a Pod DNS name or IP), else the only one."""
+    obj: Any = e2e.get("rshard", shard)
+    primary = (((obj or {}).get("status") or {}).get("redis") or {}).get("primary") or ""
+    pods = e2e.pods(f"relayfleet.dev/shard={shard},app.kubernetes.io/component=redis")
+    if not primary:
+        if len(pods) == 1:
+            return str(pods[0]["metadata"]["name"])
+        raise LookupError(f"shard {shard} names no primary yet")
+    host = primary.rsplit(":", 1)[0]
+    for pod in pods:
+        name = str(pod["metadata"]["name"])
+        if host.split(".", 1)[0] == name or (pod.get("status") or {}).get("podIP") == host:
+            return name
+    raise LookupError(f"no Redis pod of shard {shard} is {host}")
 
 
 def phase(e2e: Env, kind: str, name: str) -> str | None:

@@ -2,8 +2,8 @@
 
 The previous release is git commit 51f511e (chart 0.1.0, CRDs without a version annotation or
 spec.relay), taken with `git archive`. Its CRDs are put on the cluster as that release left
-them, its chart is installed, and (on kwok) the pod runner runs every pod of the 0.1.0 image
-from that tree's code: operator and relays are the old code. A shard is created, a recording
+them, its chart is installed, and its image (ghcr.io/relayfleet/relayfleet:0.1.0, built from
+that tree and imported into the node) runs the operator and the relays. A shard is created, a recording
 workload starts, then `helm upgrade` to this tree's chart: the new operator applies the new
 CRDs at start, the shard's image is bumped (relays roll), a second shard joins with
 an auto-approved RelayRebalance (the new operator moves slots of the old one's data), and the history checker
@@ -32,7 +32,6 @@ from relayfleet_operator.spec import DEFAULT_IMAGE
 
 from e2e.cluster import CHART, ROOT, cluster_env, helm_install_args
 from e2e.env import FLEET, RELEASE, Env
-from e2e.podrunner.translate import TREES_ENV
 from e2e.probes import TIMINGS, http_get, phase, relay_url, shard, shard_map, slots_of, wait_for
 from e2e.workload import Workload
 from relay.fleet.sharding import SLOT_COUNT
@@ -71,15 +70,14 @@ def previous_tree() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def upgrade(kwok_cluster: KubeCluster, request: pytest.FixtureRequest, previous_tree: Path) -> Iterator[Env]:
+def upgrade(cluster: KubeCluster, request: pytest.FixtureRequest, previous_tree: Path) -> Iterator[Env]:
     # CRDs are cluster-wide: the previous release's for this test, this tree's again afterwards.
-    _replace_crds(kwok_cluster, previous_tree / "crds")
+    _replace_crds(cluster, previous_tree / "crds")
     try:
-        trees = {TREES_ENV: json.dumps({PREVIOUS_IMAGE: str(previous_tree)})}
-        with cluster_env(kwok_cluster, request, previous_tree / "charts" / "relayfleet", trees) as env:
+        with cluster_env(cluster, request, previous_tree / "charts" / "relayfleet") as env:
             yield env
     finally:
-        _replace_crds(kwok_cluster, ROOT / "crds")
+        _replace_crds(cluster, ROOT / "crds")
 
 
 def crd(env: Env) -> dict[str, Any]:
@@ -115,9 +113,19 @@ def operator_image(env: Env) -> str | None:
     return image
 
 
+def previous_operator(env: Env) -> bool:
+    """The previous release's operator is up; an image the node does not hold fails at once."""
+    for pod in env.pods("app.kubernetes.io/component=operator"):
+        for status in (pod.get("status") or {}).get("containerStatuses") or ():
+            reason = ((status.get("state") or {}).get("waiting") or {}).get("reason", "")
+            if reason in ("ErrImageNeverPull", "ImagePullBackOff", "ErrImagePull"):
+                pytest.fail(f"{PREVIOUS_IMAGE} is not on the node ({reason}): make cluster imports it")
+    return operator_image(env) == PREVIOUS_IMAGE
+
+
 def compressed_enqueue_status(env: Env) -> int:
     """This tree's relays refuse a compressed body (415); the previous release's did not, so
-    the answer tells which code the pod runner ran for the relay."""
+    the answer tells which code the relay Pods run."""
     queue = base64.urlsafe_b64encode(os.urandom(32)).rstrip(b"=").decode()
     req = urllib.request.Request(
         relay_url(env) + f"/v1/queues/{queue}/messages",
@@ -137,7 +145,7 @@ def test_upgrade_from_the_previous_release_under_traffic(upgrade: Env, previous_
     before = crd(env)
     assert not crd_has_relay(before)
     assert VERSION_ANNOTATION not in (before["metadata"].get("annotations") or {})
-    wait_for("previous operator available", lambda: operator_image(env) == PREVIOUS_IMAGE, timeout=90)
+    wait_for("previous operator available", lambda: previous_operator(env), timeout=120)
 
     env.kubectl("apply", "-f", "-", input=shard("a"))
     wait_for("shard a Ready", lambda: phase(env, "rshard", "a") == "Ready", timeout=150)

@@ -1,8 +1,10 @@
 """The user's path on a cluster: install the chart, create a fleet, use it, scale it, run the jobs.
 
-One module, steps in order (each test builds on the previous one's cluster state). A recording
-workload sends and reads messages through the fleet's Service from before the scale-out until
-after the scale-in; the history checker then verifies every message it saw acknowledged.
+One module, steps in order (each test builds on the previous one's cluster state). Shard `b`
+is replicated (two Redis replicas, writes wait for one, three Sentinels). A recording workload
+sends and reads messages through the fleet's Service from before the scale-out until after the
+scale-in; the history checker then verifies every message it saw acknowledged. Then both Spark
+CronJobs run as Jobs with executor Pods; retention removes exactly what is past max-age.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import json
 import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -26,10 +29,12 @@ from e2e.probes import (
     slots_of,
     wait_for,
 )
+from e2e.spark import MAX_AGE_S, JobRun, RetentionSeed, executor_pods, local_shard_map
 from e2e.workload import Workload
 from relay.fleet.sharding import SLOT_COUNT, ShardMap
 
 STATE: dict[str, Any] = {}
+HELM_VALUES = [f"spark.retention.maxAgeSeconds={MAX_AGE_S}"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,7 +54,8 @@ def test_chart_installs_and_operator_becomes_available(e2e: Env) -> None:
         dep: Any = e2e.get("deployment", f"{RELEASE}-operator")
         return bool(dep) and (dep.get("status") or {}).get("availableReplicas") == 1
 
-    wait_for("operator available", available, timeout=90)
+    STATE["t_install"] = time.monotonic()
+    wait_for("operator available", available, timeout=120)
     crons = e2e.kubectl("get", "cronjob", "-o", "name").stdout.split()
     assert f"cronjob.batch/{RELEASE}-retention-{FLEET}" in crons
     assert f"cronjob.batch/{RELEASE}-rebalance-{FLEET}" in crons
@@ -66,9 +72,10 @@ def test_two_shards_become_ready_and_messages_flow(e2e: Env) -> None:
     # The first shard of a fleet takes every slot. b is applied once a holds them, so
     # which shard comes first does not hang on the order the operator sees the two.
     wait_for("shard a holds every slot", a_holds_all, timeout=150)
-    e2e.kubectl("apply", "-f", "-", input=shard("b", autoRebalance=True))
+    e2e.kubectl("apply", "-f", "-", input=shard("b", ha=True, autoRebalance=True))
     wait_for("shard a Ready", lambda: phase(e2e, "rshard", "a") == "Ready", timeout=150)
-    wait_for("shard b Ready", lambda: phase(e2e, "rshard", "b") == "Ready", timeout=150)
+    wait_for("shard b (replicated) Ready", lambda: phase(e2e, "rshard", "b") == "Ready", timeout=240)
+    TIMINGS["fleet Ready (a, then replicated b)"] = round(time.monotonic() - STATE["t_install"], 1)
 
     def split() -> ShardMap | None:
         m = shard_map(e2e)
@@ -156,26 +163,38 @@ def test_queue_epochs_survive_migrations(e2e: Env) -> None:
     assert STATE.get("epoch_violations") == [], STATE.get("epoch_violations")
 
 
-def _run_job_from_cronjob(e2e: Env, job: str) -> str:
-    name = f"e2e-{job}-{int(time.time())}"
-    e2e.kubectl("create", "job", f"--from=cronjob/{RELEASE}-{job}-{FLEET}", name)
-    return name
+def no_executors(e2e: Env, job: str) -> bool:
+    return not executor_pods(e2e, job)
 
 
-def _job_done(e2e: Env, name: str) -> bool:
-    obj: Any = e2e.get("job", name)
-    status = (obj or {}).get("status") or {}
-    if status.get("failed"):
-        logs = e2e.kubectl("logs", f"job/{name}", "--tail=40", check=False)
-        raise pytest.fail.Exception(f"job {name} failed: {logs.stdout}{logs.stderr}")
-    return bool(status.get("succeeded"))
+def test_retention_and_rebalance_cronjobs_run_with_executor_pods(e2e: Env) -> None:
+    planted = RetentionSeed(local_shard_map(e2e))
+    planted.plant()
+    before = planted.left()
+    assert all(len(q["seqs"]) in (planted.old_per_queue, planted.old_per_queue + 2) for q in before.values())
 
+    # One after the other: two drivers and four executors at once do not fit a 2-CPU node.
+    retention = JobRun(e2e, "retention").start()
+    wait_for("retention job succeeded", retention.finished, timeout=300, interval=2)
+    rebalance = JobRun(e2e, "rebalance").start()
+    wait_for("rebalance job succeeded", rebalance.finished, timeout=300, interval=2)
+    for run in (retention, rebalance):
+        TIMINGS[f"{run.job} job"] = run.seconds
+        print(f"{run.job}: {run.seconds} s, executor pods seen {sorted(run.executors)}")
+        assert len(run.executors) >= 2, (run.job, run.executors)
+        wait_for(f"{run.job} executors gone", partial(no_executors, e2e, run.job), timeout=120)
 
-def test_retention_and_rebalance_cronjobs_run(e2e: Env) -> None:
-    retention = _run_job_from_cronjob(e2e, "retention")
-    rebalance = _run_job_from_cronjob(e2e, "rebalance")
-    wait_for("retention job succeeded", lambda: _job_done(e2e, retention), timeout=240, interval=2)
-    wait_for("rebalance job succeeded", lambda: _job_done(e2e, rebalance), timeout=240, interval=2)
+    # Exactly the messages past max-age, and the queue they emptied (idle past max-age too).
+    rows = {r["shard"]: r for r in retention.json_lines() if "messages_removed" in r}
+    assert set(rows) == set(planted.shard_map.shards), retention.log
+    assert sum(int(r["messages_removed"]) for r in rows.values()) == planted.expected_removed, rows
+    assert sum(int(r["queues_deleted"]) for r in rows.values()) == len(rows), rows
+    after = planted.left()
+    for name in planted.shard_map.shards:
+        assert after[f"{name}/old_only"] == {"seqs": [], "exists": False}, after
+        n = planted.old_per_queue
+        assert after[f"{name}/mixed"] == {"seqs": [n + 1, n + 2], "exists": True}, after
+    STATE["retention"] = {"removed": planted.expected_removed, "rows": rows}
 
 
 def test_metrics_are_served(e2e: Env) -> None:

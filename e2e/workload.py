@@ -4,12 +4,18 @@ Producers send uniquely numbered payloads with an Idempotency-Key (retried until
 each queue has one reader that long-polls, signs its reads and acks with the recipient's
 Ed25519 key, and at the end reads its queue to the end. Every response goes into a
 `tests.support.history.History`, which the test checks.
+
+`live` queues are read over the live WebSocket instead (backlog, "empty", then each new message;
+acked over the socket). Their deliveries are recorded, their socket acks are not (unconfirmed: one
+lost with a closing socket is not a removal), and a closed socket is reopened from the next seq;
+every close and its code is kept in `closes`. At the end they are read to the end like the others.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import random
 import threading
 import time
@@ -51,6 +57,8 @@ class Workload:
     history: History = field(default_factory=History)
     stored: int = 0
     connect_failures: int = 0
+    live: int = 0  # how many of the queues are read over the live WebSocket
+    closes: list[tuple[float, int | None]] = field(default_factory=list)  # (when, close code)
     _stop: threading.Event = field(default_factory=threading.Event)
     _final: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -84,7 +92,10 @@ class Workload:
         timeout = aiohttp.ClientTimeout(total=30)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             producers = [asyncio.create_task(self._producer(session, p)) for p in range(self.producers)]
-            readers = [asyncio.create_task(self._reader(session, q)) for q in self.qs]
+            readers = [
+                asyncio.create_task(self._live(session, q) if n < self.live else self._reader(session, q))
+                for n, q in enumerate(self.qs)
+            ]
             await asyncio.to_thread(self._stop.wait)
             await asyncio.gather(*producers)
             self._final.set()
@@ -136,8 +147,42 @@ class Workload:
                 raise AssertionError(f"{msg_id} was never stored")
             await asyncio.sleep(rnd.random() * 2 * self.pause_s)
 
-    async def _reader(self, session: aiohttp.ClientSession, q: Queue) -> None:
+    async def _live(self, session: aiohttp.ClientSession, q: Queue) -> None:
         next_seq: int | None = None
+        while not self._final.is_set():
+            path = q.path("live") + (f"?fromSeq={next_seq}" if next_seq is not None else "")
+            try:
+                base = self.base_url()
+                ws = await session.ws_connect(
+                    "ws" + base.removeprefix("http") + path,
+                    headers=sign_headers(q.private, "GET", path),
+                    heartbeat=10.0,  # a partitioned relay sends no close: notice it
+                )
+            except (LookupError, aiohttp.ClientError, OSError, TimeoutError):
+                self.connect_failures += 1
+                await asyncio.sleep(0.2)
+                continue
+            async with ws:
+                while not self._final.is_set():
+                    try:
+                        msg = await ws.receive(timeout=1.0)
+                    except TimeoutError:
+                        continue
+                    if msg.type != aiohttp.WSMsgType.TEXT:
+                        break
+                    frame = json.loads(msg.data)
+                    if frame.get("type") != "message":
+                        continue
+                    now = time.monotonic()
+                    item = _item(frame)
+                    self.history.deliver(q.name, "read", now, now, 200, [item], item[0], None)
+                    next_seq = item[0] + 1
+                    await ws.send_str(json.dumps({"type": "ack", "upToSeq": item[0]}))
+            if not self._final.is_set():
+                self.closes.append((time.monotonic(), ws.close_code))
+        await self._reader(session, q, next_seq)
+
+    async def _reader(self, session: aiohttp.ClientSession, q: Queue, next_seq: int | None = None) -> None:
         while True:
             final = self._final.is_set()
             query = f"?limit=50&wait={0 if final else 2}" + (
@@ -176,9 +221,32 @@ class Workload:
         raise AssertionError(f"ack on {q.name} never succeeded")
 
 
+def _item(m: dict[str, Any]) -> tuple[int, str]:
+    payload = base64.urlsafe_b64decode(m["payload"] + "=" * (-len(m["payload"]) % 4))
+    return int(m["seq"]), payload.split(b" ", 1)[0].decode()
+
+
 def _items(doc: dict[str, Any]) -> list[tuple[int, str]]:
-    out = []
-    for m in doc.get("messages", []):
-        payload = base64.urlsafe_b64decode(m["payload"] + "=" * (-len(m["payload"]) % 4))
-        out.append((int(m["seq"]), payload.split(b" ", 1)[0].decode()))
-    return out
+    return [_item(m) for m in doc.get("messages", [])]
+
+
+def window_figures(history: History, start: float, end: float) -> dict[str, Any]:
+    """What clients saw of requests begun in [start, end] (monotonic seconds): how many, how
+    many failed and how (status), enqueue latency p50/p99/max in ms."""
+    events = [e for e in history.events if start <= e["t0"] <= end]
+    failed: dict[str, int] = {}
+    for e in events:
+        if e["status"] not in (200, 201):
+            key = f"{e['op']} {e['status'] or 'no answer'}"
+            failed[key] = failed.get(key, 0) + 1
+    lat = sorted((e["t1"] - e["t0"]) * 1000 for e in events if e["op"] == "enqueue")
+
+    def pct(p: float) -> float | None:
+        return round(lat[min(len(lat) - 1, int(p * len(lat)))], 1) if lat else None
+
+    return {
+        "seconds": round(end - start, 1),
+        "requests": len(events),
+        "failed": failed,
+        "enqueue_ms": {"p50": pct(0.5), "p99": pct(0.99), "max": round(lat[-1], 1) if lat else None},
+    }

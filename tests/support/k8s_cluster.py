@@ -221,7 +221,7 @@ def _cluster(
     """The external cluster if one is given, else `start(bin_dir, workdir)` with the pinned binaries."""
     external = external_kubeconfig(request.config)
     if external is not None:
-        yield _external_cluster(external)
+        yield external_cluster(external)
         return
     bin_dir = control_plane_bin_dir()
     with start(bin_dir, tmp_path_factory.mktemp(name)) as cluster:
@@ -231,7 +231,7 @@ def _cluster(
 # ------------------------------------------------------------------- external
 
 
-def _external_cluster(kubeconfig: Path) -> KubeCluster:
+def external_cluster(kubeconfig: Path) -> KubeCluster:
     bin_dir: Path | None = None
     with contextlib.suppress(ControlPlaneError):
         # The pinned kubectl/helm if already built; an external cluster never triggers a build.

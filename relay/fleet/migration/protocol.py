@@ -85,8 +85,7 @@ class _Migration:
         self.shards = {
             name: Shard(name, urls.get(name, url), op_timeout) for name, url in shard_map.shards.items()
         }
-        # MIGRATE's destination; a Sentinel shard's is found afresh for every batch. Looked up
-        # on the module: the e2e pod runner (e2e/podenv/sitecustomize.py) wraps it there.
+        # MIGRATE's destination; a Sentinel shard's is found afresh for every batch.
         self.target_addr = (
             shard_ops.migrate_address(target, self.shards[target].url)
             if not is_sentinel_url(self.shards[target].url)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# `make e2e`: the e2e suite (e2e/) on a real cluster.
+#
+# With RELAYFLEET_KUBECONFIG (or `make e2e KUBECONFIG=PATH`) set: that cluster, as it is (its node
+# must hold the images the chart names; docs/e2e.md). Otherwise the single-node cluster of
+# `make cluster` is brought up here (it prints KUBECONFIG=<path> last) and torn down at the end
+# with `make cluster-down`, unless RELAYFLEET_E2E_KEEP_CLUSTER=1.
+#
+# Environment:
+#   RELAYFLEET_KUBECONFIG        an existing cluster's kubeconfig (KUBECONFIG too)
+#   RELAYFLEET_E2E_KEEP_CLUSTER  1: leave the cluster this script brought up running
+#   PYTEST_ARGS                  extra pytest arguments
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+python="${root}/.venv/bin/python"
+kubeconfig="${RELAYFLEET_KUBECONFIG:-${KUBECONFIG:-}}"
+started=0
+
+finish() {
+  local rc=$?
+  if [[ "${started}" == 1 && "${RELAYFLEET_E2E_KEEP_CLUSTER:-0}" != 1 ]]; then
+    make -C "${root}" --no-print-directory cluster-down || rc=1
+  fi
+  exit "${rc}"
+}
+trap finish EXIT
+
+if [[ -z "${kubeconfig}" ]]; then
+  started=1
+  log="$(mktemp)"
+  # its progress to the terminal, its last line (KUBECONFIG=...) kept
+  make -C "${root}" --no-print-directory cluster | tee "${log}"
+  kubeconfig="$(tail -n 1 "${log}" | sed -n 's/^KUBECONFIG=//p')"
+  rm -f "${log}"
+  [[ -f "${kubeconfig}" ]] || { echo "e2e: make cluster printed no KUBECONFIG=<path> last" >&2; exit 1; }
+fi
+
+# The user's path first (what most of the suite builds on), the upgrade last (it swaps the CRDs).
+tests=(test_user_path.py test_faults.py test_relay_config.py test_didcomm_fleet.py test_upgrade.py)
+# shellcheck disable=SC2086 # PYTEST_ARGS is a list of words on purpose
+"${python}" -m pytest "${tests[@]/#/${root}/e2e/}" --kubeconfig "${kubeconfig}" -p no:cacheprovider -rs ${PYTEST_ARGS:-}
