@@ -33,6 +33,8 @@ from e2e.workload import Workload, window_figures
 SHARD = "h"
 RELAYS = f"relayfleet-{SHARD}-relay"
 FIGURES: dict[str, dict[str, Any]] = {}
+# Steps wait for real Pods: volumes bound, images started, failovers (each wait bounded itself).
+pytestmark = pytest.mark.timeout(600)
 PARTITION_S = 30.0
 GOING_AWAY = 1001
 
@@ -58,12 +60,20 @@ def ready(pod: dict[str, Any]) -> bool:
     )
 
 
+def replicas_online(e2e: Env) -> int:
+    """Replicas the primary reports online (status.redis, as the operator read it)."""
+    obj: Any = e2e.get("rshard", SHARD)
+    redis = ((obj or {}).get("status") or {}).get("redis") or {}
+    return len([r for r in redis.get("replicas") or () if r.get("state") == "online"])
+
+
 def fleet_whole(e2e: Env) -> bool:
-    """Shard Ready, every Redis Pod (primary and both replicas) and both relays ready."""
+    """Shard Ready, every Redis Pod and both relays ready, the primary with both replicas online."""
     return (
         phase(e2e, "rshard", SHARD) == "Ready"
         and len([p for p in redis_pods(e2e) if ready(p)]) == 3
         and len([p for p in relay_pods(e2e) if ready(p)]) == 2
+        and replicas_online(e2e) == 2
     )
 
 

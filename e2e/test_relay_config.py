@@ -10,11 +10,14 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import pytest
+
 from e2e.env import Env
 from e2e.probes import http_get, phase, relay_url, shard, wait_for
 from relay.protocol import keypair
 
 TOKENS = "e2e-token-one\ne2e-token-two\n"
+pytestmark = pytest.mark.timeout(600)  # a shard's volume bound and images started on a real node
 
 
 def post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, Any], dict[str, str]]:

@@ -38,6 +38,8 @@ from relay.fleet.sharding import SLOT_COUNT
 from tests.support.k8s_cluster import KubeCluster
 
 PREVIOUS = "51f511e"
+# Steps wait for real Pods: volumes bound, images started, failovers (each wait bounded itself).
+pytestmark = pytest.mark.timeout(600)
 PREVIOUS_IMAGE = "ghcr.io/relayfleet/relayfleet:0.1.0"
 
 

@@ -34,6 +34,8 @@ from e2e.workload import Workload
 from relay.fleet.sharding import SLOT_COUNT, ShardMap
 
 STATE: dict[str, Any] = {}
+# Steps wait for real Pods: volumes bound, images started, failovers (each wait bounded itself).
+pytestmark = pytest.mark.timeout(600)
 HELM_VALUES = [f"spark.retention.maxAgeSeconds={MAX_AGE_S}"]
 
 
@@ -167,6 +169,7 @@ def no_executors(e2e: Env, job: str) -> bool:
     return not executor_pods(e2e, job)
 
 
+@pytest.mark.timeout(900)
 def test_retention_and_rebalance_cronjobs_run_with_executor_pods(e2e: Env) -> None:
     planted = RetentionSeed(local_shard_map(e2e))
     planted.plant()
