@@ -9,6 +9,7 @@
 # Environment:
 #   RELAYFLEET_KUBECONFIG        an existing cluster's kubeconfig (KUBECONFIG too)
 #   RELAYFLEET_E2E_KEEP_CLUSTER  1: leave the cluster this script brought up running
+#   RELAYFLEET_CLUSTER_DIR       make cluster's state dir (its containerd socket), as for hack/cluster.sh
 #   PYTEST_ARGS                  extra pytest arguments
 set -euo pipefail
 
@@ -34,6 +35,16 @@ if [[ -z "${kubeconfig}" ]]; then
   kubeconfig="$(tail -n 1 "${log}" | sed -n 's/^KUBECONFIG=//p')"
   rm -f "${log}"
   [[ -f "${kubeconfig}" ]] || { echo "e2e: make cluster printed no KUBECONFIG=<path> last" >&2; exit 1; }
+fi
+
+# The node of `make cluster` (whether brought up here or given) gets the previous release's relay
+# image for the upgrade test (built once, cached).
+sock="${RELAYFLEET_CLUSTER_DIR:-/var/lib/relayfleet-cluster}/containerd/containerd.sock"
+if [[ -S "${sock}" ]]; then
+  bash "${root}/e2e/previous-image.sh" "${sock}"
+  # the node's Redis image, for the test's RelayShards (spec.redis.managed.image)
+  RELAYFLEET_E2E_REDIS_IMAGE="${RELAYFLEET_E2E_REDIS_IMAGE:-$(bash "${root}/hack/cluster-images.sh" ref redis)}"
+  export RELAYFLEET_E2E_REDIS_IMAGE
 fi
 
 # The user's path first (what most of the suite builds on), the upgrade last (it swaps the CRDs).
