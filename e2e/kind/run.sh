@@ -60,7 +60,11 @@ kind get kubeconfig --name "$cluster" >"$kubeconfig"
 echo "e2e-kind: building ${relay_image} and ${spark_image}"
 docker build -t "$relay_image" -f "${root}/Dockerfile" "$root"
 docker build -t "$spark_image" -f "${root}/Dockerfile.spark" "$root"
-kind load docker-image --name "$cluster" "$relay_image" "$spark_image"
+# the previous release for the upgrade test (e2e/test_upgrade.py names it), built from its tree
+previous_commit="$(sed -n 's/^PREVIOUS = "\([0-9a-f]*\)"$/\1/p' "${root}/e2e/test_upgrade.py")"
+previous_image="$(sed -n 's/^PREVIOUS_IMAGE = "\(.*\)"$/\1/p' "${root}/e2e/test_upgrade.py")"
+git -C "$root" archive --format=tar "$previous_commit" | docker build -t "$previous_image" -
+kind load docker-image --name "$cluster" "$relay_image" "$spark_image" "$previous_image"
 
 # The chart and the RelayShards use these images; IfNotPresent keeps kubelets off the registry.
 helm_args=(
