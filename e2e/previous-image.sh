@@ -31,6 +31,7 @@ if [[ ! -f "${archive}" ]]; then
   git -C "${repo_root}" archive --format=tar "${commit}" | tar -xf - -C "${work}" --one-top-level=tree
   rf_nice "${py}" -m build --wheel --outdir "${work}/wheel" "${work}/tree" >"${work}/build.log" 2>&1 ||
     { tail -20 "${work}/build.log" >&2; die "building the ${version} wheel failed"; }
+  mkdir -p "${work}/out"
   PYTHON="${py}" rf_nice bash "${repo_root}/hack/images.sh" "${version}" "$(ls "${work}"/wheel/*.whl)" "${work}/out" relayfleet
   mkdir -p "${cache_root}/cluster-images"
   mv -f "${work}/out/relayfleet-image-${version}.oci.tar" "${archive}"
