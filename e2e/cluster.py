@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "relayfleet"
 # Extra `helm install` arguments (image names or pull policies of a cluster), split like a shell would.
 HELM_ARGS_ENV = "RELAYFLEET_E2E_HELM_ARGS"
+NEVER = "0 0 30 2 *"  # February 30th
 
 
 def _helm(cluster: KubeCluster) -> str:
@@ -105,6 +106,12 @@ def helm_install_args(env: Env, verb: str, chart: Path, *extra: str) -> list[str
         "operator.rebalanceTickSeconds=1",
         "--set",
         f"spark.fleets={{{FLEET}}}",
+        # The tests start the CronJobs' Jobs themselves; a scheduled run (retention at :17) would
+        # compete for the node's CPU and name its executors as the test's do.
+        "--set",
+        f"spark.retention.schedule={NEVER}",
+        "--set",
+        f"spark.rebalance.schedule={NEVER}",
         *os.environ.get(HELM_ARGS_ENV, "").split(),
         *extra,
     ]

@@ -80,12 +80,12 @@ def slots_of(m: ShardMap) -> dict[str, int]:
 def primary_pod(e2e: Env, shard: str) -> str:
     """The Pod of `shard`'s Redis that takes writes: the one a replicated shard's status names
     (as its Sentinels report it: a Pod DNS name or IP), else the only one."""
+    pods = e2e.pods(f"relayfleet.dev/shard={shard},app.kubernetes.io/component=redis")
+    if len(pods) == 1:  # one Redis (its status names the Service)
+        return str(pods[0]["metadata"]["name"])
     obj: Any = e2e.get("rshard", shard)
     primary = (((obj or {}).get("status") or {}).get("redis") or {}).get("primary") or ""
-    pods = e2e.pods(f"relayfleet.dev/shard={shard},app.kubernetes.io/component=redis")
     if not primary:
-        if len(pods) == 1:
-            return str(pods[0]["metadata"]["name"])
         raise LookupError(f"shard {shard} names no primary yet")
     host = primary.rsplit(":", 1)[0]
     for pod in pods:

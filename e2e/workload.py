@@ -90,7 +90,10 @@ class Workload:
 
     async def _run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=30)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        # A connection per request: aiohttp resends an idempotent request once when a kept-alive
+        # connection breaks, and a resent signed GET is a replay the relay refuses (401).
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             producers = [asyncio.create_task(self._producer(session, p)) for p in range(self.producers)]
             readers = [
                 asyncio.create_task(self._live(session, q) if n < self.live else self._reader(session, q))
