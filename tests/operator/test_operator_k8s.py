@@ -14,6 +14,7 @@ import json
 import subprocess
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -351,6 +352,12 @@ def test_deleting_a_shard_moves_its_slots_first(kwok_fleet: KwokFleet) -> None:
     expected = fleet.seed("a", queues=40, per_queue=5)
     fleet.operator.start()
     fleet.found(fleet.external("a"), fleet.external("b", weight=100), fleet.external("c", weight=300))
+
+    def ready(name: str) -> bool:
+        return bool(conditions(fleet.get("rshard", name) or {}).get("Ready", {}).get("status") == "True")
+
+    for name in ("b", "c"):  # slots only move into Ready shards: both must be, to share by weight
+        wait_for(f"shard {name} Ready", partial(ready, name), timeout=60)
 
     fleet.cluster.kubectl("-n", ns, "delete", "rshard", "a", "--wait=false")
     wait_for("shard a to be gone", lambda: fleet.get("rshard", "a") is None, timeout=180)
