@@ -7,6 +7,7 @@ import re
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -67,6 +68,17 @@ def redis_server() -> Iterator[LocalRedis]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def two_redis(tmp_path: Path) -> Iterator[dict[str, LocalRedis]]:
+    """Shards "a" and "b": two fresh Debian redis-servers, stopped afterwards."""
+    servers = {n: LocalRedis(binary=DEBIAN_REDIS, dir=str(tmp_path / n)).start() for n in ("a", "b")}
+    try:
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
 
 
 @pytest.fixture

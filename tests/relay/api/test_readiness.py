@@ -4,8 +4,6 @@ slots. Real redis-servers, one of them stopped (or never started) under a runnin
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -14,20 +12,9 @@ from relayfleet_testing.localredis import LocalRedis, free_port
 
 from relay.client import RelayError
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange
-from tests.support.fleet_harness import DEBIAN_REDIS
 from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 HALF = SLOT_COUNT // 2
-
-
-@pytest.fixture
-def two_redis(tmp_path: Path) -> Iterator[dict[str, LocalRedis]]:
-    servers = {n: LocalRedis(binary=DEBIAN_REDIS, dir=str(tmp_path / n)).start() for n in ("a", "b")}
-    try:
-        yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
 
 
 def recipient_on(shard_map: ShardMap, shard: str) -> bytes:

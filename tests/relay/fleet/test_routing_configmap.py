@@ -11,7 +11,6 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -23,7 +22,7 @@ from relay.fleet.configmap import ConfigMapSource, configmap_publisher, configma
 from relay.fleet.contract import SHARDMAP_KEY, shardmap_configmap_name
 from relay.fleet.migration import MapConflict, migrate_slots
 from relay.fleet.sharding import ShardMap, ShardMapError, even_split, slot_of
-from tests.support.fleet_harness import DEBIAN_REDIS, b64, spawn_relay, stop_relays, wait_ready
+from tests.support.fleet_harness import b64, spawn_relay, stop_relays, wait_ready
 from tests.support.k8s_cluster import KubeCluster
 
 pytestmark = pytest.mark.k8s
@@ -101,16 +100,6 @@ async def test_missing_configmap_is_a_clear_error(kubeconfig: str) -> None:
     source = ConfigMapSource(NS, "relayfleet-nope-shardmap", kubeconfig=kubeconfig)
     with pytest.raises(ShardMapError, match="ConfigMap default/relayfleet-nope-shardmap not found"):
         await source()
-
-
-@pytest.fixture
-def two_redis(tmp_path: Path) -> Iterator[dict[str, LocalRedis]]:
-    servers = {n: LocalRedis(binary=DEBIAN_REDIS, dir=str(tmp_path / n)).start() for n in ("a", "b")}
-    try:
-        yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
 
 
 async def test_relay_follows_a_migration_published_to_the_configmap(
