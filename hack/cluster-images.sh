@@ -3,16 +3,17 @@
 # Docker daemon and no registry, cached under ${cache_root}/cluster-images, and imported into the
 # node's containerd (hack/cluster.sh up runs `import`).
 #
-# Usage: hack/cluster-images.sh ref NAME | build [NAME...] | import SOCKET [NAME...] | --help
+# Usage: hack/cluster-images.sh ref NAME | archive NAME | build [NAME...] | import SOCKET [NAME...] | --help
 #   NAME    relayfleet, relayfleet-spark, redis, pause (default: all four)
 #   ref     the image's name in containerd: what the chart's values and a RelayShard's
 #           spec.redis.managed.image name on this node (pause: containerd's sandbox_image)
+#   archive the archive's path in the cache for the tree as it is now (built or not)
 #   build   builds each archive not cached yet (as root: debootstrap, chroot); prints their paths
 #   import  build, then `ctr -n k8s.io images import` each archive into the containerd at SOCKET
 #           (each archive names its image: no --base-name, no retagging)
 # Cache keys: relayfleet and relayfleet-spark by the content of what they are made of (the
 # product's files, tracked or not, the Dockerfiles, the image scripts), so an edit rebuilds them;
-# redis and pause by their recipe (Dockerfile.redis, hack/images.sh, the Kubernetes pin).
+# redis by its recipe (Dockerfile.redis, hack/images.sh), pause by that and the Kubernetes version.
 #
 # Environment: RELAYFLEET_CACHE_DIR, RELAYFLEET_BUILD_NICE (hack/lib.sh); PYTHON (default .venv's)
 set -euo pipefail
@@ -47,7 +48,7 @@ key_of() { # name: the content key of what the image is made of
     relayfleet | relayfleet-spark)
       inputs+=(relay operator spark_jobs pyproject.toml README.md Dockerfile Dockerfile.spark e2e/docker) ;;
     redis) inputs+=(Dockerfile.redis) ;;
-    pause) inputs+=(hack/control-plane.sh) ;;
+    pause) ;; # pause.c of the pinned Kubernetes version: its tag, in the key below
   esac
   (
     cd "${repo_root}"
@@ -59,25 +60,28 @@ key_of() { # name: the content key of what the image is made of
 
 archive_of() { printf '%s/cluster-images/%s-%s.oci.tar\n' "${cache_root}" "$1" "$(key_of "$1")"; }
 
-build() { # name...
-  local -a missing=()
+missing_of() { # name...: into ${missing[@]}, those whose archive is not cached yet
+  missing=()
   local name
   for name in "$@"; do
     [[ -f "$(archive_of "${name}")" ]] || missing+=("${name}")
   done
+}
+
+build() { # name...
+  local -a missing
+  missing_of "$@"
   if ((${#missing[@]} > 0)); then
     rf_lock .cluster-images.lock
     build_missing "$@"
   fi
+  local name
   for name in "$@"; do archive_of "${name}"; done
 }
 
 build_missing() { # name...: under the lock, again
-  local -a missing=()
-  local name
-  for name in "$@"; do
-    [[ -f "$(archive_of "${name}")" ]] || missing+=("${name}")
-  done
+  local -a missing
+  missing_of "$@"
   ((${#missing[@]} > 0)) || return 0
   [[ "$(id -u)" -eq 0 ]] || die "building ${missing[*]} needs root (debootstrap, chroot)"
   local out t0=${SECONDS} wheel="-" version
@@ -121,6 +125,7 @@ cmd="${1-}"
 shift || true
 case "${cmd}" in
   ref) [[ $# -eq 1 ]] || { usage >&2; exit 2; }; ref "$1" ;;
+  archive) [[ $# -eq 1 ]] || { usage >&2; exit 2; }; tag_of "$1" >/dev/null; archive_of "$1" ;;
   build) (($# > 0)) || set -- "${all[@]}"; build "$@" ;;
   import)
     [[ $# -ge 1 ]] || { usage >&2; exit 2; }

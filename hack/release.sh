@@ -6,7 +6,8 @@
 #   dist/relayfleet-image-<v>.tar, dist/relayfleet-spark-image-<v>.tar (docker build + docker save,
 #                                                                       where a Docker daemon answers)
 #   else dist/relayfleet-image-<v>.oci.tar, dist/relayfleet-spark-image-<v>.oci.tar
-#        (hack/images.sh: the same images from Debian packages, no daemon, as root; each one run)
+#        (hack/images.sh: the same images from Debian packages, no daemon, as root; each one run;
+#        taken from hack/cluster-images.sh's cache when `make e2e` already built this content)
 #   dist/SHA256SUMS
 #
 # The version comes from pyproject.toml alone (hack/version.py --check fails on any drift).
@@ -73,10 +74,17 @@ if docker info >/dev/null 2>&1 && [[ "${RELAYFLEET_RELEASE_IMAGES:-auto}" != dae
     docker save -o "dist/${name}-image-${version}.tar" "ghcr.io/relayfleet/${name}:${version}"
   done
 elif [[ "$(id -u)" -eq 0 ]] && command -v debootstrap >/dev/null; then
-  # No daemon: the same two images as OCI archives, built from Debian packages (hack/images.sh)
-  log "images without a Docker daemon (hack/images.sh): OCI archives"
-  wheels=(dist/*.whl)
-  PYTHON="${py}" bash hack/images.sh "${version}" "${root}/${wheels[0]}" "${root}/dist"
+  # No daemon: the same two images as OCI archives, built from Debian packages (hack/images.sh).
+  # hack/cluster-images.sh keeps them keyed by the content they are made of (the product's
+  # files, the Dockerfiles, the image scripts): what `make e2e` built and ran for this tree is
+  # what ships, built (and smoke-run) once, not a second time here.
+  log "images without a Docker daemon (hack/images.sh through hack/cluster-images.sh): OCI archives"
+  mapfile -t archives < <(PYTHON="${py}" bash hack/cluster-images.sh build relayfleet relayfleet-spark)
+  ((${#archives[@]} == 2)) || { log "hack/cluster-images.sh build named ${#archives[@]} archives, not 2"; exit 1; }
+  for spec in "relayfleet:${archives[0]}" "relayfleet-spark:${archives[1]}"; do
+    # a copy, not a link: whatever is done to dist/ later never reaches the cache
+    cp --reflink=auto "${spec#*:}" "dist/${spec%%:*}-image-${version}.oci.tar"
+  done
 else
   reason="no Docker daemon answers 'docker info', and the daemonless build (hack/images.sh) needs root and debootstrap"
   printf 'images ghcr.io/relayfleet/relayfleet:%s and relayfleet-spark:%s not built: %s\n' \

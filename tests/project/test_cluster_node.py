@@ -165,6 +165,74 @@ def test_images_are_named_under_the_project() -> None:
     assert "unknown image nginx" in bad.stderr
 
 
+IMAGES = ("relayfleet", "relayfleet-spark", "redis", "pause")
+# what hack/cluster-images.sh keys the images by (and what it reads to name their tags)
+KEY_INPUTS = (
+    "hack/cluster-images.sh",
+    "hack/lib.sh",
+    "hack/images.sh",
+    "hack/oci_image.py",
+    "hack/control-plane.sh",
+    "hack/version.py",
+    "pyproject.toml",
+    "README.md",
+    "Dockerfile",
+    "Dockerfile.spark",
+    "Dockerfile.redis",
+    "relay/__init__.py",
+    "spark_jobs/__init__.py",
+    "e2e/docker/spark-entrypoint.sh",
+)
+
+
+def _archives(tree: Path, cache: Path) -> dict[str, str]:
+    """Each image's cache archive for `tree` as it is now (hack/cluster-images.sh archive)."""
+    out = {}
+    for name in IMAGES:
+        path = subprocess.run(
+            ["bash", str(tree / "hack" / "cluster-images.sh"), "archive", name],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "RELAYFLEET_CACHE_DIR": str(cache)},
+        ).stdout.strip()
+        assert re.fullmatch(rf"{re.escape(str(cache))}/cluster-images/{name}-[0-9a-f]{{16}}\.oci\.tar", path)
+        out[name] = path
+    return out
+
+
+def test_an_edit_rebuilds_the_images_made_of_it_and_no_other(tmp_path: Path) -> None:
+    """The node's images (and `make release`'s, taken from the same cache) are keyed by what
+    they are made of: an edit gives a new archive name to exactly the images it goes into."""
+    tree, cache = tmp_path / "tree", tmp_path / "cache"
+    for rel in KEY_INPUTS:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_bytes((ROOT / rel).read_bytes())
+    subprocess.run(["git", "init", "-q", str(tree)], check=True, timeout=30)
+    before = _archives(tree, cache)
+
+    def changed(edit: str, text: str) -> set[str]:
+        nonlocal before
+        with (tree / edit).open("a") as f:
+            f.write(text)
+        now = _archives(tree, cache)
+        diff = {name for name in IMAGES if now[name] != before[name]}
+        before = now
+        return diff
+
+    assert changed("relay/__init__.py", "# an edit of the product\n") == {"relayfleet", "relayfleet-spark"}
+    # not committed, not even added: still what the wheel is made of
+    assert changed("relay/new_module.py", "X = 1\n") == {"relayfleet", "relayfleet-spark"}
+    assert changed("spark_jobs/__init__.py", "# an edit\n") == {"relayfleet", "relayfleet-spark"}
+    assert changed("Dockerfile.redis", "# an edit\n") == {"redis"}
+    assert changed("hack/control-plane.sh", "# an edit that is not the Kubernetes pin\n") == set()
+    cp = tree / "hack" / "control-plane.sh"
+    cp.write_text(re.sub(r'(?m)^KUBE_VERSION="[^"]*"$', 'KUBE_VERSION="v1.99.0"', cp.read_text()))
+    assert changed("hack/control-plane.sh", "") == {"pause"}
+    assert changed("hack/images.sh", "# an edit of the recipes\n") == set(IMAGES)
+
+
 # --- the provisioner's decisions (pure) ---------------------------------------------------------
 
 
