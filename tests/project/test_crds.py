@@ -262,16 +262,17 @@ def test_rendered_chart_contents() -> None:
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["args"] == ["operator", "--namespace", "relay"]
     assert operator["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
-    # Namespaced by default: a Role, plus the read-only CRD watch.
+    # Namespaced by default: a Role, plus the read-only CRD watch (cluster-scoped: named
+    # "<namespace>.<fullname>-...", one per release and namespace).
     roles = {r["metadata"]["name"]: r for r in by_kind["Role"]}
     assert "relayfleet-operator" in roles
     # (crd-apply: get/patch on its own two CRDs, for operator.manageCRDs)
     assert sorted(r["metadata"]["name"] for r in by_kind["ClusterRole"]) == [
-        "relayfleet-operator-crd-apply",
-        "relayfleet-operator-crds",
+        "relay.relayfleet-operator-crd-apply",
+        "relay.relayfleet-operator-crds",
     ]
     cluster_roles = {r["metadata"]["name"]: r for r in by_kind["ClusterRole"]}
-    assert cluster_roles["relayfleet-operator-crds"]["rules"] == [
+    assert cluster_roles["relay.relayfleet-operator-crds"]["rules"] == [
         {
             "apiGroups": ["apiextensions.k8s.io"],
             "resources": ["customresourcedefinitions"],

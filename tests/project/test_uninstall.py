@@ -23,7 +23,9 @@ HOOK = "relayfleet-uninstall"
 
 
 def hook_objects(*sets: str) -> dict[str, dict[str, Any]]:
-    return {d["kind"]: d for d in render(*sets, include_crds=False) if d["metadata"]["name"] == HOOK}
+    # (cluster-scoped ones are named per namespace and release: "relay.relayfleet-uninstall")
+    names = (HOOK, f"relay.{HOOK}")
+    return {d["kind"]: d for d in render(*sets, include_crds=False) if d["metadata"]["name"] in names}
 
 
 @needs_helm

@@ -69,14 +69,16 @@ def helm(*args: str) -> str:
     return proc.stdout
 
 
-def render(*sets: str, include_crds: bool = True) -> list[dict[str, Any]]:
+def render(
+    *sets: str, include_crds: bool = True, release: str = "relayfleet", namespace: str = "relay"
+) -> list[dict[str, Any]]:
     # as on a cluster running the Prometheus operator, so monitoring objects render too
     args = [
         "template",
-        "relayfleet",
+        release,
         str(CHART),
         "--namespace",
-        "relay",
+        namespace,
         "--api-versions",
         "monitoring.coreos.com/v1",
     ]

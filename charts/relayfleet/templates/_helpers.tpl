@@ -17,6 +17,12 @@
 {{- end -}}
 {{- end -}}
 
+{{/* A cluster-scoped object's name: one per release and namespace, so a second release in
+another namespace does not clash ("<namespace>.<fullname>": a namespace has no dots). */}}
+{{- define "relayfleet.clusterScopedName" -}}
+{{- printf "%s.%s" .Release.Namespace (include "relayfleet.fullname" .) -}}
+{{- end -}}
+
 {{- define "relayfleet.labels" -}}
 app.kubernetes.io/name: {{ include "relayfleet.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
