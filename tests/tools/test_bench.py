@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -12,10 +13,22 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from relayfleet_testing.bench import cpu, cputime, layers, main, report, scenarios, targets, wrk
-from relayfleet_testing.bench.loadgen import Conn, _dechunk, closed_loop
+from relayfleet_testing.bench import (
+    cpu,
+    cputime,
+    layers,
+    main,
+    report,
+    scenarios,
+    targets,
+    wake,
+    wrk,
+    wsclient,
+)
+from relayfleet_testing.bench.loadgen import Conn, HttpError, _dechunk, closed_loop
 from relayfleet_testing.bench.procs import BenchError, Child, Procs, free_port, wait_port
 from relayfleet_testing.bench.results import Results, Row, percentile
+from relayfleet_testing.bench.runner import Bench, make_plan
 from relayfleet_testing.bench.scenarios import OCTET
 from relayfleet_testing.localredis import LocalRedis
 
@@ -23,6 +36,7 @@ from relay.storage.store import QueueLimits
 from tests.support.in_process_relay import RelayFactory
 
 WRK_MISSING = not Path(wrk.WRK).exists()
+NCHAN_MISSING = not (Path(targets.NGINX).exists() and Path(targets.NCHAN_MODULE).exists())
 
 
 @pytest.fixture
@@ -91,6 +105,10 @@ def test_missing_binary_is_a_clear_error(procs: Procs) -> None:
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--no-such-flag"]) == 2
     assert "unrecognized arguments" in capsys.readouterr().err
+    assert main(["--only", "wake,bogus"]) == 2
+    assert "phases are throughput, head-to-head, wake" in capsys.readouterr().err
+    assert main(["--wake-waiters", "1000,0"]) == 2
+    assert "not a comma-separated list of counts" in capsys.readouterr().err
 
 
 # -- the own generator ---------------------------------------------------------------------
@@ -217,6 +235,15 @@ def test_nchan_config_is_rendered_not_edited(tmp_path: Path) -> None:
     assert "worker_connections 19000;" in text
     assert "nchan_max_reserved_memory 4096M;" in text
     assert "location = /bench/static" in text
+    assert "worker_rlimit_nofile 19512;" in text  # the worker's descriptors: connections and Redis
+    # the wake head to head's additions: nchan's WebSocket subscriber on the same Redis storage
+    # as /rsub/, and the subscriber count
+    storage = re.search(r"location ~ /rsub/.*nchan_redis_pass (\w+);", text)
+    assert storage is not None
+    assert f"nchan_subscriber websocket; nchan_channel_id $1; nchan_redis_pass {storage.group(1)}; }}" in text
+    assert "location = /bench/nchan_status { nchan_stub_status; }" in text
+    with pytest.raises(BenchError, match="nchan_redis_pass"):
+        targets.render_nchan_conf(template.replace("nchan_redis_pass", "x"), tmp_path, 1, "redis://x", 1, 1)
     with pytest.raises(BenchError, match="unknown variable"):
         targets.render_nchan_conf(template + "${OTHER}", tmp_path, 1, "redis://x", 1, 1)
 
@@ -256,17 +283,32 @@ def test_bench_help_names_its_variables(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         cpu.main(["--help"])
     shown = capsys.readouterr().out
+    for option in ("--wake-waiters", "--quick", "--rounds", "--only"):
+        assert option in shown
     for name in (targets.NCHAN_CONF_ENV, targets.RELAY_PYTHON_ENV):
         assert shown.count(name) == 2, name  # relayfleet bench and bench.cpu
 
 
-_MINI_NCHAN = """events { worker_connections 8192; }
+# A peer config of the shared one's shape, for a checkout without ../shared beside it: one
+# worker, publish and long-poll subscribe with Redis storage.
+_MINI_NCHAN = """load_module /usr/lib/nginx/modules/ngx_nchan_module.so;
+worker_processes 1;
+pid ${PREFIX}/nginx.pid;
+error_log ${PREFIX}/error.log warn;
+events { worker_connections 8192; }
 http {
+  access_log off;
+  client_body_temp_path ${PREFIX}/tmp-body;
+  proxy_temp_path ${PREFIX}/tmp-proxy;
+  fastcgi_temp_path ${PREFIX}/tmp-fcgi;
+  uwsgi_temp_path ${PREFIX}/tmp-uwsgi;
+  scgi_temp_path ${PREFIX}/tmp-scgi;
   nchan_max_reserved_memory 256M;
   upstream r { nchan_redis_server ${REDIS_URL}; }
   server {
     listen 127.0.0.1:${PORT};
-    client_body_temp_path ${PREFIX}/tmp-body;
+    location ~ /rpub/(\\w+)$ { nchan_publisher; nchan_channel_id $1; nchan_redis_pass r; }
+    location ~ /rsub/(\\w+)$ { nchan_subscriber longpoll; nchan_channel_id $1; nchan_redis_pass r; }
   }
 }
 """
@@ -504,3 +546,83 @@ def test_cpu_tool_refuses_unknown_layers_and_sizes(capsys: pytest.CaptureFixture
     assert "unknown layer 'bogus'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cpu.main(["--size", "256,x"])
+
+
+# -- the wake head to head ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 5, 125, 126, 65535, 65536])
+def test_websocket_client_frames_are_masked_and_server_frames_parse(size: int) -> None:
+    payload = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    sent = wsclient.frame(0x1, payload)
+    assert sent[0] == 0x81  # FIN + text
+    assert sent[1] & 0x80  # masked, as a client must
+    head = 2 + {True: 0, False: 2 if size < 1 << 16 else 8}[size < 126]
+    mask, body = sent[head : head + 4], sent[head + 4 :]
+    assert bytes(b ^ mask[i % 4] for i, b in enumerate(body)) == payload
+    # the same frame as a server sends it (unmasked), split in two reads: parsed once complete
+    unmasked = bytearray([sent[0], sent[1] & 0x7F]) + sent[2:head] + payload + b"next"
+    assert wsclient.parse_frame(unmasked[: len(unmasked) - 5]) is None
+    assert wsclient.parse_frame(unmasked) == (True, 0x1, payload, len(unmasked) - 4)
+    with pytest.raises(HttpError, match="masked"):
+        wsclient.parse_frame(bytearray(sent))
+
+
+@pytest.mark.skipif(NCHAN_MISSING, reason="nginx + nchan are not installed")
+async def test_wake_head_to_head_alternates_a_real_relay_and_nchan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both systems, both modes, two rounds: every wake arrives, and each waiter, woken several
+    times, polls again from where its answer left it (a re-poll from the start would return
+    the delivered message at once: an unexpected delivery)."""
+    if not os.environ.get(targets.NCHAN_CONF_ENV) and not targets.SHARED_NCHAN_CONF.is_file():
+        (tmp_path / "peer.conf").write_text(_MINI_NCHAN)
+        monkeypatch.setenv(targets.NCHAN_CONF_ENV, str(tmp_path / "peer.conf"))
+    plan = make_plan(quick=True)
+    plan.phases, plan.wake_rounds, plan.wake_waiters, plan.wake_probes = ("wake",), 2, [6], 10
+    with Procs(tmp_path) as procs:
+        bench = Bench(plan, procs)
+        await bench.main()
+    assert bench.results.skips == []
+    rows = bench.results.select("wake")
+    order = [(r.params["round"], r.params["mode"], r.target) for r in rows]
+    assert order == [
+        (1, "longpoll", "nchan-redis"),
+        (1, "longpoll", "relay-1p"),
+        (1, "websocket", "nchan-redis"),
+        (1, "websocket", "relay-1p"),
+        (2, "longpoll", "relay-1p"),
+        (2, "longpoll", "nchan-redis"),
+        (2, "websocket", "relay-1p"),
+        (2, "websocket", "nchan-redis"),
+    ]
+    for r in rows:
+        v = r.values
+        assert (r.target, r.params["waiters"], v["probes"], v["unexpected"]) == (r.target, 6, 10, 0)
+        assert 0 < v["p50_ms"] <= v["p99_ms"] <= v["max_ms"] < wake.PROBE_TIMEOUT_S * 1000
+        assert 0 <= v["answered_p50_ms"] <= v["p50_ms"]
+    text = report.render(bench.results, "quick", "relayfleet bench", {}, "now", 1.0, 64, [])
+    assert "### Wake head to head with nginx + nchan" in text
+    assert "| wake long-poll, 6 waiters: relay-1p / nchan-redis p50 | ≤ 1.0 x in every round |" in text
+    assert "### Standing targets" not in text  # nothing of them was measured
+
+
+def _wake_results() -> Results:
+    res = Results()
+    for n, (relay, nchan) in enumerate(((0.8, 1.0), (1.2, 1.0), (0.9, 1.0))):
+        for target, p50 in (("relay-1p", relay), ("nchan-redis", nchan)):
+            params: dict[str, int | str] = {"mode": "longpoll", "waiters": 1000, "size": 256, "round": n + 1}
+            res.add(Row("wake", target, params, {"p50_ms": p50, "p99_ms": p50 * 2, "probes": 1000.0}))
+    return res
+
+
+def test_report_wake_verdict_needs_every_round() -> None:
+    text = report.render(_wake_results(), "full", "relayfleet bench", {}, "now", 1.0, 64, [])
+    name = "wake long-poll, 1,000 waiters: relay-1p / nchan-redis p50"
+    # medians 0.90 / 1.00 ms, but round 2 has the relay slower: missed
+    verdict = "| 0.90 (0.90 / 1.00 ms) | 0.80, 1.20, 0.90 | missed (2 of 3 rounds met) |"
+    assert f"| {name} | ≤ 1.0 x in every round {verdict}" in text
+    assert "then 1,000 wakes one at a time" in text
+    assert "the medians of 3 alternating rounds" in text
+    assert "| long-poll | 1,000 | 2 | 1.20 | 2.40 | 1.00 | 2.00 | 1.20 | 1.20 |" in text
+    assert "0 of 2 measured wake targets met in every round." in text

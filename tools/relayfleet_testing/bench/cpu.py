@@ -37,7 +37,7 @@ from pathlib import Path
 from relayfleet_testing.bench import profile, scenarios, wrk
 from relayfleet_testing.bench.layers import LAYERS
 from relayfleet_testing.bench.procs import BenchError, Child, Procs, free_port
-from relayfleet_testing.bench.results import size_label
+from relayfleet_testing.bench.results import counts, size_label
 from relayfleet_testing.bench.scenarios import OCTET, recipient
 from relayfleet_testing.bench.targets import (
     ENV_HELP,
@@ -275,16 +275,6 @@ async def run(args: argparse.Namespace, specs: list[Spec]) -> int:
     return 0
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of byte counts: {text!r}") from None
-    if not sizes or any(s <= 0 for s in sizes):
-        raise argparse.ArgumentTypeError(f"not a list of byte counts: {text!r}")
-    return sizes
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="python -m relayfleet_testing.bench.cpu",
@@ -307,7 +297,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--settle", type=float, default=3.0, help="seconds between start and the first run")
     p.add_argument(
-        "--size", type=_sizes, default=[256], help="message bytes, comma-separated (256,4096,65536)"
+        "--size", type=counts, default=[256], help="message bytes, comma-separated (256,4096,65536)"
     )
     p.add_argument("--connections", type=int, default=64)
     p.add_argument(

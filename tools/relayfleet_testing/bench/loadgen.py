@@ -16,9 +16,11 @@ import contextlib
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
+
+T = TypeVar("T")
 
 
 class HttpError(Exception):
@@ -30,6 +32,15 @@ class Response:
     status: int
     body: bytes
     done: float  # time.perf_counter() when the last byte arrived
+    headers: tuple[bytes, ...] = ()  # the raw header lines ("Name: value"), status line excluded
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first header called ``name`` (lower case), value stripped; None without one."""
+        for line in self.headers:
+            key, _, value = line.partition(b":")
+            if key.strip().lower() == name:
+                return value.strip()
+        return None
 
 
 def build_request(
@@ -50,6 +61,7 @@ class _Proto(asyncio.Protocol):
         self._status = 0
         self._body_start = -1
         self._length = -1  # -1: not known yet; -2: chunked
+        self._headers: tuple[bytes, ...] = ()
         self._closed_exc: Exception | None = None
         self._will_close = False  # the server said "Connection: close" (e.g. nginx keepalive_requests)
 
@@ -98,6 +110,7 @@ class _Proto(asyncio.Protocol):
                 return
             lines = bytes(buf[:end]).split(b"\r\n")
             self._status = int(lines[0].split(b" ", 2)[1])
+            self._headers = tuple(lines[1:])
             self._length = 0
             for line in lines[1:]:
                 name, _, value = line.partition(b":")
@@ -124,7 +137,7 @@ class _Proto(asyncio.Protocol):
         self._body_start = -1
         waiter = self._waiter
         if waiter is not None and not waiter.done():
-            waiter.set_result(Response(self._status, body, time.perf_counter()))
+            waiter.set_result(Response(self._status, body, time.perf_counter(), self._headers))
 
 
 def _dechunk(buf: bytearray, start: int) -> tuple[bytes, int] | None:
@@ -190,27 +203,40 @@ class Conn:
         return await (await self.start(method, path, body, headers))
 
     def close(self, reset: bool = False) -> None:
-        """Close; ``reset`` sends RST instead of FIN so thousands of closes leave no TIME_WAIT."""
-        transport = self._proto.transport
-        if transport is None:
-            return
-        if reset:
-            sock = transport.get_extra_info("socket")
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        transport.close()
+        close_transport(self._proto.transport, reset)
+
+
+def close_transport(transport: asyncio.Transport | None, reset: bool) -> None:
+    """Close; ``reset`` sends RST instead of FIN so thousands of closes leave no TIME_WAIT."""
+    if transport is None:
+        return
+    if reset:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.close()
 
 
 async def open_many(host: str, port: int, n: int, concurrency: int = 100) -> list[Conn]:
     """Open n connections, at most ``concurrency`` handshakes at once (listen backlogs are small)."""
+    return await gather_bounded(n, lambda: Conn.open(host, port), concurrency)
+
+
+async def gather_bounded(n: int, make: Callable[[], Awaitable[T]], concurrency: int = 100) -> list[T]:
+    """``make()`` n times, at most ``concurrency`` at once; the results in order. A failure is
+    raised once every call has ended, so none is still running (opening) after it."""
     sem = asyncio.Semaphore(concurrency)
 
-    async def one() -> Conn:
+    async def one() -> T:
         async with sem:
-            return await Conn.open(host, port)
+            return await make()
 
-    return list(await asyncio.gather(*(one() for _ in range(n))))
+    results = await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return [r for r in results if not isinstance(r, BaseException)]
 
 
 @dataclass(frozen=True, slots=True)

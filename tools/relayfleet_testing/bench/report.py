@@ -573,8 +573,112 @@ def _enqueue_head_to_head(res: Results, main_conns: int) -> list[str]:
     )
     lines.append("")
     lines += _table(["target", "goal", "measured (relay / nchan)", "per round", "verdict"], rows)
-    verdict = f"{met} of {measured} measured head-to-head targets met."
-    return [*lines, "", f"{verdict} Standing targets, for regressions:", ""]
+    return [*lines, "", f"{met} of {measured} measured head-to-head targets met.", ""]
+
+
+WAKE_MODE_LABELS = {"longpoll": "long-poll", "websocket": "WebSocket"}
+TARGET_WAKE_VS_NCHAN = 1.0  # relay wake time ÷ nchan-redis wake time, at most, in every round
+
+
+def _round(row: Row) -> int:
+    return int(row.params.get("round", 0))
+
+
+def _wake_runs(res: Results, target: str, mode: str, waiters: int) -> list[Row]:
+    rows = [
+        r
+        for r in res.select("wake")
+        if r.target == target and r.params.get("mode") == mode and r.params.get("waiters") == waiters
+    ]
+    return sorted(rows, key=_round)
+
+
+def _wake_head_to_head(res: Results) -> list[str]:
+    rows = res.select("wake")
+    if not rows:
+        return []
+    verdicts: list[list[str]] = []
+    detail: list[list[str]] = []
+    met = measured = 0
+    rounds = probes = 0
+    for mode in _unique(str(r.params["mode"]) for r in rows):
+        for waiters in sorted({_int(r, "waiters") for r in rows if r.params["mode"] == mode}):
+            relay = _wake_runs(res, "relay-1p", mode, waiters)
+            nchan = _wake_runs(res, "nchan-redis", mode, waiters)
+            nchan_by_round = {_round(r): r for r in nchan}
+            pairs = [(r, nchan_by_round[_round(r)]) for r in relay if _round(r) in nchan_by_round]
+            rounds = max(rounds, len(pairs))
+            probes = max([probes, *(int(r.values.get("probes", 0)) for r in relay + nchan)])
+            label = f"wake {WAKE_MODE_LABELS.get(mode, mode)}, {_num(float(waiters))} waiters"
+            for r, n in pairs:
+                detail.append(
+                    [
+                        WAKE_MODE_LABELS.get(mode, mode),
+                        _num(float(waiters)),
+                        str(r.params.get("round", "-")),
+                        *(_ms(x.values.get(k)) for x in (r, n) for k in ("p50_ms", "p99_ms")),
+                        _ratio(r.values.get("p50_ms"), n.values.get("p50_ms")),
+                        _ratio(r.values.get("p99_ms"), n.values.get("p99_ms")),
+                    ]
+                )
+            for key, what in (("p50_ms", "p50"), ("p99_ms", "p99")):
+                name = f"{label}: relay-1p / nchan-redis {what}"
+                goal = f"≤ {TARGET_WAKE_VS_NCHAN:.1f} x in every round"
+                per_round = [
+                    a / b
+                    for r, n in pairs
+                    if (a := _finite(r.values, key)) is not None and (b := _finite(n.values, key))
+                ]
+                if not per_round:
+                    verdicts.append([name, goal, "-", "-", "not measured"])
+                    continue
+                a = statistics.median(x for r, _ in pairs if (x := _finite(r.values, key)) is not None)
+                b = statistics.median(x for _, n in pairs if (x := _finite(n.values, key)) is not None)
+                ok_rounds = sum(x <= TARGET_WAKE_VS_NCHAN for x in per_round)
+                ok = ok_rounds == len(per_round)
+                measured += 1
+                met += ok
+                verdicts.append(
+                    [
+                        name,
+                        goal,
+                        f"{a / b:.2f} ({_ms(a)} / {_ms(b)} ms)" if b else "-",
+                        ", ".join(f"{x:.2f}" for x in per_round),
+                        "met" if ok else f"missed ({ok_rounds} of {len(per_round)} rounds met)",
+                    ]
+                )
+    lines = ["### Wake head to head with nginx + nchan", ""]
+    lines.append(
+        "relay-1p against nginx + nchan with Redis storage (one nginx worker), same client "
+        "(`relayfleet_testing/bench/wake.py`: one asyncio process, times stamped where the bytes "
+        "arrive), same redis-server. N idle waiters on N distinct queues (long-poll: relay "
+        "`GET …/messages?wait=60` against nchan `/rsub/`; WebSocket: relay `…/live` against nchan "
+        "`/rws/`, a WebSocket subscriber with Redis storage), then "
+        f"{_num(float(probes))} wakes one at a time, each a 256 B enqueue (nchan: a publish to `/rpub/`) "
+        "to a waiter parked since the set-up, sent after the previous wake arrived: the time from "
+        "sending the enqueue to the waiter's answer or frame. A woken waiter polls again from its "
+        "answer's position (relay `fromSeq`, nchan Etag) or acks (relay live). "
+        f"Measured = the medians of {rounds} alternating rounds (who runs first switches every "
+        "round, each run on a freshly started server); per round = each round's ratio, relay / nchan."
+    )
+    lines.append("")
+    lines += _table(["target", "goal", "measured (relay / nchan)", "per round", "verdict"], verdicts)
+    lines += ["", f"{met} of {measured} measured wake targets met in every round.", ""]
+    lines += _table(
+        [
+            "mode",
+            "waiters",
+            "round",
+            "relay p50 ms",
+            "relay p99 ms",
+            "nchan p50 ms",
+            "nchan p99 ms",
+            "p50 relay / nchan",
+            "p99 relay / nchan",
+        ],
+        detail,
+    )
+    return [*lines, ""]
 
 
 def _targets(res: Results, main_conns: int) -> list[str]:
@@ -659,7 +763,9 @@ def _targets(res: Results, main_conns: int) -> list[str]:
         ra is not None and ra >= TARGET_READ_ACK_RATE,
         f"at {_ratio(ra, TARGET_READ_ACK_RATE)} of goal",
     )
-    lines = ["### Standing targets", ""]
+    if all(r[2] == "-" for r in rows):
+        return []  # a run of other phases (--only): nothing of these was measured
+    lines = ["### Standing targets", "", "Standing targets, for regressions:", ""]
     lines += _table(["target", "goal", "measured", "verdict"], rows)
     return [*lines, ""]
 
@@ -695,6 +801,7 @@ def render(
     lines.append("")
     for section in (
         _enqueue_head_to_head(res, main_conns),
+        _wake_head_to_head(res),
         _targets(res, main_conns),
         _calibration(res),
         _enqueue(res, main_conns),
@@ -720,8 +827,8 @@ each run rewrites only its own generated section below.
 """
 
 
-def write(path: Path, mode: str, generated: str) -> None:
-    """Replace this mode's generated section of ``path`` (created when missing)."""
+def write(path: Path, mode: str, generated: str, title: str | None = None) -> None:
+    """Replace this mode's generated section of ``path`` (created when missing, as ``title``)."""
     begin, end = f"<!-- bench:{mode}:begin -->", f"<!-- bench:{mode}:end -->"
     block = f"{begin}\n{generated}{end}"
     text = path.read_text() if path.exists() else _HEADER
@@ -729,7 +836,7 @@ def write(path: Path, mode: str, generated: str) -> None:
     if pattern.search(text):
         text = pattern.sub(lambda _: block, text)
     else:
-        title = "## Latest full run" if mode == "full" else "## Latest quick run"
+        title = title or ("## Latest full run" if mode == "full" else "## Latest quick run")
         text = text.rstrip() + f"\n\n{title}\n\n{block}\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

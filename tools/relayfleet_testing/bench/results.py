@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -13,6 +14,17 @@ def percentile(sorted_values: list[float], p: float) -> float:
         return math.nan
     rank = max(1, math.ceil(round(p / 100 * len(sorted_values), 9)))  # 99.9% of 1000 is 999, not 999.0…01
     return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+def counts(text: str) -> list[int]:
+    """A command-line list of positive whole numbers, comma-separated ("256,4096")."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of counts: {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of counts: {text!r}")
+    return values
 
 
 def size_label(size: int) -> str:

@@ -24,9 +24,9 @@ from types import FrameType
 from typing import TypeVar
 
 import uvloop
-from relayfleet_testing.bench import profile, report, scenarios, targets
+from relayfleet_testing.bench import profile, report, scenarios, targets, wake
 from relayfleet_testing.bench.procs import BenchError, Procs, raise_nofile_limit
-from relayfleet_testing.bench.results import Results, Row, size_label
+from relayfleet_testing.bench.results import Results, Row, counts, size_label
 from relayfleet_testing.bench.scenarios import Run
 from relayfleet_testing.bench.targets import RedisServer, Target
 
@@ -69,6 +69,12 @@ class Plan:
     head_to_head_rounds: int = 3
     # enqueue sizes of the limit (redis-benchmark) and aiohttp-ceiling runs; None: every size
     side_sizes: list[int] | None = None
+    # the wake head to head: relay-1p and nchan-redis alternated this many rounds, per mode
+    # (long-poll, WebSocket) and count of idle waiters, each run this many measured wakes
+    wake_rounds: int = 3
+    wake_waiters: list[int] = field(default_factory=lambda: [1000, 10000])
+    wake_probes: int = 1000
+    phases: tuple[str, ...] = ("throughput", "head-to-head", "wake")
     profile_dir: Path | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -95,6 +101,9 @@ def make_plan(quick: bool) -> Plan:
             fanout_sizes=[256],
             longpoll_targets=["relay-1p", "nchan-redis"],
             head_to_head_rounds=2,
+            wake_rounds=2,
+            wake_waiters=[1000],
+            wake_probes=200,
         )
     return Plan(
         mode="full",
@@ -162,13 +171,17 @@ class Bench:
         plan = self.plan
         redis = self.redis = await targets.start_redis(self.procs, aof=plan.aof)
         self.log(f"redis-server on port {redis.port} (AOF {'everysec' if plan.aof else 'off'})")
-        await self.peers(redis)
-        await self.limits(redis)
-        for n in plan.ceiling_processes:
-            await self.ceiling(n)
-        for n in plan.relay_processes:
-            await self.relay(redis, n)
-        await self.head_to_head(redis)
+        if "throughput" in plan.phases:
+            await self.peers(redis)
+            await self.limits(redis)
+            for n in plan.ceiling_processes:
+                await self.ceiling(n)
+            for n in plan.relay_processes:
+                await self.relay(redis, n)
+        if "head-to-head" in plan.phases:
+            await self.head_to_head(redis)
+        if "wake" in plan.phases:
+            await self.wake_head_to_head(redis)
 
     async def peers(self, redis: RedisServer) -> None:
         plan = self.plan
@@ -253,6 +266,33 @@ class Bench:
                 self.stop(relay)
 
         await self.attempt("head_to_head", "relay-1p", rounds)
+
+    async def wake_head_to_head(self, redis: RedisServer) -> None:
+        """relay-1p and nchan-redis wake runs in alternation (bench/wake.py), `wake_rounds` times,
+        who goes first switching every round; each run on a freshly started server."""
+        plan = self.plan
+        for n in range(plan.wake_rounds):
+            for mode in wake.MODES:
+                for waiters in plan.wake_waiters:
+                    order = ("nchan-redis", "relay-1p") if n % 2 == 0 else ("relay-1p", "nchan-redis")
+                    for name in order:
+                        step = partial(self.wake, name, mode, waiters, n + 1, redis)
+                        await self.attempt("wake", name, step)
+
+    async def wake(self, name: str, mode: str, waiters: int, round_: int, redis: RedisServer) -> None:
+        if name == "relay-1p":
+            t = await targets.start_relay(self.procs, redis.url, 1)
+        else:
+            t = (await targets.start_nchan(self.procs, redis.url))[1]
+        try:
+            row = await wake.run(
+                t, mode, waiters, self.plan.wake_probes, scenarios.recipient, scenarios.filler(256)
+            )
+        finally:
+            self.stop(t)
+            await redis.flushall()
+        row.params["round"] = round_
+        self.record(row)
 
     async def limits(self, redis: RedisServer) -> None:
         if not scenarios.have_redis_benchmark():
@@ -391,7 +431,29 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     # the relay CLI's parser: a usage error is one line, exit 2
     p = cli.command_parser("relayfleet bench", "Side-by-side benchmarks (see docs/benchmarks.md).")
     p.epilog = targets.ENV_HELP
-    p.add_argument("--quick", action="store_true", help="fewer scenarios and shorter runs: about a minute")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer scenarios and shorter runs, wake at 1,000 waiters only: about two minutes",
+    )
+    p.add_argument(
+        "--wake-waiters",
+        type=counts,
+        metavar="N,N",
+        help="idle waiters of the wake head to head, comma-separated (default 1000,10000; --quick: 1000)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        metavar="N",
+        help="alternating rounds of the enqueue and wake head to heads (default 3; --quick: 2)",
+    )
+    p.add_argument(
+        "--only",
+        type=_phases,
+        metavar="PHASE,PHASE",
+        help=f"run only these phases, of {', '.join(PHASES)} (the report gets a section of its own)",
+    )
     p.add_argument(
         "--output",
         type=Path,
@@ -414,6 +476,17 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+PHASES = ("throughput", "head-to-head", "wake")
+
+
+def _phases(text: str) -> tuple[str, ...]:
+    chosen = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in chosen if x not in PHASES]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"phases are {', '.join(PHASES)}; got {text!r}")
+    return chosen
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # same clean-up path as Ctrl-C
 
@@ -425,6 +498,12 @@ def main(argv: list[str]) -> int:
         return 2 if exc.code not in (0, None) else 0
     plan = make_plan(args.quick)
     plan.aof = not args.no_aof
+    if args.wake_waiters:
+        plan.wake_waiters = args.wake_waiters
+    if args.rounds is not None:
+        plan.head_to_head_rounds = plan.wake_rounds = max(1, args.rounds)
+    if args.only:
+        plan.phases = args.only
     if args.profile is not None:
         if shutil.which("py-spy") is None and not Path(sys.executable).with_name("py-spy").exists():
             print("relayfleet bench: --profile needs py-spy (pip install py-spy)", file=sys.stderr)
@@ -435,6 +514,9 @@ def main(argv: list[str]) -> int:
     if max(plan.idle_levels) + 1000 > nofile:
         plan.notes.append(f"open-files limit {nofile}: idle long-polls capped")
         plan.idle_levels = [n for n in plan.idle_levels if n + 1000 <= nofile]
+    if max(plan.wake_waiters) + 1000 > nofile:
+        plan.notes.append(f"open-files limit {nofile}: wake waiters capped")
+        plan.wake_waiters = [n for n in plan.wake_waiters if n + 1000 <= nofile]
     command = "relayfleet bench" + (" " + shlex.join(argv) if argv else "")
     started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     load_before = report.loadavg()
@@ -473,7 +555,12 @@ def main(argv: list[str]) -> int:
     else:
         if args.output is None:
             args.output = default_output()
-        report.write(args.output, plan.mode, text)
+        if args.only:  # a section of its own: a partial run must not replace the last full one
+            only = ", ".join(plan.phases)
+            section = f"{plan.mode}-only-{'-'.join(plan.phases)}"
+            report.write(args.output, section, text, f"## Latest {plan.mode} run of {only} only")
+        else:
+            report.write(args.output, plan.mode, text)
         print(f"relayfleet bench: results written to {args.output}", file=sys.stderr)
     failed = [s for s in bench.results.skips if s.scenario == "start"]
     return 1 if failed and not bench.results.rows else 0

@@ -76,6 +76,8 @@ class Target:
             return f"/v1/queues/{b64(recipient)}/live"
         if self.kind == "nchan-mem":
             return f"/ws/{recipient.hex()}"
+        if self.kind == "nchan-redis":
+            return f"/rws/{recipient.hex()}"  # added when rendering the shared config
         return None
 
     def server_pids(self) -> list[int]:
@@ -279,12 +281,15 @@ async def start_relay(procs: Procs, redis_url: str, processes: int) -> Target:
 def render_nchan_conf(
     template: str, prefix: Path, port: int, redis_url: str, connections: int, shm_mib: int
 ) -> str:
-    """The shared peer config with its three variables filled in, plus two bench-only changes.
+    """The shared peer config with its three variables filled in, plus bench-only changes.
 
-    Changes (recorded in docs/benchmarks.md): worker_connections raised so 10,000 idle
-    long-polls fit; nchan_max_reserved_memory raised so a few seconds of 4-64 KiB publishes
-    fit in shared memory; request bodies up to 128 KiB buffered in memory (as aiohttp does)
-    instead of temp files; a static ``/bench/static`` location to calibrate the load generator.
+    Changes (recorded in docs/benchmarks.md): worker_connections and worker_rlimit_nofile
+    raised so 10,000 idle long-polls or WebSockets fit; nchan_max_reserved_memory raised so a
+    few seconds of 4-64 KiB publishes fit in shared memory; request bodies up to 128 KiB
+    buffered in memory (as aiohttp does) instead of temp files; a static ``/bench/static``
+    location to calibrate the load generator; ``/rws/`` (a WebSocket subscriber with the
+    ``/rsub/`` Redis storage) and ``/bench/nchan_status`` (nchan_stub_status: how many
+    subscribers wait) for the wake head to head.
     """
     values = {"PREFIX": str(prefix), "PORT": str(port), "REDIS_URL": redis_url}
 
@@ -301,12 +306,22 @@ def render_nchan_conf(
     text, n = re.subn(r"nchan_max_reserved_memory\s+\w+;", f"nchan_max_reserved_memory {shm_mib}M;", text)
     if n != 1:
         raise BenchError("nchan.conf: expected one nchan_max_reserved_memory directive")
+    # the worker's own open-files limit: each connection holds a descriptor (Redis ones too)
+    text = text.replace("events {", f"worker_rlimit_nofile {connections + 512};\nevents {{", 1)
     text = text.replace("http {", "http {\n  client_body_buffer_size 128k;", 1)
     listen = f"listen 127.0.0.1:{port};"
     if listen not in text:
         raise BenchError("nchan.conf: expected a 'listen 127.0.0.1:${PORT};' line")
-    text = text.replace(listen, listen + '\n    location = /bench/static { return 200 "ok"; }', 1)
-    return text
+    storage = re.search(r"nchan_redis_pass\s+(\w+);", text)
+    if storage is None:
+        raise BenchError("nchan.conf: expected a location with nchan_redis_pass (the Redis storage)")
+    bench_only = (
+        '    location = /bench/static { return 200 "ok"; }',
+        "    location = /bench/nchan_status { nchan_stub_status; }",
+        "    location ~ /rws/(\\w+)$ { nchan_subscriber websocket; nchan_channel_id $1; "
+        f"nchan_redis_pass {storage.group(1)}; }}",
+    )
+    return text.replace(listen, "\n".join((listen, *bench_only)), 1)
 
 
 def _nginx_prefix(workdir: Path, port: int, redis_url: str, connections: int, shm_mib: int) -> Path:
