@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2016  # sh -c scripts in single quotes expand in the chroot, on purpose
 # The container images without a Docker daemon (hack/release.sh calls this where no daemon answers
-# for the first two; hack/cluster-images.sh for all four, make cluster's node):
+# for the first three; hack/cluster-images.sh for all four, make cluster's node):
 #
 #   DISTDIR/relayfleet-image-<v>.oci.tar        Dockerfile:       relay + operator, `.[operator]`
 #   DISTDIR/relayfleet-spark-image-<v>.oci.tar  Dockerfile.spark: Spark jobs, `.[spark,operator]`

@@ -3,15 +3,16 @@
 #
 #   dist/relayfleet-<v>-py3-none-any.whl, dist/relayfleet-<v>.tar.gz   (twine check --strict)
 #   dist/relayfleet-<v>.tgz                                            (helm lint --strict, helm package)
-#   dist/relayfleet-image-<v>.tar, dist/relayfleet-spark-image-<v>.tar (docker build + docker save,
-#                                                                       where a Docker daemon answers)
-#   else dist/relayfleet-image-<v>.oci.tar, dist/relayfleet-spark-image-<v>.oci.tar
-#        (hack/images.sh: the same images from Debian packages, no daemon, as root; each one run;
+#   dist/relayfleet-image-<v>.tar, dist/relayfleet-spark-image-<v>.tar, dist/redis-image-<v>.tar
+#        (docker build + docker save, where a Docker daemon answers)
+#   else dist/relayfleet-image-<v>.oci.tar, dist/relayfleet-spark-image-<v>.oci.tar,
+#        dist/redis-image-<v>.oci.tar (hack/images.sh: the same images from Debian packages, no
+#        daemon, as root; each one run; each archive names its image ghcr.io/relayfleet/NAME:<v>;
 #        taken from hack/cluster-images.sh's cache when `make e2e` already built this content)
 #   dist/SHA256SUMS
 #
 # The version comes from pyproject.toml alone (hack/version.py --check fails on any drift).
-# Both Dockerfiles are linted with hadolint (errors fail the release) whether or not images can
+# The Dockerfiles are linted with hadolint (errors fail the release) whether or not images can
 # be built. RELAYFLEET_RELEASE_IMAGES=daemonless takes the OCI path even where a daemon answers.
 # With neither a daemon nor root + debootstrap the images are not built and the script says so on
 # stderr and in dist/IMAGES-NOT-BUILT; RELAYFLEET_RELEASE_REQUIRE_IMAGES=1 makes that a failure.
@@ -64,31 +65,33 @@ log "chart"
 [[ -f "dist/relayfleet-${version}.tgz" ]] || { log "helm package did not write dist/relayfleet-${version}.tgz"; exit 1; }
 
 log "Dockerfiles (hadolint)"
-"${bin}/hadolint" --failure-threshold error Dockerfile Dockerfile.spark
+"${bin}/hadolint" --failure-threshold error Dockerfile Dockerfile.spark Dockerfile.redis
 
 if docker info >/dev/null 2>&1 && [[ "${RELAYFLEET_RELEASE_IMAGES:-auto}" != daemonless ]]; then
-  for spec in "relayfleet:Dockerfile" "relayfleet-spark:Dockerfile.spark"; do
+  for spec in "relayfleet:Dockerfile" "relayfleet-spark:Dockerfile.spark" "redis:Dockerfile.redis"; do
     name="${spec%%:*}" file="${spec#*:}"
     log "image ghcr.io/relayfleet/${name}:${version}"
     docker build -f "${file}" -t "ghcr.io/relayfleet/${name}:${version}" .
     docker save -o "dist/${name}-image-${version}.tar" "ghcr.io/relayfleet/${name}:${version}"
   done
 elif [[ "$(id -u)" -eq 0 ]] && command -v debootstrap >/dev/null; then
-  # No daemon: the same two images as OCI archives, built from Debian packages (hack/images.sh).
+  # No daemon: the same three images as OCI archives, built from Debian packages (hack/images.sh).
   # hack/cluster-images.sh keeps them keyed by the content they are made of (the product's
   # files, the Dockerfiles, the image scripts): what `make e2e` built and ran for this tree is
   # what ships, built (and smoke-run) once, not a second time here.
   log "images without a Docker daemon (hack/images.sh through hack/cluster-images.sh): OCI archives"
-  mapfile -t archives < <(PYTHON="${py}" bash hack/cluster-images.sh build relayfleet relayfleet-spark)
-  ((${#archives[@]} == 2)) || { log "hack/cluster-images.sh build named ${#archives[@]} archives, not 2"; exit 1; }
-  for spec in "relayfleet:${archives[0]}" "relayfleet-spark:${archives[1]}"; do
+  images=(relayfleet relayfleet-spark redis)
+  mapfile -t archives < <(PYTHON="${py}" bash hack/cluster-images.sh build "${images[@]}")
+  ((${#archives[@]} == ${#images[@]})) ||
+    { log "hack/cluster-images.sh build named ${#archives[@]} archives, not ${#images[@]}"; exit 1; }
+  for i in "${!images[@]}"; do
     # a copy, not a link: whatever is done to dist/ later never reaches the cache
-    cp --reflink=auto "${spec#*:}" "dist/${spec%%:*}-image-${version}.oci.tar"
+    cp --reflink=auto "${archives[i]}" "dist/${images[i]}-image-${version}.oci.tar"
   done
 else
   reason="no Docker daemon answers 'docker info', and the daemonless build (hack/images.sh) needs root and debootstrap"
-  printf 'images ghcr.io/relayfleet/relayfleet:%s and relayfleet-spark:%s not built: %s\n' \
-    "${version}" "${version}" "${reason}" >dist/IMAGES-NOT-BUILT
+  printf 'images ghcr.io/relayfleet/relayfleet:%s, relayfleet-spark:%s and redis:%s not built: %s\n' \
+    "${version}" "${version}" "${version}" "${reason}" >dist/IMAGES-NOT-BUILT
   log "IMAGES NOT BUILT: ${reason}"
   [[ "${RELAYFLEET_RELEASE_REQUIRE_IMAGES:-0}" != 1 ]] || exit 1
 fi

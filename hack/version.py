@@ -4,9 +4,10 @@
     python hack/version.py --check    exit 1 (naming each file) if any stamped place disagrees
     python hack/version.py --sync     write the version into every stamped place
 
-Stamped places: the chart's version and appVersion (the image tags default to appVersion), the
-RelayShard CRD's default relay image and both CRDs' relayfleet.dev/version annotation (crds/ and
-the chart's copy), the operator's DEFAULT_IMAGE.
+Stamped places: the chart's version and appVersion (the image tags default to appVersion), both
+CRDs' relayfleet.dev/version annotation (crds/ and the chart's copy), the operator's
+DEFAULT_IMAGE and DEFAULT_REDIS_IMAGE (the images of a RelayShard that names none, when the
+operator runs without the chart's values).
 Tags are v<version> (see docs/upgrade.md).
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = "ghcr.io/relayfleet/relayfleet"
+REDIS_IMAGE = "ghcr.io/relayfleet/redis"
 
 
 def version() -> str:
@@ -31,18 +33,15 @@ def version() -> str:
 
 def stamps(v: str) -> list[tuple[Path, str, str]]:
     """(file, pattern with one group for the version, replacement template)."""
-    tag = re.escape(IMAGE) + r":([0-9A-Za-z.+-]+)"
+    spec = ROOT / "operator/relayfleet_operator/spec.py"
     out = [
         (ROOT / "charts/relayfleet/Chart.yaml", r"(?m)^version: ([^\s]+)$", f"version: {v}"),
         (ROOT / "charts/relayfleet/Chart.yaml", r'(?m)^appVersion: "([^"]+)"$', f'appVersion: "{v}"'),
-        (
-            ROOT / "operator/relayfleet_operator/spec.py",
-            rf'DEFAULT_IMAGE = "{tag}"',
-            f'DEFAULT_IMAGE = "{IMAGE}:{v}"',
-        ),
     ]
+    for constant, image in (("DEFAULT_IMAGE", IMAGE), ("DEFAULT_REDIS_IMAGE", REDIS_IMAGE)):
+        tag = re.escape(image) + r":([0-9A-Za-z.+-]+)"
+        out.append((spec, rf'(?m)^{constant} = "{tag}"', f'{constant} = "{image}:{v}"'))
     for crds in ("crds", "charts/relayfleet/crds"):
-        out.append((ROOT / crds / "relayshards.yaml", rf'default: "{tag}"', f'default: "{IMAGE}:{v}"'))
         for name in ("relayshards.yaml", "relayrebalances.yaml"):
             # the operator's never-downgrade guard compares this (relayfleet_operator/crds.py)
             pattern = r'relayfleet\.dev/version: "([^"]+)"'

@@ -2,13 +2,13 @@
 # `make e2e-kind`: the e2e suite (e2e/) on a kind cluster with real kubelets and real images.
 #
 # Needs: Docker (running), kind, kubectl, helm (3.x) on PATH, and the dev venv (make venv-dev).
-# Creates the cluster (unless it exists), builds both images, loads them into the nodes, and
+# Creates the cluster (unless it exists), builds the three images, loads them into the nodes, and
 # runs pytest e2e/ against it; the tests install the chart themselves (helm install with the
 # image tags below). The cluster is kept for inspection unless RELAYFLEET_KIND_DELETE=1.
 #
 # Environment:
 #   RELAYFLEET_KIND_CLUSTER  cluster name            (default relayfleet-e2e)
-#   RELAYFLEET_IMAGE_TAG     tag for both images     (default e2e)
+#   RELAYFLEET_IMAGE_TAG     tag for the images      (default e2e)
 #   RELAYFLEET_KIND_DELETE   1: delete the cluster at the end
 #   PYTEST_ARGS              extra pytest arguments
 set -euo pipefail
@@ -19,6 +19,7 @@ cluster="${RELAYFLEET_KIND_CLUSTER:-relayfleet-e2e}"
 tag="${RELAYFLEET_IMAGE_TAG:-e2e}"
 relay_image="ghcr.io/relayfleet/relayfleet:${tag}"
 spark_image="ghcr.io/relayfleet/relayfleet-spark:${tag}"
+redis_image="ghcr.io/relayfleet/redis:${tag}"
 python="${root}/.venv/bin/python"
 
 need() {
@@ -57,14 +58,15 @@ else
 fi
 kind get kubeconfig --name "$cluster" >"$kubeconfig"
 
-echo "e2e-kind: building ${relay_image} and ${spark_image}"
+echo "e2e-kind: building ${relay_image}, ${spark_image} and ${redis_image}"
 docker build -t "$relay_image" -f "${root}/Dockerfile" "$root"
 docker build -t "$spark_image" -f "${root}/Dockerfile.spark" "$root"
+docker build -t "$redis_image" -f "${root}/Dockerfile.redis" "$root"
 # the previous release for the upgrade test (e2e/test_upgrade.py names it), built from its tree
 previous_commit="$(sed -n 's/^PREVIOUS = "\([0-9a-f]*\)"$/\1/p' "${root}/e2e/test_upgrade.py")"
 previous_image="$(sed -n 's/^PREVIOUS_IMAGE = "\(.*\)"$/\1/p' "${root}/e2e/test_upgrade.py")"
 git -C "$root" archive --format=tar "$previous_commit" | docker build -t "$previous_image" -
-kind load docker-image --name "$cluster" "$relay_image" "$spark_image" "$previous_image"
+kind load docker-image --name "$cluster" "$relay_image" "$spark_image" "$redis_image" "$previous_image"
 
 # The chart and the RelayShards use these images; IfNotPresent keeps kubelets off the registry.
 helm_args=(
@@ -72,6 +74,7 @@ helm_args=(
   "--set" "image.pullPolicy=IfNotPresent"
   "--set" "spark.image.tag=${tag}"
   "--set" "spark.image.pullPolicy=IfNotPresent"
+  "--set" "redis.image.tag=${tag}"
 )
 export RELAYFLEET_E2E_HELM_ARGS="${helm_args[*]}"
 export RELAYFLEET_E2E_SHARD_IMAGE="${relay_image}"

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from relay.settings import DEPRECATED_ENV, ConfigError, EnvVar, env_value, parse_env
+from relayfleet_operator.spec import DEFAULT_IMAGE, DEFAULT_REDIS_IMAGE, ImageDefaults
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _LEVELS_KIND = "one of " + ", ".join(LOG_LEVELS)
@@ -31,6 +32,14 @@ OPERATOR_ENV: tuple[EnvVar, ...] = (
     EnvVar("RELAYFLEET_OPERATOR_RESYNC_SECONDS", "30", "re-apply period of every RelayShard"),
     EnvVar("RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS", "2", "step period of every RelayRebalance"),
     EnvVar("RELAYFLEET_OPERATOR_RETRY_SECONDS", "15", "wait before retrying a failed or blocked step"),
+    EnvVar(
+        "RELAYFLEET_OPERATOR_DEFAULT_RELAY_IMAGE", DEFAULT_IMAGE, "relay image of shards without spec.image"
+    ),
+    EnvVar(
+        "RELAYFLEET_OPERATOR_DEFAULT_REDIS_IMAGE",
+        DEFAULT_REDIS_IMAGE,
+        "Redis image of managed shards without spec.redis.managed.image",
+    ),
     EnvVar("RELAYFLEET_OPERATOR_CRDS_DIR", "none", "apply the CRD files there at start (guarded)"),
     EnvVar("RELAYFLEET_OPERATOR_KUBECONFIG", "none", "kubeconfig (else KUBECONFIG, else in-cluster)"),
     EnvVar("KUBECONFIG", "none", "the usual kubeconfig list (its first file; else ~/.kube/config)"),
@@ -48,6 +57,8 @@ class OperatorSettings:
     resync_seconds: float = 30.0
     rebalance_tick_seconds: float = 2.0
     retry_seconds: float = 15.0
+    # the images of a RelayShard that names none (the chart sets them from its values)
+    images: ImageDefaults = field(default_factory=ImageDefaults)
     crds_dir: Path | None = None
     kubeconfig: str | None = None
     log_level: str = "INFO"
@@ -65,6 +76,10 @@ class OperatorSettings:
                 "RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS", cls.rebalance_tick_seconds
             ),
             retry_seconds=_seconds("RELAYFLEET_OPERATOR_RETRY_SECONDS", cls.retry_seconds),
+            images=ImageDefaults(
+                relay=_image("RELAYFLEET_OPERATOR_DEFAULT_RELAY_IMAGE", DEFAULT_IMAGE),
+                redis=_image("RELAYFLEET_OPERATOR_DEFAULT_REDIS_IMAGE", DEFAULT_REDIS_IMAGE),
+            ),
             crds_dir=Path(crds_dir) if crds_dir else None,
             kubeconfig=env_value("RELAYFLEET_OPERATOR_KUBECONFIG") or _kubeconfig_path(),
             log_level=parse_env("RELAY_LOG_LEVEL", cls.log_level, _log_level, _LEVELS_KIND),
@@ -82,6 +97,17 @@ def _port(name: str, default: int) -> int:
     if not 0 <= port <= 65535:
         raise ConfigError(f"{name} must be a port number, got {port}")
     return port
+
+
+def _image(name: str, default: str) -> str:
+    """An image reference as the CRD admits one in spec (1-512 characters), without blanks."""
+    return parse_env(name, default, _image_ref, "an image reference of at most 512 characters, no spaces")
+
+
+def _image_ref(raw: str) -> str:
+    if len(raw) > 512 or any(c.isspace() for c in raw):
+        raise ValueError(raw)
+    return raw
 
 
 def _seconds(name: str, default: float) -> float:

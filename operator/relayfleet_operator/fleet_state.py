@@ -20,7 +20,15 @@ from relay.fleet.contract import MapChange, MapWriteConflict, Move, Obj
 from relay.fleet.sharding import ShardMap
 from relayfleet_operator import builders, metrics, shard_redis
 from relayfleet_operator.kube import Conflict, Kube
-from relayfleet_operator.spec import API_VERSION, SHARD_KIND, ExternalRedis, ShardSpec, SpecError, parse_shard
+from relayfleet_operator.spec import (
+    API_VERSION,
+    SHARD_KIND,
+    ExternalRedis,
+    ImageDefaults,
+    ShardSpec,
+    SpecError,
+    parse_shard,
+)
 
 _MAP_WRITE_ATTEMPTS = 8
 
@@ -46,6 +54,8 @@ class Context:
     kube: Kube
     # how long a failed or blocked step waits before kopf calls the handler again
     retry_seconds: float = 15.0
+    # the images of a RelayShard that names none (OperatorSettings.images)
+    images: ImageDefaults = field(default_factory=ImageDefaults)
     locks: Locks = field(default_factory=Locks)
     # Which fleets are moving slots right now, and for what (shown in shard conditions).
     moving: dict[tuple[str, str], str] = field(default_factory=dict)

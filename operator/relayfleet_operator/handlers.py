@@ -48,7 +48,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     kube, config = memo.get("kube"), memo.get("settings")
     if not isinstance(kube, Kube) or not isinstance(config, OperatorSettings):
         raise kopf.PermanentError("start the operator through relayfleet_operator.main.run")
-    memo["ctx"] = fleet_state.Context(kube=kube, retry_seconds=config.retry_seconds)
+    memo["ctx"] = fleet_state.Context(kube=kube, retry_seconds=config.retry_seconds, images=config.images)
     memo["rebalancing"] = set()
 
 

@@ -5,6 +5,10 @@ ranges, enums, names, CEL rules) and fills its defaults; repeating the defaults 
 the pure builders total (they also receive hand-written bodies in tests and from objects
 stored before a default existed). The checks are not repeated: SpecError is left for what
 the schema cannot say (whole-byte sizes, a five-field cron schedule).
+
+The two images are the exception: the CRD has no default for them, so a RelayShard that names
+none runs the operator's configured ones (ImageDefaults, from the chart's values), and a
+chart upgrade moves it along (docs/design-decisions.md, "Images the operator defaults").
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ REBALANCE_KIND = "RelayRebalance"
 REBALANCE_PLURAL = "relayrebalances"
 
 DEFAULT_IMAGE = "ghcr.io/relayfleet/relayfleet:0.2.0"
-DEFAULT_REDIS_IMAGE = "redis:7.2"
+# The project's Redis image (Dockerfile.redis: Debian's redis-server and redis-sentinel, uid 999)
+DEFAULT_REDIS_IMAGE = "ghcr.io/relayfleet/redis:0.2.0"
 
 _DURATION = re.compile(r"^([0-9]+)(s|m|h|d)$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -45,6 +50,15 @@ def default_redis_resources() -> Resources:
 
 class SpecError(ValueError):
     """A RelayShard or RelayRebalance spec the operator cannot act on."""
+
+
+@dataclass(frozen=True)
+class ImageDefaults:
+    """The images of a RelayShard that names none (spec.image, spec.redis.managed.image):
+    the operator's configuration (OperatorSettings), else this release's images."""
+
+    relay: str = DEFAULT_IMAGE
+    redis: str = DEFAULT_REDIS_IMAGE
 
 
 @dataclass(frozen=True)
@@ -228,7 +242,7 @@ def _size(parent: Mapping[str, Any], where: str, default: Quantity) -> Quantity:
     return size
 
 
-def _redis(spec: Mapping[str, Any]) -> ManagedRedis | ExternalRedis:
+def _redis(spec: Mapping[str, Any], image: str) -> ManagedRedis | ExternalRedis:
     redis = _obj(spec, "redis")
     if redis.get("managed") is not None:
         m = _obj(redis, "managed")
@@ -239,7 +253,7 @@ def _redis(spec: Mapping[str, Any]) -> ManagedRedis | ExternalRedis:
             replicas=m.get("replicas", 0),
             min_replicas=m.get("minReplicas", 0),
             tls_secret=tls["secretName"] if tls is not None else None,
-            image=m.get("image", ManagedRedis.image),
+            image=m.get("image") or image,
             storage_size=_size(storage, "spec.redis.managed.storage", "1Gi"),
             storage_class=storage.get("storageClassName") or None,
             appendfsync=m.get("appendfsync", "everysec"),
@@ -295,8 +309,9 @@ def _relay(spec: Mapping[str, Any]) -> RelayConfig:
     )
 
 
-def parse_shard(body: Mapping[str, Any]) -> ShardSpec:
-    """Build a ShardSpec from a RelayShard object (as a dict or kopf Body).
+def parse_shard(body: Mapping[str, Any], images: ImageDefaults = ImageDefaults()) -> ShardSpec:
+    """Build a ShardSpec from a RelayShard object (as a dict or kopf Body); `images` for the
+    images it does not name.
 
     The API server has checked the object against the CRD's schema and CEL rules
     (crds/relayshards.yaml: types, ranges, enums, names, exactly-one-of, reserved env);
@@ -314,11 +329,11 @@ def parse_shard(body: Mapping[str, Any]) -> ShardSpec:
         uid=str(meta.get("uid", "")),
         generation=generation if isinstance(generation, int) else 0,
         fleet=spec["fleet"],
-        redis=_redis(spec),
+        redis=_redis(spec, images.redis),
         backup=_backup(spec),
         replicas=spec.get("replicas", 2),
         weight=spec.get("weight", 100),
-        image=spec.get("image", DEFAULT_IMAGE),
+        image=spec.get("image") or images.relay,
         image_pull_policy=spec.get("imagePullPolicy", "IfNotPresent"),
         auto_rebalance=spec.get("autoRebalance", False),
         resources=_resources(res) if res else default_relay_resources(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import redis
 from relayfleet_operator import builders
 from relayfleet_operator.spec import (
     ExternalRedis,
+    ImageDefaults,
     ManagedRedis,
     ShardSpec,
     SpecError,
@@ -26,6 +28,7 @@ from relay.fleet.sharding import SLOT_COUNT, ShardMapError, parse_sentinel_url, 
 from tests.support.shard_specs import MANAGED, shard_body
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 EXTERNAL = parse_shard(shard_body("b", redis={"external": {"url": "redis://:pw@10.0.0.9:6380/0"}}))
@@ -488,3 +491,35 @@ def test_a_reconcile_applies_each_service_account_before_the_pods_that_run_as_it
                 f"{obj['kind']}/{obj['metadata']['name']} before ServiceAccount {account}"
             )
     assert checked >= 1
+
+
+def _images(shard: ShardSpec) -> dict[tuple[str, str], str]:
+    """(object name, container name) -> image, for every container of the shard's children."""
+    return {
+        (obj["metadata"]["name"], c["name"]): c["image"]
+        for obj in builders.shard_children(shard)
+        for c in _pod_spec(obj).get("containers") or ()
+    }
+
+
+def test_images_a_shard_does_not_name_are_the_operators_configured_ones() -> None:
+    configured = ImageDefaults(relay="registry.test/relay:7", redis="registry.test/redis:7")
+    body = shard_body("r", redis={"managed": {"replicas": 1}}, backup={})
+    images = _images(parse_shard(body, configured))
+    assert images == {
+        ("relayfleet-r-relay", "relay"): "registry.test/relay:7",
+        ("relayfleet-r-redis", "redis"): "registry.test/redis:7",
+        ("relayfleet-r-sentinel", "sentinel"): "registry.test/redis:7",
+        ("relayfleet-r-backup", "backup"): "registry.test/relay:7",  # `relayfleet backup` runs in it
+    }
+    # an image in the spec wins over the configured one
+    body["spec"].update(image="example/relay:1", redis={"managed": {"replicas": 1, "image": "redis:7.2"}})
+    assert set(_images(parse_shard(body, configured)).values()) == {"example/relay:1", "redis:7.2"}
+    # without configuration: this release's own images (hack/version.py stamps both)
+    version = subprocess.run(
+        [sys.executable, str(ROOT / "hack" / "version.py")], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert set(_images(REPLICATED).values()) == {
+        f"ghcr.io/relayfleet/relayfleet:{version}",
+        f"ghcr.io/relayfleet/redis:{version}",
+    }

@@ -14,6 +14,8 @@ import kopf
 import pytest
 from relayfleet_operator import handlers
 from relayfleet_operator.config import OPERATOR_ENV, OperatorSettings
+from relayfleet_operator.kube import Kube
+from relayfleet_operator.spec import DEFAULT_IMAGE, ImageDefaults
 
 from relay.settings import ConfigError
 
@@ -59,6 +61,11 @@ def run_module(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
             "relayfleet operator: RELAYFLEET_OPERATOR_METRICS_PORT must be a port number, got 'http'",
         ),
         (
+            {"RELAYFLEET_OPERATOR_DEFAULT_REDIS_IMAGE": "redis 7"},
+            "relayfleet operator: RELAYFLEET_OPERATOR_DEFAULT_REDIS_IMAGE must be an image reference of"
+            " at most 512 characters, no spaces, got 'redis 7'",
+        ),
+        (
             {"RELAY_LOG_LEVEL": "loud"},
             "relayfleet operator: RELAY_LOG_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL,"
             " got 'loud'",
@@ -80,6 +87,15 @@ def test_help_names_every_variable_with_its_default() -> None:
         line = next((ln for ln in text.splitlines() if ln.split()[:1] == [var.name]), None)
         assert line is not None, f"{var.name} missing from --help"
         assert f"[default {var.default}]" in line, line
+    # the images of shards that name none: the chart sets both, without it this release's own
+    for name, image in [
+        ("RELAYFLEET_OPERATOR_DEFAULT_RELAY_IMAGE", DEFAULT_IMAGE),
+        (
+            "RELAYFLEET_OPERATOR_DEFAULT_REDIS_IMAGE",
+            "ghcr.io/relayfleet/redis:" + DEFAULT_IMAGE.split(":")[-1],
+        ),
+    ]:
+        assert any(ln.split()[:1] == [name] and f"[default {image}]" in ln for ln in text.splitlines()), name
     assert "RELAY_OPERATOR_NAMESPACE -> RELAYFLEET_OPERATOR_NAMESPACE" in text  # deprecated, still read
     assert "env RELAYFLEET_OPERATOR_NAMESPACE" in " ".join(text.split())
 
@@ -99,6 +115,8 @@ def test_from_env_reads_every_variable_and_the_defaults_are_plain(
     monkeypatch.setenv("RELAYFLEET_OPERATOR_CRDS_DIR", str(tmp_path))
     monkeypatch.setenv("KUBECONFIG", os.pathsep.join(["/k/one", "/k/two"]))
     monkeypatch.setenv("RELAY_LOG_LEVEL", "debug")
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_DEFAULT_RELAY_IMAGE", "registry.test/relay:7")
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_DEFAULT_REDIS_IMAGE", "registry.test/redis@sha256:" + "0" * 64)
     monkeypatch.setenv("RELAY_OPERATOR_NAMESPACE", "old-name")  # deprecated name, still read
     got = OperatorSettings.from_env()
     assert got == OperatorSettings(
@@ -108,6 +126,7 @@ def test_from_env_reads_every_variable_and_the_defaults_are_plain(
         resync_seconds=7.5,
         rebalance_tick_seconds=1.0,
         retry_seconds=4.0,
+        images=ImageDefaults(relay="registry.test/relay:7", redis="registry.test/redis@sha256:" + "0" * 64),
         crds_dir=tmp_path,
         kubeconfig="/k/one",
         log_level="DEBUG",
@@ -131,6 +150,13 @@ def test_handlers_take_their_periods_from_the_settings() -> None:
     timers = {h.id: (h.interval, h.initial_delay) for h in spawned if isinstance(h, TimerHandler)}
     assert len(timers) == len(spawned)
     assert timers == {"shard_resync": (7.0, 7.0), "rebalance_tick": (3.0, None)}
+
+
+async def test_the_handlers_context_carries_the_configured_images() -> None:
+    images = ImageDefaults(relay="registry.test/relay:7", redis="registry.test/redis:7")
+    memo = kopf.Memo(kube=Kube(None), settings=OperatorSettings(images=images))
+    await handlers.startup(settings=kopf.OperatorSettings(), memo=memo)
+    assert memo["ctx"].images == images  # shards.reconcile parses each RelayShard with them
 
 
 def test_importing_the_operator_reads_no_environment() -> None:

@@ -61,6 +61,9 @@ def test_valid_relayshard_is_accepted_with_defaults(kube_apiserver: KubeCluster,
     assert spec["retention"] == {"maxAge": "7d", "maxMessages": 10000}
     assert spec["limits"]["maxPayloadBytes"] == 5242880
     assert spec["limits"]["rateLimitMessages"] == 500
+    # no image is stored: the operator's configured images apply, and follow a chart upgrade
+    assert "image" not in spec
+    assert "image" not in spec["redis"]["managed"]
     table = kube_apiserver.kubectl("-n", apiserver_ns, "get", "rshard").stdout.split()
     assert table[:6] == ["NAME", "REPLICAS", "READY", "SLOTS", "PHASE", "AGE"]
 
@@ -230,7 +233,11 @@ def test_chart_passes_server_side_dry_run(kube_apiserver: KubeCluster, apiserver
 def test_operator_creates_children_and_reports_status(kwok_fleet: KwokFleet) -> None:
     fleet, ns = kwok_fleet, kwok_fleet.ns
     fleet.redis("a")
-    fleet.operator.start()
+    # what the chart sets from its values: the images of shards that name none
+    fleet.operator.start(
+        RELAYFLEET_OPERATOR_DEFAULT_RELAY_IMAGE="registry.test/relay:7",
+        RELAYFLEET_OPERATOR_DEFAULT_REDIS_IMAGE="registry.test/redis:7",
+    )
     fleet.apply(fleet.external("a"), shard("b", replicas=1))
 
     def a_ready() -> dict[str, Any] | None:
@@ -272,6 +279,7 @@ def test_operator_creates_children_and_reports_status(kwok_fleet: KwokFleet) -> 
     dep = fleet.get("deployment", "relayfleet-a-relay")
     assert dep is not None
     assert dep["metadata"]["ownerReferences"][0]["uid"] == a["metadata"]["uid"]
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.test/relay:7"
     assert fleet.get("statefulset", "relayfleet-a-redis") is None
 
     # The managed shard gets its Redis objects, joins with no slots, and waits for its PVC.
@@ -283,6 +291,9 @@ def test_operator_creates_children_and_reports_status(kwok_fleet: KwokFleet) -> 
         ("deployment", "relayfleet-b-relay"),
     ]:
         wait_for(f"{kind}/{name}", lambda k=kind, n=name: fleet.get(k, n))  # type: ignore[misc]
+    sts = fleet.get("statefulset", "relayfleet-b-redis")
+    assert sts is not None
+    assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.test/redis:7"
     conf = fleet.get("configmap", "relayfleet-b-redis-config")
     assert conf is not None
     assert "appendonly yes" in conf["data"]["redis.conf"]

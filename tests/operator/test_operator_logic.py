@@ -4,14 +4,15 @@ machine and the bounded-concurrency executor. No API server needed."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, cast
+from typing import Any
 
 import kopf
 import pytest
 from relayfleet_operator import metrics as operator_metrics
 from relayfleet_operator import shards
 from relayfleet_operator.executor import MoveFailed, Outcome, run_moves
-from relayfleet_operator.fleet_state import founder, targets
+from relayfleet_operator.fleet_state import Context, founder, targets
+from relayfleet_operator.kube import Kube
 from relayfleet_operator.rebalance_states import ANNOTATION, Action, decide, moves_status, progress, remaining
 from relayfleet_operator.spec import parse_shard
 from relayfleet_operator.status import Observed, claim_problem, set_condition, shard_status
@@ -135,7 +136,8 @@ def test_an_invalid_spec_is_counted_as_an_operator_error() -> None:
 
     before = errors()
     with pytest.raises(kopf.PermanentError, match="5 fields"):
-        asyncio.run(shards.reconcile(cast(Any, None), body, announce=False))  # fails before any I/O
+        # fails before any I/O: the client is never used
+        asyncio.run(shards.reconcile(Context(kube=Kube(None)), body, announce=False))
     assert errors() == before + 1
 
 

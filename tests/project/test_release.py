@@ -55,10 +55,13 @@ def test_drift_is_found_and_sync_fixes_it(tmp_path: Path) -> None:
     )
     proc = version_py(tmp_path, "--check")
     assert proc.returncode == 1
-    assert proc.stderr.count("version drift:") == 9, proc.stderr
+    assert proc.stderr.count("version drift:") == 8, proc.stderr
     assert version_py(tmp_path, "--sync").returncode == 0
     assert version_py(tmp_path, "--check").returncode == 0
-    assert "relayfleet:9.8.7" in (tmp_path / "crds/relayshards.yaml").read_text()
+    spec = (tmp_path / "operator/relayfleet_operator/spec.py").read_text()
+    assert 'DEFAULT_IMAGE = "ghcr.io/relayfleet/relayfleet:9.8.7"' in spec
+    assert 'DEFAULT_REDIS_IMAGE = "ghcr.io/relayfleet/redis:9.8.7"' in spec
+    assert 'relayfleet.dev/version: "9.8.7"' in (tmp_path / "crds/relayshards.yaml").read_text()
 
 
 # --- daemonless images (hack/oci_image.py, used by hack/images.sh) ------------------------------

@@ -54,6 +54,10 @@ app.kubernetes.io/component: operator
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{- define "relayfleet.redis.image" -}}
+{{- printf "%s:%s" .Values.redis.image.repository (default .Chart.AppVersion .Values.redis.image.tag) -}}
+{{- end -}}
+
 {{- define "relayfleet.spark.image" -}}
 {{- printf "%s:%s" .Values.spark.image.repository (default .Chart.AppVersion .Values.spark.image.tag) -}}
 {{- end -}}
