@@ -128,9 +128,12 @@ def test_install_upgrades_an_older_crd_and_leaves_a_newer_one(
     shards = test_crds[0]
     name = shards["metadata"]["name"]
     # As a 0.1.0 chart left it: installed by someone else (helm; here kubectl), unversioned,
-    # without spec.relay.
+    # without spec.relay, defaulting both images at admission.
     old = versioned(shards, None)
-    del old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["relay"]
+    old_spec = old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    del old_spec["relay"]
+    old_spec["image"]["default"] = "ghcr.io/relayfleet/relayfleet:0.1.0"
+    old_spec["redis"]["properties"]["managed"]["properties"]["image"]["default"] = "redis:7.2"
     kube_apiserver.kubectl("create", "-f", "-", input=json.dumps(old))
 
     async def install(docs: list[dict[str, Any]]) -> list[crds.Decision]:
@@ -145,6 +148,11 @@ def test_install_upgrades_an_older_crd_and_leaves_a_newer_one(
     got = live(kube_apiserver, name)
     assert has_relay_field(got)
     assert crds.crd_version(got) == VERSION
+    # the image defaults are gone with the fields the operator's apply took over (the operator's
+    # configured images apply to shards created from now on)
+    spec = got["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert "default" not in spec["image"]
+    assert "default" not in spec["redis"]["properties"]["managed"]["properties"]["image"]
     managers = {m["manager"] for m in got["metadata"]["managedFields"]}
     assert "relayfleet-operator" in managers
 
