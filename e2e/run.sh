@@ -4,7 +4,9 @@
 # With RELAYFLEET_KUBECONFIG (or `make e2e KUBECONFIG=PATH`) set: that cluster, as it is (its node
 # must hold the images the chart names; docs/e2e.md). Otherwise the single-node cluster of
 # `make cluster` is brought up here (it prints KUBECONFIG=<path> last) and torn down at the end
-# with `make cluster-down`, unless RELAYFLEET_E2E_KEEP_CLUSTER=1.
+# with `make cluster-down` whether the suite passed or not, unless RELAYFLEET_E2E_KEEP_CLUSTER=1.
+# A `make cluster` node that is already up was brought up by someone else: it is used (its
+# images refreshed with `make cluster-images`) and left running.
 #
 # Environment:
 #   RELAYFLEET_KUBECONFIG        an existing cluster's kubeconfig (KUBECONFIG too)
@@ -27,6 +29,11 @@ finish() {
 }
 trap finish EXIT
 
+if [[ -z "${kubeconfig}" ]] && running="$(bash "${root}/hack/cluster.sh" status 2>/dev/null)"; then
+  kubeconfig="${running#KUBECONFIG=}"
+  echo "e2e: make cluster's node is already up: using it, not tearing it down afterwards" >&2
+  make -C "${root}" --no-print-directory cluster-images
+fi
 if [[ -z "${kubeconfig}" ]]; then
   started=1
   log="$(mktemp)"

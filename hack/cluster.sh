@@ -454,9 +454,19 @@ up() {
   fi
   bash "${repo_root}/hack/system-deps.sh" --check || die "missing Debian packages (make system-deps)"
   [[ -x "${py}" ]] || die "no ${py} (make venv-dev, or set PYTHON to a Python with the dev venv's packages)"
-  local t0=${SECONDS}
-  bin_dir="$(bash "${repo_root}/hack/control-plane.sh" --node)"
-  log "binaries ready in $((SECONDS - t0))s (${bin_dir})"
+  local t0=${SECONDS} images_pid="" built=0
+  if [[ "${RELAYFLEET_CLUSTER_IMAGES:-1}" != 0 ]]; then
+    # On a cold cache the images (debootstrap, apt and pip: much of it waiting on the network)
+    # build while Go compiles the node's binaries; warm, both are no-ops.
+    PYTHON="${py}" bash "${repo_root}/hack/cluster-images.sh" build >/dev/null &
+    images_pid=$!
+  fi
+  bin_dir="$(bash "${repo_root}/hack/control-plane.sh" --node)" && built=1
+  if [[ -n "${images_pid}" ]]; then
+    wait "${images_pid}" || die "building the images failed (hack/cluster-images.sh build)"
+  fi
+  ((built)) || die "building the node's binaries failed (hack/control-plane.sh --node)"
+  log "binaries and images ready in $((SECONDS - t0))s (${bin_dir})"
   [[ -d "${state}" ]] && { log "a cluster state dir is left over: tearing it down first"; down; }
   mkdir -p "${state}" "${logs}" "${run}" "${conf}"
   printf '%s\n' "${bin_dir}" >"${state}/bin-dir"
@@ -521,7 +531,7 @@ up() {
   wait_for containerd 60 ctr_ version
   if [[ "${RELAYFLEET_CLUSTER_IMAGES:-1}" != 0 ]]; then
     local t_img=${SECONDS}
-    bash "${repo_root}/hack/cluster-images.sh" import "${sock}"
+    PYTHON="${py}" bash "${repo_root}/hack/cluster-images.sh" import "${sock}"
     log "images imported in $((SECONDS - t_img))s"
   else
     bash "${repo_root}/hack/cluster-images.sh" import "${sock}" pause
