@@ -765,7 +765,12 @@ def _targets(res: Results, main_conns: int) -> list[str]:
     )
     if all(r[2] == "-" for r in rows):
         return []  # a run of other phases (--only): nothing of these was measured
-    lines = ["### Standing targets", "", "Standing targets, for regressions:", ""]
+    lines = [
+        "### Standing targets",
+        "",
+        "Absolute goals on this class of machine, kept to show regressions:",
+        "",
+    ]
     lines += _table(["target", "goal", "measured", "verdict"], rows)
     return [*lines, ""]
 

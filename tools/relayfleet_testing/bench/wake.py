@@ -166,7 +166,7 @@ async def waiting(target: Target, mode: str, conn: Conn) -> int:
     return int(subs.group(1)) if pending.group(1) == "0" else 0
 
 
-async def wait_registered(target: Target, mode: str, n: int, within: float = 120.0) -> None:
+async def wait_registered(target: Target, mode: str, n: int, within: float = 300.0) -> None:
     """Until the server reports ``n`` waiters, then until its processes are quiet (their CPU
     grew by under 10 ms in 250 ms): every waiter's registration and first read are done."""
     conn = await Conn.open(target.host, target.ports[0])
