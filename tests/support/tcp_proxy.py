@@ -27,6 +27,8 @@ import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
+_STOP_S = 30.0  # a loaded CI box may be slow to run the proxy's thread; never leave it running
+
 
 class TcpProxy:
     def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
@@ -36,6 +38,7 @@ class TcpProxy:
         self._loop = asyncio.new_event_loop()
         self._writers: set[asyncio.StreamWriter] = set()
         self._server: asyncio.AbstractServer | None = None
+        self._handlers: set[asyncio.Task[Any]] = set()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tcp-proxy", daemon=True)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -47,11 +50,16 @@ class TcpProxy:
         return self
 
     def stop(self) -> None:
-        with contextlib.suppress(RuntimeError, TimeoutError):
+        """Every connection closed and every handler ended on the proxy's loop, then the loop
+        stopped, joined and closed: nothing of the proxy is left for a later test's garbage
+        collection to warn about (pytest turns that ResourceWarning into a failure)."""
+        try:
             self._call(self._stop())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        if not self._thread.is_alive():
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(_STOP_S)
+            if self._thread.is_alive():
+                raise RuntimeError(f"the proxy's loop did not stop within {_STOP_S} s")
             self._loop.close()
 
     def cut(self, how: str = "reset") -> None:
@@ -62,7 +70,7 @@ class TcpProxy:
         self._call(self._set("up"))
 
     def _call(self, coro: Coroutine[Any, Any, None]) -> None:
-        asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(_STOP_S)
 
     async def _start(self) -> None:
         self._flowing = asyncio.Event()
@@ -74,6 +82,13 @@ class TcpProxy:
     async def _stop(self) -> None:
         if self._server is not None:
             self._server.close()
+        self._close_all()
+        # the handlers end on their own once their streams are aborted; cancelling covers
+        # one still connecting upstream, and awaiting them means no pump outlives the proxy
+        handlers = list(self._handlers)
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
         self._close_all()
 
     def _close_all(self) -> None:
@@ -95,19 +110,35 @@ class TcpProxy:
             self._close_all()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.mode == "reset":
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            # cancelled only by _stop; ending normally keeps asyncio's done-callback of a
+            # server handler from logging the cancellation as an error
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._forward(reader, writer)
+        finally:
+            self._handlers.discard(task)
             writer.transport.abort()
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.mode == "reset":
             return
         self._writers.add(writer)
         self.connections += 1
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
-            writer.transport.abort()
             self._writers.discard(writer)
             return
-        self._writers.add(up_writer)
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer, self._answering))
+        try:
+            self._writers.add(up_writer)
+            await asyncio.gather(
+                self._pump(reader, up_writer), self._pump(up_reader, writer, self._answering)
+            )
+        finally:
+            up_writer.transport.abort()
 
     async def _pump(
         self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, gate: asyncio.Event | None = None
