@@ -294,10 +294,17 @@ class Workload:
             self._final.set()
             await asyncio.wait_for(asyncio.gather(*self._tasks[self.producers :]), limit_s)
         finally:
-            for t in self._tasks:
-                t.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            await self.session.close()
+            await self.cancel()
+
+    async def cancel(self) -> None:
+        """End every producer and consumer at once and close the session: for a test that
+        already failed (a shard left without a primary would hold `stop` on retries until its
+        own timeout, and that error would hide the first)."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
 
     # -- producers ----------------------------------------------------------------
     async def _producer(self, p: int) -> None:

@@ -90,8 +90,10 @@ async def _failovers(tmp_path: Path, min_replicas: int, kills: int = 3) -> dict[
                 failover_s.append(time.monotonic() - t_kill)
                 await asyncio.to_thread(shard.rejoin, killed, new_port)
             await asyncio.sleep(2.0)
-        finally:
-            await work.stop()
+        except BaseException:
+            await work.cancel()  # the failure is the result: no drain
+            raise
+        await work.stop()
         verdict = work.history.check(allow_unanswered=True)
         work.history.save(str(tmp_path / "history.jsonl"))
         if keep := os.environ.get("RELAY_FAULTS_KEEP_HISTORY"):

@@ -105,8 +105,10 @@ async def test_link_cut_and_restored_under_load(tmp_path: Path) -> None:
                             numbers[f"{how}_write_recovery_s"] = round(rec, 2)
                             numbers[f"{how}_wakeup_after_s"] = round(wake, 3)
                             await asyncio.sleep(1.0)
-                    finally:
-                        await work.stop()
+                    except BaseException:
+                        await work.cancel()  # the failure is the result: no drain
+                        raise
+                    await work.stop()
                 verdict = work.history.check()
                 work.history.save(str(tmp_path / "history.jsonl"))
                 report("link-cut", verdict, **numbers, retryable_503=verdict.counts.get("retryable_503", 0))

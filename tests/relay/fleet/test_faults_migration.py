@@ -93,8 +93,10 @@ async def _run(tmp_path: Path, rounds: int, seed: int) -> None:
                 await asyncio.to_thread(_complete, fleet, tgt)
                 assert fleet.shard_map().shard_for_slot(LO) == tgt
                 src, tgt = tgt, src
-        finally:
-            await work.stop()
+        except BaseException:
+            await work.cancel()  # the failure is the result: no drain
+            raise
+        await work.stop()
         verdict = work.history.check()
         work.history.save(str(tmp_path / "history.jsonl"))
         report(

@@ -118,8 +118,10 @@ async def _redis_kills(tmp_path: Path, appendfsync: str, kills: int) -> None:
                 await asyncio.sleep(2.0)
                 away.append(await asyncio.to_thread(_kill_and_restart, redis))
             await asyncio.sleep(1.5)
-        finally:
-            await work.stop()
+        except BaseException:
+            await work.cancel()  # the failure is the result: no drain
+            raise
+        await work.stop()
         verdict = work.history.check()
         work.history.save(str(tmp_path / "history.jsonl"))
         report(

@@ -52,8 +52,10 @@ async def _run(tmp_path: Path, seconds: float, kills: int) -> None:
             for _ in range(kills):
                 await asyncio.sleep(rnd.uniform(0.5, 2 * seconds / kills - 0.5))
                 restarts.append(await asyncio.to_thread(_restart, fleet, rnd.randrange(len(fleet.relays))))
-        finally:
-            await work.stop()
+        except BaseException:
+            await work.cancel()  # the failure is the result: no drain
+            raise
+        await work.stop()
         verdict = work.history.check(allow_unanswered=True)
         work.history.save(str(tmp_path / "history.jsonl"))
         report(

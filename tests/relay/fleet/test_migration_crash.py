@@ -101,8 +101,10 @@ async def test_migration_killed_at_every_step_resumes_and_loses_nothing(tmp_path
                 assert fleet.shard_map().shard_for_slot(HI) == tgt
                 assert _shape(await _states(fleet, LO), src, tgt) == ("moved", "owned")
                 src, tgt = tgt, src
-        finally:
-            await work.stop()
+        except BaseException:
+            await work.cancel()  # the failure is the result: no drain
+            raise
+        await work.stop()
         retried = retries(fleet)
         assert retried.get("migrating", 0) > 0, retried
         assert retried.get("moved", 0) > 0, retried

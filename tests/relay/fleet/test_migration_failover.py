@@ -117,8 +117,10 @@ async def _migrate_with_failover(tmp_path: Path, phase: str) -> None:
             new_port = await asyncio.to_thread(shard.wait_failover, killed.port)
             await asyncio.to_thread(shard.rejoin, killed, new_port)
             await asyncio.sleep(2.0)  # traffic on the target after the run
-        finally:
-            await work.stop()
+        except BaseException:
+            await work.cancel()  # the failure is the result: no drain
+            raise
+        await work.stop()
         verdict = work.history.check(allow_unanswered=True)
         work.history.save(str(tmp_path / "history.jsonl"))
         assert migration is not None
