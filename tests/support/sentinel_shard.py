@@ -200,7 +200,31 @@ class ReplicatedShard:
                 except redis.RedisError:
                     pass
             time.sleep(0.02)
-        raise AssertionError(f"no failover within {timeout}s")
+        raise AssertionError(f"no failover within {timeout}s\n{self.describe()}")
+
+    def describe(self) -> str:
+        """What each Sentinel and node says now, and each Sentinel's last log lines: a failed
+        wait says why (its directory is gone by the time anyone reads a CI log)."""
+        out = []
+        for s in self.sentinels:
+            try:
+                with redis.Redis(port=s.port, socket_timeout=0.5, decode_responses=True) as r:
+                    m = r.execute_command("SENTINEL", "master", SERVICE)
+                    seen = dict(zip(m[::2], m[1::2], strict=True)) if isinstance(m, list) else m
+                    view = {k: seen.get(k) for k in ("port", "flags", "num-slaves", "failover-state")}
+            except redis.RedisError as exc:
+                view = {"error": str(exc)}
+            log = s.dir / "sentinel.log"
+            tail = log.read_text(errors="replace").splitlines()[-25:] if log.exists() else []
+            out += [f"sentinel {s.port}: {view}", *(f"  {line}" for line in tail)]
+        for n in self.nodes:
+            try:
+                with redis.Redis(port=n.port, socket_timeout=0.5) as r:
+                    role = r.execute_command("ROLE")[:2]
+            except redis.RedisError as exc:
+                role = [type(exc).__name__]
+            out.append(f"node {n.port}: {role}")
+        return "\n".join(out)
 
     def rejoin(self, node: LocalRedis, primary_port: int) -> None:
         """Start a killed node again as a replica of the current primary (as Sentinel would
