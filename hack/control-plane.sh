@@ -141,16 +141,23 @@ write_wrapper() { # dir module version [replace-lines...]
   rm -f "${dir}/src/go.sum"
 }
 
-# go build <pkgs> (all from one module at <version>) into <dir>/bin
-# atomically: link into a staging dir, then rename.
-build_into() { # dir version ldflags tags pkg...
+# go build <pkgs> (all from one module at <version>), or the <targets> after
+# "--" (a main package of the wrapper itself), into <dir>/bin atomically:
+# link into a staging dir, then rename.
+build_into() { # dir version ldflags tags pkg... [-- target...]
   local dir="$1" version="$2" ldflags="$3" tags="$4"
   shift 4
-  local stage="${dir}/bin.partial" pkg
-  local -a at_version=()
-  for pkg in "$@"; do
-    at_version+=("${pkg}@${version}")
+  local stage="${dir}/bin.partial"
+  local -a at_version=() targets=()
+  while (($# > 0)) && [[ "$1" != -- ]]; do
+    at_version+=("$1@${version}")
+    targets+=("$1")
+    shift
   done
+  if (($# > 0)); then
+    shift
+    targets=("$@")
+  fi
   rm -rf "${stage}"
   mkdir -p "${stage}" "${dir}/bin"
   (
@@ -158,7 +165,7 @@ build_into() { # dir version ldflags tags pkg...
     # Resolves the packages' dependencies into go.mod/go.sum at the pinned
     # version (a bare package path would mean @upgrade).
     gorun get "${at_version[@]}"
-    gorun build -tags "${tags}" -ldflags "${ldflags}" -o "${stage}/" "$@"
+    gorun build -tags "${tags}" -ldflags "${ldflags}" -o "${stage}/" "${targets[@]}"
   )
   local f
   for f in "${stage}"/*; do
@@ -242,21 +249,9 @@ build_coredns() {
     printf '\t_ "%s"\n' "${pkgs[@]:1}"
     printf ')\n\nfunc main() { coremain.Run() }\n'
   } >"${coredns_dir}/src/main.go"
-  local stage="${coredns_dir}/bin.partial" pkg
-  local -a at_version=()
-  for pkg in "${pkgs[@]}"; do
-    at_version+=("${pkg}@${COREDNS_VERSION}")
-  done
-  rm -rf "${stage}"
-  mkdir -p "${stage}" "${coredns_dir}/bin"
-  (
-    cd "${coredns_dir}/src"
-    gorun get "${at_version[@]}"
-    gorun build -ldflags "-s -w -X github.com/coredns/coredns/coremain.GitCommit=${COREDNS_VERSION}" \
-      -o "${stage}/coredns" .
-  )
-  mv -f "${stage}/coredns" "${coredns_dir}/bin/coredns"
-  rmdir "${stage}"
+  # the wrapper's own main package: go names the binary after its module, .../coredns
+  build_into "${coredns_dir}" "${COREDNS_VERSION}" \
+    "-s -w -X github.com/coredns/coredns/coremain.GitCommit=${COREDNS_VERSION}" "" "${pkgs[@]}" -- .
 }
 
 build_etcd() {
