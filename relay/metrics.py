@@ -211,7 +211,7 @@ class _LoopValue:
         return self._exemplar
 
 
-M = TypeVar("M", Counter, Histogram)
+M = TypeVar("M", Counter, Gauge, Histogram)
 
 
 def loop_only(child: M) -> M:

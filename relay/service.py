@@ -23,6 +23,7 @@ from relay.storage.store import (
     StoreUnavailable,
     enqueue_outcome,
 )
+from relay.storage.wakeups import Waiter
 
 T = TypeVar("T")
 
@@ -70,6 +71,12 @@ class TooManyWaiters(Exception):
 _ENQUEUED = metrics.loop_counter(metrics.MESSAGES.labels("enqueued"))
 _ENQUEUED_BYTES = metrics.loop_counter(metrics.BYTES.labels("enqueued"))
 _DUPLICATE = metrics.loop_counter(metrics.MESSAGES.labels("duplicate"))
+_WAITERS = metrics.loop_only(metrics.WAITERS)
+_WAKEUP_SECONDS = metrics.loop_only(metrics.WAKEUP_SECONDS)
+_DELIVERED = {
+    op: (metrics.loop_counter(metrics.MESSAGES.labels(op)), metrics.loop_counter(metrics.BYTES.labels(op)))
+    for op in ("delivered", "drained")
+}
 
 
 def now_ms() -> int:
@@ -165,32 +172,64 @@ class QueueService:
         channel: bytes,
         wait_s: float,
         fetch: Callable[[], Awaitable[ReadResult]],
+        read_at: tuple[int | None, int] | None = None,
     ) -> ReadResult:
-        """Long-poll: register, read, and only then wait (no lost-wakeup window)."""
+        """Long-poll: register, read, and only then wait (no lost-wakeup window).
+
+        `read_at` (fromSeq, limit) of a read: a wakeup that carries the messages following
+        the last read is answered from them, without reading them back (Waiter.take)."""
         if self._waiters >= self.settings.max_waiters:
             raise TooManyWaiters()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         self._waiters += 1
-        metrics.WAITERS.inc()
+        _WAITERS.inc()
         try:
             while True:
                 route = self.fleet.route(recipient, channel)
                 with route.hub.waiting(route.keys.wake) as waiter:
                     await waiter.ready(min(1.0, max(0.0, deadline - loop.time())))
                     while True:
+                        waiter.forget()  # this read sees whatever woke us so far
                         result = await fetch()
                         remaining = deadline - loop.time()
                         if result.messages or remaining <= 0 or self.closing:
                             if result.messages and waiter.woken_at_ms is not None:
-                                metrics.WAKEUP_SECONDS.observe(max(0, now_ms() - waiter.woken_at_ms) / 1000)
+                                _WAKEUP_SECONDS.observe(max(0, now_ms() - waiter.woken_at_ms) / 1000)
                             return result
-                        await waiter.wait(remaining)
+                        carried = await self._carried(waiter, result, deadline, read_at)
+                        if carried is not None:
+                            return carried
                         if self.fleet.route(recipient, channel).hub is not route.hub:
                             break  # the queue moved: re-register on its new shard
         finally:
             self._waiters -= 1
-            metrics.WAITERS.dec()
+            _WAITERS.dec()
+
+    async def _carried(
+        self,
+        waiter: Waiter,
+        last: ReadResult,
+        deadline: float,
+        read_at: tuple[int | None, int] | None,
+    ) -> ReadResult | None:
+        """Wait after the empty read `last`; the answer when wakeups carried the messages that
+        follow it, None when the queue must be read again (woken otherwise, or timed out)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            woken = await waiter.wait(deadline - loop.time())
+            if not woken or read_at is None or self.closing:
+                return None
+            got = waiter.take(
+                last.epoch, last.last_seq, read_at[0], read_at[1], self.settings.limits.max_response_bytes
+            )
+            if got is None:
+                return None
+            if got:
+                if waiter.woken_at_ms is not None:
+                    _WAKEUP_SECONDS.observe(max(0, now_ms() - waiter.woken_at_ms) / 1000)
+                return ReadResult(got, last.epoch, got[-1].seq)
+            # woken by nothing new (a notice, a message the read already saw): wait on
 
     # -- operations ------------------------------------------------------------
     def enqueue(self, req: EnqueueRequest) -> asyncio.Future[EnqueueOutcome]:
@@ -235,9 +274,15 @@ class QueueService:
         async def fetch() -> ReadResult:
             return await self.call(recipient, channel, lambda r: r.store.read(r.keys, from_seq, limit))
 
-        result = await (self._wait_for(recipient, channel, wait_s, fetch) if wait_s > 0 else fetch())
+        result = await (
+            self._wait_for(recipient, channel, wait_s, fetch, (from_seq, limit)) if wait_s > 0 else fetch()
+        )
         _count("delivered", result)
         return result
+
+    def count_delivered(self, result: ReadResult) -> None:
+        """Metrics of messages delivered other than through `read` (live delivery from wakeups)."""
+        _count("delivered", result)
 
     async def drain(self, recipient: bytes, channel: bytes, limit: int, wait_s: float) -> ReadResult:
         async def fetch() -> ReadResult:
@@ -320,6 +365,15 @@ class _Enqueue:
             return
         except Exception as exc:  # handed to the caller, as an awaited call would raise it
             self.fail(exc)
+            return
+        if (
+            outcome.epoch
+            and len(self.req.payload) <= CARRY_LOCAL_BYTES
+            and self.route.hub.carry(self.route.keys.wake, self.ts, outcome.epoch, outcome.seq, self.req)
+        ):
+            # handed to this process's waiters on the queue (they need not read it back):
+            # they answer first, the sender's answer follows on the next loop turn
+            asyncio.get_running_loop().call_soon(self.finish, outcome)
             return
         self.finish(outcome)
 
@@ -405,10 +459,14 @@ class _Enqueue:
         )
 
 
+# An enqueue hands its stored message to this process's waiters up to this size (larger
+# ones they read back: a waiter that cannot use it would pin it until its next read).
+CARRY_LOCAL_BYTES = 64 * 1024
 _RESOLVE_MARGIN_S = 1.0  # clock skew between relays and Redis's view of the rate window
 
 
 def _count(op: str, result: ReadResult) -> None:
     if result.messages:
-        metrics.MESSAGES.labels(op).inc(len(result.messages))
-        metrics.BYTES.labels(op).inc(sum(len(m.payload) for m in result.messages))
+        messages, size = _DELIVERED[op]
+        messages.inc(len(result.messages))
+        size.inc(sum([len(m.payload) for m in result.messages]))

@@ -6,8 +6,10 @@ this process (closed with 4409), and then reads client frames (acks and Pickup
 2.0 messages) while a sender task streams. The sender registers its waiter
 before reading, keeps at most ``live_queue_max`` frames unacknowledged, reads
 Redis in small batches (at most READ_BATCH messages and the response byte budget),
-and re-resolves the queue's route on every wake so it follows a slot migration.
-Nothing is deleted without an ack.
+and re-resolves the queue's route on every wake so it follows a slot migration. Once
+caught up, a wakeup that carries the messages following the last read is sent from
+them without reading them back (relay/storage/wakeups.py Waiter.take); anything else
+is read. Nothing is deleted without an ack.
 
 A slow consumer costs bounded memory: frames are written with back-pressure (each
 send waits for the socket to drain), the batch being sent is released message by
@@ -24,6 +26,7 @@ import contextlib
 import logging
 import math
 import os
+import random
 from typing import Any
 
 import orjson
@@ -46,7 +49,7 @@ routes = web.RouteTableDef()
 CLOSE_DISPLACED = 4409
 READ_BATCH = 16  # messages per Redis read: bounds memory per connection (payloads reach 5 MiB)
 HEARTBEAT_S = 20.0  # WebSocket ping interval; no pong within half of it closes the connection
-REREAD_S = 30.0  # a wakeup is a hint: re-read this often even without one
+REREAD_S = 30.0  # a wakeup is a hint: re-read about this often even without one (jittered)
 PRUNE_S = 5.0  # with the window full, look this often for unacked messages removed elsewhere
 NOTICE_CHECK_S = 0.5  # while not reading (window full, paused), look for takeover notices this often
 MAX_FRAME = 1 << 20  # client frames are acks and Pickup messages
@@ -149,6 +152,7 @@ class LiveSession:
                     await self._idle_until(self.streaming, waiter)
                     await self._wait_for_room(waiter)
                     want = min(READ_BATCH, self.window - len(self.inflight))
+                    waiter.forget()  # this read sees whatever woke us so far
                     result = await service.read(self.recipient, self.channel, next_seq, want, 0)
                     if epoch is not None and result.epoch != epoch:
                         # the queue's history was reset: its seqs start again
@@ -166,13 +170,34 @@ class LiveSession:
                     if not sent_empty:
                         await self.send({"type": "empty"})
                         sent_empty = True
-                    await waiter.wait(REREAD_S)
+                    next_seq = await self._send_carried(waiter, result.epoch, result.last_seq, next_seq)
                     self._check_notices(waiter)
                     if service.closing:
                         await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"relay shutting down")
                         return
                     if service.fleet.route(self.recipient, self.channel).hub is not route.hub:
                         break  # the queue moved to another shard: wait there
+
+    async def _send_carried(self, waiter: Waiter, epoch: str, last_seq: int, next_seq: int) -> int:
+        """Caught up after a read of `epoch` up to `last_seq`: wait, sending what wakeups
+        carry while it is exactly what follows; return (the next seq) when the queue must be
+        read: woken otherwise, after REREAD_S, window full, paused, noticed, shutting down."""
+        service = self.c.service
+        budget = self.c.settings.limits.max_response_bytes
+        # jittered: thousands of sockets opened together must not all re-read at one moment
+        while await waiter.wait(REREAD_S * random.uniform(0.75, 1.25)):
+            if not (self.streaming.is_set() and self.room.is_set()) or waiter.notices or service.closing:
+                break
+            want = min(READ_BATCH, self.window - len(self.inflight))
+            got = waiter.take(epoch, last_seq, next_seq, want, budget)
+            if got is None:
+                break
+            if got:
+                batch = ReadResult(got, epoch, got[-1].seq)
+                service.count_delivered(batch)
+                next_seq = await self._send_batch(batch, next_seq)
+                last_seq = next_seq - 1
+        return next_seq
 
     async def _send_batch(self, result: ReadResult, next_seq: int | None) -> int:
         if not result.messages:

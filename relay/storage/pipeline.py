@@ -290,6 +290,9 @@ class _Resp(asyncio.Protocol):
             self.owner._batch_done(batch)
 
 
+# A connection with no batch answered for this long is idle: send_if_idle sends at once.
+IDLE_SEND_S = 0.001
+
 # Reply deadlines grow with the bytes a batch moves at this rate (a floor well under
 # loopback and LAN speed): a 5 MiB enqueue or an 8 MiB read gets its transfer time on top
 # of the base, a batch of small writes only the base.
@@ -338,6 +341,7 @@ class ScriptBatcher:
         self._pending: deque[_Queued] = deque()
         self._inflight = 0
         self._scheduled = False
+        self._last_done = 0.0  # loop time the last batch was answered (see send_if_idle)
         self._conn: _Resp | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -395,6 +399,18 @@ class ScriptBatcher:
             # call_soon lets every request parsed in this loop iteration join the batch
             asyncio.get_running_loop().call_soon(self._flush)
 
+    def send_if_idle(self) -> None:
+        """Send what is pending now, not at the next loop turn, when nothing is in flight and
+        no batch was answered for IDLE_SEND_S: a lone request on a quiet connection (the
+        enqueue a long-poll waits for) saves a loop turn, while requests that arrive busily
+        still gather into batches (one script call each, relay/storage/store.py)."""
+        if (
+            self._inflight == 0
+            and self._pending
+            and asyncio.get_running_loop().time() - self._last_done >= IDLE_SEND_S
+        ):
+            self._flush()
+
     def _flush(self) -> None:
         self._scheduled = False
         if not self._pending:
@@ -417,6 +433,7 @@ class ScriptBatcher:
         if batch.timer is not None:
             batch.timer.cancel()
         self._inflight -= 1
+        self._last_done = asyncio.get_running_loop().time()
         if batch.retry:
             self._reload_and_resend(batch.retry)
         if self._pending:

@@ -17,6 +17,7 @@ from relay.storage import keys as K
 from relay.storage import scripts
 from relay.storage import sentinel as S
 from relay.storage.limits import QueueLimits
+from relay.storage.message import Message
 from relay.storage.pipeline import (
     ReplicationTimeout,
     ReplySink,
@@ -62,14 +63,6 @@ class SlotMigrating(Exception):
     """The slot is fenced for a migration; retry shortly."""
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
-    seq: int
-    payload: bytes
-    received_ms: int
-    message_id: str | None
-
-
 class EnqueueRequest(NamedTuple):
     """One message a sender asks the relay to store (docs/api.md), the same object from the
     handler through QueueService to its enqueue.lua item, and kept for a retry or resend.
@@ -97,6 +90,7 @@ class EnqueueOutcome(NamedTuple):  # a tuple: built on every enqueue, cheaper th
     retry_after_ms: int = 0
     subscribers: int = 0
     reason: str = ""
+    epoch: bytes = b""  # of a stored message (b"" for a resend that found its lost attempt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +191,7 @@ def _messages(entries: list[Any]) -> list[Message]:
 def enqueue_outcome(raw: Any) -> EnqueueOutcome:
     """What enqueue.lua answered; SlotMoved / SlotMigrating for a fenced slot."""
     if raw[0] == b"ok":  # nearly every reply: Lua's numbers arrive as RESP integers
-        return EnqueueOutcome("stored", raw[1], 0, raw[2])
+        return EnqueueOutcome("stored", raw[1], 0, raw[2], "", raw[3] if len(raw) > 3 else b"")
     reply = _check(raw)
     tag = reply[0]
     if tag == b"dup":
@@ -393,9 +387,11 @@ class ShardStore:
         now = b"%d" % now_ms
         token = token or _epoch_bulk()
         call = self._call
+        first = False
         if call is None or not call.takes(len(payload)):
             call = self._call = _EnqueueCall(self._enqueue_fixed)
             self._batcher.submit_to(call, call, durable=True)
+            first = True
         # the item: its keys; payload, now, idempotency key, digest, messageId, qid and wake
         # (cached), token, resend flag (lua/enqueue.lua)
         call.add(
@@ -416,6 +412,8 @@ class ShardStore:
             len(payload),
             sink,
         )
+        if first:
+            self._batcher.send_if_idle()
         return token
 
     def _encode_enqueue_parts(self, q: K.QueueKeys) -> tuple[bytes, bytes]:

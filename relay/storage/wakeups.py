@@ -2,9 +2,14 @@
 
 A waiter registers (and its channel is confirmed subscribed) *before* the queue
 is read, so a message stored between the read and the wait still wakes it.
-A wakeup is only a hint: the waiter always re-reads. When the connection is
-down, waiters fall back to polling, and after a reconnect every waiter is woken
-to re-read, because wakeups may have been missed meanwhile.
+A wakeup is a hint, and may carry the messages that caused it: the enqueue script
+publishes small messages with their seq and the queue's epoch, and an enqueue this
+process sent hands its stored message to this process's waiters as Redis answers it
+(`WakeupHub.carry`). A waiter answers from carried messages only when they are exactly
+the ones that follow its last read (`Waiter.take`: same epoch, the next seq on, no gap);
+anything else — a plain wakeup, a gap, another epoch — and it re-reads. When the
+connection is down, waiters fall back to polling, and after a reconnect every waiter is
+woken to re-read, because wakeups may have been missed meanwhile.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from relay.fleet.sharding import is_sentinel_url
 from relay.storage import keys as K
 from relay.storage import sentinel
 from relay.storage.connection import RedisConnectError, RedisTarget, open_connection
+from relay.storage.message import Message
 from relay.storage.resp import Conn, encode
 
 log = logging.getLogger("relay.wakeups")
@@ -34,13 +41,24 @@ _POLL_FALLBACK_S = 0.25
 _MAP_MOVED = K.SHARD_MAP_MOVED.encode()
 NOTICE_PREFIX = b"n:"  # wakeup-channel payloads that are notices (live takeovers), not new messages
 _MAX_NOTICES = 64
+_MAX_CARRIED = 64  # carried messages a waiter keeps between reads; past it, it re-reads
+
+
+class Stored(Protocol):
+    """What `WakeupHub.carry` takes of an enqueue request (relay/storage/store.py)."""
+
+    @property
+    def payload(self) -> bytes: ...
+
+    @property
+    def message_id(self) -> str: ...
 
 
 class Waiter:
     # Lean on purpose: 10,000s of idle long-polls each hold one. A bare future with a timer
     # handle instead of an Event + wait_for (which wraps each wait in a Task), and the notice
     # queue only for the waiters that get notices (live connections).
-    __slots__ = ("_chan", "_flag", "_fut", "_hub", "_notices", "woken_at_ms")
+    __slots__ = ("_carried", "_chan", "_flag", "_fut", "_hub", "_notices", "_plain", "woken_at_ms")
 
     def __init__(self, hub: WakeupHub, chan: _Channel) -> None:
         self._hub = hub
@@ -49,6 +67,10 @@ class Waiter:
         self._fut: asyncio.Future[None] | None = None
         self._notices: collections.deque[bytes] | None = None
         self.woken_at_ms: int | None = None  # enqueue time of the message that woke us
+        # since the last `forget`: messages carried by wakeups, (epoch, message) in arrival
+        # order; and whether a wakeup came that carried none (only a read tells what is new)
+        self._carried: list[tuple[str, Message]] | None = None
+        self._plain = False
 
     @property
     def notices(self) -> collections.deque[bytes]:
@@ -70,7 +92,62 @@ class Waiter:
     def wake(self, enqueued_ms: int | None) -> None:
         if enqueued_ms is not None and self.woken_at_ms is None:
             self.woken_at_ms = enqueued_ms
+        self._plain = True
+        self._carried = None
         self._set()
+
+    def carry(self, enqueued_ms: int | None, epoch: str, messages: list[Message]) -> None:
+        """A wakeup for `messages` (ascending seqs of one store), stored in the queue's `epoch`."""
+        if enqueued_ms is not None and self.woken_at_ms is None:
+            self.woken_at_ms = enqueued_ms
+        if not self._plain:
+            carried = self._carried
+            if carried is None:
+                carried = self._carried = []
+            if len(carried) + len(messages) > _MAX_CARRIED:
+                self._plain = True
+                self._carried = None
+            else:
+                carried.extend([(epoch, m) for m in messages])
+        self._set()
+
+    def forget(self) -> None:
+        """Drop what wakeups carried so far: called before a read, which sees all of it."""
+        self._carried = None
+        self._plain = False
+
+    def take(
+        self, epoch: str, last_seq: int, from_seq: int | None, limit: int, budget: int
+    ) -> list[Message] | None:
+        """What the wakeups since the last read say is new, when they say all of it: the
+        carried messages that follow that read (its `epoch`, `last_seq`) seq by seq, to be
+        answered as a read of `limit` / `budget` at `from_seq` would answer them; [] when
+        nothing new was carried. None when only a read can tell (a plain wakeup, a gap, another
+        epoch, more than fits one answer). Consumes what was carried."""
+        carried, plain = self._carried, self._plain
+        self._carried = None
+        self._plain = False
+        if plain:
+            return None
+        out: list[Message] = []
+        if carried is None:
+            return out
+        expect = last_seq + 1
+        size = 0
+        for ep, m in carried:
+            if ep != epoch:
+                return None
+            seq = m.seq
+            if seq < expect:
+                continue  # covered by the read, or already taken (carried twice)
+            if seq != expect or len(out) == limit or (out and size + len(m.payload) > budget):
+                return None
+            if from_seq is not None and seq < from_seq:
+                return None
+            out.append(m)
+            size += len(m.payload)
+            expect += 1
+        return out
 
     async def ready(self, timeout: float) -> bool:
         """Wait until the channel is subscribed (False: hub down, caller polls)."""
@@ -97,7 +174,10 @@ class Waiter:
                 timer.cancel()
                 self._fut = None
             if not self._flag:
-                return not self._hub.healthy  # polling mode: treat the tick as a hint
+                if self._hub.healthy:
+                    return False
+                self._plain = True  # polling mode: treat the tick as a hint, to be read
+                return True
         self._flag = False
         return True
 
@@ -117,6 +197,39 @@ class _Channel:
     subscribed: bool = False
     confirm: asyncio.Future[None] | None = None
     idle_since: float = 0.0
+
+
+def parse_wakeup(data: bytes) -> tuple[int | None, str, list[Message] | None]:
+    """(first enqueue time, epoch, carried messages) of a wakeup lua/enqueue.lua published:
+    "<newest seq>:<time>:<epoch>", then per carried message "\n<seq>:<time>:<len messageId>:
+    <len payload>\n<messageId><payload>". Messages None when it carries none, or is not of
+    that form (an older relay's "<seq>:<time>", a migration's "moved"): a plain wakeup."""
+    cut = data.find(b"\n")
+    head = data if cut < 0 else data[:cut]
+    parts = head.split(b":", 2)
+    try:
+        enq_ms: int | None = int(parts[1])
+    except (ValueError, IndexError):
+        return None, "", None
+    if cut < 0 or len(parts) < 3:
+        return enq_ms, "", None
+    messages: list[Message] = []
+    end = len(data)
+    pos = cut
+    try:
+        while pos < end:
+            line_end = data.index(b"\n", pos + 1)
+            seq, ts, mid_len, size = map(int, data[pos + 1 : line_end].split(b":"))
+            mid_at = line_end + 1
+            payload_at = mid_at + mid_len
+            pos = payload_at + size
+            if mid_len < 0 or size < 0 or pos > end:
+                return enq_ms, "", None
+            mid = data[mid_at:payload_at].decode() if mid_len else None
+            messages.append(Message(seq, data[payload_at:pos], ts, mid))
+    except ValueError:  # a malformed one (UnicodeDecodeError is one): read instead
+        return enq_ms, "", None
+    return enq_ms, parts[2].decode(errors="replace"), messages
 
 
 class WakeupHub:
@@ -184,6 +297,19 @@ class WakeupHub:
             chan.confirm = asyncio.get_running_loop().create_future()
             self._send(encode("SUBSCRIBE", channel))
         return w
+
+    def carry(self, channel: str, stored_ms: int, epoch: bytes, seq: int, stored: Stored) -> bool:
+        """A message an enqueue of this process stored (`seq` in `epoch`, at `stored_ms`),
+        handed to this process's waiters on its channel as Redis answers the enqueue (its
+        PUBLISH still wakes the others); False when none waits here."""
+        chan = self._channels.get(channel)
+        if chan is None or not chan.waiters:
+            return False
+        messages = [Message(seq, stored.payload, stored_ms, stored.message_id or None)]
+        text = epoch.decode(errors="replace")
+        for w in chan.waiters:
+            w.carry(stored_ms, text, messages)
+        return True
 
     def _unregister(self, w: Waiter) -> None:
         chan = w._chan
@@ -311,17 +437,19 @@ class WakeupHub:
                 self.on_map_moved()
                 return
             chan = self._channels.get(msg[1].decode())
-            if chan is None:
-                return
+            if chan is None or not chan.waiters:
+                return  # (kept subscribed a while after its last waiter left: nobody to tell)
             if msg[2].startswith(NOTICE_PREFIX):
                 for w in chan.waiters:
                     w.notice(msg[2][len(NOTICE_PREFIX) :])
                 return
-            enq_ms: int | None = None
-            with contextlib.suppress(ValueError, IndexError):
-                enq_ms = int(msg[2].split(b":", 1)[1])
-            for w in chan.waiters:
-                w.wake(enq_ms)
+            enq_ms, epoch, messages = parse_wakeup(msg[2])
+            if messages is None:
+                for w in chan.waiters:
+                    w.wake(enq_ms)
+            else:
+                for w in chan.waiters:
+                    w.carry(enq_ms, epoch, messages)
         elif kind == b"subscribe":
             chan = self._channels.get(msg[1].decode())
             if chan is not None:

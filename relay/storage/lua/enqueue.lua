@@ -22,8 +22,9 @@
 --           of a queue whose meta was lost while its index entry stayed
 -- ARGV[a+9] '1' when this resends an attempt whose reply never came (its outcome is
 --           unknown): if that attempt stored the message, answer its seq instead
--- Returns one reply per item: {'ok', seq, subscribers} | {'dup', seq} | {'conflict', seq}
+-- Returns one reply per item: {'ok', seq, subscribers, epoch} | {'dup', seq} | {'conflict', seq}
 --       | {'rate', retry_after_ms} | {'full', reason} | fence reply
+-- (a resend that finds its lost attempt answers {'ok', seq, 0}: no epoch, nothing published)
 --
 -- Out of memory: Redis refuses a script's writes only until its first write, so every
 -- item writes XADD first (refused at maxmemory; nothing before it writes) and a refused
@@ -38,7 +39,10 @@ local rank = fmt('%d', rate_limit - 1)
 local fences = {}  -- slot state key -> fence reply, or false when this shard owns it
 local boot_read, run, waited = false, nil, false
 local stats, stats_order = {}, {}  -- slot statistics key -> {messages, bytes, minute}, in first-use order
-local wakes, wake_order = {}, {}  -- channel -> {seq, first now, replies}, in first-use order
+local wakes, wake_order = {}, {}  -- channel -> {seq, first now, replies, epoch, carried}, in first-use order
+-- A wakeup carries its channel's messages of this call when they are this small in total
+-- (payloads + messageIds), so a woken waiter answers without reading them back.
+local CARRY_BYTES = 8192
 
 -- Add one slot's stored messages and bytes of one minute to its statistics, and its
 -- enqueues to that minute's counter 'w<minute start ms>' (the rebalance planner's rate is
@@ -177,15 +181,28 @@ local function enqueue_one(k, a)
     st[1], st[2], st[3] = 0, 0, minute
   end
   st[1], st[2] = st[1] + 1, st[2] + size
-  local reply = {'ok', seq, 0}
+  local cur_epoch = epoch or meta[1]
+  local reply = {'ok', seq, 0, cur_epoch}
   local w = wakes[channel]
   if not w then
-    w = {seq_s, now_s, {}}
+    w = {seq_s, now_s, {}, cur_epoch, {}, 0}
     wakes[channel] = w
     wake_order[#wake_order + 1] = channel
   end
   w[1] = seq_s
   w[3][#w[3] + 1] = reply
+  local carried = w[5]
+  if carried then
+    local n = w[6] + size + string.len(message_id)
+    if n > CARRY_BYTES or w[4] ~= cur_epoch then
+      w[5] = false
+    else
+      w[6] = n
+      carried[#carried + 1] = '\n' .. seq_s .. ':' .. now_s .. ':' .. string.len(message_id) .. ':' .. size .. '\n'
+      carried[#carried + 1] = message_id
+      carried[#carried + 1] = payload
+    end
+  end
   return reply
 end
 
@@ -196,11 +213,18 @@ end
 for _, stats_key in ipairs(stats_order) do
   add_stats(stats_key, stats[stats_key])  -- each holds at least the item that created it
 end
--- one wakeup per channel, after every write: "<newest seq>:<first enqueue time>" (a waiter
--- re-reads whatever woke it; the time measures wake latency, relay/storage/wakeups.py)
+-- one wakeup per channel, after every write: "<newest seq>:<first enqueue time>:<epoch>",
+-- then each message of this call when they are small: "\n<seq>:<time>:<len messageId>:<len
+-- payload>\n<messageId><payload>" (relay/storage/wakeups.py; the time measures wake latency)
 for _, channel in ipairs(wake_order) do
   local w = wakes[channel]
-  local subs = redis.call('PUBLISH', channel, w[1] .. ':' .. w[2])
+  local head = w[1] .. ':' .. w[2] .. ':' .. w[4]
+  local subs
+  if w[5] then
+    subs = redis.call('PUBLISH', channel, head .. table.concat(w[5]))
+  else
+    subs = redis.call('PUBLISH', channel, head)
+  end
   for _, reply in ipairs(w[3]) do reply[3] = subs end
 end
 return replies

@@ -68,10 +68,14 @@ def test_enqueue_stores_counts_dedups_limits_and_publishes(r: redis.Redis) -> No
     sub = r.pubsub()  # type: ignore[no-untyped-call]
     sub.subscribe(k.wake)
     sub.get_message(timeout=1)
-    assert enqueue(r, b"abc", ikey="i1", digest="d1", token="t1") == [b"ok", 1, 1]
-    assert sub.get_message(timeout=2)["data"] == f"1:{NOW}".encode()
-    sub.close()
+    stored = enqueue(r, b"abc", ikey="i1", digest="d1", token="t1")
+    assert stored[:3] == [b"ok", 1, 1]
     meta = r.hgetall(k.meta)
+    assert stored[3] == meta[b"epoch"]  # the queue's epoch, for waiters answered from the wakeup
+    # the wakeup: newest seq, first enqueue time, epoch; then the (small) message it announces
+    wakeup = b"1:%d:%b\n1:%d:3:3\nmidabc" % (NOW, cast(bytes, meta[b"epoch"]), NOW)
+    assert sub.get_message(timeout=2)["data"] == wakeup
+    sub.close()
     assert meta[b"seq"] == b"1"
     assert meta[b"bytes"] == b"3"
     assert meta[b"created"] == str(NOW).encode()
@@ -164,7 +168,7 @@ def test_enqueue_call_with_mixed_items_answers_each(r: redis.Redis) -> None:
     a, b = K.queue_keys_for_id(SLOT, "qa"), K.queue_keys_for_id(SLOT, "qb")
     fenced = K.queue_keys_for_id(SLOT + 1, "qf")
     r.set(K.slot_state(SLOT + 1), "moved s2 9")
-    assert enqueue_many(r, [(a, {"token": "a1", "ikey": "k", "digest": "d"})]) == [[b"ok", 1, 0]]
+    assert enqueue_many(r, [(a, {"token": "a1", "ikey": "k", "digest": "d"})])[0][:3] == [b"ok", 1, 0]
     sub = r.pubsub()  # type: ignore[no-untyped-call]
     sub.subscribe(a.wake, b.wake)
     sub.get_message(timeout=1)
@@ -182,7 +186,9 @@ def test_enqueue_call_with_mixed_items_answers_each(r: redis.Redis) -> None:
             (b, {"token": "b2", "payload": b"uv", "now": NOW + 3}),
         ],
     )
-    assert replies == [
+    epoch_a, epoch_b = cast(bytes, r.hget(a.meta, "epoch")), cast(bytes, r.hget(b.meta, "epoch"))
+    assert [reply[3] for reply in (replies[3], replies[6], replies[7])] == [epoch_a, epoch_b, epoch_b]
+    assert [reply[:3] for reply in replies] == [
         [b"moved", b"s2", b"9"],
         [b"dup", 1],
         [b"ok", 1, 0],
@@ -192,10 +198,14 @@ def test_enqueue_call_with_mixed_items_answers_each(r: redis.Redis) -> None:
         [b"ok", 1, 1],
         [b"ok", 2, 1],
     ]
-    # one wakeup per channel and call, after its writes: newest seq, first enqueue time
+    # one wakeup per channel and call, after its writes: newest seq, first enqueue time, epoch,
+    # then each message it stored on that channel in this call
     got = {m["channel"]: m["data"] for m in (sub.get_message(timeout=2), sub.get_message(timeout=2)) if m}
     sub.close()
-    assert got == {a.wake.encode(): f"2:{NOW + 1}".encode(), b.wake.encode(): f"2:{NOW}".encode()}
+    assert got == {
+        a.wake.encode(): b"2:%d:%b\n2:%d:0:1\nm" % (NOW + 1, epoch_a, NOW + 1),
+        b.wake.encode(): b"2:%d:%b\n1:%d:0:3\nxyz\n2:%d:0:2\nuv" % (NOW, epoch_b, NOW, NOW + 3),
+    }
     # the slot statistics count every stored message once (one write per call)
     stats = r.hgetall(K.slot_stats(SLOT))
     assert (stats[b"msgs"], stats[b"bytes"], stats[f"w{MINUTE}".encode()]) == (b"4", b"7", b"4")
@@ -203,9 +213,30 @@ def test_enqueue_call_with_mixed_items_answers_each(r: redis.Redis) -> None:
     assert [m[0] for m in r.xrange(b.msgs) or []] == [b"1-0", b"2-0"]
 
 
+def test_wakeup_carries_only_small_messages(r: redis.Redis) -> None:
+    """A call's messages ride in the wakeup up to 8 KiB in total (payloads and messageIds);
+    past that the wakeup is the head alone and the waiters read the queue."""
+    a = K.queue_keys_for_id(SLOT, "qa")
+    sub = r.pubsub()  # type: ignore[no-untyped-call]
+    sub.subscribe(a.wake)
+    sub.get_message(timeout=1)
+    big = enqueue_many(r, [(a, {"token": "t1", "payload": b"x" * 8192})], rate=10)
+    epoch = cast(bytes, r.hget(a.meta, "epoch"))
+    assert big[0][3] == epoch
+    assert sub.get_message(timeout=2)["data"] == b"1:%d:%b\n1:%d:0:8192\n%b" % (NOW, epoch, NOW, b"x" * 8192)
+    items: list[Item] = [
+        (a, {"token": "t2", "payload": b"y" * 8000}),
+        (a, {"token": "t3", "payload": b"z" * 200}),
+    ]
+    two = enqueue_many(r, items, rate=10)
+    assert [reply[:2] for reply in two] == [[b"ok", 2], [b"ok", 3]]
+    assert sub.get_message(timeout=2)["data"] == b"3:%d:%b" % (NOW, epoch)
+    sub.close()
+
+
 def test_enqueue_refused_at_maxmemory_changes_nothing(r: redis.Redis) -> None:
     a, b = K.queue_keys_for_id(SLOT, "qa"), K.queue_keys_for_id(SLOT, "qb")
-    assert enqueue_many(r, [(a, {"token": "a1"})]) == [[b"ok", 1, 0]]
+    assert enqueue_many(r, [(a, {"token": "a1"})])[0][:3] == [b"ok", 1, 0]
     before = {k: r.dump(k) for k in r.keys("*")}
     r.config_set("maxmemory", 1)
     try:

@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from relayfleet_testing.localredis import LocalRedis
 
 from relay.storage import keys as K
+from relay.storage import pipeline
 from relay.storage.pipeline import ScriptBatcher, StoreUnavailable
 from relay.storage.scripts import STATUS
 from relay.storage.store import EnqueueOutcome, EnqueueRequest, QueueLimits, ShardStore, SlotMoved
@@ -114,7 +115,34 @@ async def test_silent_link_times_out() -> None:
         await server.wait_closed()
 
 
-async def test_one_script_call_carries_a_ticks_enqueues_each_with_its_outcome() -> None:
+async def test_an_enqueue_on_an_idle_connection_is_sent_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No batch answered for IDLE_SEND_S: an enqueue is written to Redis before the loop turns
+    (the rest of its tick gathers into the next call); on a busy connection it waits for the
+    loop turn, gathering with its tick."""
+    server = LocalRedis(binary=REDIS).start()
+    store = ShardStore("t", server.url, QueueLimits())
+    loop = asyncio.get_running_loop()
+    try:
+        await store.start()
+        monkeypatch.setattr(pipeline, "IDLE_SEND_S", 0.0)  # idle since any answer
+        sink: asyncio.Future[list[object]] = loop.create_future()
+        store.enqueue_to(sink, queue(), EnqueueRequest(b"", b"", b"one"), 1000)
+        assert store._batcher._inflight == 1  # written already
+        assert (await sink)[:2] == [b"ok", 1]
+        monkeypatch.setattr(pipeline, "IDLE_SEND_S", 3600.0)  # busy: never idle that long
+        sink = loop.create_future()
+        store.enqueue_to(sink, queue(), EnqueueRequest(b"", b"", b"two"), 1000)
+        assert store._batcher._inflight == 0  # waits for its tick's batch
+        assert (await sink)[:2] == [b"ok", 1]
+    finally:
+        await store.close()
+        server.stop()
+
+
+async def test_one_script_call_carries_a_ticks_enqueues_each_with_its_outcome(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pipeline, "IDLE_SEND_S", 3600.0)  # a busy connection (see the next test)
     server = LocalRedis(binary=REDIS).start()
     store = ShardStore("t", server.url, QueueLimits(rate_count=2))
     try:
@@ -132,11 +160,13 @@ async def test_one_script_call_carries_a_ticks_enqueues_each_with_its_outcome() 
             store.enqueue(moved, EnqueueRequest(b"", b"", b"y"), 1004),  # fenced
             return_exceptions=True,
         )
+        epoch_a: bytes = await store.client.hget(a.meta, "epoch")  # type: ignore[assignment]
+        epoch_b: bytes = await store.client.hget(b.meta, "epoch")  # type: ignore[assignment]
         assert list(outcomes[:4]) == [
             EnqueueOutcome("duplicate", seq=first.seq),
-            EnqueueOutcome("stored", seq=2),
+            EnqueueOutcome("stored", seq=2, epoch=epoch_a),
             EnqueueOutcome("rate_limited", retry_after_ms=4998),
-            EnqueueOutcome("stored", seq=1),
+            EnqueueOutcome("stored", seq=1, epoch=epoch_b),
         ]
         assert isinstance(outcomes[4], SlotMoved)
         assert outcomes[4].shard == "s2"

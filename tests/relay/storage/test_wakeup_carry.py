@@ -1,0 +1,103 @@
+"""What a waiter may answer from carried wakeups (relay/storage/wakeups.py), and the wakeup format."""
+
+from __future__ import annotations
+
+import pytest
+
+from relay.storage.message import Message
+from relay.storage.wakeups import Waiter, WakeupHub, parse_wakeup
+
+E = "e0e0e0e0e0e0e0e0"
+BUDGET = 1 << 20
+
+
+def m(seq: int, payload: bytes = b"p") -> Message:
+    return Message(seq, payload, 1000 + seq, None)
+
+
+@pytest.fixture
+async def waiter() -> Waiter:
+    hub = WakeupHub("redis://127.0.0.1:1/0")  # never started: waiters need only its bookkeeping
+    return hub.register("chan")
+
+
+async def test_take_answers_exactly_the_messages_after_the_read(waiter: Waiter) -> None:
+    waiter.carry(1000, E, [m(5)])
+    waiter.carry(1000, E, [m(6), m(7)])
+    assert waiter.take(E, 4, None, 10, BUDGET) == [m(5), m(6), m(7)]
+    assert waiter.take(E, 7, None, 10, BUDGET) == []  # consumed: nothing new since
+
+
+async def test_take_skips_what_the_read_saw_and_messages_carried_twice(waiter: Waiter) -> None:
+    # the local hand-over and the published wakeup both carry seq 5; 3 was seen by the read
+    waiter.carry(1000, E, [m(3)])
+    waiter.carry(1000, E, [m(5)])
+    waiter.carry(1000, E, [m(5)])
+    assert waiter.take(E, 4, None, 10, BUDGET) == [m(5)]
+    waiter.carry(1000, E, [m(5)])  # arriving after it was answered: old news, not an answer
+    assert waiter.take(E, 5, None, 10, BUDGET) == []
+
+
+@pytest.mark.parametrize(
+    ("carried", "last_seq", "from_seq", "limit", "budget", "why"),
+    [
+        ([(E, 6)], 4, None, 10, BUDGET, "a gap: seq 5 was not carried"),
+        ([(E, 5), (E, 7)], 4, None, 10, BUDGET, "a gap after the first"),
+        ([("other", 5)], 4, None, 10, BUDGET, "another epoch: the queue's history changed"),
+        ([(E, 5)], 4, 9, 10, BUDGET, "before fromSeq: a read would not return it"),
+        ([(E, 5), (E, 6)], 4, None, 1, BUDGET, "more than the limit: the rest must be read"),
+        ([(E, 5), (E, 6)], 4, None, 10, 1, "past the byte budget"),
+    ],
+)
+async def test_take_reads_whenever_the_carried_messages_are_not_all_of_it(
+    waiter: Waiter,
+    carried: list[tuple[str, int]],
+    last_seq: int,
+    from_seq: int | None,
+    limit: int,
+    budget: int,
+    why: str,
+) -> None:
+    for epoch, seq in carried:
+        waiter.carry(1000, epoch, [m(seq)])
+    assert waiter.take(E, last_seq, from_seq, limit, budget) is None, why
+
+
+async def test_a_plain_wakeup_means_read(waiter: Waiter) -> None:
+    waiter.carry(1000, E, [m(5)])
+    waiter.wake(None)  # e.g. a reconnect, a migration, an older relay's wakeup
+    waiter.carry(1000, E, [m(6)])
+    assert waiter.take(E, 4, None, 10, BUDGET) is None
+    # forget (before a read) starts over
+    waiter.wake(None)
+    waiter.forget()
+    waiter.carry(1000, E, [m(5)])
+    assert waiter.take(E, 4, None, 10, BUDGET) == [m(5)]
+
+
+async def test_too_many_carried_messages_mean_read(waiter: Waiter) -> None:
+    for seq in range(1, 66):
+        waiter.carry(1000, E, [m(seq)])
+    assert waiter.take(E, 0, None, 1000, BUDGET) is None
+
+
+def test_parse_wakeup() -> None:
+    data = b"6:1700:%b\n5:1700:3:2\nmidab\n6:1701:0:0\n" % E.encode()
+    assert parse_wakeup(data) == (1700, E, [Message(5, b"ab", 1700, "mid"), Message(6, b"", 1701, None)])
+    # payloads may hold anything, newlines and colons included
+    tricky = b"\n1:2:3\n"
+    data = b"1:1700:%b\n1:1700:0:%d\n%b" % (E.encode(), len(tricky), tricky)
+    assert parse_wakeup(data) == (1700, E, [Message(1, tricky, 1700, None)])
+    # plain wakeups: no carried messages (the waiter reads)
+    assert parse_wakeup(b"6:1700:%b" % E.encode()) == (1700, "", None)
+    assert parse_wakeup(b"6:1700") == (1700, "", None)  # an older relay's
+    assert parse_wakeup(b"moved") == (None, "", None)  # a migration's
+    # malformed or cut short: plain, never a half-parsed message
+    for bad in (
+        b"6:1700:%b\n5:1700:3:20\nmidab" % E.encode(),
+        b"6:1700:%b\n5:1700\nab" % E.encode(),
+        b"6:1700:%b\n5:x:0:2\nab" % E.encode(),
+        b"6:1700:%b\n5:1700:-1:2\nab" % E.encode(),
+        b"6:1700:%b\n5:1700:2:0\n\xff\xfe" % E.encode(),
+    ):
+        assert parse_wakeup(bad) == (1700, "", None), bad
