@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -208,6 +209,9 @@ async def serve(
     site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True, backlog=4096)
     await site.start()
     app[CTX].ready = True
+    # what startup loaded lives as long as the process: out of the cyclic collector's full
+    # passes, which otherwise walk it all and stall every request (waiters' answers too)
+    gc.freeze()
     log.info(
         "relay listening on http://%s:%d (shard map epoch %d, open-files limit %d)",
         settings.host,

@@ -41,7 +41,10 @@ _POLL_FALLBACK_S = 0.25
 _MAP_MOVED = K.SHARD_MAP_MOVED.encode()
 NOTICE_PREFIX = b"n:"  # wakeup-channel payloads that are notices (live takeovers), not new messages
 _MAX_NOTICES = 64
-_MAX_CARRIED = 64  # carried messages a waiter keeps between reads; past it, it re-reads
+# carried messages (and their payload bytes) a waiter keeps between reads; past either it
+# drops them and re-reads: a live socket whose client stopped acking pins no more than this
+_MAX_CARRIED = 64
+_MAX_CARRIED_BYTES = 256 * 1024
 
 
 class Stored(Protocol):
@@ -58,7 +61,17 @@ class Waiter:
     # Lean on purpose: 10,000s of idle long-polls each hold one. A bare future with a timer
     # handle instead of an Event + wait_for (which wraps each wait in a Task), and the notice
     # queue only for the waiters that get notices (live connections).
-    __slots__ = ("_carried", "_chan", "_flag", "_fut", "_hub", "_notices", "_plain", "woken_at_ms")
+    __slots__ = (
+        "_carried",
+        "_carried_bytes",
+        "_chan",
+        "_flag",
+        "_fut",
+        "_hub",
+        "_notices",
+        "_plain",
+        "woken_at_ms",
+    )
 
     def __init__(self, hub: WakeupHub, chan: _Channel) -> None:
         self._hub = hub
@@ -70,6 +83,7 @@ class Waiter:
         # since the last `forget`: messages carried by wakeups, (epoch, message) in arrival
         # order; and whether a wakeup came that carried none (only a read tells what is new)
         self._carried: list[tuple[str, Message]] | None = None
+        self._carried_bytes = 0
         self._plain = False
 
     @property
@@ -104,7 +118,9 @@ class Waiter:
             carried = self._carried
             if carried is None:
                 carried = self._carried = []
-            if len(carried) + len(messages) > _MAX_CARRIED:
+                self._carried_bytes = 0
+            self._carried_bytes += sum([len(m.payload) for m in messages])
+            if len(carried) + len(messages) > _MAX_CARRIED or self._carried_bytes > _MAX_CARRIED_BYTES:
                 self._plain = True
                 self._carried = None
             else:

@@ -79,6 +79,13 @@ async def test_too_many_carried_messages_mean_read(waiter: Waiter) -> None:
     for seq in range(1, 66):
         waiter.carry(1000, E, [m(seq)])
     assert waiter.take(E, 0, None, 1000, BUDGET) is None
+    # and bytes: a waiter whose client stopped taking them pins at most 256 KiB
+    for seq in range(1, 5):
+        waiter.carry(1000, E, [m(seq, b"x" * 65536)])
+    assert waiter.take(E, 0, None, 1000, BUDGET) == [m(seq, b"x" * 65536) for seq in range(1, 5)]
+    for seq in range(5, 10):
+        waiter.carry(1000, E, [m(seq, b"x" * 65536)])
+    assert waiter.take(E, 4, None, 1000, BUDGET) is None
 
 
 def test_parse_wakeup() -> None:
