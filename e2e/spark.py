@@ -54,7 +54,7 @@ class JobRun:
     def _watch_executors(self) -> None:
         # Executors live for seconds: list them every half second while the Job runs.
         while not self._done.is_set():
-            for pod in executor_pods(self.env, self.job):
+            for pod in executor_pods(self.env, self.name):
                 self.executors.add(pod["metadata"]["name"])
                 if pod["spec"].get("nodeName"):
                     self.executor_nodes.add(pod["spec"]["nodeName"])
@@ -91,10 +91,18 @@ class JobRun:
         return out
 
 
-def executor_pods(env: Env, job: str) -> list[dict[str, Any]]:
-    """The job's executor Pods (named by the chart's spark.kubernetes.executor.podNamePrefix)."""
-    prefix = f"relayfleet-{job}-{FLEET}-exec-"
-    return [p for p in env.pods(EXECUTOR_SELECTOR) if p["metadata"]["name"].startswith(prefix)]
+def executor_pods(env: Env, job_name: str) -> list[dict[str, Any]]:
+    """The executor Pods of the Job `job_name`: those its driver Pods own (Spark sets the driver
+    Pod as their owner; their names come from the driver Pod's UID, unique per run)."""
+    drivers = {p["metadata"]["name"] for p in env.pods(f"batch.kubernetes.io/job-name={job_name}")}
+    return [
+        p
+        for p in env.pods(EXECUTOR_SELECTOR)
+        if any(
+            o.get("kind") == "Pod" and o.get("name") in drivers
+            for o in p["metadata"].get("ownerReferences") or ()
+        )
+    ]
 
 
 def local_shard_map(env: Env) -> ShardMap:

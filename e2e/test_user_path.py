@@ -165,8 +165,8 @@ def test_queue_epochs_survive_migrations(e2e: Env) -> None:
     assert STATE.get("epoch_violations") == [], STATE.get("epoch_violations")
 
 
-def no_executors(e2e: Env, job: str) -> bool:
-    return not executor_pods(e2e, job)
+def no_executors(e2e: Env, job_name: str) -> bool:
+    return not executor_pods(e2e, job_name)
 
 
 @pytest.mark.timeout(900)
@@ -185,7 +185,7 @@ def test_retention_and_rebalance_cronjobs_run_with_executor_pods(e2e: Env) -> No
         TIMINGS[f"{run.job} job"] = run.seconds
         print(f"{run.job}: {run.seconds} s, executor pods seen {sorted(run.executors)}")
         assert len(run.executors) >= 2, (run.job, run.executors)
-        wait_for(f"{run.job} executors gone", partial(no_executors, e2e, run.job), timeout=120)
+        wait_for(f"{run.job} executors gone", partial(no_executors, e2e, run.name), timeout=120)
 
     # Exactly the messages past max-age, and the queue they emptied (idle past max-age too).
     rows = {r["shard"]: r for r in retention.json_lines() if "messages_removed" in r}

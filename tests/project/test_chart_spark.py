@@ -3,7 +3,9 @@ what executors connect to, what each Pod asks of the node, and what Spark may do
 
 from __future__ import annotations
 
+import re
 import subprocess
+import uuid
 from typing import Any
 
 import pytest
@@ -45,6 +47,36 @@ def test_executors_are_handed_the_driver_pod_ip_not_a_wildcard() -> None:
         assert "0.0.0.0" not in " ".join(driver(cj)["args"])
         env = {e["name"]: e for e in driver(cj)["env"]}
         assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """A container argument as the kubelet expands it: $(NAME) from the container's env."""
+    return re.sub(r"\$\(([A-Z_]+)\)", lambda m: env[m.group(1)], value)
+
+
+def test_two_drivers_in_one_namespace_name_their_executors_apart() -> None:
+    """Executor Pods are "<podNamePrefix>-exec-<n>": a prefix fixed per fleet made a second
+    driver of the same CronJob (a scheduled run beside a manual one) hit AlreadyExists on the
+    first one's executor names. The prefix comes from the driver Pod's UID (downward API)."""
+    for fleet in ("default", "f" * 32):  # the schema's longest fleet name
+        for job in JOBS:
+            (cj,) = [c for n, c in cronjobs(f"spark.fleets={{{fleet}}}").items() if job in n]
+            env = {e["name"]: e for e in driver(cj)["env"]}
+            assert env["POD_UID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+            prefix = spark_conf(cj)["spark.kubernetes.executor.podNamePrefix"]
+            names = set()
+            for _ in range(2):  # two driver Pods of that CronJob, each with the UID the API gives it
+                pod_env = {"POD_UID": str(uuid.uuid4()), "POD_NAMESPACE": "relay"}
+                expanded = expand(prefix, pod_env)
+                # Spark's own check: a DNS label, at most 47 long (63 - "-exec-" - a 10-digit id)
+                assert len(expanded) <= 47, expanded
+                assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", expanded), expanded
+                names.add(f"{expanded}-exec-1")
+            assert len(names) == 2, names
+            labels = [
+                v for k, v in spark_conf(cj).items() if k.startswith("spark.kubernetes.executor.label.")
+            ]
+            assert fleet in labels
 
 
 def test_spark_requests_fit_a_small_node_by_default_and_follow_the_values() -> None:
