@@ -182,6 +182,7 @@ def test_upgrade_from_the_previous_release_under_traffic(upgrade: Env, previous_
         wait_for(
             "relays of a rolled to the new image", lambda: relay_rolled(env, "a", DEFAULT_IMAGE), timeout=150
         )
+        old_relays_gone = time.monotonic()
         wait_for("messages stored after the roll", lambda: workload.stored > mark + 10, timeout=60)
         wait_for(
             "this tree's relay code answering", lambda: compressed_enqueue_status(env) == 415, timeout=60
@@ -211,9 +212,19 @@ def test_upgrade_from_the_previous_release_under_traffic(upgrade: Env, previous_
     finally:
         workload.stop(timeout=120)
     workload.history.save(str(env.workdir / "upgrade-history.jsonl"))
-    verdict = workload.history.check()
+    # The previous release's relay Pods have no preStop delay: SIGTERM closes their listener at
+    # once, and connections kube-proxy still sent them meanwhile are reset unanswered (the relay
+    # never read them; the producer resends with the same Idempotency-Key). This tree's Pods keep
+    # serving until kube-proxy has let them go, so an unanswered request is allowed only while
+    # the previous release's relays were being replaced, and every other guarantee is checked.
+    verdict = workload.history.check(allow_unanswered=True)
+    unanswered = [e for e in workload.history.events if e["status"] == 0]
     print(verdict.render())
-    print(f"stored {workload.stored}, not sent (no endpoint) {workload.connect_failures}, timings {TIMINGS}")
+    print(
+        f"stored {workload.stored}, not sent (no endpoint) {workload.connect_failures}, "
+        f"unanswered while the previous relays went {len(unanswered)}, timings {TIMINGS}"
+    )
+    assert all(t0 <= e["t0"] <= old_relays_gone for e in unanswered), unanswered
     assert verdict.counts.get("messages_delivered", 0) >= workload.stored
     # Epoch changes across migrations are a known open issue (see test_user_path).
     others = [v for v in verdict.violations if v.kind != "epoch"]

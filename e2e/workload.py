@@ -29,6 +29,7 @@ from relay.protocol import keypair, sign_headers
 from tests.support.history import History
 
 NOT_SENT = -1
+CONNECT_TIMEOUT_S = 5.0  # a TCP connect on the node's bridge takes milliseconds
 SIGNER = "X-E2E-Signer"  # which queue's key signs this GET (removed before it is sent)
 
 
@@ -59,6 +60,8 @@ class Workload:
     stored: int = 0
     connect_failures: int = 0
     live: int = 0  # how many of the queues are read over the live WebSocket
+    # which queues to use (by public key, e.g. those a given shard owns); None: any
+    accept: Callable[[bytes], bool] | None = None
     closes: list[tuple[float, int | None]] = field(default_factory=list)  # (when, close code)
     _stop: threading.Event = field(default_factory=threading.Event)
     _final: threading.Event = field(default_factory=threading.Event)
@@ -66,7 +69,12 @@ class Workload:
     _error: BaseException | None = None
 
     def __post_init__(self) -> None:
-        self.qs = [Queue(f"q{i}", *keypair()) for i in range(self.queues)]
+        # (an `accept` must take `queues` of them: each key pair lands on a shard at random)
+        self.qs: list[Queue] = []
+        while len(self.qs) < self.queues:
+            public, private = keypair()
+            if self.accept is None or self.accept(public):
+                self.qs.append(Queue(f"q{len(self.qs)}", public, private))
         self._keys = {q.name: q.private for q in self.qs}
 
     def start(self) -> Workload:
@@ -91,7 +99,10 @@ class Workload:
             self._error = exc
 
     async def _run(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=30)
+        # A connect that does not complete sent nothing: give up on it soon and try again (a SYN
+        # DNAT'ed to the address of a Pod already gone, while kube-proxy still lists it, is never
+        # answered; waiting out the whole request's time for it made the request look lost).
+        timeout = aiohttp.ClientTimeout(total=30, sock_connect=CONNECT_TIMEOUT_S)
         # A connection per request: a POST sent on a kept-alive connection the relay closed
         # meanwhile would get no answer, though the relay never read it.
         connector = aiohttp.TCPConnector(force_close=True)
@@ -131,7 +142,7 @@ class Workload:
             async with session.request(method, base + path, data=body, headers=headers) as resp:
                 doc = await resp.json(content_type=None) if resp.content_length != 0 else {}
                 return t0, time.monotonic(), resp.status, doc or {}, "Retry-After" in resp.headers
-        except aiohttp.ClientConnectorError:
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
             # Never connected, so nothing was sent: not part of the history (a stale endpoint).
             self.connect_failures += 1
             return t0, time.monotonic(), NOT_SENT, {}, False
