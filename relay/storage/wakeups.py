@@ -215,11 +215,15 @@ class _Channel:
     idle_since: float = 0.0
 
 
+FOLLOWS = b":+"  # a wakeup head whose carried messages come in the very next wakeup
+
+
 def parse_wakeup(data: bytes) -> tuple[int | None, str, list[Message] | None]:
     """(first enqueue time, epoch, carried messages) of a wakeup lua/enqueue.lua published:
     "<newest seq>:<time>:<epoch>", then per carried message "\n<seq>:<time>:<len messageId>:
     <len payload>\n<messageId><payload>". Messages None when it carries none, or is not of
-    that form (an older relay's "<seq>:<time>", a migration's "moved"): a plain wakeup."""
+    that form (an older relay's "<seq>:<time>", a migration's "moved"): a plain wakeup; []
+    for a head ending ":+", whose messages the next wakeup on the channel carries."""
     cut = data.find(b"\n")
     head = data if cut < 0 else data[:cut]
     parts = head.split(b":", 2)
@@ -227,7 +231,9 @@ def parse_wakeup(data: bytes) -> tuple[int | None, str, list[Message] | None]:
         enq_ms: int | None = int(parts[1])
     except (ValueError, IndexError):
         return None, "", None
-    if cut < 0 or len(parts) < 3:
+    if cut < 0:
+        return enq_ms, "", [] if len(parts) == 3 and head.endswith(FOLLOWS) else None
+    if len(parts) < 3:
         return enq_ms, "", None
     messages: list[Message] = []
     end = len(data)
@@ -244,6 +250,8 @@ def parse_wakeup(data: bytes) -> tuple[int | None, str, list[Message] | None]:
             mid = data[mid_at:payload_at].decode() if mid_len else None
             messages.append(Message(seq, data[payload_at:pos], ts, mid))
     except ValueError:  # a malformed one (UnicodeDecodeError is one): read instead
+        return enq_ms, "", None
+    if not messages:
         return enq_ms, "", None
     return enq_ms, parts[2].decode(errors="replace"), messages
 
@@ -463,9 +471,10 @@ class WakeupHub:
             if messages is None:
                 for w in chan.waiters:
                     w.wake(enq_ms)
-            else:
+            elif messages:
                 for w in chan.waiters:
                     w.carry(enq_ms, epoch, messages)
+            # else: the head of a wakeup that carries them, next on this connection
         elif kind == b"subscribe":
             chan = self._channels.get(msg[1].decode())
             if chan is not None:

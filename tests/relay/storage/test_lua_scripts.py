@@ -72,9 +72,11 @@ def test_enqueue_stores_counts_dedups_limits_and_publishes(r: redis.Redis) -> No
     assert stored[:3] == [b"ok", 1, 1]
     meta = r.hgetall(k.meta)
     assert stored[3] == meta[b"epoch"]  # the queue's epoch, for waiters answered from the wakeup
-    # the wakeup: newest seq, first enqueue time, epoch; then the (small) message it announces
-    wakeup = b"1:%d:%b\n1:%d:3:3\nmidabc" % (NOW, cast(bytes, meta[b"epoch"]), NOW)
-    assert sub.get_message(timeout=2)["data"] == wakeup
+    # the wakeup: newest seq, first enqueue time, epoch, ":+" (carried next); then, as someone
+    # listens, the same head and the (small) message it announces
+    head = b"1:%d:%b" % (NOW, cast(bytes, meta[b"epoch"]))
+    assert sub.get_message(timeout=2)["data"] == head + b":+"
+    assert sub.get_message(timeout=2)["data"] == head + b"\n1:%d:3:3\nmidabc" % NOW
     sub.close()
     assert meta[b"seq"] == b"1"
     assert meta[b"bytes"] == b"3"
@@ -199,12 +201,16 @@ def test_enqueue_call_with_mixed_items_answers_each(r: redis.Redis) -> None:
         [b"ok", 2, 1],
     ]
     # one wakeup per channel and call, after its writes: newest seq, first enqueue time, epoch,
-    # then each message it stored on that channel in this call
-    got = {m["channel"]: m["data"] for m in (sub.get_message(timeout=2), sub.get_message(timeout=2)) if m}
+    # ":+"; then (someone listens) the head and each message it stored on that channel in this call
+    got: dict[bytes, list[bytes]] = {}
+    for _ in range(4):
+        m = sub.get_message(timeout=2)
+        got.setdefault(m["channel"], []).append(m["data"])
     sub.close()
+    head_a, head_b = b"2:%d:%b" % (NOW + 1, epoch_a), b"2:%d:%b" % (NOW, epoch_b)
     assert got == {
-        a.wake.encode(): b"2:%d:%b\n2:%d:0:1\nm" % (NOW + 1, epoch_a, NOW + 1),
-        b.wake.encode(): b"2:%d:%b\n1:%d:0:3\nxyz\n2:%d:0:2\nuv" % (NOW, epoch_b, NOW, NOW + 3),
+        a.wake.encode(): [head_a + b":+", head_a + b"\n2:%d:0:1\nm" % (NOW + 1)],
+        b.wake.encode(): [head_b + b":+", head_b + b"\n1:%d:0:3\nxyz\n2:%d:0:2\nuv" % (NOW, NOW + 3)],
     }
     # the slot statistics count every stored message once (one write per call)
     stats = r.hgetall(K.slot_stats(SLOT))
@@ -223,6 +229,7 @@ def test_wakeup_carries_only_small_messages(r: redis.Redis) -> None:
     big = enqueue_many(r, [(a, {"token": "t1", "payload": b"x" * 8192})], rate=10)
     epoch = cast(bytes, r.hget(a.meta, "epoch"))
     assert big[0][3] == epoch
+    assert sub.get_message(timeout=2)["data"] == b"1:%d:%b:+" % (NOW, epoch)
     assert sub.get_message(timeout=2)["data"] == b"1:%d:%b\n1:%d:0:8192\n%b" % (NOW, epoch, NOW, b"x" * 8192)
     items: list[Item] = [
         (a, {"token": "t2", "payload": b"y" * 8000}),
@@ -230,8 +237,10 @@ def test_wakeup_carries_only_small_messages(r: redis.Redis) -> None:
     ]
     two = enqueue_many(r, items, rate=10)
     assert [reply[:2] for reply in two] == [[b"ok", 2], [b"ok", 3]]
-    assert sub.get_message(timeout=2)["data"] == b"3:%d:%b" % (NOW, epoch)
+    assert sub.get_message(timeout=2)["data"] == b"3:%d:%b" % (NOW, epoch)  # the head alone
     sub.close()
+    # nobody listening: stored all the same
+    assert enqueue_many(r, [(a, {"token": "t4", "payload": b"w"})], rate=10)[0][:3] == [b"ok", 4, 0]
 
 
 def test_enqueue_refused_at_maxmemory_changes_nothing(r: redis.Redis) -> None:

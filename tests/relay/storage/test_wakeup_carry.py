@@ -95,8 +95,11 @@ def test_parse_wakeup() -> None:
     tricky = b"\n1:2:3\n"
     data = b"1:1700:%b\n1:1700:0:%d\n%b" % (E.encode(), len(tricky), tricky)
     assert parse_wakeup(data) == (1700, E, [Message(1, tricky, 1700, None)])
+    # the head of a wakeup whose messages come next: nothing yet
+    assert parse_wakeup(b"6:1700:%b:+" % E.encode()) == (1700, "", [])
     # plain wakeups: no carried messages (the waiter reads)
     assert parse_wakeup(b"6:1700:%b" % E.encode()) == (1700, "", None)
+    assert parse_wakeup(b"6:1700:%b\n" % E.encode()) == (1700, "", None)
     assert parse_wakeup(b"6:1700") == (1700, "", None)  # an older relay's
     assert parse_wakeup(b"moved") == (None, "", None)  # a migration's
     # malformed or cut short: plain, never a half-parsed message
