@@ -206,7 +206,12 @@ class CredoAgent:
         return self.basic_messages[:count]
 
     async def stop(self) -> None:
-        if self.proc is None or self.proc.returncode is not None:
+        if self.proc is None:
+            return
+        if self.proc.returncode is not None:
+            # exited already (killed by the test): still read its stdout to EOF so asyncio
+            # closes the pipe now, not at garbage collection during some later test
+            await self._join_reader()
             return
         with contextlib.suppress(AgentError, ConnectionError):
             await self.command("stop", timeout=20)
