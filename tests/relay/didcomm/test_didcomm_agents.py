@@ -240,6 +240,7 @@ async def world(tools: Toolchain, tmp_path_factory: pytest.TempPathFactory) -> A
     relay: RelayProc | None = None
     credo: CredoAgent | None = None
     acapy: AcaPy | None = None
+    world: World | None = None
     try:
         for name in ("a", "b"):
             shards[name] = LocalRedis(binary=DEBIAN_REDIS, dir=str(workdir / f"redis-{name}")).start()
@@ -264,6 +265,10 @@ async def world(tools: Toolchain, tmp_path_factory: pytest.TempPathFactory) -> A
             await asyncio.gather(credo.start("PickUpV2"), acapy.start())
         yield world
     finally:
+        # tests replace world.credo (restarts, a SIGKILL): stop the agent running now, not the
+        # first one; a Credo process left behind was a ResourceWarning in some later test
+        if world is not None:
+            credo = world.credo
         if credo is not None:
             await credo.stop()
         if acapy is not None:
