@@ -3,7 +3,9 @@
 -- enqueue a relay sent this shard in one loop tick (relay/storage/store.py), in order,
 -- each with its own reply; a call of one is the single enqueue. Per call, not per
 -- message: each slot state and 'rf:boot' are read once, each slot's statistics are
--- incremented once, and each wakeup channel is published once, after every write.
+-- incremented once, and each wakeup channel someone subscribes to is published once, after
+-- every write (one PUBSUB NUMSUB asks for all of them: relays SUBSCRIBE on the primary,
+-- never PSUBSCRIBE, so a channel it counts no subscriber for has nobody to wake).
 -- Fixed arguments:
 -- ARGV[1] rate limit: messages per window   ARGV[2] rate window, ms
 -- ARGV[3] queue cap: messages        ARGV[4] queue cap: bytes
@@ -42,7 +44,7 @@ local stats, stats_order = {}, {}  -- slot statistics key -> {messages, bytes, m
 local wakes, wake_order = {}, {}  -- channel -> {seq, first now, replies, epoch, carried, bytes}, in first-use order
 -- A wakeup carries its channel's messages of this call when they are this small in total
 -- (payloads + messageIds) and someone subscribes, so a woken waiter answers without reading
--- them back. Only references are kept until the first PUBLISH says whether anyone listens:
+-- them back. Only references are kept until PUBSUB NUMSUB says whether anyone listens:
 -- building the text for nobody (most enqueues) cost ~20 % of the script at 256 B.
 local CARRY_BYTES = 8192
 
@@ -214,31 +216,31 @@ end
 for _, stats_key in ipairs(stats_order) do
   add_stats(stats_key, stats[stats_key])  -- each holds at least the item that created it
 end
--- one wakeup per channel, after every write: "<newest seq>:<first enqueue time>:<epoch>"
--- (relay/storage/wakeups.py; the time measures wake latency). When its messages may be carried
--- the head ends ":+" and, if anyone listens, a second wakeup follows at once (same script, same
--- connection: nothing comes between) with the head and each message: "\n<seq>:<time>:<len
--- messageId>:<len payload>\n<messageId><payload>".
-for _, channel in ipairs(wake_order) do
-  local w = wakes[channel]
-  local head = w[1] .. ':' .. w[2] .. ':' .. w[4]
-  local carried = w[5]
-  local subs
-  if carried then
-    subs = redis.call('PUBLISH', channel, head .. ':+')
-    if subs > 0 then
-      local parts = {head}
-      for i = 1, #carried, 4 do
-        local mid, payload = carried[i + 2], carried[i + 3]
-        parts[#parts + 1] = fmt('\n%s:%s:%d:%d\n', carried[i], carried[i + 1], string.len(mid), string.len(payload))
-        parts[#parts + 1] = mid
-        parts[#parts + 1] = payload
+-- one wakeup per channel that someone listens to, after every write: "<newest seq>:<first
+-- enqueue time>:<epoch>" (relay/storage/wakeups.py; the time measures wake latency), followed,
+-- when its messages may be carried, by each message: "\n<seq>:<time>:<len messageId>:<len
+-- payload>\n<messageId><payload>". Nobody listening: no PUBLISH (and subscribers 0).
+if #wake_order > 0 then
+  local listening = redis.call('PUBSUB', 'NUMSUB', unpack(wake_order))  -- {channel, n, ...}
+  for i, channel in ipairs(wake_order) do
+    if listening[2 * i] > 0 then
+      local w = wakes[channel]
+      local head = w[1] .. ':' .. w[2] .. ':' .. w[4]
+      local carried = w[5]
+      local text = head
+      if carried then
+        local parts = {head}
+        for j = 1, #carried, 4 do
+          local mid, payload = carried[j + 2], carried[j + 3]
+          parts[#parts + 1] = fmt('\n%s:%s:%d:%d\n', carried[j], carried[j + 1], string.len(mid), string.len(payload))
+          parts[#parts + 1] = mid
+          parts[#parts + 1] = payload
+        end
+        text = table.concat(parts)
       end
-      redis.call('PUBLISH', channel, table.concat(parts))
+      local subs = redis.call('PUBLISH', channel, text)
+      for _, reply in ipairs(w[3]) do reply[3] = subs end
     end
-  else
-    subs = redis.call('PUBLISH', channel, head)
   end
-  for _, reply in ipairs(w[3]) do reply[3] = subs end
 end
 return replies

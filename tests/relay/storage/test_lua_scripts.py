@@ -72,11 +72,11 @@ def test_enqueue_stores_counts_dedups_limits_and_publishes(r: redis.Redis) -> No
     assert stored[:3] == [b"ok", 1, 1]
     meta = r.hgetall(k.meta)
     assert stored[3] == meta[b"epoch"]  # the queue's epoch, for waiters answered from the wakeup
-    # the wakeup: newest seq, first enqueue time, epoch, ":+" (carried next); then, as someone
-    # listens, the same head and the (small) message it announces
+    # one wakeup, as someone listens: newest seq, first enqueue time, epoch, and the (small)
+    # message it announces
     head = b"1:%d:%b" % (NOW, cast(bytes, meta[b"epoch"]))
-    assert sub.get_message(timeout=2)["data"] == head + b":+"
     assert sub.get_message(timeout=2)["data"] == head + b"\n1:%d:3:3\nmidabc" % NOW
+    assert sub.get_message(timeout=0.2) is None
     sub.close()
     assert meta[b"seq"] == b"1"
     assert meta[b"bytes"] == b"3"
@@ -201,16 +201,16 @@ def test_enqueue_call_with_mixed_items_answers_each(r: redis.Redis) -> None:
         [b"ok", 2, 1],
     ]
     # one wakeup per channel and call, after its writes: newest seq, first enqueue time, epoch,
-    # ":+"; then (someone listens) the head and each message it stored on that channel in this call
+    # and each message it stored on that channel in this call
     got: dict[bytes, list[bytes]] = {}
-    for _ in range(4):
+    for _ in range(2):
         m = sub.get_message(timeout=2)
         got.setdefault(m["channel"], []).append(m["data"])
     sub.close()
     head_a, head_b = b"2:%d:%b" % (NOW + 1, epoch_a), b"2:%d:%b" % (NOW, epoch_b)
     assert got == {
-        a.wake.encode(): [head_a + b":+", head_a + b"\n2:%d:0:1\nm" % (NOW + 1)],
-        b.wake.encode(): [head_b + b":+", head_b + b"\n1:%d:0:3\nxyz\n2:%d:0:2\nuv" % (NOW, NOW + 3)],
+        a.wake.encode(): [head_a + b"\n2:%d:0:1\nm" % (NOW + 1)],
+        b.wake.encode(): [head_b + b"\n1:%d:0:3\nxyz\n2:%d:0:2\nuv" % (NOW, NOW + 3)],
     }
     # the slot statistics count every stored message once (one write per call)
     stats = r.hgetall(K.slot_stats(SLOT))
@@ -229,7 +229,6 @@ def test_wakeup_carries_only_small_messages(r: redis.Redis) -> None:
     big = enqueue_many(r, [(a, {"token": "t1", "payload": b"x" * 8192})], rate=10)
     epoch = cast(bytes, r.hget(a.meta, "epoch"))
     assert big[0][3] == epoch
-    assert sub.get_message(timeout=2)["data"] == b"1:%d:%b:+" % (NOW, epoch)
     assert sub.get_message(timeout=2)["data"] == b"1:%d:%b\n1:%d:0:8192\n%b" % (NOW, epoch, NOW, b"x" * 8192)
     items: list[Item] = [
         (a, {"token": "t2", "payload": b"y" * 8000}),
@@ -241,6 +240,34 @@ def test_wakeup_carries_only_small_messages(r: redis.Redis) -> None:
     sub.close()
     # nobody listening: stored all the same
     assert enqueue_many(r, [(a, {"token": "t4", "payload": b"w"})], rate=10)[0][:3] == [b"ok", 4, 0]
+
+
+def test_wakeup_published_once_and_only_when_a_channel_subscriber_listens(r: redis.Redis) -> None:
+    """One PUBLISH per channel and call that carries its messages, and none when PUBSUB NUMSUB
+    counts no subscriber (a pattern subscriber, which relays never are, sees every PUBLISH)."""
+    a = K.queue_keys_for_id(SLOT, "qa")
+    watch = r.pubsub()  # type: ignore[no-untyped-call]
+    watch.psubscribe(a.wake)
+    watch.get_message(timeout=1)
+    assert enqueue_many(r, [(a, {"token": "t1", "payload": b"p1"})], rate=10)[0][:3] == [b"ok", 1, 0]
+    assert watch.get_message(timeout=0.3) is None
+    sub = r.pubsub()  # type: ignore[no-untyped-call]
+    sub.subscribe(a.wake)
+    sub.get_message(timeout=1)
+    replies = enqueue_many(
+        r,
+        [(a, {"token": "t2", "payload": b"p2"}), (a, {"token": "t3", "payload": b"p3", "now": NOW + 1})],
+        rate=10,
+    )
+    assert [reply[:3] for reply in replies] == [[b"ok", 2, 2], [b"ok", 3, 2]]  # PUBLISH's receivers
+    epoch = cast(bytes, r.hget(a.meta, "epoch"))
+    text = b"3:%d:%b\n2:%d:0:2\np2\n3:%d:0:2\np3" % (NOW, epoch, NOW, NOW + 1)
+    assert sub.get_message(timeout=2)["data"] == text
+    assert watch.get_message(timeout=2)["data"] == text
+    assert sub.get_message(timeout=0.3) is None
+    assert watch.get_message(timeout=0.3) is None
+    sub.close()
+    watch.close()
 
 
 def test_enqueue_refused_at_maxmemory_changes_nothing(r: redis.Redis) -> None:
