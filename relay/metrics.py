@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from typing import Any, Protocol, TypeVar
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.values import MutexValue
+
+from relay.loop_metrics import CounterSeries, LoopCounter, LoopGauge, LoopHistogram
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -30,23 +28,25 @@ _LATENCY_BUCKETS = (
 )
 _WAKE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
-REQUESTS = Counter(
+# The hot-path series are Loop* families: plain numbers only the event loop updates
+# (relay/loop_metrics.py); the rest are prometheus_client's own.
+REQUESTS = LoopCounter(
     "relayfleet_http_requests_total",
     "HTTP requests by route and status",
     ["route", "method", "status"],
     registry=REGISTRY,
 )
-REQUEST_SECONDS = Histogram(
+REQUEST_SECONDS = LoopHistogram(
     "relayfleet_http_request_duration_seconds",
     "HTTP request latency (long-polls include their wait)",
     ["route", "method"],
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
-MESSAGES = Counter(
+MESSAGES = LoopCounter(
     "relayfleet_messages_total", "Queue operations on messages", ["op"], registry=REGISTRY
 )  # op: enqueued, duplicate, delivered, drained, acked, expired
-BYTES = Counter(
+BYTES = LoopCounter(
     "relayfleet_message_bytes_total", "Payload bytes by queue operation", ["op"], registry=REGISTRY
 )
 REJECTED = Counter(
@@ -55,14 +55,14 @@ REJECTED = Counter(
 RATE_LIMITED = Counter(
     "relayfleet_rate_limited_total", "Enqueues refused by the per-queue rate limit", registry=REGISTRY
 )
-WAITERS = Gauge("relayfleet_waiters", "Long-polls currently waiting in this process", registry=REGISTRY)
+WAITERS = LoopGauge("relayfleet_waiters", "Long-polls currently waiting in this process", registry=REGISTRY)
 LIVE_CONNECTIONS = Gauge("relayfleet_live_connections", "Open live WebSocket connections", registry=REGISTRY)
 LIVE_DROPPED = Counter(
     "relayfleet_live_dropped_total",
     "Live WebSocket clients dropped because their socket accepted nothing for RELAY_LIVE_SEND_TIMEOUT_S",
     registry=REGISTRY,
 )
-WAKEUP_SECONDS = Histogram(
+WAKEUP_SECONDS = LoopHistogram(
     "relayfleet_wakeup_latency_seconds",
     "From the waking enqueue being stored to the waiter being answered",
     buckets=_WAKE_BUCKETS,
@@ -186,98 +186,24 @@ for _reason in ("answers_owed", "write_buffer"):
     HTTP_READ_PAUSES.labels(_reason)
 
 
-class _LoopValue:
-    """MutexValue without its lock, for series only the event loop thread updates."""
-
-    __slots__ = ("_exemplar", "_value")
-
-    def __init__(self, value: float, exemplar: Any) -> None:
-        self._value = value
-        self._exemplar = exemplar
-
-    def inc(self, amount: float) -> None:
-        self._value += amount
-
-    def set(self, value: float, timestamp: float | None = None) -> None:
-        self._value = value
-
-    def set_exemplar(self, exemplar: Any) -> None:
-        self._exemplar = exemplar
-
-    def get(self) -> float:
-        return self._value
-
-    def get_exemplar(self) -> Any:
-        return self._exemplar
-
-
-M = TypeVar("M", Counter, Gauge, Histogram)
-
-
-def loop_only(child: M) -> M:
-    """The label child, its per-update lock dropped: for hot-path series that only the
-    event loop updates (a lock per inc/observe showed in enqueue profiles). Only
-    prometheus_client's in-process values are swapped; anything else stays as it is."""
-
-    def unlocked(value: Any) -> Any:
-        if type(value) is MutexValue:
-            locked: Any = value  # prometheus_client's methods are untyped
-            return _LoopValue(locked.get(), locked.get_exemplar())
-        return value
-
-    for attr in ("_value", "_sum"):
-        if hasattr(child, attr):
-            setattr(child, attr, unlocked(getattr(child, attr)))
-    buckets = getattr(child, "_buckets", None)
-    if isinstance(buckets, list):
-        buckets[:] = [unlocked(b) for b in buckets]
-    return child
-
-
-class Increment(Protocol):
-    def inc(self, amount: float, /) -> None: ...
-
-
-def loop_counter(child: Counter) -> Increment:
-    """The value of a label child, made loop_only: its inc(amount) is Counter.inc(amount)
-    without the method's checks (for non-negative amounts), for the enqueue hot path."""
-    value: Increment = loop_only(child)._value
-    return value
-
-
 class RouteSeries:
-    """A route's request metrics for one method: label children resolved once (the aiohttp
-    route wrapper and the enqueue fast path count the same series).
+    """A route's request metrics for one method, resolved once (the aiohttp route wrapper and
+    the enqueue fast path count the same series): `count(status)` and `observe(seconds)`."""
 
-    `count` and `observe` update the children's values directly: what Counter.inc(1) and
-    Histogram.observe do for a labelled child without exemplars, minus their checks and
-    the Python loop over the buckets (both showed in enqueue profiles). The values are the
-    children's own, so a scrape reads exactly what those methods would have left."""
-
-    __slots__ = ("_bounds", "_buckets", "_counts", "_sum", "method", "route", "timer")
+    __slots__ = ("_by_status", "method", "observe", "route", "timer")
 
     def __init__(self, route: str, method: str) -> None:
         self.route = route
         self.method = method
-        self._counts: dict[int, Any] = {}  # status -> the counter's value object
-        self.timer: Histogram = loop_only(REQUEST_SECONDS.labels(route, method))
-        timer: Any = self.timer  # prometheus_client's attributes are untyped
-        self._bounds: list[float] = list(timer._upper_bounds)  # ends with +Inf
-        self._buckets: list[Any] = timer._buckets
-        self._sum: Any = timer._sum
+        self._by_status: dict[int, CounterSeries] = {}
+        self.timer = REQUEST_SECONDS.labels(route, method)
+        self.observe = self.timer.observe  # one call per request, not two
 
     def count(self, status: int) -> None:
-        value = self._counts.get(status)
-        if value is None:
-            counter: Any = loop_only(REQUESTS.labels(self.route, self.method, str(status)))
-            value = self._counts[status] = counter._value
-        value.inc(1)
-
-    def observe(self, seconds: float) -> None:
-        """REQUEST_SECONDS for this route: the first bucket whose bound is >= `seconds`
-        (Histogram.observe's `amount <= bound`), found by bisection."""
-        self._sum.inc(seconds)
-        self._buckets[bisect_left(self._bounds, seconds)].inc(1)
+        series = self._by_status.get(status)
+        if series is None:
+            series = self._by_status[status] = REQUESTS.labels(self.route, self.method, str(status))
+        series.value += 1
 
 
 DIDCOMM_MESSAGES = Counter(

@@ -68,15 +68,12 @@ class TooManyWaiters(Exception):
 
 
 # Label children resolved once: .labels() per request was visible in profiles.
-_ENQUEUED = metrics.loop_counter(metrics.MESSAGES.labels("enqueued"))
-_ENQUEUED_BYTES = metrics.loop_counter(metrics.BYTES.labels("enqueued"))
-_DUPLICATE = metrics.loop_counter(metrics.MESSAGES.labels("duplicate"))
-_WAITERS = metrics.loop_only(metrics.WAITERS)
-_WAKEUP_SECONDS = metrics.loop_only(metrics.WAKEUP_SECONDS)
-_DELIVERED = {
-    op: (metrics.loop_counter(metrics.MESSAGES.labels(op)), metrics.loop_counter(metrics.BYTES.labels(op)))
-    for op in ("delivered", "drained")
-}
+_ENQUEUED = metrics.MESSAGES.labels("enqueued")
+_ENQUEUED_BYTES = metrics.BYTES.labels("enqueued")
+_DUPLICATE = metrics.MESSAGES.labels("duplicate")
+_WAITERS = metrics.WAITERS
+_WAKEUP_SECONDS = metrics.WAKEUP_SECONDS
+_DELIVERED = {op: (metrics.MESSAGES.labels(op), metrics.BYTES.labels(op)) for op in ("delivered", "drained")}
 
 
 def now_ms() -> int:

@@ -19,7 +19,7 @@ from tests.support.chart import CHART, ROOT
 from tests.support.observability import DASHBOARDS, alert_rules
 
 METRIC_MODULES = [ROOT / "relay" / "metrics.py", ROOT / "operator" / "relayfleet_operator" / "metrics.py"]
-KINDS = {"Counter", "Gauge", "Histogram", "Summary"}
+KINDS = {"Counter", "Gauge", "Histogram", "Summary", "LoopCounter", "LoopGauge", "LoopHistogram"}
 SELECTOR = re.compile(r"\b(relayfleet_[a-z0-9_]+)\s*(?:\{([^}]*)\})?")
 MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
 BY = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")

@@ -1,5 +1,5 @@
-"""RouteSeries updates the label children's values directly (relay/metrics.py): a scrape must
-read exactly what prometheus_client's own Counter.inc / Histogram.observe would have left."""
+"""RouteSeries updates its series' plain values (relay/metrics.py): a scrape must read exactly
+what prometheus_client's own Counter.inc / Histogram.observe would have left."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ def test_route_series_scrapes_as_prometheus_client_methods() -> None:
         "ref_request_duration_seconds",
         "h",
         ["route", "method"],
-        buckets=metrics.REQUEST_SECONDS._upper_bounds[:-1],
+        buckets=metrics.REQUEST_SECONDS.bounds,
         registry=reference,
     )
     series = RouteSeries("/test/route-series", "POST")
     rnd = random.Random(7)
-    bounds = list(metrics.REQUEST_SECONDS._upper_bounds[:-1])
+    bounds = list(metrics.REQUEST_SECONDS.bounds)
     # exact bounds, values just around them, zero, and values past the last bound
     amounts = [0.0, *bounds, *(b * 1.000001 for b in bounds), *(b * 0.999999 for b in bounds), 1e6]
     amounts += [rnd.uniform(0, 70) for _ in range(500)] + [rnd.uniform(0, 0.01) for _ in range(500)]

@@ -174,13 +174,13 @@ async def _backpressure(owner: RelayClient, public: bytes) -> None:
     for i in range(10):
         await owner.enqueue(public, b"w%d" % i)
     delivered = metrics.MESSAGES.labels("delivered")
-    before = delivered._value.get()
+    before = delivered.value
     async with owner.live() as conn:
         got = [await frame(conn) for _ in range(4)]
         assert [f["seq"] for f in got] == [1, 2, 3, 4]
         assert await silent(conn, 0.4)  # window full: nothing more, not even "empty"
         # and nothing more was read from Redis for this slow client
-        assert delivered._value.get() - before == 4
+        assert delivered.value - before == 4
         await conn.ack(2)
         assert [(await frame(conn))["seq"] for _ in range(2)] == [5, 6]
         assert await silent(conn, 0.3)
@@ -189,7 +189,7 @@ async def _backpressure(owner: RelayClient, public: bytes) -> None:
         assert await silent(conn, 0.3)  # full again: even "empty" waits, it needs a read
         await conn.ack(10)
         assert await frame(conn) == {"type": "empty"}
-        assert delivered._value.get() - before == 10
+        assert delivered.value - before == 10
 
 
 async def test_window_frees_when_messages_are_acked_over_http(
