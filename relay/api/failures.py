@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
 
 from relay.api.errors import ApiError, error_response
 from relay.http import logsafe
@@ -37,7 +36,7 @@ def error_for(exc: BaseException) -> web.Response:
         return error_response(503, "too_many_waiters", "too many waiting requests", {"Retry-After": "1"})
     if isinstance(exc, StoreRejected):
         return error_response(507, "storage_full", "the shard is out of memory; nothing was stored")
-    if isinstance(exc, RequestPayloadError):  # the parser refused the body mid-read (e.g. chunk size)
+    if isinstance(exc, web.RequestPayloadError):  # the parser refused the body mid-read (e.g. chunk size)
         code, text = describe_parse_error(exc.__cause__)
         return error_response(400, code, text, {"Connection": "close"})
     if isinstance(exc, web.HTTPException):

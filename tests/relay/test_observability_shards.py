@@ -11,6 +11,7 @@ from dataclasses import replace
 import aiohttp
 import pytest
 import redis
+from prometheus_client import Gauge
 from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
@@ -31,8 +32,9 @@ async def scrape(relay: RunningRelay) -> None:
         assert resp.status == 200
 
 
-def gauge(g: object, shard: str) -> float:
-    return float(g.labels(shard)._value.get())  # type: ignore[attr-defined]
+def gauge(g: Gauge, shard: str) -> float:
+    """The shard's series of `g`, read as a scrape would (the metric's own collect())."""
+    return next(s.value for f in g.collect() for s in f.samples if s.labels == {"shard": shard})
 
 
 async def test_totals_memory_and_down(redis_server: LocalRedis, relay: RunningRelay) -> None:

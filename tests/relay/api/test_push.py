@@ -24,6 +24,11 @@ from relay.push import NOTIFIER, PushNotifier
 from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 
+def pushes(outcome: str) -> float:
+    value = metrics.REGISTRY.get_sample_value("relayfleet_push_notifications_total", {"outcome": outcome})
+    return value or 0.0
+
+
 @dataclass
 class Webhook:
     url: str
@@ -129,20 +134,18 @@ async def test_failures_are_retried_a_bounded_number_of_times(
     redis_server: LocalRedis, relay_factory: RelayFactory, webhook: Webhook
 ) -> None:
     relay = await fast_relay(relay_factory, redis_server.url, webhook.url)
-    retried = metrics.PUSH_NOTIFICATIONS.labels("retried")
-    failed = metrics.PUSH_NOTIFICATIONS.labels("failed")
-    before_retried, before_failed = retried._value.get(), failed._value.get()
+    before_retried, before_failed = pushes("retried"), pushes("failed")
     webhook.answers = [503, 500]  # two failures, then success
     async with relay.client() as c:
         await c.enqueue(keypair()[0], b"x")
         await webhook.wait_for(3)
-        assert retried._value.get() - before_retried == 2
+        assert pushes("retried") - before_retried == 2
         webhook.answers = [500] * 10  # never succeeds: gives up after the bound
         await c.enqueue(keypair()[0], b"y")
         await webhook.wait_for(3 + relay.app[NOTIFIER].attempts)
         await asyncio.sleep(0.1)
         assert len(webhook.calls) == 3 + relay.app[NOTIFIER].attempts
-        assert failed._value.get() - before_failed == 1
+        assert pushes("failed") - before_failed == 1
         webhook.answers = [400]  # refused: not retried
         await c.enqueue(keypair()[0], b"z")
         await webhook.wait_for(4 + relay.app[NOTIFIER].attempts)
@@ -152,8 +155,7 @@ async def test_failures_are_retried_a_bounded_number_of_times(
 
 async def test_pending_notifications_are_bounded_and_coalesced(webhook: Webhook) -> None:
     notifier = PushNotifier(webhook.url, max_pending=3, workers=1, backoff_s=0.01)
-    dropped = metrics.PUSH_NOTIFICATIONS.labels("dropped")
-    before = dropped._value.get()
+    before = pushes("dropped")
     webhook.delay_s = 0.3
     await notifier.start()
     try:
@@ -166,7 +168,7 @@ async def test_pending_notifications_are_bounded_and_coalesced(webhook: Webhook)
         notifier.offer(d, b"", 1)
         notifier.offer(keypair()[0], b"", 1)  # over the bound of 3 pending queues
         assert notifier.pending() == 3
-        assert dropped._value.get() - before == 1
+        assert pushes("dropped") - before == 1
         await webhook.wait_for(4)
         assert [(call["recipient"], call["seq"]) for call in webhook.calls[1:]] == [
             (b64encode(b), 5),
@@ -181,17 +183,16 @@ async def test_unreachable_webhook_costs_enqueue_nothing(
     redis_server: LocalRedis, relay_factory: RelayFactory
 ) -> None:
     relay = await fast_relay(relay_factory, redis_server.url, f"http://127.0.0.1:{free_port()}/nobody")
-    failed = metrics.PUSH_NOTIFICATIONS.labels("failed")
-    before = failed._value.get()
+    before = pushes("failed")
     async with relay.client() as c:
         start = time.perf_counter()
         await c.enqueue(keypair()[0], b"x")
         assert time.perf_counter() - start < 0.5
         for _ in range(500):  # connection refused, retried with backoff: well under 10 s
-            if failed._value.get() > before:
+            if pushes("failed") > before:
                 break
             await asyncio.sleep(0.02)
-        assert failed._value.get() == before + 1
+        assert pushes("failed") == before + 1
 
 
 async def test_no_webhook_no_notifier(relay: RunningRelay) -> None:
