@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from relay import metrics
@@ -13,6 +14,7 @@ from relay.settings import Settings
 from relay.storage.store import (
     EnqueueOutcome,
     EnqueueRequest,
+    Message,
     ReadResult,
     ReplicationTimeout,
     SlotMigrating,
@@ -28,6 +30,8 @@ from relay.storage.wakeups import Waiter
 T = TypeVar("T")
 
 OnStored = Callable[[bytes, bytes, int, int], None]  # recipient, channel, seq, subscribers
+# A long-poll's answerer for messages a wakeup carried, called as the wakeup arrives (Waiter.expect)
+EarlyAnswer = Callable[[ReadResult], None]
 
 
 class OutcomeSink(Protocol):
@@ -170,11 +174,14 @@ class QueueService:
         wait_s: float,
         fetch: Callable[[], Awaitable[ReadResult]],
         read_at: tuple[int | None, int] | None = None,
+        early: EarlyAnswer | None = None,
     ) -> ReadResult:
         """Long-poll: register, read, and only then wait (no lost-wakeup window).
 
         `read_at` (fromSeq, limit) of a read: a wakeup that carries the messages following
-        the last read is answered from them, without reading them back (Waiter.take)."""
+        the last read is answered from them, without reading them back (Waiter.take); with
+        `early`, they are handed to it as the wakeup arrives (Waiter.expect), and this
+        returns the same result once its task resumes."""
         if self._waiters >= self.settings.max_waiters:
             raise TooManyWaiters()
         loop = asyncio.get_running_loop()
@@ -194,7 +201,7 @@ class QueueService:
                             if result.messages and waiter.woken_at_ms is not None:
                                 _WAKEUP_SECONDS.observe(max(0, now_ms() - waiter.woken_at_ms) / 1000)
                             return result
-                        carried = await self._carried(waiter, result, deadline, read_at)
+                        carried = await self._carried(waiter, result, deadline, read_at, early)
                         if carried is not None:
                             return carried
                         if self.fleet.route(recipient, channel).hub is not route.hub:
@@ -209,17 +216,31 @@ class QueueService:
         last: ReadResult,
         deadline: float,
         read_at: tuple[int | None, int] | None,
+        early: EarlyAnswer | None = None,
     ) -> ReadResult | None:
         """Wait after the empty read `last`; the answer when wakeups carried the messages that
         follow it, None when the queue must be read again (woken otherwise, or timed out)."""
         loop = asyncio.get_running_loop()
+        budget = self.settings.limits.max_response_bytes
         while True:
+            if early is not None and read_at is not None:
+                waiter.expect(
+                    partial(_answer_early, early, last.epoch),
+                    last.epoch,
+                    last.last_seq,
+                    read_at[0],
+                    read_at[1],
+                    budget,
+                )
             woken = await waiter.wait(deadline - loop.time())
-            if not woken or read_at is None or self.closing:
+            got: list[Message] | None
+            if waiter.taken is not None:  # answered as the wakeup arrived
+                got = waiter.taken
+                waiter.taken = None
+            elif not woken or read_at is None or self.closing:
                 return None
-            got = waiter.take(
-                last.epoch, last.last_seq, read_at[0], read_at[1], self.settings.limits.max_response_bytes
-            )
+            else:
+                got = waiter.take(last.epoch, last.last_seq, read_at[0], read_at[1], budget)
             if got is None:
                 return None
             if got:
@@ -266,13 +287,23 @@ class QueueService:
             metrics.RATE_LIMITED.inc()
 
     async def read(
-        self, recipient: bytes, channel: bytes, from_seq: int | None, limit: int, wait_s: float
+        self,
+        recipient: bytes,
+        channel: bytes,
+        from_seq: int | None,
+        limit: int,
+        wait_s: float,
+        early: EarlyAnswer | None = None,
     ) -> ReadResult:
+        """Read, waiting up to `wait_s` for messages; `early`: see `_wait_for`."""
+
         async def fetch() -> ReadResult:
             return await self.call(recipient, channel, lambda r: r.store.read(r.keys, from_seq, limit))
 
         result = await (
-            self._wait_for(recipient, channel, wait_s, fetch, (from_seq, limit)) if wait_s > 0 else fetch()
+            self._wait_for(recipient, channel, wait_s, fetch, (from_seq, limit), early)
+            if wait_s > 0
+            else fetch()
         )
         _count("delivered", result)
         return result
@@ -460,6 +491,10 @@ class _Enqueue:
 # ones they read back: a waiter that cannot use it would pin it until its next read).
 CARRY_LOCAL_BYTES = 64 * 1024
 _RESOLVE_MARGIN_S = 1.0  # clock skew between relays and Redis's view of the rate window
+
+
+def _answer_early(early: EarlyAnswer, epoch: str, got: list[Message]) -> None:
+    early(ReadResult(got, epoch, got[-1].seq))
 
 
 def _count(op: str, result: ReadResult) -> None:

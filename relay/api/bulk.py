@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import binascii
+from collections.abc import Iterator
 
 import orjson
 from aiohttp import web
@@ -49,10 +50,11 @@ def worth_streaming(messages: list[Message]) -> bool:
     return sum(len(m.payload) for m in messages) >= STREAM_OVER
 
 
-async def stream_read(
-    request: web.Request, messages: list[Message], next_seq: int, epoch: str, more: bool | None
-) -> web.StreamResponse:
-    """Write {"messages": [...], "nextSeq": N, "epoch": E[, "more": B]} slice by slice."""
+def read_body(
+    messages: list[Message], next_seq: int, epoch: str, more: bool | None
+) -> tuple[int, Iterator[bytes]]:
+    """The length of {"messages": [...], "nextSeq": N, "epoch": E[, "more": B]} and its
+    pieces, each payload encoded SLICE bytes at a time as the pieces are taken."""
     parts = [_message_parts(m) for m in messages]
     end = b'],"nextSeq":%d,"epoch":%b' % (next_seq, orjson.dumps(epoch))
     if more is not None:
@@ -61,21 +63,37 @@ async def stream_read(
     length = len(b'{"messages":[') + len(end) + max(0, len(messages) - 1)
     for m, (head, tail) in zip(messages, parts, strict=True):
         length += len(head) + _b64_len(len(m.payload)) + len(tail)
+
+    def pieces() -> Iterator[bytes]:
+        # one piece per payload slice (the JSON around it joined on): the writer yields
+        # to the loop once per piece, as often as a slice's encoding takes
+        pending = b'{"messages":['
+        for i, (m, (head, tail)) in enumerate(zip(messages, parts, strict=True)):
+            pending += (b"," if i else b"") + head
+            payload = memoryview(m.payload)
+            for at in range(0, len(payload), SLICE):
+                text = binascii.b2a_base64(payload[at : at + SLICE], newline=False).translate(_URLSAFE)
+                yield pending + (text.rstrip(b"=") if at + SLICE >= len(payload) else text)
+                pending = b""
+            pending += tail
+        yield pending + end
+
+    return length, pieces()
+
+
+async def stream_read(
+    request: web.Request, messages: list[Message], next_seq: int, epoch: str, more: bool | None
+) -> web.StreamResponse:
+    """Write {"messages": [...], "nextSeq": N, "epoch": E[, "more": B]} slice by slice."""
+    length, pieces = read_body(messages, next_seq, epoch, more)
     resp = web.StreamResponse(status=200)
     resp.content_type = "application/json"
     resp.content_length = length
     await resp.prepare(request)
     try:
-        await resp.write(b'{"messages":[')
-        for i, (m, (head, tail)) in enumerate(zip(messages, parts, strict=True)):
-            await resp.write((b"," if i else b"") + head)
-            payload = memoryview(m.payload)
-            for at in range(0, len(payload), SLICE):
-                text = binascii.b2a_base64(payload[at : at + SLICE], newline=False).translate(_URLSAFE)
-                await resp.write(text.rstrip(b"=") if at + SLICE >= len(payload) else text)
-                await asyncio.sleep(0)  # other requests run between slices
-            await resp.write(tail)
-        await resp.write(end)
+        for piece in pieces:
+            await resp.write(piece)
+            await asyncio.sleep(0)  # other requests run between slices
         await resp.write_eof()
     except ConnectionError:
         pass  # the reader left; nothing more to say to it

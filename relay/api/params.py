@@ -76,11 +76,10 @@ _SECONDS_TEXT = re.compile(r"^(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)$")
 MAX_SEQ = 2**63 - 1  # a stream id's first part: no seq is ever above it
 
 
-def _int_param(request: web.Request, name: str, minimum: int, maximum: int) -> int | None:
+def int_value(raw: str | None, name: str, minimum: int, maximum: int) -> int | None:
     """A query integer: `[0-9]+` only (no sign, space or underscore), clamped to `maximum`.
 
     Digits past 19 are clamped without int(), which refuses over 4300 digits (a 500)."""
-    raw = request.query.get(name)
     if raw is None or raw == "":
         return None
     if not _DIGITS.match(raw):
@@ -93,17 +92,28 @@ def _int_param(request: web.Request, name: str, minimum: int, maximum: int) -> i
 
 
 def from_seq(request: web.Request) -> int | None:
-    return _int_param(request, "fromSeq", 0, MAX_SEQ)
+    return from_seq_value(request.query.get("fromSeq"))
+
+
+def from_seq_value(raw: str | None) -> int | None:
+    return int_value(raw, "fromSeq", 0, MAX_SEQ)
 
 
 def limit(request: web.Request, settings: Settings) -> int:
-    value = _int_param(request, "limit", 1, settings.max_limit)
+    return limit_value(request.query.get("limit"), settings)
+
+
+def limit_value(raw: str | None, settings: Settings) -> int:
+    value = int_value(raw, "limit", 1, settings.max_limit)
     return settings.default_limit if value is None else value
 
 
 def wait(request: web.Request, settings: Settings) -> float:
+    return wait_value(request.query.get("wait"), settings)
+
+
+def wait_value(raw: str | None, settings: Settings) -> float:
     """Seconds, fractions allowed (`[0-9]+(.[0-9]*)?`), clamped to the maximum wait."""
-    raw = request.query.get("wait")
     if raw is None or raw == "":
         return 0.0
     if not _SECONDS_TEXT.match(raw):

@@ -46,7 +46,7 @@ def message_json(m: Message) -> dict[str, Any]:
     }
 
 
-def _next_seq(result: ReadResult, from_seq: int | None) -> int:
+def next_seq(result: ReadResult, from_seq: int | None) -> int:
     if result.messages:
         return result.messages[-1].seq + 1
     return from_seq if from_seq is not None else result.last_seq + 1
@@ -55,7 +55,7 @@ def _next_seq(result: ReadResult, from_seq: int | None) -> int:
 def read_json(result: ReadResult, from_seq: int | None, drained: bool = False) -> dict[str, Any]:
     body: dict[str, Any] = {
         "messages": [message_json(m) for m in result.messages],
-        "nextSeq": _next_seq(result, from_seq),
+        "nextSeq": next_seq(result, from_seq),
         "epoch": result.epoch,
     }
     if drained:
@@ -70,7 +70,7 @@ async def read_response(
     if bulk.worth_streaming(result.messages):
         more = result.more if drained else None
         return await bulk.stream_read(
-            request, result.messages, _next_seq(result, from_seq), result.epoch, more
+            request, result.messages, next_seq(result, from_seq), result.epoch, more
         )
     return json_response(read_json(result, from_seq, drained))
 

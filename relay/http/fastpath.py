@@ -32,22 +32,24 @@ import socket
 import time
 from collections import deque
 from email.utils import formatdate
+from functools import partial
 from typing import NamedTuple, cast
 
+import orjson
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.web_response import Response
 
 from relay import metrics
-from relay.api import params
+from relay.api import bulk, params
 from relay.api.context import Context
 from relay.api.errors import ApiError, error_response, overloaded
 from relay.api.failures import code_of, error_for
-from relay.api.queues import enqueue_answer
+from relay.api.queues import enqueue_answer, next_seq, read_json
 from relay.http.memguard import CLAIM_FROM
 from relay.http.serving import MAX_LINE, GuardedServer
 from relay.metrics import RouteSeries
-from relay.storage.store import EnqueueOutcome, EnqueueRequest
+from relay.storage.store import EnqueueOutcome, EnqueueRequest, ReadResult
 
 ROUTE = "/v1/queues/{recipient}/messages"  # the aiohttp route's canonical name (metrics label)
 
@@ -57,6 +59,12 @@ _REQUEST_LINE_TEXT = (
     rb"POST /v1/queues/([A-Za-z0-9_-]{1,200})/messages(?:\?channel=([A-Za-z0-9_-]{0,200}))? HTTP/1\.1"
 )
 _REQUEST_LINE = re.compile(_REQUEST_LINE_TEXT)
+# A read (long-poll) of the same path: its query only of the read's own parameters, each at
+# most once, values of the characters those take (no escapes); anything else is aiohttp's.
+_READ_LINE = re.compile(
+    rb"GET (/v1/queues/([A-Za-z0-9_-]{1,200})/messages(?:\?([A-Za-z0-9_.&=-]{0,512}))?) HTTP/1\.1"
+)
+_READ_PARAMS = frozenset((b"channel", b"fromSeq", b"limit", b"wait"))
 # A header line: a token name, optional whitespace, a value of visible ASCII, spaces and tabs.
 _NAME_TEXT = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
 _VALUE_TEXT = rb"(?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?"
@@ -76,6 +84,7 @@ OWED_HIGH = 64
 OWED_LOW = 16
 MAX_LINES = 64  # more header lines than any client sends: aiohttp's business
 _PREFIX = b"POST /v1/queues/"
+_READ_PREFIX = b"GET /v1/queues/"
 # A client sends the same header lines request after request (only the recipient in the
 # request line changes): their fields are kept by the exact bytes, in a bounded table.
 _HEADER_BLOCKS_MAX = 512
@@ -94,18 +103,24 @@ _OK_HEADS = {
 _date_tail: list[object] = [-1, b""]  # [second, b"\r\nDate: ...\r\nServer: ...\r\n\r\n"]
 
 
-def _ok_bytes(status: int, body: bytes) -> bytes:
-    """What aiohttp writes for web.Response(status, body, content_type="application/json");
-    the Date and Server lines built once a second (Date is aiohttp's own per-second text)."""
+def _head_bytes(status: int, length: int) -> bytes:
+    """The head aiohttp writes for a JSON answer of `length` bytes (web.Response(status, body,
+    content_type="application/json"), or a StreamResponse given that type and length); the
+    Date and Server lines built once a second (Date is aiohttp's own per-second text)."""
     second = int(time.time())
     if second != _date_tail[0]:
         date = formatdate(usegmt=True).encode()
         _date_tail[:] = [second, b"\r\nDate: %s\r\nServer: %s\r\n\r\n" % (date, _SERVER)]
-    return b"%s%d%s%s" % (_OK_HEADS[status], len(body), _date_tail[1], body)
+    return b"%s%d%s" % (_OK_HEADS[status], length, _date_tail[1])
 
 
-def header_fields(block: bytes) -> tuple[bytes | None, bytes | None, int] | None:
-    """Idempotency-Key, Authorization and Content-Length of a clean enqueue's header lines
+def _ok_bytes(status: int, body: bytes) -> bytes:
+    """What aiohttp writes for web.Response(status, body, content_type="application/json")."""
+    return _head_bytes(status, len(body)) + body
+
+
+def header_fields(block: bytes) -> tuple[bytes | None, bytes | None, int | None] | None:
+    """Idempotency-Key, Authorization and Content-Length (None: absent) of clean header lines
     (`block`: the head after its request line), else None (aiohttp's business)."""
     if block.count(b"\r\n") >= MAX_LINES or _BLOCK.fullmatch(block) is None:
         return None
@@ -114,14 +129,32 @@ def header_fields(block: bytes) -> tuple[bytes | None, bytes | None, int] | None
     if len(fields) != len(pairs) or not _FOREIGN.isdisjoint(fields):
         return None  # a header twice, or one that changes framing or the connection
     value = fields.get(b"content-length")
-    if value is None or _DIGITS.fullmatch(value) is None:
+    if value is not None and _DIGITS.fullmatch(value) is None:
         return None
     connection = fields.get(b"connection")
     if connection is not None and connection.lower() != b"keep-alive":
         return None
     if b"host" not in fields:
         return None  # RFC 9112 section 3.2: aiohttp's path answers it 400
-    return fields.get(b"idempotency-key"), fields.get(b"authorization"), int(value)
+    return fields.get(b"idempotency-key"), fields.get(b"authorization"), None if value is None else int(value)
+
+
+def read_query(query: bytes | None) -> _ReadQuery | None:
+    """The read's parameters of a query the read line matched; None when it has any other
+    parameter, one twice, or a pair without exactly one "=" (aiohttp's business)."""
+    found: dict[bytes, bytes] = {}
+    if query:
+        for pair in query.split(b"&"):
+            name, eq, value = pair.partition(b"=")
+            if not eq or b"=" in value or name not in _READ_PARAMS or name in found:
+                return None
+            found[name] = value
+    get = found.get
+    return _ReadQuery(get(b"channel"), get(b"fromSeq"), get(b"limit"), get(b"wait"))
+
+
+def _text(raw: bytes | None) -> str | None:
+    return None if raw is None else raw.decode()
 
 
 def response_bytes(response: Response, close: bool) -> bytes:
@@ -148,7 +181,7 @@ def response_bytes(response: Response, close: bool) -> bytes:
 class FastEndpoint:
     """What every fast connection of one app shares: the context, limits and metric series."""
 
-    __slots__ = ("auth", "cap", "header_blocks", "memory", "series", "service", "settings")
+    __slots__ = ("auth", "cap", "header_blocks", "memory", "read_series", "series", "service", "settings")
 
     def __init__(self, ctx: Context) -> None:
         self.settings = ctx.settings
@@ -157,7 +190,8 @@ class FastEndpoint:
         self.memory = ctx.memory
         self.cap = ctx.settings.max_payload
         self.series = RouteSeries(ROUTE, "POST")
-        self.header_blocks: dict[bytes, tuple[bytes | None, bytes | None, int]] = {}
+        self.read_series = RouteSeries(ROUTE, "GET")
+        self.header_blocks: dict[bytes, tuple[bytes | None, bytes | None, int | None]] = {}
 
     def accepts_body(self, length: int) -> bool:
         # a body that would claim memory (relay/http/memguard.py) is left to aiohttp's path
@@ -167,14 +201,25 @@ class FastEndpoint:
 FAST_ENDPOINT = web.AppKey("relayfleet_fast_endpoint", FastEndpoint)
 
 
+class _ReadQuery(NamedTuple):
+    """A read's query parameters as sent (None: absent)."""
+
+    channel: bytes | None
+    from_seq: bytes | None
+    limit: bytes | None
+    wait: bytes | None
+
+
 class _Head(NamedTuple):
-    """A clean enqueue's head: what the request line and header lines said."""
+    """A clean enqueue's or read's head: what the request line and header lines said."""
 
     recipient: bytes
     channel: bytes | None
     key: bytes | None
     authorization: bytes | None
     length: int
+    read: _ReadQuery | None = None  # a read's parameters; None for an enqueue
+    target: bytes = b""  # a read's path and query as sent (what its signature covers)
 
 
 class _Pending(NamedTuple):
@@ -186,16 +231,42 @@ class _Pending(NamedTuple):
 
 class _Answer:
     """One request's answer slot, in request order; where its enqueue's outcome goes
-    (relay.service.OutcomeSink: called while Redis's reply is read, so it never raises)."""
+    (relay.service.OutcomeSink: called while Redis's reply is read, so it never raises),
+    or its read's result."""
 
-    __slots__ = ("close", "conn", "data", "size", "start")
+    __slots__ = ("close", "conn", "data", "series", "size", "start", "task", "turn")
 
-    def __init__(self, conn: FastConnection, start: float) -> None:
+    def __init__(self, conn: FastConnection, start: float, series: RouteSeries) -> None:
         self.conn = conn
         self.start = start
+        self.series = series
         self.data: bytes | None = None
         self.close = False
         self.size = 0  # body bytes counted by the memory guard while it is owed
+        self.task: asyncio.Task[None] | None = None  # a read's, cancelled if the client leaves
+        self.turn: asyncio.Future[None] | None = None  # a streamed read's: set once it is first
+
+    def read_result(self, from_seq: int | None, result: ReadResult) -> None:
+        """Answer a read with `result` (as relay/api/queues.py read_response would, for one
+        not worth streaming); run from a wakeup as it arrives (Waiter.expect): never raises."""
+        conn = self.conn
+        try:
+            if self.data is not None or conn.transport is None:
+                return
+            body = orjson.dumps(read_json(result, from_seq))
+            series = self.series
+            series.count(200)
+            series.observe(time.perf_counter() - self.start)
+            self.data = _ok_bytes(200, body)
+            conn.flush()
+        except Exception as exc:
+            conn.broken(exc)
+
+    def early(self, from_seq: int | None, result: ReadResult) -> None:
+        """relay.service.EarlyAnswer: a long-poll answered from the wakeup that carried its
+        messages, unless the answer is one to stream (its task does that)."""
+        if not bulk.worth_streaming(result.messages):
+            self.read_result(from_seq, result)
 
     def done(self) -> bool:
         return self.data is not None
@@ -208,7 +279,7 @@ class _Answer:
             except Exception as exc:  # refused by Redis (rate limit, caps, conflict): the JSON answer
                 conn.refused(self, exc)
                 return
-            series = conn.endpoint.series
+            series = self.series
             series.count(status)
             series.observe(time.perf_counter() - self.start)
             self.data = _ok_bytes(status, body)
@@ -233,12 +304,14 @@ class FastConnection(asyncio.Protocol):
     __slots__ = (
         "_answers",
         "_armed_count",
+        "_blocked_by",
         "_body_deadline",
         "_body_have",
         "_body_parts",
         "_body_timer",
         "_buf",
         "_closing",
+        "_drained",
         "_guard",
         "_handing_off",
         "_header_timer",
@@ -278,6 +351,10 @@ class FastConnection(asyncio.Protocol):
         self._read_paused = False  # by flow control (not by a hand-off or a 408)
         self._write_paused = False  # the transport is above its write high-water mark
         self._held = 0  # request bytes buffered here, as counted by the memory guard
+        self._drained: asyncio.Future[None] | None = None  # a streamed answer waiting to write
+        # a read in progress: the requests after it wait, as on aiohttp's path, so that none
+        # of them (an enqueue to the same queue) runs before it
+        self._blocked_by: _Answer | None = None
 
     # -- connection lifecycle ---------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -292,8 +369,13 @@ class FastConnection(asyncio.Protocol):
         self._guard.opened(self)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        # answers still owed are counted when Redis replies (the messages are stored once)
+        # answers still owed are counted when Redis replies (the messages are stored once);
+        # reads still owed end now: a long-poll whose client left stops waiting at once
         self.transport = None
+        for answer in self._answers:
+            if answer.task is not None:
+                answer.task.cancel()
+        self._wake_writer()
         self._cancel_timers()
         self._guard.closed(self)
         self._buf = b""
@@ -323,6 +405,7 @@ class FastConnection(asyncio.Protocol):
             and self._requests == self._armed_count
             and not self._handing_off
             and not self._read_paused
+            and self._blocked_by is None
         )
 
     def idle(self) -> bool:
@@ -348,8 +431,14 @@ class FastConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._wake_writer()
         if len(self._answers) <= OWED_LOW:
             self._resume_reading()
+
+    def _wake_writer(self) -> None:
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
 
     def _backlogged(self) -> None:
         """Stop reading: the connection owes OWED_HIGH answers or its client is not reading
@@ -430,7 +519,7 @@ class FastConnection(asyncio.Protocol):
         exc = ApiError(
             408, "body_timeout", f"request body not received within {timeout_s:g} s", {"Connection": "close"}
         )
-        answer = _Answer(self, pending.start)
+        answer = _Answer(self, pending.start, self.endpoint.series)
         self._answers.append(answer)
         self._stop_reading()
         self._closing = True
@@ -461,6 +550,10 @@ class FastConnection(asyncio.Protocol):
 
     def _parse(self) -> None:
         while self._buf and not self._handing_off and self.transport is not None and self._pending is None:
+            if self._blocked_by is not None:
+                if len(self._buf) > MAX_HEAD:
+                    self._stop_reading()  # parsed (and read again) once the read is answered
+                return
             if self._write_paused or len(self._answers) >= OWED_HIGH:
                 self._backlogged()
                 return
@@ -507,22 +600,23 @@ class FastConnection(asyncio.Protocol):
 
     @staticmethod
     def _may_become_enqueue(partial: bytes) -> bool:
-        """Whether an incomplete head is still a clean enqueue so far (checked only for
-        heads split across reads)."""
-        n = min(len(partial), len(_PREFIX))
-        if partial[:n] != _PREFIX[:n]:
+        """Whether an incomplete head is still a clean enqueue or read so far (checked only
+        for heads split across reads)."""
+        prefix, line = (_READ_PREFIX, _READ_LINE) if partial[:1] == b"G" else (_PREFIX, _REQUEST_LINE)
+        n = min(len(partial), len(prefix))
+        if partial[:n] != prefix[:n]:
             return False
         if partial.count(b"\n") != partial.count(b"\r\n"):
             return False  # a bare LF: aiohttp answers it 400 at once (RFC 9112 section 2.2)
         lines = partial.split(b"\r\n")[:-1]  # the last one may be incomplete
         if not lines:
             return True
-        if not partial.isascii() or _REQUEST_LINE.fullmatch(lines[0]) is None:
+        if not partial.isascii() or line.fullmatch(lines[0]) is None:
             return False
         return all(_HEADER.fullmatch(line) is not None for line in lines[1:])
 
     def _request_head(self, head: bytes) -> _Head | None:
-        """The enqueue fields of a head this path serves, else None (aiohttp's business)."""
+        """The fields of an enqueue or read head this path serves, else None (aiohttp's business)."""
         if not head.isascii():
             return None
         cut = head.find(b"\r\n")
@@ -530,7 +624,7 @@ class FastConnection(asyncio.Protocol):
             cut = len(head)
         line = _REQUEST_LINE.fullmatch(head, 0, cut)
         if line is None:
-            return None
+            return self._read_head(head, cut)
         endpoint = self.endpoint
         block = head[cut:]
         fields = endpoint.header_blocks.get(block)
@@ -545,14 +639,34 @@ class FastConnection(asyncio.Protocol):
                     endpoint.header_blocks.clear()
                 endpoint.header_blocks[block] = fields
         key, authorization, length = fields
-        if not endpoint.accepts_body(length):
+        if length is None or not endpoint.accepts_body(length):
             return None
         return _Head(line[1], line[2], key, authorization, length)
+
+    def _read_head(self, head: bytes, cut: int) -> _Head | None:
+        """The fields of a read's head (no body, no Idempotency-Key), else None."""
+        line = _READ_LINE.fullmatch(head, 0, cut)
+        if line is None:
+            return None
+        query = read_query(line[3])
+        fields = header_fields(head[cut:])  # not kept in the table: one long-poll a wait
+        if query is None or fields is None:
+            return None
+        key, authorization, length = fields
+        if key is not None or length:
+            return None  # a body to a GET, or a header it has no use for: aiohttp's
+        return _Head(line[2], query.channel, None, authorization, 0, query, line[1])
 
     # -- serving --------------------------------------------------------------------------
     def _dispatch(self, head: _Head, body: bytes, start: float) -> None:
         endpoint = self.endpoint
-        answer = _Answer(self, start)
+        if head.read is not None:
+            answer = _Answer(self, start, endpoint.read_series)
+            self._answers.append(answer)
+            self._blocked_by = answer
+            answer.task = self._loop.create_task(self._serve_read(head, head.read, answer))
+            return
+        answer = _Answer(self, start, endpoint.series)
         answer.size = len(body)
         endpoint.memory.held += answer.size  # released when its answer leaves (flush)
         self._answers.append(answer)
@@ -574,6 +688,65 @@ class FastConnection(asyncio.Protocol):
             if not answer.done():
                 self.refused(answer, exc)
 
+    async def _serve_read(self, head: _Head, query: _ReadQuery, answer: _Answer) -> None:
+        """A read, as the aiohttp handler serves it (relay/api/queues.py read, its steps in its
+        order); a long-poll is answered from the wakeup that carries its messages."""
+        endpoint = self.endpoint
+        try:
+            if endpoint.memory.over:
+                raise overloaded()
+            recipient = params.recipient_key_matched(head.recipient)  # matched by _READ_LINE
+            channel = params.channel_value(head.channel.decode()) if head.channel else b""
+            settings = endpoint.settings
+            start = params.from_seq_value(_text(query.from_seq))
+            lim = params.limit_value(_text(query.limit), settings)
+            wait = params.wait_value(_text(query.wait), settings)
+            auth = endpoint.auth
+            if auth.enabled:
+                authorization = _text(head.authorization)
+                await auth.verify_header(authorization, "GET", head.target.decode(), recipient, b"")
+            result = await endpoint.service.read(
+                recipient, channel, start, lim, wait, partial(answer.early, start)
+            )
+            if answer.data is not None:
+                return  # answered as the wakeup arrived
+            if bulk.worth_streaming(result.messages):
+                await self._stream(answer, result, start)
+            else:
+                answer.read_result(start, result)
+        except Exception as exc:
+            if answer.data is None and answer.turn is None:
+                self.refused(answer, exc)
+            else:  # failed mid-stream: the answer can no longer be completed
+                self._closing = True
+                self._close()
+
+    async def _stream(self, answer: _Answer, result: ReadResult, from_seq: int | None) -> None:
+        """A big read's answer, written slice by slice once it is the next one owed (the
+        same bytes as relay/api/bulk.py stream_read, with the same back-pressure)."""
+        answer.turn = self._loop.create_future()
+        self.flush()
+        await answer.turn
+        length, slices = bulk.read_body(result.messages, next_seq(result, from_seq), result.epoch, None)
+        transport = self.transport
+        if transport is None:
+            return
+        transport.write(_head_bytes(200, length))
+        for piece in slices:
+            if self.transport is None:
+                return
+            self.transport.write(piece)
+            while self._write_paused and self.transport is not None:
+                waiter = self._drained = self._loop.create_future()
+                await waiter
+            await asyncio.sleep(0)  # other requests run between slices
+        series = answer.series
+        series.count(200)
+        series.observe(time.perf_counter() - answer.start)
+        answer.data = b""
+        answer.turn = None
+        self.flush()
+
     def refused(self, answer: _Answer, exc: BaseException) -> None:
         """Answer `exc` as the aiohttp path would (relay/app.py observed)."""
         response = (
@@ -583,7 +756,7 @@ class FastConnection(asyncio.Protocol):
         )
         status = response.status
         metrics.REJECTED.labels(code_of(response)).inc()
-        series = self.endpoint.series
+        series = answer.series
         series.count(status)
         series.observe(time.perf_counter() - answer.start)
         answer.close = answer.close or response.headers.get("Connection") == "close"
@@ -612,7 +785,13 @@ class FastConnection(asyncio.Protocol):
             transport.write(answer.data)  # type: ignore[arg-type]
             if answer.close:
                 self._closing = True
+            if answer is self._blocked_by:
+                self._blocked_by = None
+                if self._buf and not self._read_paused:
+                    self._loop.call_soon(self._parse_buffered)
         self.endpoint.memory.held -= released
+        if answers and (turn := answers[0].turn) is not None and not turn.done():
+            turn.set_result(None)  # a streamed answer writes itself from here on
         if self._read_paused and len(answers) <= OWED_LOW:
             self._resume_reading()
         if answers or transport is None:

@@ -65,11 +65,13 @@ class Waiter:
         "_carried",
         "_carried_bytes",
         "_chan",
+        "_expect",
         "_flag",
         "_fut",
         "_hub",
         "_notices",
         "_plain",
+        "taken",
         "woken_at_ms",
     )
 
@@ -85,6 +87,9 @@ class Waiter:
         self._carried: list[tuple[str, Message]] | None = None
         self._carried_bytes = 0
         self._plain = False
+        # set by `expect`: what a carrying wakeup is taken for, and who answers from it
+        self._expect: _Expectation | None = None
+        self.taken: list[Message] | None = None  # what `expect`'s answerer was handed
 
     @property
     def notices(self) -> collections.deque[bytes]:
@@ -106,6 +111,7 @@ class Waiter:
     def wake(self, enqueued_ms: int | None) -> None:
         if enqueued_ms is not None and self.woken_at_ms is None:
             self.woken_at_ms = enqueued_ms
+        self._expect = None
         self._plain = True
         self._carried = None
         self._set()
@@ -125,12 +131,41 @@ class Waiter:
                 self._carried = None
             else:
                 carried.extend([(epoch, m) for m in messages])
+        expect = self._expect
+        if expect is not None:
+            got = self.take(*expect[1:])
+            if got is None:
+                self._expect = None
+                self._plain = True  # the waiting task re-reads
+            elif got:
+                self._expect = None
+                self.taken = got
+                expect[0](got)
         self._set()
+
+    def expect(
+        self,
+        answer: Callable[[list[Message]], None],
+        epoch: str,
+        last_seq: int,
+        from_seq: int | None,
+        limit: int,
+        budget: int,
+    ) -> None:
+        """Take carried messages (as `take` with these arguments would) the moment a wakeup
+        carries them, and hand them to `answer` there and then, before the waiting task
+        resumes: a long-poll's answer is written from the enqueue's reply itself. `answer`
+        runs inside a Redis reply's processing, so it must not raise. The waiting task finds
+        them in `taken`; a wakeup that cannot be answered so (see `take`) makes it re-read."""
+        self._expect = (answer, epoch, last_seq, from_seq, limit, budget)
+        self.taken = None
 
     def forget(self) -> None:
         """Drop what wakeups carried so far: called before a read, which sees all of it."""
         self._carried = None
         self._plain = False
+        self._expect = None
+        self.taken = None
 
     def take(
         self, epoch: str, last_seq: int, from_seq: int | None, limit: int, budget: int
@@ -199,6 +234,9 @@ class Waiter:
 
     def close(self) -> None:
         self._hub._unregister(self)
+
+
+_Expectation = tuple[Callable[[list[Message]], None], str, int, int | None, int, int]
 
 
 def _expire(fut: asyncio.Future[None]) -> None:

@@ -17,9 +17,10 @@ import redis
 from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
+from relay.app import begin_shutdown
 from relay.http.fastpath import FAST_ENDPOINT, FastConnection, header_fields
 from relay.http.serving import GuardedRequestHandler, GuardedServer
-from relay.protocol import b64encode
+from relay.protocol import b64encode, keypair, sign_headers
 from relay.storage.store import QueueLimits
 from tests.support.in_process_relay import RelayFactory, RunningRelay
 
@@ -192,11 +193,11 @@ async def test_handoff_mid_keepalive(relay: RunningRelay) -> None:
         first = await read_answer(reader)
         assert (first.status, first.body) == (201, b'{"seq":1,"duplicate":false}')
         assert protocols(relay) == [FastConnection]
-        path = f"/v1/queues/{b64encode(r)}/messages"
+        path = f"/v1/queues/{b64encode(r)}/status"
         writer.write(f"GET {path} HTTP/1.1\r\nHost: relay\r\n\r\n".encode())
-        read = await read_answer(reader)
-        assert read.status == 200
-        assert b'"seq":1' in read.body
+        status = await read_answer(reader)
+        assert status.status == 200
+        assert b'"message_count":1' in status.body
         assert protocols(relay) == [GuardedRequestHandler]  # handed over, for good
         writer.write(enqueue_request(r, b"two"))
         second = await read_answer(reader)
@@ -209,8 +210,9 @@ def test_header_fields_of_clean_header_lines_only() -> None:
     block = b"\r\nHost: relay\r\ncontent-length: 12\r\nAuthorization: Bearer t\r\nIdempotency-Key: k"
     assert header_fields(block) == (b"k", b"Bearer t", 12)
     assert header_fields(b"\r\nHost: relay\r\nConnection: keep-alive\r\nContent-Length: 0") == (None, None, 0)
+    assert header_fields(b"\r\nHost: relay") == (None, None, None)  # no length: a read's, not an enqueue's
     for bad in (
-        b"\r\nHost: relay",  # no length
+        b"\r\nContent-Length: 1",  # no Host
         b"\r\nContent-Length: 1\r\ncontent-length: 1",  # twice
         b"\r\nContent-Length: 1\r\nConnection: close",
         b"\r\nContent-Length: 1\r\nExpect: 100-continue",
@@ -373,3 +375,163 @@ async def test_shutdown_writes_the_answers_owed(relay: RunningRelay, redis_serve
         writer.close()
     finally:
         admin.close()
+
+
+# -- reads (long-polls) on the fast path ------------------------------------------------
+
+
+def read_request(recipient: bytes, query: str = "", extra: str = "") -> bytes:
+    path = f"/v1/queues/{b64encode(recipient)}/messages{query}"
+    return f"GET {path} HTTP/1.1\r\nHost: relay\r\n{extra}\r\n".encode()
+
+
+def seeded(n: int) -> Callable[[bytes], bytes]:
+    """Enqueues of n messages, then (the caller adds) requests on the same connection."""
+    return lambda r: b"".join(enqueue_request(r, b"m%d" % i, extra=BEARER) for i in range(n))
+
+
+# name -> (requests for a recipient, answers expected)
+READ_CASES: dict[str, tuple[Callable[[bytes], bytes], int]] = {
+    "empty queue": (lambda r: read_request(r), 1),
+    "backlog": (lambda r: seeded(3)(r) + read_request(r), 4),
+    "limit and fromSeq": (lambda r: seeded(3)(r) + read_request(r, "?fromSeq=2&limit=1"), 4),
+    "params in another order": (lambda r: seeded(2)(r) + read_request(r, "?limit=5&wait=0&fromSeq=0"), 3),
+    "channel": (
+        lambda r: (
+            enqueue_request(r, b"c", extra=BEARER, query="?channel=" + b64encode(b"ch"))
+            + read_request(r, "?channel=" + b64encode(b"ch"))
+        ),
+        2,
+    ),
+    "long-poll times out": (lambda r: read_request(r, "?wait=0.3"), 1),
+    "long-poll then an enqueue behind it": (
+        lambda r: read_request(r, "?wait=0.3") + enqueue_request(r, b"after", extra=BEARER),
+        2,
+    ),
+    "bad fromSeq": (lambda r: read_request(r, "?fromSeq=-1"), 1),
+    "bad limit": (lambda r: read_request(r, "?limit=0"), 1),
+    "huge limit": (lambda r: seeded(1)(r) + read_request(r, "?limit=99999999999999999999999"), 2),
+    "bad wait": (lambda r: read_request(r, "?wait=1e3"), 1),
+    "bad recipient": (lambda r: read_request(r[:31]), 1),
+    "bad channel": (lambda r: read_request(r, "?channel=" + b64encode(b"c" * 65)), 1),
+    "empty values": (lambda r: read_request(r, "?fromSeq=&limit=&wait=&channel="), 1),
+    "unknown parameter": (lambda r: read_request(r, "?wait=0&x=1"), 1),
+    "parameter twice": (lambda r: seeded(2)(r) + read_request(r, "?limit=1&limit=2"), 3),
+    "escaped value": (lambda r: read_request(r, "?wait=%30"), 1),
+    "with a body": (lambda r: read_request(r, extra="Content-Length: 2\r\n") + b"{}", 1),
+    "connection close": (lambda r: read_request(r, extra="Connection: close\r\n"), 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(READ_CASES))
+async def test_fast_path_reads_as_aiohttp_does(both: tuple[RunningRelay, RunningRelay], case: str) -> None:
+    fast, slow = both
+    requests, count = READ_CASES[case]
+    r = os.urandom(32)
+    results = []
+    for relay in (fast, slow):  # each its own queue: epochs and times differ, compared without
+        results.append(await exchange(relay, requests(os.urandom(32) if relay is slow else r), count))
+    (fast_answers, fast_closed), (slow_answers, slow_closed) = results
+
+    def comparable(a: Answer) -> tuple[int, list[tuple[str, str]], bytes]:
+        status, headers, body = a.comparable()
+        body = re.sub(rb'"epoch":"[0-9a-f]+"', b'"epoch":"E"', body)
+        body = re.sub(rb'"receivedAt":"[^"]+"', b'"receivedAt":"T"', body)
+        return status, headers, body
+
+    assert [comparable(a) for a in fast_answers] == [comparable(a) for a in slow_answers]
+    assert fast_closed == slow_closed
+
+
+def waiters() -> float:
+    return metrics.REGISTRY.get_sample_value("relayfleet_waiters") or 0.0
+
+
+async def wait_until(check: Callable[[], bool], within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+async def test_long_poll_woken_on_the_fast_path(relay: RunningRelay) -> None:
+    r = os.urandom(32)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    try:
+        for seq in (1, 2, 3):
+            writer.write(read_request(r, f"?wait=5&fromSeq={seq}"))
+            assert await wait_until(lambda: waiters() == 1)
+            answers, _ = await exchange(relay, enqueue_request(r, b"m%d" % seq))
+            assert answers[0].status == 201
+            got = await read_answer(reader)
+            assert got.status == 200
+            assert b'"seq":%d,"payload":"%s"' % (seq, b64encode(b"m%d" % seq).encode()) in got.body
+            assert b'"nextSeq":%d' % (seq + 1) in got.body
+            assert protocols(relay)[:1] == [FastConnection]  # served here, never handed over
+        assert await wait_until(lambda: waiters() == 0)
+    finally:
+        writer.close()
+
+
+async def test_long_poll_whose_client_leaves_stops_waiting(relay: RunningRelay) -> None:
+    _reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    writer.write(read_request(os.urandom(32), "?wait=60"))
+    assert await wait_until(lambda: waiters() == 1)
+    writer.close()
+    assert await wait_until(lambda: waiters() == 0, 2.0)  # at once, not after 60 s
+
+
+async def test_shutdown_answers_long_polls(relay: RunningRelay) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    try:
+        writer.write(read_request(os.urandom(32), "?wait=60"))
+        assert await wait_until(lambda: waiters() == 1)
+        begin_shutdown(relay.app)  # what the relay does on SIGTERM, then it closes the server
+        closing = asyncio.create_task(relay.server.close())
+        answer = await read_answer(reader)
+        assert answer.status == 200
+        assert answer.body.startswith(b'{"messages":[],"nextSeq":1,')
+        assert await closed(reader, 3)
+        await closing
+    finally:
+        writer.close()
+
+
+async def test_big_read_streamed_as_aiohttp_does(
+    redis_server: LocalRedis, relay_factory: RelayFactory
+) -> None:
+    fast = await relay_factory(redis_server.url, http_fastpath=True, max_payload=200_000)
+    slow = await relay_factory(redis_server.url, http_fastpath=False, max_payload=200_000)
+    bodies = []
+    for relay in (fast, slow):
+        r = os.urandom(32)
+        seed = b"".join(enqueue_request(r, bytes([65 + i]) * 150_000) for i in range(3))
+        answers, _ = await exchange(relay, seed + read_request(r, "?limit=3"), 4)
+        assert [a.status for a in answers] == [201, 201, 201, 200]
+        body = re.sub(rb'"epoch":"[0-9a-f]+"', b"E", answers[3].body)
+        bodies.append(re.sub(rb'"receivedAt":"[^"]+"', b"T", body))
+    assert len(bodies[0]) > 3 * 200_000
+    assert bodies[0] == bodies[1]
+
+
+async def test_signed_reads_as_aiohttp_does(redis_server: LocalRedis, relay_factory: RelayFactory) -> None:
+    fast = await relay_factory(redis_server.url, http_fastpath=True, auth="ed25519")
+    slow = await relay_factory(redis_server.url, http_fastpath=False, auth="ed25519")
+    outcomes = []
+    for relay in (fast, slow):
+        public, private = keypair()
+        path = f"/v1/queues/{b64encode(public)}/messages?wait=0.1"
+        signed = "".join(f"{k}: {v}\r\n" for k, v in sign_headers(private, "GET", path).items())
+        other = "".join(f"{k}: {v}\r\n" for k, v in sign_headers(private, "GET", path + "&limit=1").items())
+        requests = (
+            f"GET {path} HTTP/1.1\r\nHost: relay\r\n{signed}\r\n"  # good
+            f"GET {path} HTTP/1.1\r\nHost: relay\r\n{signed}\r\n"  # the same nonce again
+            f"GET {path} HTTP/1.1\r\nHost: relay\r\n{other}\r\n"  # signed for another query
+            f"GET {path} HTTP/1.1\r\nHost: relay\r\n\r\n"  # unsigned
+        ).encode()
+        answers, _ = await exchange(relay, requests, 4)
+        outcomes.append([(a.status, re.sub(rb'"epoch":"[0-9a-f]+"', b"E", a.body)) for a in answers])
+    assert [status for status, _ in outcomes[0]] == [200, 401, 401, 401]
+    assert outcomes[0] == outcomes[1]

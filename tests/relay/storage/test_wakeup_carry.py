@@ -88,6 +88,52 @@ async def test_too_many_carried_messages_mean_read(waiter: Waiter) -> None:
     assert waiter.take(E, 4, None, 1000, BUDGET) is None
 
 
+async def test_expect_answers_as_the_carrying_wakeup_arrives(waiter: Waiter) -> None:
+    answered: list[list[Message]] = []
+    waiter.expect(answered.append, E, 4, None, 10, BUDGET)
+    waiter.carry(1000, E, [m(4)])  # what the read saw already: nothing to answer, still expecting
+    assert answered == []
+    waiter.carry(1000, E, [m(5), m(6)])
+    assert answered == [[m(5), m(6)]]  # handed over inside carry, before any task runs
+    assert waiter.taken == [m(5), m(6)]
+    assert await waiter.wait(1.0)  # and the waiting task is woken to finish the request
+    waiter.carry(1000, E, [m(7)])
+    assert answered == [[m(5), m(6)]]  # answered once: the expectation ended with its answer
+
+
+@pytest.mark.parametrize(
+    ("wakeup", "why"),
+    [
+        ("gap", "seq 5 never carried: only a read can tell"),
+        ("plain", "a wakeup that carries nothing: read"),
+        ("epoch", "the queue's history changed: read"),
+    ],
+)
+async def test_expect_leaves_to_a_read_what_carried_messages_cannot_answer(
+    waiter: Waiter, wakeup: str, why: str
+) -> None:
+    answered: list[list[Message]] = []
+    waiter.expect(answered.append, E, 4, None, 10, BUDGET)
+    if wakeup == "gap":
+        waiter.carry(1000, E, [m(6)])
+    elif wakeup == "plain":
+        waiter.wake(1000)
+    else:
+        waiter.carry(1000, "other", [m(5)])
+    waiter.carry(1000, E, [m(5)])  # a later wakeup that would have fitted is no answer either
+    assert answered == [], why
+    assert waiter.taken is None
+    assert waiter.take(E, 4, None, 10, BUDGET) is None  # the task re-reads
+
+
+async def test_a_read_ends_the_expectation(waiter: Waiter) -> None:
+    answered: list[list[Message]] = []
+    waiter.expect(answered.append, E, 4, None, 10, BUDGET)
+    waiter.forget()  # the task reads again (it sees whatever comes next)
+    waiter.carry(1000, E, [m(5)])
+    assert answered == []
+
+
 def test_parse_wakeup() -> None:
     data = b"6:1700:%b\n5:1700:3:2\nmidab\n6:1701:0:0\n" % E.encode()
     assert parse_wakeup(data) == (1700, E, [Message(5, b"ab", 1700, "mid"), Message(6, b"", 1701, None)])
