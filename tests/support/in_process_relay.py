@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from relay.api.context import CTX
 from relay.client import RelayClient
@@ -17,15 +15,28 @@ from relay.http.serving import make_runner
 from relay.settings import Settings
 
 
-class RelayTestServer(TestServer):
-    """aiohttp's TestServer on the relay's own connection layer (relay.http.serving), as `serve` runs it."""
+class RelayTestServer:
+    """The app on a real port, served by the relay's own connection layer (relay.http.serving)
+    as `relayfleet serve` runs it; started and stopped through aiohttp's public runner and
+    site API (what aiohttp's TestServer does, without overriding its private runner hook)."""
 
     def __init__(self, app: web.Application, settings: Settings) -> None:
-        super().__init__(app, host="127.0.0.1")
-        self._settings = settings
+        self.runner = make_runner(app, settings, handler_cancellation=True)
+        self.port = 0
+        self.closed = False
 
-    async def _make_runner(self, **kwargs: Any) -> web.AppRunner:
-        return make_runner(self.app, self._settings, **kwargs)
+    async def start_server(self) -> None:
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        self.port = self.runner.addresses[0][1]
+
+    def make_url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    async def close(self) -> None:
+        if not self.closed:  # idempotent, as TestServer.close
+            self.closed = True
+            await self.runner.cleanup()
 
 
 @dataclass
@@ -33,7 +44,7 @@ class RunningRelay:
     base_url: str
     app: web.Application
     fleet: ShardRouter
-    server: TestServer
+    server: RelayTestServer
 
     @property
     def settings(self) -> Settings:
