@@ -1,15 +1,20 @@
-"""The enqueue fast path: clean `POST /v1/queues/{recipient}/messages` requests served
-without aiohttp's request machinery, everything else handed to aiohttp.
+"""The HTTP fast path: clean `POST /v1/queues/{recipient}/messages` enqueues and
+`GET /v1/queues/{recipient}/messages` reads (long-polls) served without aiohttp's request
+machinery, everything else handed to aiohttp.
 
-Every connection starts on `FastConnection`, a callback-based asyncio protocol: no Task,
-no Request/Response objects, no router per request. It parses a deliberately narrow
-grammar (HTTP/1.1, the exact enqueue path with at most `?channel=<base64url>`,
-token-named ASCII headers, one Content-Length within the payload cap, no
-Transfer-Encoding, Content-Encoding, Expect, Upgrade or Connection other than
-keep-alive, no duplicated header). The request is validated by the same functions as
-the aiohttp handler (relay/api/params, auth, queues, failures), sent with
+Every connection starts on `FastConnection`, a callback-based asyncio protocol: no Task
+per enqueue, no Request/Response objects, no router per request. It parses a deliberately
+narrow grammar (HTTP/1.1, the exact enqueue path with at most `?channel=<base64url>`, or the
+read path with only the read's own query parameters, token-named ASCII headers, one
+Content-Length within the payload cap (none or 0 for a read), no Transfer-Encoding,
+Content-Encoding, Expect, Upgrade or Connection other than keep-alive, no duplicated
+header). The request is validated by the same functions as the aiohttp handler
+(relay/api/params, auth, queues, failures). An enqueue is sent with
 QueueService.enqueue_into (the request's answer slot is the outcome sink, called as Redis's
-reply is read) and answered from there, in request order under pipelining.
+reply is read) and answered from there; a read runs in a task, and a long-poll is answered
+from the wakeup that carries its messages, inside the processing of the enqueue's reply
+(Waiter.expect). Answers go out in request order under pipelining; the requests after a
+read wait until it is answered, as on aiohttp's path.
 
 Anything else — another route, a malformed or unusual request, a body that would
 claim memory — is not its business: at that request's boundary (once the answers
