@@ -69,7 +69,11 @@ def slot_key_pattern(slot: int) -> str:
     return f"{PREFIX}:{{rf{slot}}}:*"
 
 
+# A queue's own keys are "<QueueKeys.base>:<suffix>" (the enqueue hot path encodes them from
+# the base and these, storage/store.py); its wakeup channel is "<base>:<WAKE_SUFFIX>".
 QUEUE_SUFFIXES = ("meta", "msgs", "idem", "idemx", "rate")
+WAKE_SUFFIX = "wake"
+_WAKE = ":" + WAKE_SUFFIX
 
 
 class QueueKeys:
@@ -93,6 +97,11 @@ class QueueKeys:
 
     def __hash__(self) -> int:
         return hash((self.slot, self.qid))
+
+    @property
+    def base(self) -> str:
+        """The prefix of the queue's own names: "<base>:<suffix>", QUEUE_SUFFIXES and WAKE_SUFFIX."""
+        return self._base
 
     @property
     def meta(self) -> str:
@@ -126,7 +135,7 @@ class QueueKeys:
     @property
     def wake(self) -> str:
         """Pub/sub channel announcing new messages of this queue."""
-        return self._base + ":wake"
+        return self._base + _WAKE
 
     @property
     def state(self) -> str:

@@ -64,14 +64,17 @@ class ReplySink(Protocol):
     def set_exception(self, exception: BaseException, /) -> None: ...
 
 
-_Item = tuple[bytes, ReplySink]  # one encoded command, where its reply goes
+# One command's RESP: its bytes, or parts written as they are (a large payload is not copied
+# into one buffer again: the transport writes the parts with one writev).
+Wire = bytes | list[bytes]
+_Item = tuple[Wire, ReplySink]  # one encoded command, where its reply goes
 
 
 class Deferred(Protocol):
     """A command still open to more work (one script call carrying several requests,
     relay/storage/store.py): its bytes are settled, once, when its batch is sent."""
 
-    def seal(self) -> bytes: ...
+    def seal(self) -> Wire: ...
 
 
 _Queued = tuple["bytes | Deferred", ReplySink]
@@ -195,14 +198,14 @@ def _with_wait(
 
 
 class _Batch:
-    __slots__ = ("items", "may_reload", "pos", "retry", "timer")
+    __slots__ = ("deadline", "items", "may_reload", "pos", "retry")
 
     def __init__(self, items: list[_Item], may_reload: bool) -> None:
         self.items = items
         self.pos = 0
         self.may_reload = may_reload
         self.retry: list[_Item] = []
-        self.timer: asyncio.TimerHandle | None = None
+        self.deadline = 0.0  # loop time by which its replies must have come (_Resp.send)
 
 
 class _Resp(asyncio.Protocol):
@@ -215,6 +218,12 @@ class _Resp(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self.demoted = False
+        # One reply timer per connection, not per batch (arming and cancelling one per batch
+        # showed on the wake path): armed for the earliest deadline of the batches waiting,
+        # left armed when they are answered; when due it aborts if a waiting batch is overdue,
+        # else re-arms for the earliest one still waiting, if any.
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
@@ -261,12 +270,42 @@ class _Resp(asyncio.Protocol):
         """Write `batch`; without a reply in `timeout` (default: the batcher's for its size)
         the connection is aborted and the batch's commands get StoreOutcomeUnknown."""
         assert self.transport is not None
-        data = b"".join([item[0] for item in batch.items])
+        parts: list[bytes] = []
+        split = False
+        for command, _ in batch.items:
+            if isinstance(command, bytes):
+                parts.append(command)
+            else:
+                parts += command
+                split = True
+        size = sum([len(p) for p in parts]) if split else 0
+        data = b"" if split else parts[0] if len(parts) == 1 else b"".join(parts)
         if timeout is None:
-            timeout = self.owner.reply_timeout(len(data), len(batch.items))
+            timeout = self.owner.reply_timeout(size or len(data), len(batch.items))
         self.waiting.append(batch)
-        batch.timer = asyncio.get_running_loop().call_later(timeout, self.abort, "timeout")
-        self.transport.write(data)
+        loop = asyncio.get_running_loop()
+        batch.deadline = deadline = loop.time() + timeout
+        if self._timer is None or deadline < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(deadline, self._due)
+            self._timer_at = deadline
+        if split:
+            self.transport.writelines(parts)
+        else:
+            self.transport.write(data)
+
+    def _due(self) -> None:
+        self._timer = None
+        if self.lost or not self.waiting:
+            return
+        loop = asyncio.get_running_loop()
+        first = min([batch.deadline for batch in self.waiting])
+        if first <= loop.time():
+            self.abort("timeout")
+        else:
+            self._timer = loop.call_at(first, self._due)
+            self._timer_at = first
 
     def abort(self, reason: str, failover: bool = False) -> None:
         if self.transport is not None:
@@ -278,6 +317,9 @@ class _Resp(asyncio.Protocol):
 
     def _fail_all(self, reason: str, failover: bool = False) -> None:
         self.lost = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         waiting, self.waiting = self.waiting, deque()
         for batch in waiting:
             if failover:  # refused (and what followed was refused too): nothing ran
@@ -290,7 +332,7 @@ class _Resp(asyncio.Protocol):
             self.owner._batch_done(batch)
 
 
-# A connection with no batch answered for this long is idle: send_if_idle sends at once.
+# A connection with no batch answered for this long is idle: submit_to(at_once=True) sends at once.
 IDLE_SEND_S = 0.001
 
 # Reply deadlines grow with the bytes a batch moves at this rate (a floor well under
@@ -341,7 +383,7 @@ class ScriptBatcher:
         self._pending: deque[_Queued] = deque()
         self._inflight = 0
         self._scheduled = False
-        self._last_done = 0.0  # loop time the last batch was answered (see send_if_idle)
+        self._last_done = 0.0  # loop time the last batch was answered (see submit_to)
         self._conn: _Resp | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -367,16 +409,31 @@ class ScriptBatcher:
         self.submit_to(command, fut, durable)
         return fut
 
-    def submit_to(self, command: bytes | Deferred, sink: ReplySink, durable: bool = False) -> None:
+    def submit_to(
+        self, command: bytes | Deferred, sink: ReplySink, durable: bool = False, at_once: bool = False
+    ) -> None:
         """As `submit`, the reply (or StoreUnavailable / StoreRejected) handed to `sink`.
         A `Deferred` command is sealed only when its batch is sent (until then, in this loop
         tick or while the pipeline is full, it may take more work). A `durable` command (a
         write the client is told about) waits for WAIT when the shard has minReplicas;
-        ReplicationTimeout when too few replicas confirm it."""
+        ReplicationTimeout when too few replicas confirm it.
+
+        `at_once`: when nothing is in flight and no batch was answered for IDLE_SEND_S, send
+        it now, not at the next loop turn: a lone request on a quiet connection (the enqueue a
+        long-poll waits for) saves a loop turn, while requests that arrive busily still gather
+        into batches (one script call each, relay/storage/store.py)."""
         if durable and self.min_replicas:
             sink = _Hold(sink)
         self._pending.append((command, sink))
-        self._kick()
+        if (
+            at_once
+            and self._inflight == 0
+            and not self._scheduled  # (else this tick's others are pending: it joins them)
+            and asyncio.get_running_loop().time() - self._last_done >= IDLE_SEND_S
+        ):
+            self._flush()
+        else:
+            self._kick()
 
     async def close(self) -> None:
         self._closed = True
@@ -399,18 +456,6 @@ class ScriptBatcher:
             # call_soon lets every request parsed in this loop iteration join the batch
             asyncio.get_running_loop().call_soon(self._flush)
 
-    def send_if_idle(self) -> None:
-        """Send what is pending now, not at the next loop turn, when nothing is in flight and
-        no batch was answered for IDLE_SEND_S: a lone request on a quiet connection (the
-        enqueue a long-poll waits for) saves a loop turn, while requests that arrive busily
-        still gather into batches (one script call each, relay/storage/store.py)."""
-        if (
-            self._inflight == 0
-            and self._pending
-            and asyncio.get_running_loop().time() - self._last_done >= IDLE_SEND_S
-        ):
-            self._flush()
-
     def _flush(self) -> None:
         self._scheduled = False
         if not self._pending:
@@ -430,8 +475,6 @@ class ScriptBatcher:
             conn.send(_Batch(items, may_reload=True))
 
     def _batch_done(self, batch: _Batch) -> None:
-        if batch.timer is not None:
-            batch.timer.cancel()
         self._inflight -= 1
         self._last_done = asyncio.get_running_loop().time()
         if batch.retry:

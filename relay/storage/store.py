@@ -26,6 +26,7 @@ from relay.storage.pipeline import (
     StoreOutcomeUnknown,
     StoreRejected,
     StoreUnavailable,
+    Wire,
     is_auth_failure,
 )
 from relay.storage.resp import bulk, bulk_str, encode
@@ -120,7 +121,19 @@ _ENQUEUE_ITEM_ARGS = 9
 _CALL_ITEMS = 64
 _CALL_BYTES = 1 << 20
 _ENQUEUE_PARTS_MAX = 8192
+# A queue's own names as RESP bulk strings, from its base (keys.QueueKeys.base): one format,
+# not eight names built and encoded one by one (the first enqueue of a queue paid ~40 µs for
+# that on an idle relay, where it runs from cold caches: in every wake of a fresh queue).
+_QUEUE_KEYS = b"".join([b"$%%d\r\n%%b:%b\r\n" % s.encode() for s in K.QUEUE_SUFFIXES])
+_QUEUE_KEY_EXTRA = tuple(1 + len(s) for s in K.QUEUE_SUFFIXES)  # each name's length past the base
+_WAKE_KEY = b"$%%d\r\n%%b:%b\r\n" % K.WAKE_SUFFIX.encode()
+_WAKE_EXTRA = 1 + len(K.WAKE_SUFFIX)
+# per slot: its state key, and its index and statistics keys, encoded (at most one entry per slot)
+_SLOT_PARTS: dict[int, tuple[bytes, bytes]] = {}
 _EMPTY_BULK = b"$0\r\n\r\n"
+# A payload this large is written as it came, not copied into its item, the call and the
+# batch (three copies of each 64 KiB payload showed in the relay's CPU per message).
+_SPLIT_PAYLOAD = 16 * 1024
 _RESEND = b"$1\r\n1\r\n"
 
 _EPOCH_PREFIX = os.urandom(5).hex()
@@ -152,6 +165,12 @@ def _reseed_epochs() -> None:
 
 
 os.register_at_fork(after_in_child=_reseed_epochs)
+
+
+def _lengths_and_base(n: int, base: bytes) -> tuple[int | bytes, ...]:
+    """_QUEUE_KEYS's arguments for a base of `n` bytes: each name's length, then the base."""
+    m, s, i, x, r = _QUEUE_KEY_EXTRA
+    return (n + m, base, n + s, base, n + i, base, n + x, base, n + r, base)
 
 
 def _s(value: Any) -> str:
@@ -209,7 +228,7 @@ class _EnqueueCall:
     the boot mark, each slot's fence and statistics) is paid once for all of them. It is
     the call's ReplySink and hands each item its own reply; a failure goes to every item."""
 
-    __slots__ = ("args", "fixed", "keys", "nbytes", "sealed", "sinks")
+    __slots__ = ("args", "fixed", "keys", "nbytes", "sealed", "sinks", "split")
 
     def __init__(self, fixed: bytes) -> None:
         self.fixed = fixed
@@ -218,6 +237,7 @@ class _EnqueueCall:
         self.sinks: list[ReplySink] = []
         self.nbytes = 0
         self.sealed = False
+        self.split = False  # holds a payload kept as its own part (_SPLIT_PAYLOAD)
 
     def takes(self, size: int) -> bool:
         n = len(self.sinks)
@@ -229,22 +249,29 @@ class _EnqueueCall:
         self.sinks.append(sink)
         self.nbytes += size
 
-    def seal(self) -> bytes:
+    def add_split(self, keys: bytes, args: tuple[bytes, bytes, bytes], size: int, sink: ReplySink) -> None:
+        """`add` for an item whose arguments are three parts, the payload in the middle."""
+        self.keys.append(keys)
+        self.args += args
+        self.sinks.append(sink)
+        self.nbytes += size
+        self.split = True
+
+    def seal(self) -> Wire:
         self.sealed = True
         n = len(self.sinks)
-        return b"".join(
-            [
-                b"*%d\r\n%b%b"
-                % (
-                    3 + n * (_ENQUEUE_KEYS + _ENQUEUE_ITEM_ARGS) + _ENQUEUE_FIXED_ARGS,
-                    _ENQUEUE_HEAD,
-                    bulk(n * _ENQUEUE_KEYS),
-                ),
-                *self.keys,
-                self.fixed,
-                *self.args,
-            ]
-        )
+        parts = [
+            b"*%d\r\n%b%b"
+            % (
+                3 + n * (_ENQUEUE_KEYS + _ENQUEUE_ITEM_ARGS) + _ENQUEUE_FIXED_ARGS,
+                _ENQUEUE_HEAD,
+                bulk(n * _ENQUEUE_KEYS),
+            ),
+            *self.keys,
+            self.fixed,
+            *self.args,
+        ]
+        return parts if self.split else b"".join(parts)
 
     def done(self) -> bool:
         return False  # each item's sink says for itself
@@ -386,40 +413,45 @@ class ShardStore:
         digest = req.digest()
         now = b"%d" % now_ms
         token = token or _epoch_bulk()
+        size = len(payload)
         call = self._call
-        first = False
-        if call is None or not call.takes(len(payload)):
+        first = call is None or not call.takes(size)
+        if first:
             call = self._call = _EnqueueCall(self._enqueue_fixed)
-            self._batcher.submit_to(call, call, durable=True)
-            first = True
+        assert call is not None
         # the item: its keys; payload, now, idempotency key, digest, messageId, qid and wake
         # (cached), token, resend flag (lua/enqueue.lua)
-        call.add(
-            parts[0],
-            b"$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b%b%b%b%b"
-            % (
-                len(payload),
-                payload,
-                len(now),
-                now,
-                bulk_str(idem_key) if idem_key else _EMPTY_BULK,
-                bulk_str(digest) if digest else _EMPTY_BULK,
-                bulk_str(message_id) if message_id else _EMPTY_BULK,
-                parts[1],
-                token,
-                _RESEND if resend else _EMPTY_BULK,
-            ),
-            len(payload),
-            sink,
+        rest = b"\r\n$%d\r\n%b\r\n%b%b%b%b%b%b" % (
+            len(now),
+            now,
+            bulk_str(idem_key) if idem_key else _EMPTY_BULK,
+            bulk_str(digest) if digest else _EMPTY_BULK,
+            bulk_str(message_id) if message_id else _EMPTY_BULK,
+            parts[1],
+            token,
+            _RESEND if resend else _EMPTY_BULK,
         )
+        if size < _SPLIT_PAYLOAD:
+            call.add(parts[0], b"$%d\r\n%b%b" % (size, payload, rest), size, sink)
+        else:
+            call.add_split(parts[0], (b"$%d\r\n" % size, payload, rest), size, sink)
         if first:
-            self._batcher.send_if_idle()
+            # submitted holding its first item: on an idle connection it is written at once
+            self._batcher.submit_to(call, call, durable=True, at_once=True)
         return token
 
     def _encode_enqueue_parts(self, q: K.QueueKeys) -> tuple[bytes, bytes]:
-        """The queue's fixed parts of an enqueue item: its keys; its qid and wake channel."""
-        keys = (q.state, q.meta, q.msgs, q.idem, q.idemx, q.rate, q.index, q.stats)
-        parts = (b"".join([bulk_str(k) for k in keys]), bulk_str(q.qid) + bulk_str(q.wake))
+        """The queue's fixed parts of an enqueue item: its keys (state, the queue's own five,
+        index, stats: lua/enqueue.lua's order); its qid and wake channel."""
+        slot = _SLOT_PARTS.get(q.slot)
+        if slot is None:
+            slot = _SLOT_PARTS[q.slot] = (bulk_str(q.state), bulk_str(q.index) + bulk_str(q.stats))
+        base = q.base.encode()
+        n = len(base)
+        parts = (
+            b"%b%b%b" % (slot[0], _QUEUE_KEYS % _lengths_and_base(n, base), slot[1]),
+            bulk_str(q.qid) + _WAKE_KEY % (n + _WAKE_EXTRA, base),
+        )
         if len(self._enqueue_parts) >= _ENQUEUE_PARTS_MAX:
             self._enqueue_parts.clear()
         self._enqueue_parts[q.qid] = parts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
 
@@ -13,7 +14,7 @@ from relayfleet_testing.localredis import LocalRedis
 
 from relay.storage import keys as K
 from relay.storage import pipeline
-from relay.storage.pipeline import ScriptBatcher, StoreUnavailable
+from relay.storage.pipeline import ScriptBatcher, StoreOutcomeUnknown, StoreUnavailable
 from relay.storage.scripts import STATUS
 from relay.storage.store import EnqueueOutcome, EnqueueRequest, QueueLimits, ShardStore, SlotMoved
 
@@ -179,6 +180,76 @@ async def test_one_script_call_carries_a_ticks_enqueues_each_with_its_outcome(
         again = await store.enqueue(b, z, 2000, token=token, resend=True)
         assert again.seq == 2
         assert (await store.status(b)).last_seq == 2
+    finally:
+        await store.close()
+        server.stop()
+
+
+async def test_large_payloads_are_written_as_parts_and_stored_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call holding payloads past the split size is written as parts (the payload not copied
+    into one buffer), in the same batch as plain commands; Redis stores every byte in order."""
+    monkeypatch.setattr(pipeline, "IDLE_SEND_S", 3600.0)  # busy: the tick's enqueues gather
+    sent: list[list[type]] = []
+    send = pipeline._Resp.send
+
+    def spy(conn: pipeline._Resp, batch: pipeline._Batch, timeout: float | None = None) -> None:
+        sent.append([type(command) for command, _ in batch.items])
+        send(conn, batch, timeout)
+
+    server = LocalRedis(binary=REDIS).start()
+    store = ShardStore("t", server.url, QueueLimits(rate_count=100))
+    try:
+        await store.start()
+        q, other = queue(), queue()
+        payloads = [os.urandom(64 * 1024), os.urandom(16 * 1024 - 1), b"small", os.urandom(16 * 1024)]
+        await store.client.config_resetstat()
+        monkeypatch.setattr(pipeline._Resp, "send", spy)
+        # started in one loop tick: one batch
+        stored = [
+            asyncio.ensure_future(store.enqueue(q, EnqueueRequest(b"", b"", p, "", f"m{i}"), 1000 + i))
+            for i, p in enumerate(payloads)
+        ]
+        status = asyncio.ensure_future(store.status(other))  # a plain command in the same batch
+        outcomes = [await t for t in stored]
+        await status
+        assert [o.seq for o in outcomes] == [1, 2, 3, 4]
+        monkeypatch.setattr(pipeline._Resp, "send", send)
+        assert (await store.client.info("commandstats"))["cmdstat_evalsha"]["calls"] == 2
+        got = await store.read(q, None, 10)
+        assert [(m.payload, m.message_id) for m in got.messages] == [
+            (p, f"m{i}") for i, p in enumerate(payloads)
+        ]
+        assert sent == [[list, bytes]]  # the enqueue call as parts, the status as bytes
+    finally:
+        await store.close()
+        server.stop()
+
+
+async def test_a_stalled_redis_times_out_each_batch_at_its_own_deadline() -> None:
+    """One reply timer per connection: left armed after the first batch's answer, it must still
+    fail a later batch at that batch's deadline (not earlier, at the first one's, nor never)."""
+    server = LocalRedis(binary=REDIS).start()
+    store = ShardStore("t", server.url, QueueLimits(write_timeout_s=0.6))
+    loop = asyncio.get_running_loop()
+    try:
+        await store.start()
+        q = queue()
+        assert (await store.enqueue(q, EnqueueRequest(b"", b"", b"one"), 1000)).seq == 1
+        await asyncio.sleep(0.3)  # the timer armed for that batch is due in ~0.3 s
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            sent = loop.time()
+            with pytest.raises(StoreOutcomeUnknown):
+                async with asyncio.timeout(5):  # (a timer never re-armed: no answer at all)
+                    await store.enqueue(q, EnqueueRequest(b"", b"", b"two"), 1001)
+            assert 0.55 <= loop.time() - sent < 2.0
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        # the next connection works ("two" may have run once Redis went on: its outcome is unknown)
+        assert (await store.enqueue(q, EnqueueRequest(b"", b"", b"three"), 1002)).seq in (2, 3)
     finally:
         await store.close()
         server.stop()
