@@ -8,7 +8,8 @@ slices of SLICE payload bytes, yielding to the loop between them and waiting for
 socket (back-pressure), so a small request waits at most one slice and the process
 holds one slice of base64 per answer instead of the whole document. The bytes are
 exactly what orjson writes for the same dict (queues.read_json), so clients cannot
-tell which way an answer was made.
+tell which way an answer was made. Small answers are built at once (`answer_bytes`), from
+the same parts.
 """
 
 from __future__ import annotations
@@ -35,15 +36,40 @@ def _b64_len(n: int) -> int:
 
 def _message_parts(m: Message) -> tuple[bytes, bytes]:
     """What comes before and after the payload text of one message object."""
-    head = b'{"seq":%d,"payload":"' % m.seq
-    tail = (
-        b'","receivedAt":'
-        + orjson.dumps(params.rfc3339_ms(m.received_ms))
-        + b',"messageId":'
-        + orjson.dumps(m.message_id)
-        + b"}"
+    mid = m.message_id
+    # receivedAt is digits and punctuation: no JSON escaping to do (orjson writes it as is)
+    tail = b'","receivedAt":"%b","messageId":%b}' % (
+        params.rfc3339_ms(m.received_ms).encode(),
+        b"null" if mid is None else orjson.dumps(mid),
     )
-    return head, tail
+    return b'{"seq":%d,"payload":"' % m.seq, tail
+
+
+def _b64(payload: bytes | memoryview) -> bytes:
+    """Unpadded base64url of `payload` (params.b64encode's text, as bytes)."""
+    return binascii.b2a_base64(payload, newline=False).translate(_URLSAFE).rstrip(b"=")
+
+
+def _end(next_seq: int, epoch: str, more: bool | None) -> bytes:
+    end = b'],"nextSeq":%d,"epoch":%b' % (next_seq, orjson.dumps(epoch))
+    if more is not None:
+        end += b',"more":' + (b"true" if more else b"false")
+    return end + b"}"
+
+
+def message_bytes(m: Message) -> bytes:
+    """One message object of a read answer: {"seq", "payload", "receivedAt", "messageId"}."""
+    head, tail = _message_parts(m)
+    return head + _b64(m.payload) + tail
+
+
+def answer_bytes(messages: list[Message], next_seq: int, epoch: str, more: bool | None = None) -> bytes:
+    """A read or drain answer built at once (one not worth streaming): the same bytes as
+    read_body's pieces joined."""
+    return b'{"messages":[%b%b' % (
+        b",".join([message_bytes(m) for m in messages]),
+        _end(next_seq, epoch, more),
+    )
 
 
 def worth_streaming(messages: list[Message]) -> bool:
@@ -56,10 +82,7 @@ def read_body(
     """The length of {"messages": [...], "nextSeq": N, "epoch": E[, "more": B]} and its
     pieces, each payload encoded SLICE bytes at a time as the pieces are taken."""
     parts = [_message_parts(m) for m in messages]
-    end = b'],"nextSeq":%d,"epoch":%b' % (next_seq, orjson.dumps(epoch))
-    if more is not None:
-        end += b',"more":' + (b"true" if more else b"false")
-    end += b"}"
+    end = _end(next_seq, epoch, more)
     length = len(b'{"messages":[') + len(end) + max(0, len(messages) - 1)
     for m, (head, tail) in zip(messages, parts, strict=True):
         length += len(head) + _b64_len(len(m.payload)) + len(tail)

@@ -52,15 +52,11 @@ def next_seq(result: ReadResult, from_seq: int | None) -> int:
     return from_seq if from_seq is not None else result.last_seq + 1
 
 
-def read_json(result: ReadResult, from_seq: int | None, drained: bool = False) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "messages": [message_json(m) for m in result.messages],
-        "nextSeq": next_seq(result, from_seq),
-        "epoch": result.epoch,
-    }
-    if drained:
-        body["more"] = result.more
-    return body
+def read_bytes(result: ReadResult, from_seq: int | None, drained: bool = False) -> bytes:
+    """The JSON answer of a read (or drain) not worth streaming: {"messages": [...], "nextSeq",
+    "epoch"[, "more"]} (relay/api/bulk.py shapes it, streamed or not)."""
+    more = result.more if drained else None
+    return bulk.answer_bytes(result.messages, next_seq(result, from_seq), result.epoch, more)
 
 
 async def read_response(
@@ -72,7 +68,7 @@ async def read_response(
         return await bulk.stream_read(
             request, result.messages, next_seq(result, from_seq), result.epoch, more
         )
-    return json_response(read_json(result, from_seq, drained))
+    return web.Response(body=read_bytes(result, from_seq, drained), content_type="application/json")
 
 
 @routes.post("/v1/queues/{recipient}/messages")

@@ -40,7 +40,6 @@ from email.utils import formatdate
 from functools import partial
 from typing import NamedTuple, cast
 
-import orjson
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.web_response import Response
@@ -50,7 +49,7 @@ from relay.api import bulk, params
 from relay.api.context import Context
 from relay.api.errors import ApiError, error_response, overloaded
 from relay.api.failures import code_of, error_for
-from relay.api.queues import enqueue_answer, next_seq, read_json
+from relay.api.queues import enqueue_answer, next_seq, read_bytes
 from relay.http.memguard import CLAIM_FROM
 from relay.http.serving import MAX_LINE, GuardedServer
 from relay.metrics import RouteSeries
@@ -258,7 +257,7 @@ class _Answer:
         try:
             if self.data is not None or conn.transport is None:
                 return
-            body = orjson.dumps(read_json(result, from_seq))
+            body = read_bytes(result, from_seq)
             series = self.series
             series.count(200)
             series.observe(time.perf_counter() - self.start)
