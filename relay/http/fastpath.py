@@ -42,7 +42,6 @@ from typing import NamedTuple, cast
 
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
-from aiohttp.web_response import Response
 
 from relay import metrics
 from relay.api import bulk, params
@@ -161,7 +160,7 @@ def _text(raw: bytes | None) -> str | None:
     return None if raw is None else raw.decode()
 
 
-def response_bytes(response: Response, close: bool) -> bytes:
+def response_bytes(response: web.Response, close: bool) -> bytes:
     """A built web.Response as aiohttp serialises it on an HTTP/1.1 connection."""
     body = response.body
     assert isinstance(body, bytes)
