@@ -355,6 +355,8 @@ class GuardedServer(web.Server):
         await super().shutdown(timeout)
 
 
+NO_CEIL_S = 3600.0  # above any server timer's length: none is rounded to a whole second
+
 # AppRunner's and Server's own arguments; the rest are the protocol's (RequestHandler's)
 _RUNNER_ARGS = ("handle_signals", "shutdown_timeout", "access_log_class", "handler_cancellation")
 
@@ -405,6 +407,11 @@ def runner_kwargs(settings: Settings, given: dict[str, Any]) -> dict[str, Any]:
         auto_decompress=False,  # never inflate a request body (compressed bodies get 415)
         max_line_size=MAX_LINE,
         max_field_size=MAX_LINE,
+        # aiohttp rounds timers longer than this up to a whole second; on the server only the
+        # WebSocket heartbeat uses it (relay/api/live.py, ~20 s): rounded, every socket whose
+        # ping falls due within one second pings in the same loop turn (10,000 sockets: a
+        # 30-50 ms stall each second)
+        timeout_ceil_threshold=NO_CEIL_S,
     )
     return kwargs
 

@@ -104,6 +104,39 @@ async def test_500_live_connects_at_once_then_a_mass_disconnect(relay_with: Rela
     _assert_no_unhandled(relay)
 
 
+def _never_reading_socket(relay: Relay, r: str) -> socket.socket:
+    """A live connection on queue `r` whose owner reads the 101 and then never another byte."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((relay.host, relay.port))
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(
+        (
+            f"GET /v1/queues/{r}/live HTTP/1.1\r\nHost: relay\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
+    )
+    head = sock.recv(256)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return sock
+
+
+async def _until_dropped(s: aiohttp.ClientSession, relay: Relay, within_s: float) -> tuple[float | None, int]:
+    """(seconds until relayfleet_live_dropped_total counted a drop, peak RSS) while waiting
+    for the drop and for the live connection to be gone, at most `within_s`."""
+    t0 = time.monotonic()
+    dropped_at = None
+    peak = relay.rss_bytes()
+    while time.monotonic() - t0 < within_s:
+        peak = max(peak, relay.rss_bytes())
+        if dropped_at is None and await _metric(s, relay, "relayfleet_live_dropped_total") >= 1:
+            dropped_at = time.monotonic() - t0
+        if dropped_at is not None and await _metric(s, relay, "relayfleet_live_connections") == 0:
+            break
+        await asyncio.sleep(0.1)
+    return dropped_at, peak
+
+
 async def test_a_live_client_that_never_reads_is_dropped_with_bounded_memory(relay_with: RelayWith) -> None:
     """24 x 5 MiB of backlog to a socket whose owner never reads: the relay holds about
     one budget's batch plus one frame (before: 16 x 5 MiB per socket, forever) and drops
@@ -116,28 +149,9 @@ async def test_a_live_client_that_never_reads_is_dropped_with_bounded_memory(rel
             body = io.BytesIO(bytes([i]) * (5 * MiB))
             async with s.post(f"{relay.url}/v1/queues/{r}/messages", data=body) as resp:
                 assert resp.status == 201
-        baseline = peak = relay.rss_bytes()
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect((relay.host, relay.port))
-        key = base64.b64encode(os.urandom(16)).decode()
-        sock.sendall(
-            (
-                f"GET /v1/queues/{r}/live HTTP/1.1\r\nHost: relay\r\nUpgrade: websocket\r\n"
-                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
-            ).encode()
-        )
-        head = sock.recv(256)  # the 101, and then never another byte read
-        assert head.startswith(b"HTTP/1.1 101"), head
-        t0 = time.monotonic()
-        dropped_at = None
-        while time.monotonic() - t0 < timeout_s + 8:
-            peak = max(peak, relay.rss_bytes())
-            if dropped_at is None and await _metric(s, relay, "relayfleet_live_dropped_total") >= 1:
-                dropped_at = time.monotonic() - t0
-            if dropped_at is not None and await _metric(s, relay, "relayfleet_live_connections") == 0:
-                break
-            await asyncio.sleep(0.1)
+        baseline = relay.rss_bytes()
+        sock = _never_reading_socket(relay, r)
+        dropped_at, peak = await _until_dropped(s, relay, timeout_s + 8)
         gauge = await _metric(s, relay, "relayfleet_live_connections")
         flags = await _live_flags(s, relay, [r])
         sock.close()
@@ -153,4 +167,37 @@ async def test_a_live_client_that_never_reads_is_dropped_with_bounded_memory(rel
     assert gauge == 0
     assert flags == {False}
     assert growth < 48 * MiB, f"relay RSS grew {growth / MiB:.0f} MiB for one blocked socket"
+    _assert_no_unhandled(relay)
+
+
+async def test_a_live_client_that_stops_reading_small_frames_is_dropped(relay_with: RelayWith) -> None:
+    """Frames under the transport's high-water mark are written without a send deadline
+    while nothing is buffered: once the client stops reading and the kernel's buffers are
+    full, the next frames wait for the socket under RELAY_LIVE_SEND_TIMEOUT_S and the
+    client is still dropped (a window of 256 x 48 KiB = 12 MiB, more than loopback buffers)."""
+    timeout_s = 2.0
+    relay = relay_with({"RELAY_LIVE_SEND_TIMEOUT_S": str(timeout_s)})
+    r = recipient(2101)
+    async with aiohttp.ClientSession() as s:
+
+        async def store(i: int) -> None:
+            async with s.post(
+                f"{relay.url}/v1/queues/{r}/messages", data=bytes([i % 256]) * (48 << 10)
+            ) as resp:
+                assert resp.status == 201
+
+        for start in range(0, 256, 32):
+            await asyncio.gather(*[store(i) for i in range(start, start + 32)])
+        sock = _never_reading_socket(relay, r)
+        dropped_at, _ = await _until_dropped(s, relay, timeout_s + 8)
+        gauge = await _metric(s, relay, "relayfleet_live_connections")
+        sock.close()
+    report(
+        "live-slow-consumer-small-frames",
+        dropped_after_s=None if dropped_at is None else round(dropped_at, 1),
+        gauge_after=gauge,
+    )
+    assert dropped_at is not None, "the blocked consumer was never dropped"
+    assert dropped_at < timeout_s + 5
+    assert gauge == 0
     _assert_no_unhandled(relay)

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
 from relay.api import live as live_module
-from relay.api.live import CLOSE_DISPLACED
+from relay.api.live import CLOSE_DISPLACED, message_frame
+from relay.api.queues import message_json
 from relay.client import LiveClosed, LiveConnection, RelayClient, RelayError, received
 from relay.protocol import b64encode, keypair, sign_headers
+from relay.storage.message import Message
 from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 PICKUP = "https://didcomm.org/messagepickup/2.0/"
@@ -341,3 +345,50 @@ async def test_displacement_across_relay_processes(
             await frame(second)
         assert closed_b.value.code == CLOSE_DISPLACED
         await third.close()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        Message(1, b"x" * 256, 1_764_201_600_123, None),
+        Message(2**53, bytes(range(256)) * 3, 0, 'id "quoted" \\ back\nslash é \u2028 😀'),
+        Message(7, b"", 253_402_300_799_999, ""),
+        Message(8, b"\xff\xfe" * 40_000, 1_764_201_600_000, "m-8"),
+    ],
+)
+def test_message_frames_are_what_orjson_writes(message: Message) -> None:
+    assert message_frame(message) == orjson.dumps({"type": "message", **message_json(message)})
+
+
+async def test_heartbeats_are_spread_not_rounded_to_whole_seconds(
+    relay: RunningRelay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aiohttp rounds a timer longer than its ceil threshold (5 s by default) up to a whole
+    second: every socket whose ping falls due within that second would ping in one loop turn.
+    With a 6 s heartbeat, four sockets opened 0.1 s apart must not all be pinged just after
+    a whole second of the loop's clock, nor all at the same interval."""
+    monkeypatch.setattr(live_module, "HEARTBEAT_S", 6.0)
+    loop = asyncio.get_running_loop()
+
+    async def first_ping(s: aiohttp.ClientSession) -> tuple[float, float]:
+        public, private = keypair()
+        path = f"/v1/queues/{b64encode(public)}/live"
+        url = "ws" + relay.base_url.removeprefix("http") + path
+        async with s.ws_connect(url, headers=sign_headers(private, "GET", path), autoping=False) as ws:
+            opened = loop.time()
+            async with asyncio.timeout(15):
+                while (msg := await ws.receive()).type is not aiohttp.WSMsgType.PING:
+                    assert msg.type is aiohttp.WSMsgType.TEXT, msg  # "empty", then the ping
+            return opened, loop.time()
+
+    async with aiohttp.ClientSession() as s:
+        tasks = []
+        for _ in range(4):
+            tasks.append(asyncio.ensure_future(first_ping(s)))
+            await asyncio.sleep(0.1)
+        pings = await asyncio.gather(*tasks)
+    fractions = [at - math.floor(at) for _, at in pings]
+    intervals = [at - opened for opened, at in pings]
+    assert not all(f < 0.05 for f in fractions), fractions
+    assert max(intervals) - min(intervals) > 0.01, intervals
+    assert all(5.0 < i < 7.0 for i in intervals), intervals
