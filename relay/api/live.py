@@ -40,7 +40,7 @@ import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from relay import boundedjson, metrics
-from relay.api import params, pickup
+from relay.api import bulk, params, pickup
 from relay.api.context import CTX, Context, ctx
 from relay.api.errors import ApiError, error_response
 from relay.api.queues import parse_ack
@@ -65,14 +65,9 @@ _FRAME_HEAD = 10  # the longest header of a server frame (RFC 6455 section 5.2: 
 
 
 def message_frame(m: Message) -> bytes:
-    """Exactly what orjson writes for {"type": "message", **message_json(m)}, shaped directly
-    (the base64 and timestamp texts need no escaping; the message id goes through orjson)."""
-    return b'{"type":"message","seq":%d,"payload":"%s","receivedAt":"%s","messageId":%s}' % (
-        m.seq,
-        params.b64encode(m.payload).encode(),
-        params.rfc3339_ms(m.received_ms).encode(),
-        orjson.dumps(m.message_id),
-    )
+    """Exactly what orjson writes for {"type": "message", **message_json(m)}: the read
+    answer's message object (relay/api/bulk.py) with the type in front."""
+    return b'{"type":"message",' + bulk.message_bytes(m)[1:]
 
 
 def heartbeat_s() -> float:
