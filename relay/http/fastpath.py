@@ -256,12 +256,11 @@ class _Answer:
         try:
             if self.data is not None or conn.transport is None:
                 return
-            body = read_bytes(result, from_seq)
-            series = self.series
+            self.data = _ok_bytes(200, read_bytes(result, from_seq))
+            conn.flush()
+            series = self.series  # counted once written: a woken long-poll's answer goes first
             series.count(200)
             series.observe(time.perf_counter() - self.start)
-            self.data = _ok_bytes(200, body)
-            conn.flush()
         except Exception as exc:
             conn.broken(exc)
 

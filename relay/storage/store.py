@@ -94,7 +94,7 @@ class EnqueueOutcome(NamedTuple):  # a tuple: built on every enqueue, cheaper th
     epoch: bytes = b""  # of a stored message (b"" for a resend that found its lost attempt)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen, as Message (relay/storage/message.py): built per read
 class ReadResult:
     messages: list[Message]
     epoch: str

@@ -125,12 +125,12 @@ class Waiter:
             if carried is None:
                 carried = self._carried = []
                 self._carried_bytes = 0
-            self._carried_bytes += sum([len(m.payload) for m in messages])
-            if len(carried) + len(messages) > _MAX_CARRIED or self._carried_bytes > _MAX_CARRIED_BYTES:
+            for m in messages:  # usually one: a plain loop is the cheapest on a cold path
+                self._carried_bytes += len(m.payload)
+                carried.append((epoch, m))
+            if len(carried) > _MAX_CARRIED or self._carried_bytes > _MAX_CARRIED_BYTES:
                 self._plain = True
                 self._carried = None
-            else:
-                carried.extend([(epoch, m) for m in messages])
         expect = self._expect
         if expect is not None:
             got = self.take(*expect[1:])
