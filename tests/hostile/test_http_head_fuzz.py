@@ -1,11 +1,12 @@
-"""Property-based fuzzing of the HTTP head grammar (Hypothesis), differential: the enqueue
-fast path (the suite's relay) vs aiohttp's protocol alone (RELAY_HTTP_FASTPATH=0) vs the
-RFC 9112 answer the generated head calls for.
+"""Property-based fuzzing of the HTTP head grammar (Hypothesis), differential: the fast path
+(the suite's relay; enqueues and reads) vs aiohttp's protocol alone (RELAY_HTTP_FASTPATH=0)
+vs the RFC 9112 answer the generated head calls for.
 
 Heads are built from parts, each either right or wrong in one known way (a bare LF, a
 header name that is no token, a control character in a value, a line past the 8190-byte
 limit, HTTP/1.1 without Host, HTTP/1.0 with Transfer-Encoding, an Expect other than
-100-continue), so the expected answer is known: 400, 417, or 201 for a clean enqueue.
+100-continue), so the expected answer is known: 400, 417, or 201 for a clean enqueue (a
+read's query, right or wrong, is compared between the two paths only).
 
 Properties, for every head: both paths give the same status and error code; that status
 is the RFC's; never a 5xx; every refusal is JSON {"error","code"} and never a traceback;
@@ -57,8 +58,17 @@ names = st.text(TOKEN, min_size=1, max_size=20).filter(lambda n: n.lower() not i
 values = st.text(VISIBLE + " \t", max_size=40).map(str.strip)
 
 
+# A read's query: the read's own parameters right and wrong, repeated, unknown, escaped
+QUERY_TEXT = "abcflmqstwx=&%0123456789.-_"
+queries = st.sampled_from(
+    ["", "?limit=2", "?fromSeq=0&limit=1", "?wait=0", "?wait=0.01&fromSeq=5", "?limit=0", "?channel="]
+) | st.text(QUERY_TEXT, max_size=24).map(lambda q: "?" + q)
+
+
 @dataclass(frozen=True)
 class Head:
+    method: str
+    query: str  # a read's (GET's)
     version: str
     host: bool
     headers: tuple[tuple[str, str], ...]
@@ -71,7 +81,8 @@ class Head:
 
     def bytes_for(self, queue: str) -> bytes:
         body = b"hello"
-        lines = [f"POST /v1/queues/{queue}/messages HTTP/{self.version}"]
+        target = f"/v1/queues/{queue}/messages" + (self.query if self.method == "GET" else "")
+        lines = [f"{self.method} {target} HTTP/{self.version}"]
         if self.host:
             lines.append("Host: relay")
         lines += [f"{n}: {v}" for n, v in self.headers]
@@ -86,6 +97,8 @@ class Head:
         if self.chunked:
             lines.append("Transfer-Encoding: chunked")
             payload = b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+        elif self.method == "GET":
+            payload = b""  # a read without a body
         else:
             lines.append(f"Content-Length: {len(body)}")
             payload = body
@@ -115,11 +128,13 @@ class Head:
             return 400
         if self.expect is not None and self.expect.lower() != "100-continue":
             return 417
-        return 201
+        return 201 if self.method == "POST" else None
 
 
 heads = st.builds(
     Head,
+    method=st.sampled_from(["POST", "POST", "GET"]),
+    query=queries,
     version=st.sampled_from(["1.1", "1.1", "1.1", "1.0"]),
     host=st.sampled_from([True, True, True, False]),
     headers=st.lists(st.tuples(names, values), max_size=6, unique_by=lambda h: h[0].lower()).map(tuple),
@@ -191,11 +206,12 @@ def _send(relay: Relay, data: bytes) -> Outcome:
 
 def test_http_heads_fast_path_vs_aiohttp_vs_rfc(hostile_relay: Relay, aiohttp_relay: Relay) -> None:
     slowest = 0.0
+    reads_answered = 0  # GETs answered 200 by both: the read fast path was exercised
 
     @FUZZ
     @given(head=heads)
     def check(head: Head) -> None:
-        nonlocal slowest
+        nonlocal slowest, reads_answered
         fast = _send(hostile_relay, head.bytes_for(recipient(int.from_bytes(os.urandom(3), "big"))))
         slow = _send(aiohttp_relay, head.bytes_for(recipient(int.from_bytes(os.urandom(3), "big"))))
         slowest = max(slowest, fast.seconds, slow.seconds)
@@ -206,9 +222,17 @@ def test_http_heads_fast_path_vs_aiohttp_vs_rfc(hostile_relay: Relay, aiohttp_re
         expected = head.rfc_status()
         if expected is not None:
             assert fast.status == expected, (head, fast)
+        reads_answered += head.method == "GET" and fast.status == 200
 
     check()
-    report("http-head-fuzz", heads=EXAMPLES, paths=2, slowest_answer_ms=round(slowest * 1000))
+    report(
+        "http-head-fuzz",
+        heads=EXAMPLES,
+        paths=2,
+        reads_answered=reads_answered,
+        slowest_answer_ms=round(slowest * 1000),
+    )
+    assert reads_answered > 0
     hostile_relay.assert_log_clean()
     aiohttp_relay.assert_log_clean()
 
