@@ -278,10 +278,20 @@ class _Resp(asyncio.Protocol):
             else:
                 parts += command
                 split = True
-        size = sum([len(p) for p in parts]) if split else 0
-        data = b"" if split else parts[0] if len(parts) == 1 else b"".join(parts)
+        # written first, its bookkeeping after: no reply can be read before this returns
+        if split:
+            self.transport.writelines(parts)
+            size = sum([len(p) for p in parts])
+        else:
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
+            self.transport.write(data)
+            size = len(data)
+        self.track(batch, size, timeout)
+
+    def track(self, batch: _Batch, size: int, timeout: float | None = None) -> None:
+        """Expect the replies of `batch` (`size` bytes), just written, within `timeout`."""
         if timeout is None:
-            timeout = self.owner.reply_timeout(size or len(data), len(batch.items))
+            timeout = self.owner.reply_timeout(size, len(batch.items))
         self.waiting.append(batch)
         loop = asyncio.get_running_loop()
         batch.deadline = deadline = loop.time() + timeout
@@ -290,10 +300,6 @@ class _Resp(asyncio.Protocol):
                 self._timer.cancel()
             self._timer = loop.call_at(deadline, self._due)
             self._timer_at = deadline
-        if split:
-            self.transport.writelines(parts)
-        else:
-            self.transport.write(data)
 
     def _due(self) -> None:
         self._timer = None
@@ -434,6 +440,37 @@ class ScriptBatcher:
             self._flush()
         else:
             self._kick()
+
+    def idle(self) -> bool:
+        """Whether a command may be written at once (`write_now`): the connection is up, nothing
+        is in flight or pending, none was answered for IDLE_SEND_S, no replica must confirm it."""
+        conn = self._conn
+        return not (
+            conn is None
+            or conn.lost
+            or self._inflight
+            or self._scheduled
+            or self._pending
+            or self.min_replicas
+            or asyncio.get_running_loop().time() - self._last_done < IDLE_SEND_S
+        )
+
+    def write_now(self, command: bytes) -> None:
+        """Write `command` now (only when `idle()`); the caller then hands its reply sink to
+        `written` before it yields to the loop (no reply is read sooner). The write comes
+        before any bookkeeping: on an idle relay each statement runs from cold caches, and
+        before the write it is in the wake's critical path."""
+        conn = self._conn
+        assert conn is not None
+        assert conn.transport is not None
+        conn.transport.write(command)
+
+    def written(self, command: bytes, sink: ReplySink) -> None:
+        """`command`, which `write_now` just wrote, gets its reply in `sink`."""
+        conn = self._conn
+        assert conn is not None
+        self._inflight += 1
+        conn.track(_Batch([(command, sink)], may_reload=True), len(command))
 
     async def close(self) -> None:
         self._closed = True

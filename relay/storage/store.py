@@ -116,6 +116,12 @@ _ENQUEUE_KEYS = 8  # per item (lua/enqueue.lua)
 _ENQUEUE_HEAD = bulk_str("EVALSHA") + bulk_str(scripts.ENQUEUE.sha)
 _ENQUEUE_FIXED_ARGS = 5
 _ENQUEUE_ITEM_ARGS = 9
+# a call of one item, up to its keys
+_LONE_HEAD = b"*%d\r\n%b%b" % (
+    3 + _ENQUEUE_KEYS + _ENQUEUE_ITEM_ARGS + _ENQUEUE_FIXED_ARGS,
+    _ENQUEUE_HEAD,
+    bulk(_ENQUEUE_KEYS),
+)
 # One enqueue.lua call carries at most this many enqueues and (past its first) payload
 # bytes: Redis runs a call without a break, so a call stays short for the other clients.
 _CALL_ITEMS = 64
@@ -416,9 +422,6 @@ class ShardStore:
         size = len(payload)
         call = self._call
         first = call is None or not call.takes(size)
-        if first:
-            call = self._call = _EnqueueCall(self._enqueue_fixed)
-        assert call is not None
         # the item: its keys; payload, now, idempotency key, digest, messageId, qid and wake
         # (cached), token, resend flag (lua/enqueue.lua)
         rest = b"\r\n$%d\r\n%b\r\n%b%b%b%b%b%b" % (
@@ -431,6 +434,18 @@ class ShardStore:
             token,
             _RESEND if resend else _EMPTY_BULK,
         )
+        if first and size < _SPLIT_PAYLOAD and self._batcher.idle():
+            # alone on an idle connection: a call of one, written before anything else is done
+            lone = b"%b%b%b$%d\r\n%b%b" % (_LONE_HEAD, parts[0], self._enqueue_fixed, size, payload, rest)
+            self._batcher.write_now(lone)
+            done = _EnqueueCall(self._enqueue_fixed)
+            done.sinks.append(sink)
+            done.sealed = True
+            self._batcher.written(lone, done)
+            return token
+        if first:
+            call = self._call = _EnqueueCall(self._enqueue_fixed)
+        assert call is not None
         if size < _SPLIT_PAYLOAD:
             call.add(parts[0], b"$%d\r\n%b%b" % (size, payload, rest), size, sink)
         else:

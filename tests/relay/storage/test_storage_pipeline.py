@@ -130,6 +130,15 @@ async def test_an_enqueue_on_an_idle_connection_is_sent_at_once(monkeypatch: pyt
         store.enqueue_to(sink, queue(), EnqueueRequest(b"", b"", b"one"), 1000)
         assert store._batcher._inflight == 1  # written already
         assert (await sink)[:2] == [b"ok", 1]
+        # written at once after Redis lost its scripts: loaded and sent again, answered once
+        await store.client.script_flush()
+        sink = loop.create_future()
+        q = queue()
+        store.enqueue_to(sink, q, EnqueueRequest(b"", b"", b"again", "", "mid"), 1000)
+        assert store._batcher._inflight == 1
+        assert (await sink)[:2] == [b"ok", 1]
+        got = await store.read(q, None, 10)
+        assert [(m.payload, m.message_id) for m in got.messages] == [(b"again", "mid")]
         monkeypatch.setattr(pipeline, "IDLE_SEND_S", 3600.0)  # busy: never idle that long
         sink = loop.create_future()
         store.enqueue_to(sink, queue(), EnqueueRequest(b"", b"", b"two"), 1000)
