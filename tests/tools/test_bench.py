@@ -626,3 +626,36 @@ def test_report_wake_verdict_needs_every_round() -> None:
     assert "the medians of 3 alternating rounds" in text
     assert "| long-poll | 1,000 | 2 | 1.20 | 2.40 | 1.00 | 2.00 | 1.20 | 1.20 |" in text
     assert "0 of 2 measured wake targets met in every round." in text
+
+
+async def test_the_wake_set_up_waits_for_quiet_at_most_quiet_max_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that never goes quiet (10,000 idle live sockets heartbeating) ends the wait
+    after QUIET_MAX_S, not at the set-up's 300 s bound."""
+
+    class Busy:
+        name, host, ports = "busy", "127.0.0.1", [1]
+        cpu = 0.0
+
+        def cpu_seconds(self) -> float:
+            self.cpu += 0.05  # 50 ms of CPU per look: never quiet
+            return self.cpu
+
+        def check_alive(self) -> None:
+            pass
+
+    class NoConn:
+        def close(self) -> None:
+            pass
+
+    async def no_conn(host: str, port: int) -> NoConn:
+        return NoConn()
+
+    async def all_registered(target: object, mode: str, conn: object) -> int:
+        return 10
+
+    monkeypatch.setattr(wake.Conn, "open", no_conn)
+    monkeypatch.setattr(wake, "waiting", all_registered)
+    monkeypatch.setattr(wake, "QUIET_MAX_S", 0.5)
+    t0 = time.monotonic()
+    await wake.wait_registered(Busy(), "websocket", 10, within=10.0)  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 3.0
