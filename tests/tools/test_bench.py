@@ -653,7 +653,7 @@ async def test_the_wake_set_up_waits_for_quiet_at_most_quiet_max_s(monkeypatch: 
     async def all_registered(target: object, mode: str, conn: object) -> int:
         return 10
 
-    monkeypatch.setattr(wake.Conn, "open", no_conn)
+    monkeypatch.setattr(Conn, "open", no_conn)
     monkeypatch.setattr(wake, "waiting", all_registered)
     monkeypatch.setattr(wake, "QUIET_MAX_S", 0.5)
     t0 = time.monotonic()
