@@ -25,7 +25,7 @@ from relay.storage.store import (
     StoreUnavailable,
     enqueue_outcome,
 )
-from relay.storage.wakeups import Waiter
+from relay.storage.wakeups import Prepare, Waiter
 
 T = TypeVar("T")
 
@@ -175,6 +175,7 @@ class QueueService:
         fetch: Callable[[], Awaitable[ReadResult]],
         read_at: tuple[int | None, int] | None = None,
         early: EarlyAnswer | None = None,
+        prepare: Prepare | None = None,
     ) -> ReadResult:
         """Long-poll: register, read, and only then wait (no lost-wakeup window).
 
@@ -201,7 +202,7 @@ class QueueService:
                             if result.messages and waiter.woken_at_ms is not None:
                                 _WAKEUP_SECONDS.observe(max(0, now_ms() - waiter.woken_at_ms) / 1000)
                             return result
-                        carried = await self._carried(waiter, result, deadline, read_at, early)
+                        carried = await self._carried(waiter, result, deadline, read_at, early, prepare)
                         if carried is not None:
                             return carried
                         if self.fleet.route(recipient, channel).hub is not route.hub:
@@ -217,6 +218,7 @@ class QueueService:
         deadline: float,
         read_at: tuple[int | None, int] | None,
         early: EarlyAnswer | None = None,
+        prepare: Prepare | None = None,
     ) -> ReadResult | None:
         """Wait after the empty read `last`; the answer when wakeups carried the messages that
         follow it, None when the queue must be read again (woken otherwise, or timed out)."""
@@ -231,6 +233,7 @@ class QueueService:
                     read_at[0],
                     read_at[1],
                     budget,
+                    prepare,
                 )
             woken = await waiter.wait(deadline - loop.time())
             got: list[Message] | None
@@ -272,6 +275,9 @@ class QueueService:
         sent_at = asyncio.get_running_loop().time()
         job = _Enqueue(self, sink, req, ts, route, sent_at + self.settings.request_deadline_s, sent_at)
         job.token = route.store.enqueue_to(job, route.keys, req, ts)
+        if len(req.payload) <= CARRY_LOCAL_BYTES:
+            # while Redis stores it, this process's long-polls on the queue ready their answers
+            route.hub.prepare(route.keys.wake, ts, req)
 
     def _stored(self, req: EnqueueRequest, outcome: EnqueueOutcome) -> None:
         """Metrics and hooks for an enqueue Redis has answered."""
@@ -294,14 +300,16 @@ class QueueService:
         limit: int,
         wait_s: float,
         early: EarlyAnswer | None = None,
+        prepare: Prepare | None = None,
     ) -> ReadResult:
-        """Read, waiting up to `wait_s` for messages; `early`: see `_wait_for`."""
+        """Read, waiting up to `wait_s` for messages; `early`, `prepare`: see `_wait_for`
+        and Waiter.expect."""
 
         async def fetch() -> ReadResult:
             return await self.call(recipient, channel, lambda r: r.store.read(r.keys, from_seq, limit))
 
         result = await (
-            self._wait_for(recipient, channel, wait_s, fetch, (from_seq, limit), early)
+            self._wait_for(recipient, channel, wait_s, fetch, (from_seq, limit), early, prepare)
             if wait_s > 0
             else fetch()
         )

@@ -34,15 +34,18 @@ def _b64_len(n: int) -> int:
     return (4 * n + 2) // 3
 
 
+def _tail(received_ms: int, message_id: str | None) -> bytes:
+    """What follows the payload text of one message object."""
+    # receivedAt is digits and punctuation: no JSON escaping to do (orjson writes it as is)
+    return b'","receivedAt":"%b","messageId":%b}' % (
+        params.rfc3339_ms(received_ms).encode(),
+        b"null" if message_id is None else orjson.dumps(message_id),
+    )
+
+
 def _message_parts(m: Message) -> tuple[bytes, bytes]:
     """What comes before and after the payload text of one message object."""
-    mid = m.message_id
-    # receivedAt is digits and punctuation: no JSON escaping to do (orjson writes it as is)
-    tail = b'","receivedAt":"%b","messageId":%b}' % (
-        params.rfc3339_ms(m.received_ms).encode(),
-        b"null" if mid is None else orjson.dumps(mid),
-    )
-    return b'{"seq":%d,"payload":"' % m.seq, tail
+    return b'{"seq":%d,"payload":"' % m.seq, _tail(m.received_ms, m.message_id)
 
 
 def _b64(payload: bytes | memoryview) -> bytes:
@@ -51,16 +54,32 @@ def _b64(payload: bytes | memoryview) -> bytes:
 
 
 def _end(next_seq: int, epoch: str, more: bool | None) -> bytes:
-    end = b'],"nextSeq":%d,"epoch":%b' % (next_seq, orjson.dumps(epoch))
-    if more is not None:
-        end += b',"more":' + (b"true" if more else b"false")
-    return end + b"}"
+    return b'],"nextSeq":%d%b' % (next_seq, _after_next_seq(epoch, more))
+
+
+def _after_next_seq(epoch: str, more: bool | None) -> bytes:
+    more_text = b"" if more is None else b',"more":' + (b"true" if more else b"false")
+    return b',"epoch":%b%b}' % (orjson.dumps(epoch), more_text)
 
 
 def message_bytes(m: Message) -> bytes:
     """One message object of a read answer: {"seq", "payload", "receivedAt", "messageId"}."""
     head, tail = _message_parts(m)
     return head + _b64(m.payload) + tail
+
+
+def answer_template(
+    payload: bytes, received_ms: int, message_id: str | None, epoch: str
+) -> tuple[bytes, bytes]:
+    """The answer of a read that returns just this message, but for its seq (Redis assigns
+    it): what comes between the seq and nextSeq, and after nextSeq (`from_template`)."""
+    middle = b',"payload":"%b%b],"nextSeq":' % (_b64(payload), _tail(received_ms, message_id))
+    return middle, _after_next_seq(epoch, None)
+
+
+def from_template(seq: int, template: tuple[bytes, bytes]) -> bytes:
+    """answer_bytes([the message at `seq`], seq + 1, epoch) from its `answer_template`."""
+    return b'{"messages":[{"seq":%d%b%d%b' % (seq, template[0], seq + 1, template[1])
 
 
 def answer_bytes(messages: list[Message], next_seq: int, epoch: str, more: bool | None = None) -> bytes:

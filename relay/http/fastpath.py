@@ -53,6 +53,7 @@ from relay.http.memguard import CLAIM_FROM
 from relay.http.serving import MAX_LINE, GuardedServer
 from relay.metrics import RouteSeries
 from relay.storage.store import EnqueueOutcome, EnqueueRequest, ReadResult
+from relay.storage.wakeups import Stored
 
 ROUTE = "/v1/queues/{recipient}/messages"  # the aiohttp route's canonical name (metrics label)
 
@@ -232,12 +233,23 @@ class _Pending(NamedTuple):
     start: float  # perf_counter at its head (the route's latency)
 
 
+class _Prepared(NamedTuple):
+    """The answer a long-poll gets if the message an enqueue of this process is storing is
+    the one it is woken with (the same payload object, time, messageId and epoch)."""
+
+    payload: bytes
+    stored_ms: int
+    message_id: str | None
+    epoch: str
+    template: tuple[bytes, bytes]  # relay/api/bulk.py answer_template
+
+
 class _Answer:
     """One request's answer slot, in request order; where its enqueue's outcome goes
     (relay.service.OutcomeSink: called while Redis's reply is read, so it never raises),
     or its read's result."""
 
-    __slots__ = ("close", "conn", "data", "series", "size", "start", "task", "turn")
+    __slots__ = ("close", "conn", "data", "prepared", "series", "size", "start", "task", "turn")
 
     def __init__(self, conn: FastConnection, start: float, series: RouteSeries) -> None:
         self.conn = conn
@@ -248,6 +260,31 @@ class _Answer:
         self.size = 0  # body bytes counted by the memory guard while it is owed
         self.task: asyncio.Task[None] | None = None  # a read's, cancelled if the client leaves
         self.turn: asyncio.Future[None] | None = None  # a streamed read's: set once it is first
+        self.prepared: _Prepared | None = None  # a long-poll's answer but for its seq
+
+    def prepare(self, epoch: str, stored_ms: int, stored: Stored) -> None:
+        """relay.storage.wakeups.Prepare: an enqueue to this long-poll's queue is on its way
+        to Redis; make the answer it would get ready now, while Redis stores it."""
+        try:
+            mid = stored.message_id or None
+            template = bulk.answer_template(stored.payload, stored_ms, mid, epoch)
+            self.prepared = _Prepared(stored.payload, stored_ms, mid, epoch, template)
+        except Exception as exc:  # runs in an enqueue's path: never let it fail that
+            self.conn.broken(exc)
+
+    def _body(self, from_seq: int | None, result: ReadResult) -> bytes:
+        p = self.prepared
+        messages = result.messages
+        if p is not None and len(messages) == 1:
+            m = messages[0]
+            if (
+                m.payload is p.payload
+                and m.received_ms == p.stored_ms
+                and m.message_id == p.message_id
+                and result.epoch == p.epoch
+            ):
+                return bulk.from_template(m.seq, p.template)
+        return read_bytes(result, from_seq)
 
     def read_result(self, from_seq: int | None, result: ReadResult) -> None:
         """Answer a read with `result` (as relay/api/queues.py read_response would, for one
@@ -256,7 +293,8 @@ class _Answer:
         try:
             if self.data is not None or conn.transport is None:
                 return
-            self.data = _ok_bytes(200, read_bytes(result, from_seq))
+            self.data = _ok_bytes(200, self._body(from_seq, result))
+            self.prepared = None
             conn.flush()
             series = self.series  # counted once written: a woken long-poll's answer goes first
             series.count(200)
@@ -708,7 +746,7 @@ class FastConnection(asyncio.Protocol):
                 authorization = _text(head.authorization)
                 await auth.verify_header(authorization, "GET", head.target.decode(), recipient, b"")
             result = await endpoint.service.read(
-                recipient, channel, start, lim, wait, partial(answer.early, start)
+                recipient, channel, start, lim, wait, partial(answer.early, start), answer.prepare
             )
             if answer.data is not None:
                 return  # answered as the wakeup arrived

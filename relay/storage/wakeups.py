@@ -71,6 +71,7 @@ class Waiter:
         "_hub",
         "_notices",
         "_plain",
+        "_prepare",
         "taken",
         "woken_at_ms",
     )
@@ -89,6 +90,7 @@ class Waiter:
         self._plain = False
         # set by `expect`: what a carrying wakeup is taken for, and who answers from it
         self._expect: _Expectation | None = None
+        self._prepare: Prepare | None = None
         self.taken: list[Message] | None = None  # what `expect`'s answerer was handed
 
     @property
@@ -151,14 +153,26 @@ class Waiter:
         from_seq: int | None,
         limit: int,
         budget: int,
+        prepare: Prepare | None = None,
     ) -> None:
         """Take carried messages (as `take` with these arguments would) the moment a wakeup
         carries them, and hand them to `answer` there and then, before the waiting task
         resumes: a long-poll's answer is written from the enqueue's reply itself. `answer`
         runs inside a Redis reply's processing, so it must not raise. The waiting task finds
-        them in `taken`; a wakeup that cannot be answered so (see `take`) makes it re-read."""
+        them in `taken`; a wakeup that cannot be answered so (see `take`) makes it re-read.
+        `prepare` (epoch, stored time, message) is told of an enqueue this process sent to the
+        queue while Redis stores it, so the answer can be made ready but for its seq."""
         self._expect = (answer, epoch, last_seq, from_seq, limit, budget)
+        self._prepare = prepare
         self.taken = None
+
+    def prepare(self, stored_ms: int, stored: Stored) -> None:
+        # the first enqueue sent after `expect` only: the next message stored in the queue is
+        # what carries the answer; later ones of a burst would only be prepared for nothing
+        expect, prepare = self._expect, self._prepare
+        if expect is not None and prepare is not None:
+            self._prepare = None
+            prepare(expect[1], stored_ms, stored)
 
     def forget(self) -> None:
         """Drop what wakeups carried so far: called before a read, which sees all of it."""
@@ -237,6 +251,7 @@ class Waiter:
 
 
 _Expectation = tuple[Callable[[list[Message]], None], str, int, int | None, int, int]
+Prepare = Callable[[str, int, Stored], None]  # the queue's epoch, the stored time, the message
 
 
 def _expire(fut: asyncio.Future[None]) -> None:
@@ -372,6 +387,14 @@ class WakeupHub:
         for w in chan.waiters:
             w.carry(stored_ms, text, messages)
         return True
+
+    def prepare(self, channel: str, stored_ms: int, stored: Stored) -> None:
+        """An enqueue of this process was sent to the queue of `channel` (to be stored at
+        `stored_ms`): its waiters that expect an answer may prepare it (Waiter.expect)."""
+        chan = self._channels.get(channel)
+        if chan is not None:
+            for w in chan.waiters:
+                w.prepare(stored_ms, stored)
 
     def _unregister(self, w: Waiter) -> None:
         chan = w._chan

@@ -17,6 +17,7 @@ import redis
 from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
+from relay.api import bulk
 from relay.app import begin_shutdown
 from relay.http.fastpath import FAST_ENDPOINT, FastConnection, header_fields
 from relay.http.serving import GuardedRequestHandler, GuardedServer
@@ -471,6 +472,31 @@ async def test_long_poll_woken_on_the_fast_path(relay: RunningRelay) -> None:
             assert b'"nextSeq":%d' % (seq + 1) in got.body
             assert protocols(relay)[:1] == [FastConnection]  # served here, never handed over
         assert await wait_until(lambda: waiters() == 0)
+    finally:
+        writer.close()
+
+
+async def test_long_poll_answer_made_ready_while_redis_stores(
+    relay: RunningRelay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[int] = []
+    original = bulk.from_template
+
+    def from_template(seq: int, template: tuple[bytes, bytes]) -> bytes:
+        made.append(seq)
+        return original(seq, template)
+
+    monkeypatch.setattr(bulk, "from_template", from_template)
+    r = os.urandom(32)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    try:
+        writer.write(read_request(r, "?wait=5"))
+        assert await wait_until(lambda: waiters() == 1)
+        answers, _ = await exchange(relay, enqueue_request(r, b"ready"))
+        assert answers[0].status == 201
+        got = await read_answer(reader)
+        assert b'"seq":1,"payload":"%s"' % b64encode(b"ready").encode() in got.body
+        assert made == [1]  # the answer was the one prepared while Redis stored the message
     finally:
         writer.close()
 

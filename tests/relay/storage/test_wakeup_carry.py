@@ -134,6 +134,33 @@ async def test_a_read_ends_the_expectation(waiter: Waiter) -> None:
     assert answered == []
 
 
+class Sent:
+    payload = b"p"
+    message_id = ""
+
+
+async def test_prepare_tells_an_expecting_waiter_of_the_first_enqueue_sent_only() -> None:
+    hub = WakeupHub("redis://127.0.0.1:1/0")  # never started: waiters need only its bookkeeping
+    waiter = hub.register("chan")
+    told: list[tuple[str, int]] = []
+    hub.prepare("chan", 1, Sent())  # nobody expects yet
+    waiter.expect(
+        lambda got: None, E, 4, None, 10, BUDGET, lambda epoch, ms, stored: told.append((epoch, ms))
+    )
+    hub.prepare("chan", 2, Sent())
+    hub.prepare("chan", 3, Sent())  # a burst: the first one carries the answer
+    hub.prepare("other", 4, Sent())
+    assert told == [(E, 2)]
+    waiter.expect(
+        lambda got: None, E, 5, None, 10, BUDGET, lambda epoch, ms, stored: told.append((epoch, ms))
+    )
+    hub.prepare("chan", 5, Sent())
+    assert told == [(E, 2), (E, 5)]
+    waiter.forget()  # reading: nothing expected until the next wait
+    hub.prepare("chan", 6, Sent())
+    assert told == [(E, 2), (E, 5)]
+
+
 def test_parse_wakeup() -> None:
     data = b"6:1700:%b\n5:1700:3:2\nmidab\n6:1701:0:0\n" % E.encode()
     assert parse_wakeup(data) == (1700, E, [Message(5, b"ab", 1700, "mid"), Message(6, b"", 1701, None)])
