@@ -25,7 +25,9 @@ from relay.storage.wakeups import WakeupHub
 log = logging.getLogger("relay.routing")
 
 _RETIRE_AFTER_S = 90.0
-_ROUTES_MAX = 8192  # queues whose route is kept (a dict of small tuples); emptied when full
+# queues whose route is kept (~760 B each): more than the waiters a relay holds, so a wake finds
+# its queue's route; when full, the oldest entry goes (emptying it made every lookup miss)
+_ROUTES_MAX = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,9 +150,10 @@ class ShardRouter:
         shard = self.map.shard_for_slot(slot)
         keys = K.queue_keys_for_id(slot, K.queue_id(recipient, channel))
         route = Route(keys, self.stores[shard], self.hubs[shard])
-        if len(self._routes) >= _ROUTES_MAX:
-            self._routes = {}
-        self._routes[recipient, channel] = route
+        routes = self._routes
+        if len(routes) >= _ROUTES_MAX:
+            del routes[next(iter(routes))]
+        routes[recipient, channel] = route
         return route
 
     async def install(self, new_map: ShardMap) -> bool:

@@ -126,7 +126,8 @@ _LONE_HEAD = b"*%d\r\n%b%b" % (
 # bytes: Redis runs a call without a break, so a call stays short for the other clients.
 _CALL_ITEMS = 64
 _CALL_BYTES = 1 << 20
-_ENQUEUE_PARTS_MAX = 8192
+# queues whose encoded enqueue parts are kept (~500 B each; the oldest goes when full)
+_ENQUEUE_PARTS_MAX = 65536
 # A queue's own names as RESP bulk strings, from its base (keys.QueueKeys.base): one format,
 # not eight names built and encoded one by one (the first enqueue of a queue paid ~40 µs for
 # that on an idle relay, where it runs from cold caches: in every wake of a fresh queue).
@@ -340,7 +341,7 @@ class ShardStore:
         self.on_auth_failure: Callable[[], None] | None = None
         self._batcher.on_connect_failure = self._bulk.on_connect_failure = self._connect_failed
         # per hot queue, the encoded parts of its enqueue command that never change (enqueue
-        # only: an entry per idle long-poll would cost ~1 KiB each); bounded, cleared when full
+        # only: an entry per idle long-poll would cost ~1 KiB each); bounded, the oldest goes
         self._enqueue_parts: dict[str, tuple[bytes, bytes]] = {}
         self._call: _EnqueueCall | None = None  # the enqueue call still taking items
         self._enqueue_fixed = b"".join(
@@ -467,9 +468,10 @@ class ShardStore:
             b"%b%b%b" % (slot[0], _QUEUE_KEYS % _lengths_and_base(n, base), slot[1]),
             bulk_str(q.qid) + _WAKE_KEY % (n + _WAKE_EXTRA, base),
         )
-        if len(self._enqueue_parts) >= _ENQUEUE_PARTS_MAX:
-            self._enqueue_parts.clear()
-        self._enqueue_parts[q.qid] = parts
+        cache = self._enqueue_parts
+        if len(cache) >= _ENQUEUE_PARTS_MAX:
+            del cache[next(iter(cache))]
+        cache[q.qid] = parts
         return parts
 
     async def read(self, q: K.QueueKeys, from_seq: int | None, limit: int) -> ReadResult:

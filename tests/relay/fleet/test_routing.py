@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from relayfleet_testing.localredis import LocalRedis
 
+from relay.fleet import routing
 from relay.fleet.migration import file_publisher, migrate_slots, write_map_file
 from relay.fleet.routing import MapSource, ShardRouter, file_source, load_file
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, even_split, slot_of
@@ -52,6 +53,21 @@ async def fleet(two_redis: tuple[LocalRedis, LocalRedis], map_path: str) -> Asyn
         yield f
     finally:
         await f.close()
+
+
+async def test_a_full_route_cache_drops_its_oldest_entry_only(
+    fleet: ShardRouter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(routing, "_ROUTES_MAX", 3)
+    queues = [(os.urandom(32), b"") for _ in range(5)]
+    routes = [fleet.route(*q) for q in queues]
+    assert len(fleet._routes) == 3  # bounded
+    assert all(fleet.route(*q) is r for q, r in zip(queues[2:], routes[2:], strict=True))  # kept
+    again = fleet.route(*queues[0])  # dropped: computed afresh (the same route), one more dropped
+    assert again == routes[0]
+    assert again is not routes[0]
+    assert len(fleet._routes) == 3
+    assert list(fleet._routes) == [queues[3], queues[4], queues[0]]
 
 
 async def test_file_source_sees_every_rewrite_even_within_one_clock_tick(tmp_path: Path) -> None:

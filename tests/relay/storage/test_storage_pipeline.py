@@ -14,6 +14,7 @@ from relayfleet_testing.localredis import LocalRedis
 
 from relay.storage import keys as K
 from relay.storage import pipeline
+from relay.storage import store as store_module
 from relay.storage.pipeline import ScriptBatcher, StoreOutcomeUnknown, StoreUnavailable
 from relay.storage.scripts import STATUS
 from relay.storage.store import EnqueueOutcome, EnqueueRequest, QueueLimits, ShardStore, SlotMoved
@@ -262,3 +263,12 @@ async def test_a_stalled_redis_times_out_each_batch_at_its_own_deadline() -> Non
     finally:
         await store.close()
         server.stop()
+
+
+def test_a_full_enqueue_parts_cache_drops_its_oldest_entry_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store_module, "_ENQUEUE_PARTS_MAX", 3)
+    store = ShardStore("t", "redis://127.0.0.1:1/0", QueueLimits())  # never connected
+    queues = [queue() for _ in range(5)]
+    parts = [store._encode_enqueue_parts(q) for q in queues]
+    assert list(store._enqueue_parts) == [q.qid for q in queues[2:]]
+    assert [store._enqueue_parts[q.qid] for q in queues[2:]] == parts[2:]
