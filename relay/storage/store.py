@@ -174,6 +174,13 @@ def _reseed_epochs() -> None:
 os.register_at_fork(after_in_child=_reseed_epochs)
 
 
+def _sink_of(sink: ReplySink | None, make: Callable[[bytes], ReplySink] | None, token: bytes) -> ReplySink:
+    if make is not None:
+        return make(token)
+    assert sink is not None
+    return sink
+
+
 def _lengths_and_base(n: int, base: bytes) -> tuple[int | bytes, ...]:
     """_QUEUE_KEYS's arguments for a base of `n` bytes: each name's length, then the base."""
     m, s, i, x, r = _QUEUE_KEY_EXTRA
@@ -399,15 +406,18 @@ class ShardStore:
 
     def enqueue_to(
         self,
-        sink: ReplySink,
+        sink: ReplySink | None,
         q: K.QueueKeys,
         req: EnqueueRequest,
         now_ms: int,
         token: bytes = b"",
         resend: bool = False,
+        make_sink: Callable[[bytes], ReplySink] | None = None,
     ) -> bytes:
         """Add the enqueue to this tick's enqueue call; Redis's raw reply for it goes to `sink`,
-        `enqueue_outcome` reads it. No coroutine: the hot path awaits nothing here.
+        `enqueue_outcome` reads it. No coroutine: the hot path awaits nothing here. Instead of
+        `sink`, `make_sink(token)` may build it: called once, after a lone enqueue is written
+        (so building it is not in the wake's path), before this returns.
 
         Returns the attempt's token (RESP-encoded). When the reply is lost
         (StoreOutcomeUnknown), enqueue again with the same `now_ms`, that token and
@@ -440,13 +450,14 @@ class ShardStore:
             lone = b"%b%b%b$%d\r\n%b%b" % (_LONE_HEAD, parts[0], self._enqueue_fixed, size, payload, rest)
             self._batcher.write_now(lone)
             done = _EnqueueCall(self._enqueue_fixed)
-            done.sinks.append(sink)
+            done.sinks.append(_sink_of(sink, make_sink, token))
             done.sealed = True
             self._batcher.written(lone, done)
             return token
         if first:
             call = self._call = _EnqueueCall(self._enqueue_fixed)
         assert call is not None
+        sink = _sink_of(sink, make_sink, token)
         if size < _SPLIT_PAYLOAD:
             call.add(parts[0], b"$%d\r\n%b%b" % (size, payload, rest), size, sink)
         else:

@@ -140,6 +140,27 @@ async def test_an_enqueue_on_an_idle_connection_is_sent_at_once(monkeypatch: pyt
         assert (await sink)[:2] == [b"ok", 1]
         got = await store.read(q, None, 10)
         assert [(m.payload, m.message_id) for m in got.messages] == [(b"again", "mid")]
+        # a sink built from the token, after the write when the enqueue is written at once
+        events: list[object] = []
+        write_now = store._batcher.write_now
+
+        def spy(command: bytes) -> None:
+            events.append("write")
+            write_now(command)
+
+        monkeypatch.setattr(store._batcher, "write_now", spy)
+        for idle_s, order in ((0.0, ["write", "make"]), (3600.0, ["make"])):
+            monkeypatch.setattr(pipeline, "IDLE_SEND_S", idle_s)
+            events.clear()
+            late: asyncio.Future[list[object]] = loop.create_future()
+
+            def make(token: bytes, late: asyncio.Future[list[object]] = late) -> asyncio.Future[list[object]]:
+                events.append(token)
+                return late
+
+            token = store.enqueue_to(None, q, EnqueueRequest(b"", b"", b"late"), 1000, make_sink=make)
+            assert events == [token if e == "make" else e for e in order]
+            assert (await late)[0] == b"ok"
         monkeypatch.setattr(pipeline, "IDLE_SEND_S", 3600.0)  # busy: never idle that long
         sink = loop.create_future()
         store.enqueue_to(sink, queue(), EnqueueRequest(b"", b"", b"two"), 1000)
