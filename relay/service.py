@@ -272,12 +272,18 @@ class QueueService:
         """`enqueue`, its outcome handed to `sink` (see OutcomeSink) instead of a new future."""
         ts = req.now_ms or now_ms()  # every attempt of this enqueue stores the same time
         route = self.fleet.route(req.recipient, req.channel)
-        sent_at = asyncio.get_running_loop().time()
-        job = _Enqueue(self, sink, req, ts, route, sent_at + self.settings.request_deadline_s, sent_at)
-        job.token = route.store.enqueue_to(job, route.keys, req, ts)
+        # the job (the reply's sink) is built once the enqueue is written: not in the wake's path
+        route.store.enqueue_to(None, route.keys, req, ts, make_sink=partial(self._job, sink, req, ts, route))
         if len(req.payload) <= CARRY_LOCAL_BYTES:
             # while Redis stores it, this process's long-polls on the queue ready their answers
             route.hub.prepare(route.keys.wake, ts, req)
+
+    def _job(self, sink: OutcomeSink, req: EnqueueRequest, ts: int, route: Route, token: bytes) -> _Enqueue:
+        """The first attempt of an enqueue, as its ReplySink (enqueue_into)."""
+        sent_at = asyncio.get_running_loop().time()
+        job = _Enqueue(self, sink, req, ts, route, sent_at + self.settings.request_deadline_s, sent_at)
+        job.token = token
+        return job
 
     def _stored(self, req: EnqueueRequest, outcome: EnqueueOutcome) -> None:
         """Metrics and hooks for an enqueue Redis has answered."""
