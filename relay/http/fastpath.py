@@ -704,6 +704,12 @@ class FastConnection(asyncio.Protocol):
             answer = _Answer(self, start, endpoint.read_series)
             self._answers.append(answer)
             self._blocked_by = answer
+            # a long-poll waits up to minutes: its header and keep-alive timers (armed at
+            # connect) would fire meanwhile, and 10,000 connections opened together fired theirs
+            # in one loop turn (a 10 ms stall); armed again by the next request's first byte or
+            # once the connection is idle
+            self._cancel_timers()
+            self._guard.timed_out(self)
             answer.task = self._loop.create_task(self._serve_read(head, head.read, answer))
             return
         answer = _Answer(self, start, endpoint.series)

@@ -501,6 +501,30 @@ async def test_long_poll_answer_made_ready_while_redis_stores(
         writer.close()
 
 
+async def test_a_waiting_long_poll_holds_no_connection_timer(
+    redis_server: LocalRedis, relay_factory: RelayFactory
+) -> None:
+    # 10,000 long-polls opened together used to fire their header timers in one loop turn
+    relay = await relay_factory(redis_server.url, header_timeout_s=0.3)
+    r = os.urandom(32)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    try:
+        writer.write(read_request(r, "?wait=5"))
+        assert await wait_until(lambda: waiters() == 1)
+        guard = server_of(relay).guard
+        assert list(guard.pending) == []  # the header timer is off while it waits
+        await asyncio.sleep(0.5)  # past the header timeout: the long-poll is not closed
+        answers, _ = await exchange(relay, enqueue_request(r, b"late"))
+        assert answers[0].status == 201
+        got = await read_answer(reader)
+        assert b'"seq":1' in got.body
+        writer.write(b"GET /v1/queues/")  # the next request's first bytes arm it again
+        assert await wait_until(lambda: len(guard.pending) == 1)
+        assert await closed(reader, 2.0)  # and it fires: a head never completed is closed
+    finally:
+        writer.close()
+
+
 async def test_long_poll_whose_client_leaves_stops_waiting(relay: RunningRelay) -> None:
     _reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
     writer.write(read_request(os.urandom(32), "?wait=60"))
