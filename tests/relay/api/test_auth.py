@@ -150,10 +150,11 @@ async def test_wrong_path_is_refused(setup: Setup) -> None:
 async def test_stale_or_future_ts_is_refused(setup: Setup) -> None:
     s = setup
     path = s.path("messages")
-    now = int(time.time())
-    assert "skew" in await s.refused("GET", path, header(s.private, "GET", path, ts=now - 301))
-    assert "skew" in await s.refused("GET", path, header(s.private, "GET", path, ts=now + 301))
-    status, _, _ = await s.call("GET", path, header(s.private, "GET", path, ts=now - 200))
+    # each ts taken just before its request, 10 s past the ±300 s window: a whole-second ts
+    # taken once (up to 1 s behind) and a slow first request made now + 301 fall inside it
+    assert "skew" in await s.refused("GET", path, header(s.private, "GET", path, ts=int(time.time()) - 310))
+    assert "skew" in await s.refused("GET", path, header(s.private, "GET", path, ts=int(time.time()) + 310))
+    status, _, _ = await s.call("GET", path, header(s.private, "GET", path, ts=int(time.time()) - 200))
     assert status == 200  # within ±300 s
 
 
