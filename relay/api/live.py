@@ -65,8 +65,8 @@ _FRAME_HEAD = 10  # the longest header of a server frame (RFC 6455 section 5.2: 
 
 
 def message_frame(m: Message) -> bytes:
-    """Exactly what orjson writes for {"type": "message", **message_json(m)}: the read
-    answer's message object (relay/api/bulk.py) with the type in front."""
+    """Exactly what orjson writes for {"type": "message", "seq", "payload", "receivedAt",
+    "messageId"}: the read answer's message object (relay/api/bulk.py) with the type in front."""
     return b'{"type":"message",' + bulk.message_bytes(m)[1:]
 
 

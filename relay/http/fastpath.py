@@ -717,15 +717,11 @@ class FastConnection(asyncio.Protocol):
         endpoint.memory.held += answer.size  # released when its answer leaves (flush)
         self._answers.append(answer)
         try:
-            if endpoint.memory.over:
-                raise overloaded()
             # the aiohttp handler's steps, in its order (relay/api/queues.py enqueue)
-            recipient = params.recipient_key_matched(head.recipient)  # matched by _REQUEST_LINE
-            channel = params.channel_value(head.channel.decode()) if head.channel else b""
+            recipient, channel = self._queue_of(head)
             key = head.key
             idempotency_key = "" if key is None else params.idempotency_value(key.decode())
-            authorization = head.authorization
-            endpoint.auth.verify_enqueue_header(None if authorization is None else authorization.decode())
+            endpoint.auth.verify_enqueue_header(_text(head.authorization))
             payload = params.non_empty(body)
             endpoint.service.enqueue_into(
                 answer, EnqueueRequest(recipient, channel, payload, idempotency_key)
@@ -734,15 +730,21 @@ class FastConnection(asyncio.Protocol):
             if not answer.done():
                 self.refused(answer, exc)
 
+    def _queue_of(self, head: _Head) -> tuple[bytes, bytes]:
+        """Both handlers' first steps: the memory guard's refusal, then the queue the head names
+        (recipient, channel)."""
+        if self.endpoint.memory.over:
+            raise overloaded()
+        recipient = params.recipient_key_matched(head.recipient)  # matched by the request line
+        channel = params.channel_value(head.channel.decode()) if head.channel else b""
+        return recipient, channel
+
     async def _serve_read(self, head: _Head, query: _ReadQuery, answer: _Answer) -> None:
         """A read, as the aiohttp handler serves it (relay/api/queues.py read, its steps in its
         order); a long-poll is answered from the wakeup that carries its messages."""
         endpoint = self.endpoint
         try:
-            if endpoint.memory.over:
-                raise overloaded()
-            recipient = params.recipient_key_matched(head.recipient)  # matched by _READ_LINE
-            channel = params.channel_value(head.channel.decode()) if head.channel else b""
+            recipient, channel = self._queue_of(head)
             settings = endpoint.settings
             start = params.from_seq_value(_text(query.from_seq))
             lim = params.limit_value(_text(query.limit), settings)
