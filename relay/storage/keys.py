@@ -38,8 +38,13 @@ def b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
 
+# A slot's hash tag, %-formatted with the slot's number (the enqueue hot path formats its
+# slot's keys from it in one go, storage/store.py).
+SLOT_TAG = PREFIX + ":{rf%d}"
+
+
 def slot_tag(slot: int) -> str:
-    return f"{PREFIX}:{{rf{slot}}}"
+    return SLOT_TAG % slot
 
 
 def slot_state(slot: int) -> str:

@@ -128,16 +128,26 @@ _CALL_ITEMS = 64
 _CALL_BYTES = 1 << 20
 # queues whose encoded enqueue parts are kept (~500 B each; the oldest goes when full)
 _ENQUEUE_PARTS_MAX = 65536
-# A queue's own names as RESP bulk strings, from its base (keys.QueueKeys.base): one format,
-# not eight names built and encoded one by one (the first enqueue of a queue paid ~40 µs for
-# that on an idle relay, where it runs from cold caches: in every wake of a fresh queue).
-_QUEUE_KEYS = b"".join([b"$%%d\r\n%%b:%b\r\n" % s.encode() for s in K.QUEUE_SUFFIXES])
+# The enqueue item's keys as RESP bulk strings (lua/enqueue.lua's order: the slot's state,
+# the queue's own five from its base (keys.QueueKeys.base), the slot's index and statistics),
+# then its qid and wake channel: one format each, from the slot's number and the queue's base.
+# The first enqueue of a queue (in every wake of a fresh queue) runs from cold caches: eight
+# names built and encoded one by one cost ~40 µs there, the slot's three through a per-slot
+# cache ~8 more when it missed.
+_SLOT_SUFFIXES = [
+    name(0).removeprefix(K.slot_tag(0)).encode() for name in (K.slot_state, K.slot_index, K.slot_stats)
+]
+# each slot name's length past the slot's digits
+_SLOT_KEY_EXTRA = tuple(len(K.slot_tag(0)) - 1 + len(suffix) for suffix in _SLOT_SUFFIXES)
 _QUEUE_KEY_EXTRA = tuple(1 + len(s) for s in K.QUEUE_SUFFIXES)  # each name's length past the base
-_WAKE_KEY = b"$%%d\r\n%%b:%b\r\n" % K.WAKE_SUFFIX.encode()
+_SLOT_KEY = [b"$%%d\r\n%b%b\r\n" % (K.SLOT_TAG.encode(), suffix) for suffix in _SLOT_SUFFIXES]
+_ITEM_KEYS = b"".join(
+    [_SLOT_KEY[0], *[b"$%%d\r\n%%b:%b\r\n" % s.encode() for s in K.QUEUE_SUFFIXES], *_SLOT_KEY[1:]]
+)
+_QID_WAKE = b"$%%d\r\n%%b\r\n$%%d\r\n%%b:%b\r\n" % K.WAKE_SUFFIX.encode()
 _WAKE_EXTRA = 1 + len(K.WAKE_SUFFIX)
-# per slot: its state key, and its index and statistics keys, encoded (at most one entry per slot)
-_SLOT_PARTS: dict[int, tuple[bytes, bytes]] = {}
 _EMPTY_BULK = b"$0\r\n\r\n"
+_NO_KEY = _EMPTY_BULK * 2  # no idempotency key, so no digest
 # A payload this large is written as it came, not copied into its item, the call and the
 # batch (three copies of each 64 KiB payload showed in the relay's CPU per message).
 _SPLIT_PAYLOAD = 16 * 1024
@@ -152,16 +162,11 @@ def _epoch_bulk() -> bytes:
     """A RESP bulk string (16 hex digits) no other call anywhere returns: random per process,
     then a counter (urandom per call was measurable); re-seeded in forked children (see
     below). Each enqueue attempt's token, kept as the epoch when a queue's meta was lost."""
-    n = _epoch_number()  # first: it may re-draw the prefix
-    return b"$16\r\n%b%06x\r\n" % (_EPOCH_PREFIX_BYTES, n)
-
-
-def _epoch_number() -> int:
     n = next(_epoch_counter)
     if n > 0xFFFFFF:  # same 16 hex digits as before; never reuse a value
-        _reseed_epochs()
+        _reseed_epochs()  # (before the prefix is read: it draws a new one)
         n = next(_epoch_counter)
-    return n
+    return b"$16\r\n%b%06x\r\n" % (_EPOCH_PREFIX_BYTES, n)
 
 
 def _reseed_epochs() -> None:
@@ -179,12 +184,6 @@ def _sink_of(sink: ReplySink | None, make: Callable[[bytes], ReplySink] | None, 
         return make(token)
     assert sink is not None
     return sink
-
-
-def _lengths_and_base(n: int, base: bytes) -> tuple[int | bytes, ...]:
-    """_QUEUE_KEYS's arguments for a base of `n` bytes: each name's length, then the base."""
-    m, s, i, x, r = _QUEUE_KEY_EXTRA
-    return (n + m, base, n + s, base, n + i, base, n + x, base, n + r, base)
 
 
 def _s(value: Any) -> str:
@@ -427,7 +426,10 @@ class ShardStore:
         if parts is None:
             parts = self._encode_enqueue_parts(q)
         payload, idem_key, message_id = req.payload, req.idempotency_key, req.message_id
-        digest = req.digest()
+        if idem_key or req.any_payload_is_duplicate:  # the idempotency key and payload digest
+            keyed = (bulk_str(idem_key) if idem_key else _EMPTY_BULK) + bulk_str(req.digest())
+        else:
+            keyed = _NO_KEY
         now = b"%d" % now_ms
         token = token or _epoch_bulk()
         size = len(payload)
@@ -435,11 +437,10 @@ class ShardStore:
         first = call is None or not call.takes(size)
         # the item: its keys; payload, now, idempotency key, digest, messageId, qid and wake
         # (cached), token, resend flag (lua/enqueue.lua)
-        rest = b"\r\n$%d\r\n%b\r\n%b%b%b%b%b%b" % (
+        rest = b"\r\n$%d\r\n%b\r\n%b%b%b%b%b" % (
             len(now),
             now,
-            bulk_str(idem_key) if idem_key else _EMPTY_BULK,
-            bulk_str(digest) if digest else _EMPTY_BULK,
+            keyed,
             bulk_str(message_id) if message_id else _EMPTY_BULK,
             parts[1],
             token,
@@ -470,14 +471,34 @@ class ShardStore:
     def _encode_enqueue_parts(self, q: K.QueueKeys) -> tuple[bytes, bytes]:
         """The queue's fixed parts of an enqueue item: its keys (state, the queue's own five,
         index, stats: lua/enqueue.lua's order); its qid and wake channel."""
-        slot = _SLOT_PARTS.get(q.slot)
-        if slot is None:
-            slot = _SLOT_PARTS[q.slot] = (bulk_str(q.state), bulk_str(q.index) + bulk_str(q.stats))
+        slot = q.slot
+        d = len(str(slot))
         base = q.base.encode()
         n = len(base)
+        m, s, i, x, r = _QUEUE_KEY_EXTRA
+        st, ix, sx = _SLOT_KEY_EXTRA
+        qid = q.qid
         parts = (
-            b"%b%b%b" % (slot[0], _QUEUE_KEYS % _lengths_and_base(n, base), slot[1]),
-            bulk_str(q.qid) + _WAKE_KEY % (n + _WAKE_EXTRA, base),
+            _ITEM_KEYS
+            % (
+                d + st,
+                slot,
+                n + m,
+                base,
+                n + s,
+                base,
+                n + i,
+                base,
+                n + x,
+                base,
+                n + r,
+                base,
+                d + ix,
+                slot,
+                d + sx,
+                slot,
+            ),
+            _QID_WAKE % (len(qid), qid.encode(), n + _WAKE_EXTRA, base),
         )
         cache = self._enqueue_parts
         if len(cache) >= _ENQUEUE_PARTS_MAX:

@@ -16,6 +16,7 @@ from relay.storage import keys as K
 from relay.storage import pipeline
 from relay.storage import store as store_module
 from relay.storage.pipeline import ScriptBatcher, StoreOutcomeUnknown, StoreUnavailable
+from relay.storage.resp import bulk_str
 from relay.storage.scripts import STATUS
 from relay.storage.store import EnqueueOutcome, EnqueueRequest, QueueLimits, ShardStore, SlotMoved
 
@@ -293,3 +294,14 @@ def test_a_full_enqueue_parts_cache_drops_its_oldest_entry_only(monkeypatch: pyt
     parts = [store._encode_enqueue_parts(q) for q in queues]
     assert list(store._enqueue_parts) == [q.qid for q in queues[2:]]
     assert [store._enqueue_parts[q.qid] for q in queues[2:]] == parts[2:]
+
+
+@pytest.mark.parametrize("slot", [0, 7, 42, 512, 16383])
+def test_an_enqueue_item_s_fixed_parts_are_its_key_names_encoded(slot: int) -> None:
+    store = ShardStore("t", "redis://127.0.0.1:1/0", QueueLimits())  # never connected
+    q = K.QueueKeys(slot, K.queue_id(b"r" * 32, b"chan"))
+    names = (q.state, q.meta, q.msgs, q.idem, q.idemx, q.rate, q.index, q.stats)  # lua/enqueue.lua's order
+    assert store._encode_enqueue_parts(q) == (
+        b"".join([bulk_str(name) for name in names]),
+        bulk_str(q.qid) + bulk_str(q.wake),
+    )
