@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, NoReturn
 
+from relay import gc_tuning
 from relay.fleet.sharding import ShardMapError, is_sentinel_url, parse_sentinel_url
 from relay.helpfmt import EnvHelpFormatter
 from relay.settings import ConfigError, Settings, env_value, parse_env
@@ -441,6 +442,7 @@ def _relay(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    gc_tuning.tune(settings.gc_young_threshold)  # after the imports above: they are frozen
     try:
         _run(serve(settings, shard_map, source, drain_delay_s=settings.shutdown_delay_s))
     except OSError as exc:

@@ -66,6 +66,11 @@ RELAY_ENV: tuple[EnvVar, ...] = (
     EnvVar("RELAY_MAX_RSS_MB", "0", "refuse new work above this RSS (0: the cgroup limit, if any)"),
     EnvVar("RELAY_SHARD_HEALTH_INTERVAL_S", "5", "shard INFO probe period, s"),
     EnvVar("RELAY_SHARD_STATS_INTERVAL_S", "30", "slot statistics period, s"),
+    EnvVar(
+        "RELAY_GC_YOUNG_THRESHOLD",
+        "10000",
+        "net allocations between young garbage-collector passes (CPython's default: 700)",
+    ),
     EnvVar("RELAY_SHUTDOWN_DELAY_SECONDS", "0", "keep serving this long after SIGTERM before draining"),
     EnvVar("RELAY_DIDCOMM_REDELIVER_S", "10", "a Pickup delivery not acknowledged goes out again after"),
 )
@@ -209,6 +214,8 @@ class Settings:
     # Memory guard: refuse new work (503 overloaded) before RSS passes this many MiB;
     # 0: the cgroup's memory limit when there is one, else no guard.
     max_rss_mb: int = 0
+    # Young garbage-collector passes every this many net allocations (relay/gc_tuning.py).
+    gc_young_threshold: int = 10_000
     fleet: str = "default"
     shutdown_delay_s: float = 0.0  # keep serving after SIGTERM (endpoints catch up), then drain
     credentials_dir: str | None = None  # RELAY_REDIS_CREDENTIALS_DIR: full shard URLs, one file each
@@ -255,6 +262,7 @@ class Settings:
             "max_fanout_bytes": env_int("RELAY_MAX_FANOUT_BYTES", d.max_fanout_bytes),
             "max_rss_mb": env_int("RELAY_MAX_RSS_MB", d.max_rss_mb),
             "shutdown_delay_s": max(0.0, env_float("RELAY_SHUTDOWN_DELAY_SECONDS", d.shutdown_delay_s)),
+            "gc_young_threshold": max(1, env_int("RELAY_GC_YOUNG_THRESHOLD", d.gc_young_threshold)),
         }
         values.update(flags)
         return cls(**values)
