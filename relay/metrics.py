@@ -57,6 +57,9 @@ RATE_LIMITED = Counter(
 )
 WAITERS = LoopGauge("relayfleet_waiters", "Long-polls currently waiting in this process", registry=REGISTRY)
 LIVE_CONNECTIONS = Gauge("relayfleet_live_connections", "Open live WebSocket connections", registry=REGISTRY)
+LIVE_FRAMES = LoopCounter(
+    "relayfleet_live_frames_total", "Live WebSocket message frames written", ["sent_by"], registry=REGISTRY
+)  # sent_by: wakeup (from the wakeup that carried the message), task (the socket's stream task)
 LIVE_DROPPED = Counter(
     "relayfleet_live_dropped_total",
     "Live WebSocket clients dropped because their socket accepted nothing for RELAY_LIVE_SEND_TIMEOUT_S",

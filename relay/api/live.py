@@ -34,6 +34,8 @@ import logging
 import math
 import os
 import random
+import struct
+from functools import partial
 from typing import Any
 
 import orjson
@@ -62,12 +64,25 @@ PRUNE_S = 5.0  # with the window full, look this often for unacked messages remo
 NOTICE_CHECK_S = 0.5  # while not reading (window full, paused), look for takeover notices this often
 MAX_FRAME = 1 << 20  # client frames are acks and Pickup messages
 _FRAME_HEAD = 10  # the longest header of a server frame (RFC 6455 section 5.2: no mask)
+_WOKEN_FRAMES = metrics.LIVE_FRAMES.labels("wakeup")
+_TASK_FRAMES = metrics.LIVE_FRAMES.labels("task")
 
 
 def message_frame(m: Message) -> bytes:
     """Exactly what orjson writes for {"type": "message", "seq", "payload", "receivedAt",
     "messageId"}: the read answer's message object (relay/api/bulk.py) with the type in front."""
     return b'{"type":"message",' + bulk.message_bytes(m)[1:]
+
+
+def text_frame(data: bytes) -> bytes:
+    """A server's final, unmasked text frame carrying `data` (RFC 6455 section 5.2), written
+    whole as aiohttp's writer writes one: the frames sent from a wakeup go to the transport."""
+    n = len(data)
+    if n < 126:
+        return b"%c%c%b" % (0x81, n, data)
+    if n < 65536:
+        return struct.pack("!BBH", 0x81, 126, n) + data
+    return struct.pack("!BBQ", 0x81, 127, n) + data
 
 
 def heartbeat_s() -> float:
@@ -104,6 +119,8 @@ class LiveSession:
         self.displaced = asyncio.Event()  # a newer connection took the queue over
         self.token = os.urandom(16)  # announced fleet-wide; a foreign token after it displaces us
         self.seen_own = False
+        self._parked = False  # the stream task waits in `_send_carried`, nothing else
+        self._woken_next: int | None = None  # the seq after frames `_send_woken` wrote
 
     # -- pickup.LiveControl ------------------------------------------------
     @property
@@ -219,23 +236,90 @@ class LiveSession:
     async def _send_carried(self, waiter: Waiter, epoch: str, last_seq: int, next_seq: int) -> int:
         """Caught up after a read of `epoch` up to `last_seq`: wait, sending what wakeups
         carry while it is exactly what follows; return (the next seq) when the queue must be
-        read: woken otherwise, after REREAD_S, window full, paused, noticed, shutting down."""
-        service = self.c.service
+        read: woken otherwise, after REREAD_S, window full, paused, noticed, shutting down.
+        Parked in the wait, the frames of the first wakeup that carries what follows are
+        written from the wakeup itself (`_send_woken`), before this task resumes."""
         budget = self.c.settings.limits.max_response_bytes
-        # jittered: thousands of sockets opened together must not all re-read at one moment
-        while await waiter.wait(REREAD_S * random.uniform(0.75, 1.25)):
-            if not (self.streaming.is_set() and self.room.is_set()) or waiter.notices or service.closing:
-                break
+        while True:
+            want = min(READ_BATCH, self.window - len(self.inflight))
+            if want > 0:
+                answer = partial(self._send_woken, waiter, epoch)
+                waiter.expect(answer, epoch, last_seq, next_seq, want, budget)
+            self._parked = True
+            try:
+                # jittered: thousands of sockets opened together must not all re-read at one moment
+                woken = await waiter.wait(REREAD_S * random.uniform(0.75, 1.25))
+            finally:
+                self._parked = False
+            if self._woken_next is not None:  # written from the wakeup: go on after them
+                next_seq = self._woken_next
+                last_seq = next_seq - 1
+                self._woken_next = None
+                unsent = None
+            else:
+                unsent = waiter.taken  # handed over, not written (`_send_woken` declined)
+            waiter.taken = None
+            if not woken or not self._may_send(waiter):
+                break  # (`unsent` too is read again, from next_seq)
+            if unsent:
+                next_seq = await self._send_delivered(ReadResult(unsent, epoch, unsent[-1].seq), next_seq)
+                last_seq = next_seq - 1
+                if not self._may_send(waiter):
+                    break
             want = min(READ_BATCH, self.window - len(self.inflight))
             got = waiter.take(epoch, last_seq, next_seq, want, budget)
             if got is None:
                 break
             if got:
-                batch = ReadResult(got, epoch, got[-1].seq)
-                service.count_delivered(batch)
-                next_seq = await self._send_batch(batch, next_seq)
+                next_seq = await self._send_delivered(ReadResult(got, epoch, got[-1].seq), next_seq)
                 last_seq = next_seq - 1
         return next_seq
+
+    def _may_send(self, waiter: Waiter) -> bool:
+        """Whether carried messages may be sent now: streaming, room in the window, no notice
+        to look at first, not shutting down."""
+        return (
+            self.streaming.is_set()
+            and self.room.is_set()
+            and not waiter.notices
+            and not self.c.service.closing
+        )
+
+    async def _send_delivered(self, batch: ReadResult, next_seq: int) -> int:
+        self.c.service.count_delivered(batch)
+        return await self._send_batch(batch, next_seq)
+
+    def _send_woken(self, waiter: Waiter, epoch: str, messages: list[Message]) -> None:
+        """Write the frames of `messages` (exactly the next seqs, within the window: Waiter.expect)
+        from the wakeup that carried them, as the stream task would, when nothing can come
+        between: the task parked in `_send_carried`'s wait, the socket open and not displaced,
+        a wait for nothing (`_may_send`, no notice) and the transport's buffer room for all of
+        them (`_cannot_block`). Otherwise the task sends them, or reads them again. Runs inside
+        the processing of a Redis reply: never raises."""
+        transport = self.transport
+        try:
+            if (
+                not self._parked
+                or transport is None
+                or transport.is_closing()
+                or self.ws.closed
+                or self.displaced.is_set()
+                or not self._may_send(waiter)
+            ):
+                return
+            data = b"".join([text_frame(message_frame(m)) for m in messages])
+            if not self._cannot_block(len(data)):
+                return
+            transport.write(data)
+            self.inflight.extend([m.seq for m in messages])
+            self._update_room()
+            self._woken_next = messages[-1].seq + 1
+            _WOKEN_FRAMES.inc(len(messages))
+            self.c.service.count_delivered(ReadResult(messages, epoch, messages[-1].seq))
+        except Exception as exc:  # a frame half written cannot be taken back: end the connection
+            log.error("live frame from a wakeup failed: %s", type(exc).__name__, exc_info=exc)
+            if transport is not None:
+                transport.abort()
 
     async def _send_batch(self, result: ReadResult, next_seq: int | None) -> int:
         if not result.messages:
@@ -247,6 +331,7 @@ class LiveSession:
             m = pending.pop()
             await self.send_text(message_frame(m))
             self.inflight.append(m.seq)
+            _TASK_FRAMES.inc()
             del m
         self._update_room()
         return last + 1

@@ -86,6 +86,9 @@ MOVED_BY: dict[str, str] = {
         "tests/project/test_observability.py::test_wakeup_reconnects_total_counts_a_real_reconnect"
     ),
     "relayfleet_http_held_bytes": FLOW_CONTROL,
+    "relayfleet_live_frames_total": (
+        "tests/relay/api/test_live_woken.py::test_frames_from_the_wakeup_have_the_next_seqs_and_are_acked_as_usual"
+    ),
     "relayfleet_didcomm_messages_total": DIDCOMM,
     **dict.fromkeys(
         (
