@@ -245,6 +245,32 @@ async def test_header_lines_table_is_bounded_and_keeps_no_idempotency_keys(relay
     assert blocks == {}  # served, not kept
 
 
+async def test_queues_table_is_bounded_and_keeps_valid_queues_only(relay: RunningRelay) -> None:
+    # a request line's queue is decoded once and kept for the next request naming it (a
+    # long-poll's enqueue): a wrong one is refused every time and never kept, and a client
+    # naming a new queue every request never grows the table past its bound
+    queues = relay.app[FAST_ENDPOINT].queues
+    queues.clear()
+    r = os.urandom(32)
+    channel = b64encode(b"c" * 64)
+    wrong = [b"x" * 31, b"y" * 33]
+    raw = enqueue_request(r, b"one", query=f"?channel={channel}") + read_request(r, f"?channel={channel}")
+    raw += b"".join(enqueue_request(w) for w in wrong + wrong)
+    raw += enqueue_request(r, b"two", query="?channel=" + b64encode(b"c" * 65))
+    answers, _ = await exchange(relay, raw, 7)
+    assert answers[0].status == 201
+    assert answers[1].status == 200
+    assert b'"payload":"b25l"' in answers[1].body
+    assert [a.status for a in answers[2:]] == [400] * 5
+    codes = [b'"code":"bad_recipient"'] * 4 + [b'"code":"bad_channel"']
+    assert all(code in a.body for a, code in zip(answers[2:], codes, strict=True))
+    assert list(queues.values()) == [(r, b"c" * 64)]
+    varied = b"".join(enqueue_request(os.urandom(32), b"v") for _ in range(1100))
+    answers, _ = await exchange(relay, varied, 1100)
+    assert [a.status for a in answers] == [201] * 1100
+    assert 0 < len(queues) <= 1024
+
+
 async def test_pipelined_requests_answered_in_order(relay: RunningRelay) -> None:
     r = os.urandom(32)
     path = f"/v1/queues/{b64encode(r)}/messages"
