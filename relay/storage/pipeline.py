@@ -441,11 +441,14 @@ class ScriptBatcher:
         else:
             self._kick()
 
-    def idle(self) -> bool:
-        """Whether a command may be written at once (`write_now`): the connection is up, nothing
-        is in flight or pending, none was answered for IDLE_SEND_S, no replica must confirm it."""
+    def write_now(self, command: bytes) -> bool:
+        """Write `command` now if the connection is idle: up, nothing in flight or pending, none
+        answered for IDLE_SEND_S, no replica to confirm it; False (nothing done) otherwise. Once
+        written, the caller hands its reply sink to `written` before it yields to the loop (no
+        reply is read sooner). The write comes before any bookkeeping: on an idle relay each
+        statement runs from cold caches, and before the write it is in the wake's critical path."""
         conn = self._conn
-        return not (
+        if (
             conn is None
             or conn.lost
             or self._inflight
@@ -453,17 +456,11 @@ class ScriptBatcher:
             or self._pending
             or self.min_replicas
             or asyncio.get_running_loop().time() - self._last_done < IDLE_SEND_S
-        )
-
-    def write_now(self, command: bytes) -> None:
-        """Write `command` now (only when `idle()`); the caller then hands its reply sink to
-        `written` before it yields to the loop (no reply is read sooner). The write comes
-        before any bookkeeping: on an idle relay each statement runs from cold caches, and
-        before the write it is in the wake's critical path."""
-        conn = self._conn
-        assert conn is not None
+        ):
+            return False
         assert conn.transport is not None
         conn.transport.write(command)
+        return True
 
     def written(self, command: bytes, sink: ReplySink) -> None:
         """`command`, which `write_now` just wrote, gets its reply in `sink`."""

@@ -446,15 +446,16 @@ class ShardStore:
             token,
             _RESEND if resend else _EMPTY_BULK,
         )
-        if first and size < _SPLIT_PAYLOAD and self._batcher.idle():
+        if first and size < _SPLIT_PAYLOAD:
             # alone on an idle connection: a call of one, written before anything else is done
+            # (formatted before the check: a busy connection wastes one format per tick's call)
             lone = b"%b%b%b$%d\r\n%b%b" % (_LONE_HEAD, parts[0], self._enqueue_fixed, size, payload, rest)
-            self._batcher.write_now(lone)
-            done = _EnqueueCall(self._enqueue_fixed)
-            done.sinks.append(_sink_of(sink, make_sink, token))
-            done.sealed = True
-            self._batcher.written(lone, done)
-            return token
+            if self._batcher.write_now(lone):
+                done = _EnqueueCall(self._enqueue_fixed)
+                done.sinks.append(_sink_of(sink, make_sink, token))
+                done.sealed = True
+                self._batcher.written(lone, done)
+                return token
         if first:
             call = self._call = _EnqueueCall(self._enqueue_fixed)
         assert call is not None

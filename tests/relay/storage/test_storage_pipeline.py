@@ -145,9 +145,11 @@ async def test_an_enqueue_on_an_idle_connection_is_sent_at_once(monkeypatch: pyt
         events: list[object] = []
         write_now = store._batcher.write_now
 
-        def spy(command: bytes) -> None:
-            events.append("write")
-            write_now(command)
+        def spy(command: bytes) -> bool:
+            written = write_now(command)
+            if written:
+                events.append("write")
+            return written
 
         monkeypatch.setattr(store._batcher, "write_now", spy)
         for idle_s, order in ((0.0, ["write", "make"]), (3600.0, ["make"])):
