@@ -68,13 +68,18 @@ def message_bytes(m: Message) -> bytes:
     return head + _b64(m.payload) + tail
 
 
+def after_seq(payload: bytes, received_ms: int, message_id: str | None) -> bytes:
+    """What follows the seq in one message object (`message_bytes`): all of it but the seq,
+    which Redis assigns, so it can be made while Redis stores the message."""
+    return b',"payload":"%b%b' % (_b64(payload), _tail(received_ms, message_id))
+
+
 def answer_template(
     payload: bytes, received_ms: int, message_id: str | None, epoch: str
 ) -> tuple[bytes, bytes]:
     """The answer of a read that returns just this message, but for its seq (Redis assigns
     it): what comes between the seq and nextSeq, and after nextSeq (`from_template`)."""
-    middle = b',"payload":"%b%b],"nextSeq":' % (_b64(payload), _tail(received_ms, message_id))
-    return middle, _after_next_seq(epoch, None)
+    return after_seq(payload, received_ms, message_id) + b'],"nextSeq":', _after_next_seq(epoch, None)
 
 
 def from_template(seq: int, template: tuple[bytes, bytes]) -> bytes:

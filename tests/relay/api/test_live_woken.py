@@ -16,11 +16,13 @@ import pytest
 from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
-from relay.api.live import CLOSE_DISPLACED, text_frame
+from relay.api import bulk
+from relay.api.live import CLOSE_DISPLACED, frame_with_seq, message_frame, text_frame
 from relay.app import begin_shutdown
 from relay.client import LiveClosed, LiveConnection, RelayClient, received
 from relay.protocol import keypair
 from relay.storage import keys as K
+from relay.storage.message import Message
 from tests.relay.api.test_live import count_held as held
 from tests.relay.api.test_live import frame, silent
 from tests.relay.api.test_wake_carried import counted_reads
@@ -73,6 +75,13 @@ def test_text_frame_is_rfc6455_server_text_frame() -> None:
         assert text_frame(b"y" * n) == struct.pack("!BBH", 0x81, 126, n) + b"y" * n
     for n in (65536, 70000):
         assert text_frame(b"z" * n) == struct.pack("!BBQ", 0x81, 127, n) + b"z" * n
+
+
+def test_a_frame_made_while_redis_stores_is_the_frame() -> None:
+    """The frame prepared before Redis assigns the seq (bulk.after_seq) is message_frame's."""
+    for mid in (None, 'id-\u00e9"x'):
+        m = Message(77, b"\x00\xffpayload" * 9, 1_795_000_000_123, mid)
+        assert frame_with_seq(77, bulk.after_seq(m.payload, m.received_ms, mid)) == message_frame(m)
 
 
 async def test_frames_from_the_wakeup_have_the_next_seqs_and_are_acked_as_usual(two: Two) -> None:
