@@ -30,8 +30,9 @@ from relay.storage.wakeups import Prepare, Waiter
 T = TypeVar("T")
 
 OnStored = Callable[[bytes, bytes, int, int], None]  # recipient, channel, seq, subscribers
-# A long-poll's answerer for messages a wakeup carried, called as the wakeup arrives (Waiter.expect)
-EarlyAnswer = Callable[[ReadResult], None]
+# A long-poll's answerer for messages a wakeup carried, called as the wakeup arrives
+# (Waiter.expect); True when it answered (wrote) them, False when its task will
+EarlyAnswer = Callable[[ReadResult], bool]
 
 
 class OutcomeSink(Protocol):
@@ -413,10 +414,12 @@ class _Enqueue:
             and len(self.req.payload) <= CARRY_LOCAL_BYTES
             and self.route.hub.carry(self.route.keys.wake, self.ts, outcome.epoch, outcome.seq, self.req)
         ):
-            # handed to this process's waiters on the queue (they need not read it back):
-            # they answer first, the sender's answer follows on the next loop turn
+            # handed to this process's waiters on the queue (they need not read it back), one
+            # of which answers from its task: the sender's answer follows on the next loop turn
             asyncio.get_running_loop().call_soon(self.finish, outcome)
             return
+        # (waiters that answered from the carried message wrote their answers already: the
+        # sender's answer follows them at once, not a loop turn later behind their tasks)
         self.finish(outcome)
 
     def set_exception(self, exception: BaseException, /) -> None:
@@ -507,8 +510,8 @@ CARRY_LOCAL_BYTES = 64 * 1024
 _RESOLVE_MARGIN_S = 1.0  # clock skew between relays and Redis's view of the rate window
 
 
-def _answer_early(early: EarlyAnswer, epoch: str, got: list[Message]) -> None:
-    early(ReadResult(got, epoch, got[-1].seq))
+def _answer_early(early: EarlyAnswer, epoch: str, got: list[Message]) -> bool:
+    return early(ReadResult(got, epoch, got[-1].seq))
 
 
 def _count(op: str, result: ReadResult) -> None:

@@ -330,13 +330,13 @@ class LiveSession:
         self.c.service.count_delivered(batch)
         return await self._send_batch(batch, next_seq)
 
-    def _send_woken(self, waiter: Waiter, epoch: str, messages: list[Message]) -> None:
+    def _send_woken(self, waiter: Waiter, epoch: str, messages: list[Message]) -> bool:
         """Write the frames of `messages` (exactly the next seqs, within the window: Waiter.expect)
         from the wakeup that carried them, as the stream task would, when nothing can come
         between: the task parked in `_send_carried`'s wait, the socket open and not displaced,
         a wait for nothing (`_may_send`, no notice) and the transport's buffer room for all of
         them (`_cannot_block`). Otherwise the task sends them, or reads them again. Runs inside
-        the processing of a Redis reply: never raises."""
+        the processing of a Redis reply: never raises. True when it wrote them."""
         transport = self.transport
         try:
             if (
@@ -347,10 +347,10 @@ class LiveSession:
                 or self.displaced.is_set()
                 or not self._may_send(waiter)
             ):
-                return
+                return False
             data = b"".join([text_frame(self._frame(m, epoch)) for m in messages])
             if not self._cannot_block(len(data)):
-                return
+                return False
             transport.write(data)
             self.inflight.extend([m.seq for m in messages])
             self._update_room()
@@ -361,6 +361,8 @@ class LiveSession:
             log.error("live frame from a wakeup failed: %s", type(exc).__name__, exc_info=exc)
             if transport is not None:
                 transport.abort()
+            return False
+        return True
 
     async def _send_batch(self, result: ReadResult, next_seq: int | None) -> int:
         if not result.messages:

@@ -302,13 +302,14 @@ class _Answer:
                 return bulk.from_template(m.seq, p.template)
         return read_bytes(result, from_seq)
 
-    def read_result(self, from_seq: int | None, result: ReadResult) -> None:
+    def read_result(self, from_seq: int | None, result: ReadResult) -> bool:
         """Answer a read with `result` (as relay/api/queues.py read_response would, for one
-        not worth streaming); run from a wakeup as it arrives (Waiter.expect): never raises."""
+        not worth streaming); run from a wakeup as it arrives (Waiter.expect): never raises.
+        True when its answer is made (written, or queued behind the answers owed before it)."""
         conn = self.conn
         try:
             if self.data is not None or conn.transport is None:
-                return
+                return False
             self.data = _ok_bytes(200, self._body(from_seq, result))
             self.prepared = None
             conn.flush()
@@ -317,12 +318,13 @@ class _Answer:
             series.observe(time.perf_counter() - self.start)
         except Exception as exc:
             conn.broken(exc)
+            return False
+        return True
 
-    def early(self, from_seq: int | None, result: ReadResult) -> None:
+    def early(self, from_seq: int | None, result: ReadResult) -> bool:
         """relay.service.EarlyAnswer: a long-poll answered from the wakeup that carried its
         messages, unless the answer is one to stream (its task does that)."""
-        if not bulk.worth_streaming(result.messages):
-            self.read_result(from_seq, result)
+        return not bulk.worth_streaming(result.messages) and self.read_result(from_seq, result)
 
     def done(self) -> bool:
         return self.data is not None

@@ -118,8 +118,10 @@ class Waiter:
         self._carried = None
         self._set()
 
-    def carry(self, enqueued_ms: int | None, epoch: str, messages: list[Message]) -> None:
-        """A wakeup for `messages` (ascending seqs of one store), stored in the queue's `epoch`."""
+    def carry(self, enqueued_ms: int | None, epoch: str, messages: list[Message]) -> bool:
+        """A wakeup for `messages` (ascending seqs of one store), stored in the queue's `epoch`.
+        True when its task has nothing to answer from it: `expect`'s answerer answered there
+        and then, or nothing in it was new."""
         if enqueued_ms is not None and self.woken_at_ms is None:
             self.woken_at_ms = enqueued_ms
         if not self._plain:
@@ -134,6 +136,7 @@ class Waiter:
                 self._plain = True
                 self._carried = None
         expect = self._expect
+        answered = False
         if expect is not None:
             got = self.take(*expect[1:])
             if got is None:
@@ -142,12 +145,15 @@ class Waiter:
             elif got:
                 self._expect = None
                 self.taken = got
-                expect[0](got)
+                answered = expect[0](got)
+            else:
+                answered = True  # nothing new: still expecting
         self._set()
+        return answered
 
     def expect(
         self,
-        answer: Callable[[list[Message]], None],
+        answer: Callable[[list[Message]], bool],
         epoch: str,
         last_seq: int,
         from_seq: int | None,
@@ -158,7 +164,8 @@ class Waiter:
         """Take carried messages (as `take` with these arguments would) the moment a wakeup
         carries them, and hand them to `answer` there and then, before the waiting task
         resumes: a long-poll's answer is written from the enqueue's reply itself. `answer`
-        runs inside a Redis reply's processing, so it must not raise. The waiting task finds
+        runs inside a Redis reply's processing, so it must not raise; it says whether it
+        answered (wrote) them, else the task does (see `carry`). The waiting task finds
         them in `taken`; a wakeup that cannot be answered so (see `take`) makes it re-read.
         `prepare` (epoch, stored time, message) is told of an enqueue this process sent to the
         queue while Redis stores it, so the answer can be made ready but for its seq."""
@@ -250,7 +257,7 @@ class Waiter:
         self._hub._unregister(self)
 
 
-_Expectation = tuple[Callable[[list[Message]], None], str, int, int | None, int, int]
+_Expectation = tuple[Callable[[list[Message]], bool], str, int, int | None, int, int]
 Prepare = Callable[[str, int, Stored], None]  # the queue's epoch, the stored time, the message
 
 
@@ -378,15 +385,19 @@ class WakeupHub:
     def carry(self, channel: str, stored_ms: int, epoch: bytes, seq: int, stored: Stored) -> bool:
         """A message an enqueue of this process stored (`seq` in `epoch`, at `stored_ms`),
         handed to this process's waiters on its channel as Redis answers the enqueue (its
-        PUBLISH still wakes the others); False when none waits here."""
+        PUBLISH still wakes the others). True when a waiter here still answers from its task
+        (Waiter.carry): the sender's answer should follow theirs; False when none waits here
+        or each answered there and then."""
         chan = self._channels.get(channel)
         if chan is None or not chan.waiters:
             return False
         messages = [Message(seq, stored.payload, stored_ms, stored.message_id or None)]
         text = epoch.decode(errors="replace")
+        pending = False
         for w in chan.waiters:
-            w.carry(stored_ms, text, messages)
-        return True
+            if not w.carry(stored_ms, text, messages):
+                pending = True
+        return pending
 
     def prepare(self, channel: str, stored_ms: int, stored: Stored) -> None:
         """An enqueue of this process was sent to the queue of `channel` (to be stored at

@@ -5,11 +5,13 @@ a differential check that it answers exactly as the aiohttp path (RELAY_HTTP_FAS
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -22,7 +24,8 @@ from relay.app import begin_shutdown
 from relay.http.fastpath import FAST_ENDPOINT, FastConnection, header_fields
 from relay.http.serving import GuardedRequestHandler, GuardedServer
 from relay.protocol import b64encode, keypair, sign_headers
-from relay.storage.store import QueueLimits
+from relay.service import QueueService
+from relay.storage.store import QueueLimits, ReadResult
 from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 
@@ -523,6 +526,48 @@ async def test_long_poll_answer_made_ready_while_redis_stores(
         got = await read_answer(reader)
         assert b'"seq":1,"payload":"%s"' % b64encode(b"ready").encode() in got.body
         assert made == [1]  # the answer was the one prepared while Redis stored the message
+    finally:
+        writer.close()
+
+
+async def test_woken_long_poll_answered_first_then_the_enqueue_at_once(
+    relay: RunningRelay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the long-poll's answer is written from Redis's reply to the enqueue; the enqueue's own
+    # answer right after it, before the long-poll's task resumes (not a loop turn later)
+    events: list[str] = []
+    flush, read = FastConnection.flush, QueueService.read
+
+    def flushing(conn: FastConnection) -> None:
+        ready = list(itertools.takewhile(lambda a: a.data is not None, conn._answers))
+        flush(conn)
+        events.extend(f"{a.series.method} answered" for a in ready)
+
+    async def reading(service: QueueService, *args: Any, **kwargs: Any) -> ReadResult:
+        result = await read(service, *args, **kwargs)
+        events.append("long-poll task resumed")
+        return result
+
+    monkeypatch.setattr(FastConnection, "flush", flushing)
+    monkeypatch.setattr(QueueService, "read", reading)
+    r = os.urandom(32)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    try:
+        writer.write(read_request(r, "?wait=5"))
+        route = relay.fleet.route(r, b"")
+
+        def parked() -> bool:  # read, and waiting for a wakeup to answer from (Waiter.expect)
+            channel = route.hub._channels.get(route.keys.wake)
+            return channel is not None and any(w._expect is not None for w in channel.waiters)
+
+        assert await wait_until(parked)
+        events.clear()
+        answers, _ = await exchange(relay, enqueue_request(r, b"first"))
+        assert answers[0].status == 201
+        got = await read_answer(reader)
+        assert b'"seq":1,"payload":"%s"' % b64encode(b"first").encode() in got.body
+        assert await wait_until(lambda: len(events) == 3)
+        assert events == ["GET answered", "POST answered", "long-poll task resumed"]
     finally:
         writer.close()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from relay.storage.message import Message
@@ -13,6 +15,16 @@ BUDGET = 1 << 20
 
 def m(seq: int, payload: bytes = b"p") -> Message:
     return Message(seq, payload, 1000 + seq, None)
+
+
+def answerer(answered: list[list[Message]], writes: bool = True) -> Callable[[list[Message]], bool]:
+    """An `expect` answerer that records what it is handed; `writes`: whether it answers it."""
+
+    def answer(got: list[Message]) -> bool:
+        answered.append(got)
+        return writes
+
+    return answer
 
 
 @pytest.fixture
@@ -90,10 +102,11 @@ async def test_too_many_carried_messages_mean_read(waiter: Waiter) -> None:
 
 async def test_expect_answers_as_the_carrying_wakeup_arrives(waiter: Waiter) -> None:
     answered: list[list[Message]] = []
-    waiter.expect(answered.append, E, 4, None, 10, BUDGET)
-    waiter.carry(1000, E, [m(4)])  # what the read saw already: nothing to answer, still expecting
+    waiter.expect(answerer(answered), E, 4, None, 10, BUDGET)
+    # what the read saw already: nothing to answer (nothing for the task either), still expecting
+    assert waiter.carry(1000, E, [m(4)])
     assert answered == []
-    waiter.carry(1000, E, [m(5), m(6)])
+    assert waiter.carry(1000, E, [m(5), m(6)])  # answered there and then
     assert answered == [[m(5), m(6)]]  # handed over inside carry, before any task runs
     assert waiter.taken == [m(5), m(6)]
     assert await waiter.wait(1.0)  # and the waiting task is woken to finish the request
@@ -113,14 +126,14 @@ async def test_expect_leaves_to_a_read_what_carried_messages_cannot_answer(
     waiter: Waiter, wakeup: str, why: str
 ) -> None:
     answered: list[list[Message]] = []
-    waiter.expect(answered.append, E, 4, None, 10, BUDGET)
+    waiter.expect(answerer(answered), E, 4, None, 10, BUDGET)
     if wakeup == "gap":
         waiter.carry(1000, E, [m(6)])
     elif wakeup == "plain":
         waiter.wake(1000)
     else:
         waiter.carry(1000, "other", [m(5)])
-    waiter.carry(1000, E, [m(5)])  # a later wakeup that would have fitted is no answer either
+    assert not waiter.carry(1000, E, [m(5)])  # a later wakeup that would have fitted is no answer either
     assert answered == [], why
     assert waiter.taken is None
     assert waiter.take(E, 4, None, 10, BUDGET) is None  # the task re-reads
@@ -128,7 +141,7 @@ async def test_expect_leaves_to_a_read_what_carried_messages_cannot_answer(
 
 async def test_a_read_ends_the_expectation(waiter: Waiter) -> None:
     answered: list[list[Message]] = []
-    waiter.expect(answered.append, E, 4, None, 10, BUDGET)
+    waiter.expect(answerer(answered), E, 4, None, 10, BUDGET)
     waiter.forget()  # the task reads again (it sees whatever comes next)
     waiter.carry(1000, E, [m(5)])
     assert answered == []
@@ -139,20 +152,44 @@ class Sent:
     message_id = ""
 
 
+async def test_hub_carry_says_whether_a_waiter_still_answers_from_its_task() -> None:
+    # the enqueue that carried the message answers its sender at once when every waiter here
+    # answered there and then, else a loop turn later, behind the waiters' tasks
+    hub = WakeupHub("redis://127.0.0.1:1/0")  # never started: waiters need only its bookkeeping
+    assert not hub.carry("chan", 1000, E.encode(), 5, Sent())  # nobody waits here
+    answered: list[list[Message]] = []
+    first, second = hub.register("chan"), hub.register("chan")
+    for w in (first, second):
+        w.expect(answerer(answered), E, 4, None, 10, BUDGET)
+    assert not hub.carry("chan", 1000, E.encode(), 5, Sent())  # both answered from it
+    assert len(answered) == 2
+    first.expect(answerer(answered), E, 5, None, 10, BUDGET)
+    second.expect(answerer(answered, writes=False), E, 5, None, 10, BUDGET)  # declines: its task sends
+    assert hub.carry("chan", 1000, E.encode(), 6, Sent())
+    first.expect(answerer(answered), E, 6, None, 10, BUDGET)
+    second.forget()  # reading: not expecting, its task answers whatever comes
+    assert hub.carry("chan", 1000, E.encode(), 7, Sent())
+    first.expect(answerer(answered), E, 7, None, 10, BUDGET)
+    second.forget()
+    second.expect(answerer(answered), E, 5, None, 10, BUDGET)  # 6 and 7 never carried: a gap
+    assert hub.carry("chan", 1000, E.encode(), 8, Sent())  # its task re-reads
+    assert second.take(E, 5, None, 10, BUDGET) is None
+
+
 async def test_prepare_tells_an_expecting_waiter_of_the_first_enqueue_sent_only() -> None:
     hub = WakeupHub("redis://127.0.0.1:1/0")  # never started: waiters need only its bookkeeping
     waiter = hub.register("chan")
     told: list[tuple[str, int]] = []
     hub.prepare("chan", 1, Sent())  # nobody expects yet
     waiter.expect(
-        lambda got: None, E, 4, None, 10, BUDGET, lambda epoch, ms, stored: told.append((epoch, ms))
+        lambda got: True, E, 4, None, 10, BUDGET, lambda epoch, ms, stored: told.append((epoch, ms))
     )
     hub.prepare("chan", 2, Sent())
     hub.prepare("chan", 3, Sent())  # a burst: the first one carries the answer
     hub.prepare("other", 4, Sent())
     assert told == [(E, 2)]
     waiter.expect(
-        lambda got: None, E, 5, None, 10, BUDGET, lambda epoch, ms, stored: told.append((epoch, ms))
+        lambda got: True, E, 5, None, 10, BUDGET, lambda epoch, ms, stored: told.append((epoch, ms))
     )
     hub.prepare("chan", 5, Sent())
     assert told == [(E, 2), (E, 5)]
