@@ -1,15 +1,20 @@
 """Per-shard health and load gauges, read by each relay in the background.
 
-Two cadences, both cheap:
+Two cadences:
 - health (every RELAY_SHARD_HEALTH_INTERVAL_S s, default 5): PING, then INFO memory
   and persistence of every shard that answered: three round trips per shard.
 - load (at most every RELAY_SHARD_STATS_INTERVAL_S s, default 30, and only when
   /metrics was scraped since the last read, so an unscraped relay costs the shards
-  nothing): per slot the map gives the shard, HMGET of its stats hash, GET of its state
-  and SCARD of its queue index, pipelined 256 slots per round trip. Only the relay
-  holding the shard's stats lease (a key on the shard, 3 intervals long, renewed by each
-  read) does it: N relays sweep a shard once per interval, not N times, and the load
-  gauges of a shard come from one relay at a time (others drop theirs).
+  nothing): the slots the map gives the shard, read by lua/slot_sweep.lua SWEEP_SLOTS
+  (64) slots a call, one call a round trip: Redis reads each slot's state, statistics
+  and queue count and answers only for the slots holding anything, and the loop serves
+  requests between two calls. A shard of 16,384 slots holding 10,000 queues costs the
+  relay ~0.15-0.2 s of CPU in pieces of ~1 ms, and Redis ~0.1-0.15 s in calls of
+  ~0.3-0.5 ms (docs/benchmarks.md); redis-py pipelining three commands per slot cost the
+  relay ~1.1-1.5 s in pieces of 35-60 ms, the whole tail of a 10,000-waiter wake. Only
+  the relay holding the shard's stats lease (a key on the shard, 3 intervals long,
+  renewed by each read) does it: N relays sweep a shard once per interval, not N times,
+  and the load gauges of a shard come from one relay at a time (others drop theirs).
 
 Gauges carry a `shard` label only: shards are few, queues and slots never become labels.
 """
@@ -23,7 +28,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,13 +41,14 @@ from relay import metrics
 from relay.api.context import CTX
 from relay.fleet.routing import ShardRouter
 from relay.storage import keys as K
-from relay.storage.maintenance import slot_load, stat_fields
+from relay.storage import script_runner, scripts
+from relay.storage.maintenance import SWEEP_SLOTS, stat_fields, sweep_call, sweep_stats
+from relay.storage.script_runner import ScriptLoadFailed
 from relay.storage.store import ShardStore
 
 log = logging.getLogger("relay.shard_health")
 
 
-_PIPELINE_SLOTS = 256  # small round trips: the event loop serves requests in between
 _PROBE_TIMEOUT_S = 3.0
 
 
@@ -83,11 +89,6 @@ def _num(value: Any) -> int:
         return 0
 
 
-def _chunks(slots: list[int]) -> Iterator[list[int]]:
-    for i in range(0, len(slots), _PIPELINE_SLOTS):
-        yield slots[i : i + _PIPELINE_SLOTS]
-
-
 async def read_health(store: ShardStore) -> dict[str, float]:
     """INFO memory + persistence of one shard, reduced to the gauges' values."""
     info: dict[str, Any] = {}
@@ -106,29 +107,27 @@ async def read_health(store: ShardStore) -> dict[str, float]:
 
 
 async def read_load(store: ShardStore, slots: list[int], now_ms: int) -> ShardLoad:
-    """Totals over the given slots (the ones the map gives this shard); moved slots count for nothing."""
+    """Totals over the given slots (the ones the map gives this shard); moved slots count for nothing.
+    One slot_sweep.lua call per round trip: the loop serves requests between two."""
     messages = size = queues = migrating = 0
     rate = 0.0
     fields = stat_fields(now_ms)
-    for chunk in _chunks(slots):
-        pipe = store.client.pipeline(transaction=False)
-        for slot in chunk:
-            pipe.hmget(K.slot_stats(slot), fields)
-            pipe.get(K.slot_state(slot))
-            pipe.scard(K.slot_index(slot))
-        replies = await pipe.execute()
-        for i in range(len(chunk)):
-            stats, state, nqueues = replies[3 * i], replies[3 * i + 1], replies[3 * i + 2]
-            state_s = state.decode("ascii", "replace") if isinstance(state, bytes) else state
-            if state_s is not None and str(state_s).startswith("moved"):
+    for i in range(0, len(slots), SWEEP_SLOTS):
+        chunk = slots[i : i + SWEEP_SLOTS]
+        (reply,) = await script_runner.run_async(
+            store.client, [sweep_call(chunk, fields)], (scripts.SLOT_SWEEP,), "all"
+        )
+        if isinstance(reply, Exception):
+            raise reply
+        for slot in sweep_stats(chunk, reply, now_ms):  # only the slots that hold anything
+            if slot.state is not None and slot.state.startswith("moved"):
                 continue
-            if state_s in ("migrating", "importing"):
+            if slot.state in ("migrating", "importing"):
                 migrating += 1
-            msgs, nbytes, slot_rate = slot_load(stats, now_ms)
-            messages += msgs
-            size += nbytes
-            queues += _num(nqueues)
-            rate += slot_rate
+            messages += slot.msgs
+            size += slot.bytes
+            queues += slot.queues
+            rate += slot.rate
     return ShardLoad(messages, size, queues, rate, len(slots), migrating)
 
 
@@ -201,7 +200,7 @@ class ShardHealth:
                 return
             slots = self.fleet.map.slots_of(name)
             load = await read_load(store, slots, int(time.time() * 1000))
-        except (RedisError, OSError) as exc:
+        except (RedisError, OSError, ScriptLoadFailed) as exc:
             log.warning("shard %s: reading slot statistics failed: %s", name, type(exc).__name__)
             return
         metrics.SHARD_MESSAGES.labels(name).set(load.messages)

@@ -23,6 +23,7 @@ from relay.storage import script_runner, scripts, sentinel
 from relay.storage.script_runner import ScriptLoadFailed
 
 __all__ = [
+    "SWEEP_SLOTS",
     "MaintenanceError",
     "ShardMaintenance",
     "SlotStats",
@@ -30,9 +31,15 @@ __all__ = [
     "TrimPolicy",
     "slot_load",
     "stat_fields",
+    "sweep_call",
+    "sweep_stats",
 ]
 
 _MINUTE_MS = 60_000
+# Slots per slot_sweep.lua call: one call stays well under a millisecond in Redis, and the
+# relay's own work on its reply too, so neither Redis nor the relay's loop stalls while a
+# shard's 16,384 slots are read (docs/benchmarks.md).
+SWEEP_SLOTS = 64
 
 
 class MaintenanceError(Exception):
@@ -93,6 +100,33 @@ def slot_load(values: Sequence[Any], now_ms: int) -> tuple[int, int, float]:
     elif wstart == minute - _MINUTE_MS:
         previous = max(previous, wcur)
     return max(0, msgs), max(0, nbytes), float(max(current, previous))
+
+
+_STAT_FIELDS = len(stat_fields(0))
+
+
+def sweep_call(slots: Sequence[int], fields: Sequence[str]) -> tuple[Any, ...]:
+    """The slot_sweep.lua call reading these slots' state, `fields` of their statistics and
+    their queue count (at most SWEEP_SLOTS slots a call)."""
+    keys = [key for s in slots for key in (K.slot_state(s), K.slot_stats(s), K.slot_index(s))]
+    return script_runner.evalsha(scripts.SLOT_SWEEP, keys, fields)
+
+
+def sweep_stats(slots: Sequence[int], reply: Sequence[Any], now_ms: int) -> Iterator[SlotStats]:
+    """The statistics of the slots a `sweep_call` (with `stat_fields(now_ms)`) reported, in
+    order; a slot it left out holds nothing (zero load, owned, no queues)."""
+    stride = 3 + _STAT_FIELDS
+    for i in range(0, len(reply), stride):
+        position, state, queues = reply[i : i + 3]
+        msgs, nbytes, rate = slot_load(reply[i + 3 : i + stride], now_ms)
+        yield SlotStats(
+            slot=slots[int(position) - 1],
+            state=state.decode("utf-8", "replace") if state is not None else None,
+            msgs=msgs,
+            bytes=nbytes,
+            rate=rate,
+            queues=int(queues),
+        )
 
 
 def redacted(url: str) -> str:
@@ -163,28 +197,20 @@ class ShardMaintenance:
     def slot_stats(self, slots: Sequence[int], now_ms: int) -> list[SlotStats]:
         """Statistics of every slot given, in order; O(1) per slot, no payload read."""
         out: list[SlotStats] = []
+        fields = stat_fields(now_ms)
         try:
-            for chunk in _chunks(slots, self._batch):
-                pipe = self.client.pipeline(transaction=False)
-                fields = stat_fields(now_ms)
-                for s in chunk:
-                    pipe.get(K.slot_state(s))
-                    pipe.hmget(K.slot_stats(s), fields)
-                    pipe.scard(K.slot_index(s))
-                replies = pipe.execute()
-                for i, s in enumerate(chunk):
-                    state, values, queues = replies[3 * i : 3 * i + 3]
-                    msgs, nbytes, rate = slot_load(values, now_ms)
-                    out.append(
-                        SlotStats(
-                            slot=s,
-                            state=state.decode() if state is not None else None,
-                            msgs=msgs,
-                            bytes=nbytes,
-                            rate=rate,
-                            queues=int(queues),
-                        )
-                    )
+            # a round trip carries several script calls (Redis serves others between two)
+            for batch in _chunks(slots, self._batch):
+                chunks = list(_chunks(batch, SWEEP_SLOTS))
+                calls = [sweep_call(chunk, fields) for chunk in chunks]
+                replies = script_runner.run(self.client, calls, (scripts.SLOT_SWEEP,), "all")
+                for chunk, reply in zip(chunks, replies, strict=True):
+                    if isinstance(reply, Exception):
+                        raise reply
+                    found = {s.slot: s for s in sweep_stats(chunk, reply, now_ms)}
+                    out.extend(found.get(s) or SlotStats(s, None, 0, 0, 0.0, 0) for s in chunk)
+        except ScriptLoadFailed as exc:
+            raise self._fail("reading slot statistics", exc.cause) from None
         except (RedisError, OSError) as exc:
             raise self._fail("reading slot statistics", exc) from None
         return out

@@ -37,6 +37,10 @@ DC_LIST = _load("dc_list", _PRELUDE)
 
 ALL: tuple[Script, ...] = (ENQUEUE, READ, DRAIN, ACK, STATUS, NONCE, TRIM, DC_GET, DC_SET, DC_CLAIM, DC_LIST)
 
+# The slots' load statistics in batches (relay.shard_health, relay.storage.maintenance): a
+# background read through script_runner, never on the hot path, so not in ALL.
+SLOT_SWEEP = _load("slot_sweep", _PRELUDE)
+
 # Migration steps (relay.fleet.migration); relays never run them, so not in ALL.
 SLOT_STATE = _load("slot_state", _PRELUDE)
 SLOT_DROP = _load("slot_drop", _PRELUDE)

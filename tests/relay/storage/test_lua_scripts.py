@@ -456,6 +456,31 @@ def test_slot_drop_only_in_an_allowed_state(r: redis.Redis) -> None:
     assert r.get(k.state) == b"moved b 2"  # never deleted
 
 
+def test_slot_sweep_reports_only_the_slots_holding_anything(r: redis.Redis) -> None:
+    """One call reads a batch of slots: for each slot holding anything, its position in the
+    batch, state, queue count and the statistics fields asked for, as Redis holds them (what
+    GET, SCARD and HMGET answer: maintenance.slot_load interprets them, the script does not)."""
+    enqueue(r, b"abc")  # SLOT: a queue and its statistics
+    r.set(K.slot_state(SLOT + 1), "migrating")  # a state only
+    r.sadd(K.slot_index(SLOT + 2), "q")  # queues only
+    r.hset(K.slot_stats(SLOT + 3), mapping={"msgs": 0, "bytes": 0, "qgen": 4})  # nothing but zeros
+    r.hset(K.slot_stats(SLOT + 4), mapping={"wstart": MINUTE, "wcur": 2})  # a former relay's counters
+    slots = [SLOT + 5, SLOT, SLOT + 1, SLOT + 2, SLOT + 3, SLOT + 4]  # SLOT + 5: no keys at all
+    fields = stat_fields(NOW)
+    keys = [k for s in slots for k in (K.slot_state(s), K.slot_stats(s), K.slot_index(s))]
+    reply = run(r, scripts.SLOT_SWEEP, keys, fields)
+    stride = 3 + len(fields)
+    rows = [reply[i : i + stride] for i in range(0, len(reply), stride)]
+    assert [row[0] for row in rows] == [2, 3, 4, 6]
+    for position, state, queues, *values in rows:
+        slot = slots[position - 1]
+        assert state == r.get(K.slot_state(slot))
+        assert queues == r.scard(K.slot_index(slot))
+        assert values == r.hmget(K.slot_stats(slot), fields)
+    assert slot_load(rows[0][3:], NOW) == (1, 3, 1.0)
+    assert run(r, scripts.SLOT_SWEEP, keys[:3], fields) == []  # an empty slot: nothing to decode
+
+
 def test_import_stamp_and_boot_mark(r: redis.Redis) -> None:
     k = q()
     assert run(r, scripts.IMPORT_STAMP, (k.meta,)) == 0
