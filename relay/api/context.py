@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,8 +19,8 @@ class LiveConnection(Protocol):
     @property
     def ws(self) -> web.WebSocketResponse: ...
 
-    @property
-    def displaced(self) -> asyncio.Event: ...
+    def displace(self) -> None:
+        """A newer connection took the queue over: close with 4409."""
 
 
 @dataclass
@@ -36,7 +35,7 @@ class LiveRegistry:
         old = self.by_queue.get(key)
         self.by_queue[key] = conn
         if old is not None and old is not conn:
-            old.displaced.set()
+            old.displace()
 
     def release(self, key: tuple[bytes, bytes], conn: LiveConnection) -> None:
         """Forget `conn` unless a newer connection already took the queue over."""

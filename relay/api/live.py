@@ -133,12 +133,18 @@ class LiveSession:
         self.room.set()
         self.streaming = asyncio.Event()  # cleared by Pickup live-delivery-change false
         self.streaming.set()
-        self.displaced = asyncio.Event()  # a newer connection took the queue over
+        # done once a newer connection took the queue over (a future, not an Event: _receive
+        # waits on it as it is, with no task and coroutine per socket to wait on an Event)
+        self.displaced: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.token = os.urandom(16)  # announced fleet-wide; a foreign token after it displaces us
         self.seen_own = False
         self._parked = False  # the stream task waits in `_send_carried`, nothing else
         self._woken_next: int | None = None  # the seq after frames `_send_woken` wrote
         self._prepared: _Prepared | None = None
+
+    def displace(self) -> None:
+        if not self.displaced.done():
+            self.displaced.set_result(None)
 
     # -- pickup.LiveControl ------------------------------------------------
     @property
@@ -344,7 +350,7 @@ class LiveSession:
                 or transport is None
                 or transport.is_closing()
                 or self.ws.closed
-                or self.displaced.is_set()
+                or self.displaced.done()
                 or not self._may_send(waiter)
             ):
                 return False
@@ -402,7 +408,7 @@ class LiveSession:
             if token == self.token:
                 self.seen_own = True
             elif self.seen_own:
-                self.displaced.set()
+                self.displace()
 
     async def _prune(self) -> None:
         """Forget unacked frames whose messages were removed another way (HTTP ack, drain, retention)."""
@@ -502,15 +508,28 @@ async def live(request: web.Request) -> web.StreamResponse:
 async def _receive(session: LiveSession, sender: asyncio.Task[None]) -> None:
     """Handle client frames until the connection or the sender ends."""
     ws = session.ws
+    loop = asyncio.get_running_loop()
     reader = asyncio.ensure_future(ws.receive())
-    displaced = asyncio.ensure_future(session.displaced.wait())
+    displaced = session.displaced
     try:
         while True:
-            done, _ = await asyncio.wait({reader, sender, displaced}, return_when=asyncio.FIRST_COMPLETED)
-            if sender in done:
+            # asyncio.wait(FIRST_COMPLETED) without its two coroutines and set per wait: a
+            # socket waits so as long as it is open, and at 10,000 sockets every object one
+            # holds lengthens the garbage collector's full passes
+            watched = (reader, sender, displaced)
+            woke = loop.create_future()
+            wake = partial(_set_done, woke)
+            for f in watched:
+                f.add_done_callback(wake)
+            try:
+                await woke
+            finally:
+                for f in watched:
+                    f.remove_done_callback(wake)
+            if sender.done():
                 await _sender_ended(session, sender)
                 return
-            if displaced in done:
+            if displaced.done():
                 # closed from its own task with no receive pending, so the close
                 # handshake completes and the client sees 4409 cleanly
                 reader.cancel()
@@ -541,6 +560,12 @@ async def _receive(session: LiveSession, sender: asyncio.Task[None]) -> None:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
+
+
+def _set_done(fut: asyncio.Future[None], _: object) -> None:
+    """A done callback: `fut` done once one of the futures it watches is."""
+    if not fut.done():
+        fut.set_result(None)
 
 
 async def _sender_ended(session: LiveSession, sender: asyncio.Task[None]) -> None:
