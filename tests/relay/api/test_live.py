@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import orjson
@@ -16,13 +15,13 @@ from relay import metrics
 from relay.api import live as live_module
 from relay.api.live import CLOSE_DISPLACED, message_frame
 from relay.api.queues import message_json
-from relay.client import LiveClosed, LiveConnection, RelayClient, RelayError, received
+from relay.client import LiveClosed, RelayClient, RelayError, received
 from relay.protocol import b64encode, keypair, sign_headers
 from relay.storage.message import Message
 from tests.support.in_process_relay import RelayFactory, RunningRelay
+from tests.support.live_steps import count_held, frame, silent
 
 PICKUP = "https://didcomm.org/messagepickup/2.0/"
-STEP = 5.0  # generous bound for one frame on a loaded 2-core machine
 
 
 @pytest.fixture
@@ -35,32 +34,6 @@ async def owner(relay: RunningRelay) -> AsyncIterator[RelayClient]:
     _public, private = keypair()
     async with relay.client(private) as client:
         yield client
-
-
-async def frame(conn: LiveConnection) -> dict[str, Any]:
-    async with asyncio.timeout(STEP):
-        return await conn.frame()
-
-
-async def silent(conn: LiveConnection, seconds: float) -> bool:
-    """True when the relay sends nothing for `seconds`."""
-    try:
-        async with asyncio.timeout(seconds):
-            await conn.frame()
-    except TimeoutError:
-        return True
-    return False
-
-
-async def count_held(owner: RelayClient, expected: int) -> int:
-    """Poll status until the count reaches `expected` (acks on the socket are asynchronous)."""
-    n = -1
-    for _ in range(100):
-        n = (await owner.status())["message_count"]
-        if n == expected:
-            break
-        await asyncio.sleep(0.02)
-    return n
 
 
 async def test_backlog_then_empty_then_live_in_order(owner: RelayClient) -> None:

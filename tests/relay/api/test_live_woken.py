@@ -23,10 +23,9 @@ from relay.client import LiveClosed, LiveConnection, RelayClient, received
 from relay.protocol import keypair
 from relay.storage import keys as K
 from relay.storage.message import Message
-from tests.relay.api.test_live import count_held as held
-from tests.relay.api.test_live import frame, silent
-from tests.relay.api.test_wake_carried import counted_reads
 from tests.support.in_process_relay import RelayFactory, RunningRelay
+from tests.support.live_steps import count_held as held
+from tests.support.live_steps import counted_reads, frame, silent
 
 # relayfleet_live_frames_total{sent_by}: which way each frame went
 WOKEN = metrics.LIVE_FRAMES.labels("wakeup")

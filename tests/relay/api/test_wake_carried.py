@@ -13,37 +13,17 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from relayfleet_testing.localredis import LocalRedis
 
 from relay.client import RelayClient, received
 from relay.protocol import keypair
-from relay.storage import keys as K
 from tests.support.in_process_relay import RelayFactory, RunningRelay
+from tests.support.live_steps import counted_reads
 
 
 def rkey() -> bytes:
     return os.urandom(32)
-
-
-@contextmanager
-def counted_reads(relay: RunningRelay) -> Iterator[list[int]]:
-    """How many times the relay read a queue from Redis (reads of its long-polls included)."""
-    store = next(iter(relay.fleet.stores.values()))
-    original = store.read
-    count = [0]
-
-    async def counting(q: K.QueueKeys, from_seq: int | None, limit: int) -> object:
-        count[0] += 1
-        return await original(q, from_seq, limit)
-
-    store.read = counting  # type: ignore[method-assign,assignment]
-    try:
-        yield count
-    finally:
-        store.read = original  # type: ignore[method-assign]
 
 
 async def parked(task: asyncio.Task[object], relay: RunningRelay, waiting: int = 1) -> None:
