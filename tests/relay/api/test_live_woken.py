@@ -10,9 +10,10 @@ import asyncio
 import contextlib
 import struct
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 import pytest
+import redis
 from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
@@ -61,6 +62,17 @@ class Counts:
         return BY_TASK.value - self.task0
 
 
+@asynccontextmanager
+async def parked_live(owner: RelayClient) -> AsyncIterator[LiveConnection]:
+    """A live socket of `owner`'s queue past its "empty", its task parked in its wait."""
+    conn = await owner.live()
+    try:
+        await parked_after(conn)
+        yield conn
+    finally:
+        await conn.close()
+
+
 async def parked_after(conn: LiveConnection) -> None:
     """The "empty" marker, then until the socket's task waits (its waiter registered)."""
     assert await frame(conn) == {"type": "empty"}
@@ -87,9 +99,7 @@ async def test_frames_from_the_wakeup_have_the_next_seqs_and_are_acked_as_usual(
     """relayfleet_live_frames_total counts them: this relay's own enqueues (the local
     hand-over) and another relay's (the published wakeup) alike, none read back."""
     a, public, owner, via_a, via_b = two
-    conn = await owner.live()
-    try:
-        await parked_after(conn)
+    async with parked_live(owner) as conn:
         counts = Counts()
         frames = []
         with counted_reads(a) as reads:
@@ -111,8 +121,6 @@ async def test_frames_from_the_wakeup_have_the_next_seqs_and_are_acked_as_usual(
         await conn.send({"type": "ack", "seqs": [6]})
         assert await held(owner, 1) == 1
         assert await silent(conn, 0.2)  # an ack sends nothing again
-    finally:
-        await conn.close()
     async with owner.live() as again:  # only the unacked one comes back
         assert [m.seq for m in await again.messages()] == [5]
 
@@ -122,50 +130,40 @@ async def test_a_full_window_is_not_sent_from_the_wakeup(
 ) -> None:
     relay = await relay_factory(redis_server.url, live_queue_max=2)
     public, private = keypair()
-    async with relay.client(private) as owner:
-        conn = await owner.live()
-        try:
-            await parked_after(conn)
-            counts = Counts()
-            for i in range(2):
-                await owner.enqueue(public, b"f%d" % i)
-                assert (await frame(conn))["seq"] == i + 1
-            assert (counts.woken, counts.task) == (2, 0)
-            await owner.enqueue(public, b"f2")  # the window is full: held back
-            assert await silent(conn, 0.4)
-            assert (counts.woken, counts.task) == (2, 0)
-            await conn.ack(1)  # room: the task reads it and sends it
-            assert (await frame(conn))["seq"] == 3
-            assert (counts.woken, counts.task) == (2, 1)
-            await conn.ack(3)  # room again, and the task parked: the next goes from its wakeup
-            await asyncio.sleep(0.1)
-            await owner.enqueue(public, b"f3")
-            assert (await frame(conn))["seq"] == 4
-            assert (counts.woken, counts.task) == (3, 1)
-            assert await silent(conn, 0.2)
-        finally:
-            await conn.close()
+    async with relay.client(private) as owner, parked_live(owner) as conn:
+        counts = Counts()
+        for i in range(2):
+            await owner.enqueue(public, b"f%d" % i)
+            assert (await frame(conn))["seq"] == i + 1
+        assert (counts.woken, counts.task) == (2, 0)
+        await owner.enqueue(public, b"f2")  # the window is full: held back
+        assert await silent(conn, 0.4)
+        assert (counts.woken, counts.task) == (2, 0)
+        await conn.ack(1)  # room: the task reads it and sends it
+        assert (await frame(conn))["seq"] == 3
+        assert (counts.woken, counts.task) == (2, 1)
+        await conn.ack(3)  # room again, and the task parked: the next goes from its wakeup
+        await asyncio.sleep(0.1)
+        await owner.enqueue(public, b"f3")
+        assert (await frame(conn))["seq"] == 4
+        assert (counts.woken, counts.task) == (3, 1)
+        assert await silent(conn, 0.2)
 
 
 async def test_paused_delivery_is_not_sent_from_the_wakeup(relay: RunningRelay) -> None:
     public, private = keypair()
     pickup = "https://didcomm.org/messagepickup/2.0/"
-    async with relay.client(private) as owner:
-        conn = await owner.live()
-        try:
-            await parked_after(conn)
-            counts = Counts()
-            await conn.send({"@type": pickup + "live-delivery-change", "@id": "p1", "live_delivery": False})
-            assert (await frame(conn))["live_delivery"] is False
-            await owner.enqueue(public, b"paused")
-            assert await silent(conn, 0.4)
-            assert counts.woken == 0
-            await conn.send({"@type": pickup + "live-delivery-change", "@id": "p2", "live_delivery": True})
-            got = [await frame(conn) for _ in range(2)]
-            assert [f.get("seq") for f in got if f.get("type") == "message"] == [1]
-            assert counts.woken == 0
-        finally:
-            await conn.close()
+    async with relay.client(private) as owner, parked_live(owner) as conn:
+        counts = Counts()
+        await conn.send({"@type": pickup + "live-delivery-change", "@id": "p1", "live_delivery": False})
+        assert (await frame(conn))["live_delivery"] is False
+        await owner.enqueue(public, b"paused")
+        assert await silent(conn, 0.4)
+        assert counts.woken == 0
+        await conn.send({"@type": pickup + "live-delivery-change", "@id": "p2", "live_delivery": True})
+        got = [await frame(conn) for _ in range(2)]
+        assert [f.get("seq") for f in got if f.get("type") == "message"] == [1]
+        assert counts.woken == 0
 
 
 @contextmanager
@@ -196,9 +194,7 @@ async def test_wakeups_during_a_read_in_flight_no_duplicate_no_gap(two: Two, ans
     """Wakeups that carry messages while the socket's task is reading (the read may or may
     not see them) are not sent from the wakeup: the task sends each once, in seq order."""
     a, public, owner, via_a, via_b = two
-    conn = await owner.live()
-    try:
-        await parked_after(conn)
+    async with parked_live(owner) as conn:
         counts = Counts()
         with read_held(a, answer_first) as (started, release):
             await via_b.enqueue(public, b"big" * 3000)  # too big to ride: the task reads
@@ -218,8 +214,33 @@ async def test_wakeups_during_a_read_in_flight_no_duplicate_no_gap(two: Two, ans
         await via_a.enqueue(public, b"after")  # parked again: from the wakeup
         assert received(await frame(conn)).seq == 5
         assert counts.woken == 1
-    finally:
-        await conn.close()
+
+
+async def test_an_epoch_reset_is_read_not_sent_from_the_wakeup(
+    redis_server: LocalRedis, relay: RunningRelay
+) -> None:
+    """A wakeup of another epoch (the queue's history was reset: here Redis's run changed
+    under it, lua/_prelude.lua check_boot) is not sent from the wakeup: the socket reads from
+    the oldest held again, and wakes from the new epoch after that."""
+    public, private = keypair()
+    async with relay.client(private) as owner, parked_live(owner) as conn:
+        counts = Counts()
+        await owner.enqueue(public, b"old")
+        assert received(await frame(conn)).seq == 1
+        r = redis.Redis.from_url(redis_server.url)
+        try:
+            r.set(K.SHARD_BOOT, "another-run:1")  # the next enqueue finds its tail lost
+        finally:
+            r.close()
+        seq, _ = await owner.enqueue(public, b"new")
+        assert seq > 2  # the new epoch's seqs jump
+        again = [received(await frame(conn)) for _ in range(2)]
+        assert [(m.seq, m.payload) for m in again] == [(1, b"old"), (seq, b"new")]  # unacked: resent
+        assert counts.woken == 1
+        await asyncio.sleep(0.05)
+        await owner.enqueue(public, b"next")
+        assert (received(await frame(conn)).seq, counts.woken) == (seq + 1, 2)
+        assert await silent(conn, 0.2)
 
 
 async def test_take_over_sends_to_the_newest_connection_only(relay: RunningRelay) -> None:
@@ -249,22 +270,17 @@ async def test_take_over_sends_to_the_newest_connection_only(relay: RunningRelay
 
 async def test_shutdown_sends_nothing_from_a_wakeup(relay: RunningRelay) -> None:
     public, private = keypair()
-    async with relay.client(private) as owner:
-        conn = await owner.live()
+    async with relay.client(private) as owner, parked_live(owner) as conn:
+        await owner.enqueue(public, b"before")
+        assert received(await frame(conn)).seq == 1
+        counts = Counts()
+        begin_shutdown(relay.app)
+        enqueued = asyncio.ensure_future(owner.enqueue(public, b"during"))
         try:
-            await parked_after(conn)
-            await owner.enqueue(public, b"before")
-            assert received(await frame(conn)).seq == 1
-            counts = Counts()
-            begin_shutdown(relay.app)
-            enqueued = asyncio.ensure_future(owner.enqueue(public, b"during"))
-            try:
-                with pytest.raises(LiveClosed) as closed:
-                    await frame(conn)  # the close, no message frame before it
-                assert closed.value.code == 1001  # going away
-            finally:
-                with contextlib.suppress(Exception):  # stored or refused: only the socket is tested
-                    await asyncio.wait_for(enqueued, 5)
-            assert counts.woken == 0
+            with pytest.raises(LiveClosed) as closed:
+                await frame(conn)  # the close, no message frame before it
+            assert closed.value.code == 1001  # going away
         finally:
-            await conn.close()
+            with contextlib.suppress(Exception):  # stored or refused: only the socket is tested
+                await asyncio.wait_for(enqueued, 5)
+        assert counts.woken == 0
