@@ -1,8 +1,10 @@
 -- Shared prelude, prepended to every script by relay/storage/scripts.py.
 -- fence(state_key): nil when this shard owns the slot; otherwise the reply to
 -- return at once: {'moved', shard, epoch} or {'migrating'} (retryable).
-local function fence(state_key)
-  local st = redis.call('GET', state_key)
+-- A script that read the state with other keys passes it as `st` (false when absent): an
+-- argument, not a second function, as Redis runs this prelude, closures and all, per call.
+local function fence(state_key, st)
+  if st == nil then st = redis.call('GET', state_key) end
   if not st then return nil end
   if st == 'migrating' or st == 'importing' then return {'migrating'} end
   local shard, epoch = string.match(st, '^moved (%S+) (%d+)$')
@@ -110,8 +112,9 @@ end
 local SEQ_JUMP = 1000000
 -- A mark ending ':w' is a shard whose writes were WAIT-confirmed (minReplicas): a new run
 -- there (a failover) lost nothing acknowledged, so the epoch stays; the seq still jumps.
-local function boot_run()
-  local boot = redis.call('GET', 'rf:boot')
+-- (`boot`: the mark when the caller read it with other keys, false when absent)
+local function boot_run(boot)
+  if boot == nil then boot = redis.call('GET', 'rf:boot') end
   if not boot then return nil end
   return string.match(boot, '^([^:]+):'), string.sub(boot, -2) == ':w'
 end
@@ -140,8 +143,9 @@ end
 -- relay/backup/restoring.py) may have handed out seqs, after the backup's point, on queues the backup
 -- does not hold; the restore sets 'rf:seq-floor' above anything that could have been handed
 -- out, so a queue created afterwards never repeats one. Undeclared key, like 'rf:boot' (above).
-local function seq_floor()
-  return tonumber(redis.call('GET', 'rf:seq-floor') or '0') or 0
+-- `floor`: the key's value (false when absent), which enqueue.lua reads with other keys.
+local function seq_floor(floor)
+  return tonumber(floor or '0') or 0
 end
 
 -- The epoch of a queue that has no keys (docs/api.md: reads, status and inbox reads of

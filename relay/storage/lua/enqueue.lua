@@ -2,10 +2,11 @@
 -- XADD, counters, slot index and statistics, wakeup PUBLISH. One call carries every
 -- enqueue a relay sent this shard in one loop tick (relay/storage/store.py), in order,
 -- each with its own reply; a call of one is the single enqueue. Per call, not per
--- message: each slot state and 'rf:boot' are read once, each slot's statistics are
--- incremented once, and each wakeup channel someone subscribes to is published once, after
--- every write (one PUBSUB NUMSUB asks for all of them: relays SUBSCRIBE on the primary,
--- never PSUBSCRIBE, so a channel it counts no subscriber for has nobody to wake).
+-- message: each slot state is read once ('rf:boot' and 'rf:seq-floor' in one MGET with
+-- the first), each slot's statistics are incremented once, and each wakeup channel
+-- someone subscribes to is published once, after every write (one PUBSUB NUMSUB asks for
+-- all of them: relays SUBSCRIBE on the primary, never PSUBSCRIBE, so a channel it counts
+-- no subscriber for has nobody to wake).
 -- Fixed arguments:
 -- ARGV[1] rate limit: messages per window   ARGV[2] rate window, ms
 -- ARGV[3] queue cap: messages        ARGV[4] queue cap: bytes
@@ -34,12 +35,17 @@
 -- Cost: Lua hands a number to Redis as "%.17g" (a libc float print costs more than most of
 -- the commands here), so numbers are passed as the caller's strings or formatted '%d'.
 local fmt = string.format
-local rate_limit, window, window_s = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[2]
-local cap_msgs, cap_bytes, idem_ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local rank = fmt('%d', rate_limit - 1)
+-- (each tonumber of a string is a libc strtod: the window and the retention are converted
+-- only where used)
+local window_s, idem_s = ARGV[2], ARGV[5]
+local cap_msgs, cap_bytes = tonumber(ARGV[3]), tonumber(ARGV[4])
+-- the rate_limit-th newest rate-window entry as an index from the oldest: ZRANGE's "-n"
+-- (none when fewer are held)
+local nth_newest = '-' .. ARGV[1]
 
 local fences = {}  -- slot state key -> fence reply, or false when this shard owns it
-local boot_read, run, waited = false, nil, false
+-- the boot mark's run and the seq floor, read with the first item's slot state (one MGET)
+local boot_read, run, waited, floor = false, nil, false, nil
 local stats, stats_order = {}, {}  -- slot statistics key -> {messages, bytes, minute}, in first-use order
 local wakes, wake_order = {}, {}  -- channel -> {seq, first now, replies, epoch, carried, bytes}, in first-use order
 -- A wakeup carries its channel's messages of this call when they are this small in total
@@ -54,9 +60,10 @@ local CARRY_BYTES = 8192
 -- increments: Lua's tonumber and number printing cost more than these commands, and a
 -- minute's first increment is where counters older than the last minute are dropped.
 local function add_stats(stats_key, s)
-  local n = s[1] == 1 and '1' or fmt('%d', s[1])
+  local one = s[1] == 1
+  local n = one and '1' or fmt('%d', s[1])
   redis.call('HINCRBY', stats_key, 'msgs', n)
-  redis.call('HINCRBY', stats_key, 'bytes', fmt('%d', s[2]))
+  redis.call('HINCRBY', stats_key, 'bytes', one and s[4] or fmt('%d', s[2]))
   local minute = s[3]
   if redis.call('HINCRBY', stats_key, 'w' .. fmt('%d', minute), n) == s[1] then
     local last = tonumber(redis.call('HGET', stats_key, 'wlast') or '0')
@@ -79,7 +86,14 @@ local function enqueue_one(k, a)
   local message_id, qid, channel, token, resend = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7], ARGV[a + 8], ARGV[a + 9]
   local f = fences[state_key]
   if f == nil then
-    f = fence(state_key) or false
+    if boot_read then
+      f = fence(state_key) or false
+    else
+      local v = redis.call('MGET', state_key, 'rf:boot', 'rf:seq-floor')
+      run, waited = boot_run(v[2])
+      floor, boot_read = v[3], true
+      f = fence(state_key, v[1]) or false
+    end
     fences[state_key] = f
   end
   if f then return f end
@@ -109,9 +123,9 @@ local function enqueue_one(k, a)
   -- Old entries are trimmed lazily (below): the rank lookup ignores them.
   local now = tonumber(now_s)
   local trim = false
-  local nth = redis.call('ZREVRANGE', rate_key, rank, rank, 'WITHSCORES')
+  local nth = redis.call('ZRANGE', rate_key, nth_newest, nth_newest, 'WITHSCORES')
   if nth[2] then
-    local t = tonumber(nth[2])
+    local t, window = tonumber(nth[2]), tonumber(window_s)
     if t > now - window then return {'rate', math.max(1, t + window - now)} end
     trim = true
   end
@@ -121,51 +135,49 @@ local function enqueue_one(k, a)
   if held > cap_bytes then return {'full', 'bytes'} end
 
   -- Stored. The lost-tail check (prelude check_boot) is folded into this one meta write.
-  if not boot_read then
-    run, waited = boot_run()
-    boot_read = true
-  end
   local seq = tonumber(meta[3])
-  local epoch, created = nil, nil
-  if not meta[1] then
-    -- a new queue keeps the epoch reads already answered for it; one still in the index
-    -- lost its meta (its history), so it keeps the fresh token instead
-    epoch, created = token, now_s
-    if redis.call('SISMEMBER', index_key, qid) == 0 then
-      epoch = epoch_of(run, redis.call('HGET', stats_key, 'qgen'), qid)
-    end
-  end
+  local epoch, created, lost = nil, nil, false
+  if not meta[1] then epoch, created = token, now_s end
   local stamp = nil
   if run and meta[2] ~= run then
     stamp = run
     if meta[2] then
       seq = (seq or 0) + SEQ_JUMP
-      if not waited then epoch = lost_tail_epoch(run, meta_key) end
+      if not waited then epoch, lost = lost_tail_epoch(run, meta_key), true end
     end
   end
-  seq = (seq or seq_floor()) + 1
-  local seq_s = fmt('%d', seq)
-  redis.call('XADD', msgs_key, seq_s .. '-0', 'p', payload, 't', now_s, 'm', message_id, 'n', fmt('%d', size))
-  if epoch and created then
-    redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', fmt('%d', held), 'epoch', epoch, 'created', created)
-    if stamp then redis.call('HSET', meta_key, 'r', stamp) end
-    redis.call('SADD', index_key, qid)
+  seq = (seq or seq_floor(floor)) + 1
+  local seq_s, size_s = fmt('%d', seq), fmt('%d', size)
+  local held_s = meta[4] and fmt('%d', held) or size_s  -- (no meta bytes: held is this one)
+  redis.call('XADD', msgs_key, seq_s .. '-0', 'p', payload, 't', now_s, 'm', message_id, 'n', size_s)
+  if created then
+    -- a new queue keeps the epoch reads already answered for it; one still in the index
+    -- lost its meta (its history), so it keeps the fresh token instead (SADD answers
+    -- whether it was there: one call, after XADD, so XADD still writes first)
+    if redis.call('SADD', index_key, qid) == 1 and not lost then
+      epoch = epoch_of(run, redis.call('HGET', stats_key, 'qgen'), qid)
+    end
+    if stamp then
+      redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', held_s, 'epoch', epoch, 'created', created, 'r', stamp)
+    else
+      redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', held_s, 'epoch', epoch, 'created', created)
+    end
   elseif epoch then
-    redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', fmt('%d', held), 'epoch', epoch, 'r', stamp)
+    redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', held_s, 'epoch', epoch, 'r', stamp)
   elseif stamp then
-    redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', fmt('%d', held), 'r', stamp)
+    redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', held_s, 'r', stamp)
   else
-    redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', fmt('%d', held))
+    redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', held_s)
   end
   redis.call('ZADD', rate_key, now_s, seq_s .. ':' .. token)
   redis.call('PEXPIRE', rate_key, window_s)
   -- bounded: entries past the window go when the rank lookup met one, and every 10th seq
   if trim or string.sub(seq_s, -1) == '0' then
-    redis.call('ZREMRANGEBYSCORE', rate_key, '-inf', fmt('%d', now - window))
+    redis.call('ZREMRANGEBYSCORE', rate_key, '-inf', fmt('%d', now - tonumber(window_s)))
   end
   if ikey ~= '' then
     redis.call('HSET', idem_key, ikey, seq_s .. ':' .. digest)
-    redis.call('ZADD', idemx_key, fmt('%d', now + idem_ms), ikey)
+    redis.call('ZADD', idemx_key, fmt('%d', now + tonumber(idem_s)), ikey)
     -- expire a few old idempotency keys per write: bounded work, no background job
     local old = redis.call('ZRANGEBYSCORE', idemx_key, '-inf', now_s, 'LIMIT', 0, 8)
     if #old > 0 then
@@ -184,7 +196,7 @@ local function enqueue_one(k, a)
     add_stats(stats_key, st)
     st[1], st[2], st[3] = 0, 0, minute
   end
-  st[1], st[2] = st[1] + 1, st[2] + size
+  st[1], st[2], st[4] = st[1] + 1, st[2] + size, size_s  -- (st[4]: its bytes when it holds one)
   local cur_epoch = epoch or meta[1]
   local reply = {'ok', seq, 0, cur_epoch}
   local w = wakes[channel]
