@@ -104,6 +104,11 @@ def test_enqueue_stores_counts_dedups_limits_and_publishes(r: redis.Redis) -> No
     r.srem(k.index, QID)
     r.set(K.SHARD_SEQ_FLOOR, 500)
     assert enqueue(r, token="t3")[:2] == [b"ok", 501]
+    # one whose meta was lost while its index entry stayed keeps the attempt's token as its epoch
+    r.delete(*k.all_keys())
+    assert r.sismember(k.index, QID)
+    assert enqueue(r, token="t4") == [b"ok", 501, 0, b"t4"]
+    assert r.hget(k.meta, "epoch") == b"t4"
 
 
 Item = tuple[K.QueueKeys, dict[str, Any]]
