@@ -288,7 +288,9 @@ class _Answer:
         except Exception as exc:  # runs in an enqueue's path: never let it fail that
             self.conn.broken(exc)
 
-    def _body(self, from_seq: int | None, result: ReadResult) -> bytes:
+    def _woken_body(self, result: ReadResult) -> bytes | None:
+        """The answer's body from the prepared template when `result` is just the prepared
+        message (a payload of at most relay.service.CARRY_LOCAL_BYTES: never one to stream)."""
         p = self.prepared
         messages = result.messages
         if p is not None and len(messages) == 1:
@@ -300,17 +302,20 @@ class _Answer:
                 and result.epoch == p.epoch
             ):
                 return bulk.from_template(m.seq, p.template)
-        return read_bytes(result, from_seq)
+        return None
 
-    def read_result(self, from_seq: int | None, result: ReadResult) -> bool:
+    def read_result(self, from_seq: int | None, result: ReadResult, body: bytes | None = None) -> bool:
         """Answer a read with `result` (as relay/api/queues.py read_response would, for one
-        not worth streaming); run from a wakeup as it arrives (Waiter.expect): never raises.
-        True when its answer is made (written, or queued behind the answers owed before it)."""
+        not worth streaming; `body`: its answer's body when already made); run from a wakeup
+        as it arrives (Waiter.expect): never raises. True when its answer is made (written,
+        or queued behind the answers owed before it)."""
         conn = self.conn
         try:
             if self.data is not None or conn.transport is None:
                 return False
-            self.data = _ok_bytes(200, self._body(from_seq, result))
+            if body is None:
+                body = self._woken_body(result) or read_bytes(result, from_seq)
+            self.data = _head_bytes(200, len(body)) + body
             self.prepared = None
             conn.flush()
             series = self.series  # counted once written: a woken long-poll's answer goes first
@@ -323,8 +328,16 @@ class _Answer:
 
     def early(self, from_seq: int | None, result: ReadResult) -> bool:
         """relay.service.EarlyAnswer: a long-poll answered from the wakeup that carried its
-        messages, unless the answer is one to stream (its task does that)."""
-        return not bulk.worth_streaming(result.messages) and self.read_result(from_seq, result)
+        messages, unless the answer is one to stream (its task does that). The wake's usual
+        case, the message prepared while Redis stored it, skips the streaming test."""
+        try:
+            body = self._woken_body(result)
+        except Exception as exc:  # runs in an enqueue's reply: never raises
+            self.conn.broken(exc)
+            return False
+        if body is None and bulk.worth_streaming(result.messages):
+            return False
+        return self.read_result(from_seq, result, body)
 
     def done(self) -> bool:
         return self.data is not None
