@@ -1,4 +1,5 @@
--- Shared prelude, prepended to every script by relay/storage/scripts.py.
+-- Shared prelude: relay/storage/scripts.py puts before each script the definitions it uses
+-- (one name per column-0 `local`, its body indented, closed by a column-0 `end`).
 -- fence(state_key): nil when this shard owns the slot; otherwise the reply to
 -- return at once: {'moved', shard, epoch} or {'migrating'} (retryable).
 -- A script that read the state with other keys passes it as `st` (false when absent): an

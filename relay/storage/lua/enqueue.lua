@@ -134,7 +134,7 @@ local function enqueue_one(k, a)
   if redis.call('XLEN', msgs_key) + 1 > cap_msgs then return {'full', 'messages'} end
   if held > cap_bytes then return {'full', 'bytes'} end
 
-  -- Stored. The lost-tail check (prelude check_boot) is folded into this one meta write.
+  -- Stored. The lost-tail check (as the prelude's) is folded into this one meta write.
   local seq = tonumber(meta[3])
   local epoch, created, lost = nil, nil, false
   if not meta[1] then epoch, created = token, now_s end

@@ -536,6 +536,24 @@ def test_restore_epoch(r: redis.Redis) -> None:
     assert not r.exists(other)
 
 
+def test_each_script_gets_only_the_prelude_definitions_it_uses() -> None:
+    parts = scripts.prelude_parts(
+        "-- a\nlocal A = 1\nlocal function f(x)\n  return x + A\nend\n\nlocal function g()\nend\n"
+    )
+    assert [name for name, _ in parts] == ["A", "f", "g"]
+    assert (
+        scripts.prelude_for("return f(1)", parts)
+        == "-- a\nlocal A = 1\nlocal function f(x)\n  return x + A\nend\n"
+    )
+    assert scripts.prelude_for("return 1", parts) == ""
+    with pytest.raises(ValueError, match="not a top-level definition"):
+        scripts.prelude_parts("local x = 1\nprint(x)\n")
+    with pytest.raises(ValueError, match="one name per definition"):
+        scripts.prelude_parts("local x, y = 1, 2\n")
+    assert "local function read_budget" in scripts.READ.source
+    assert "local function read_budget" not in scripts.ENQUEUE.source
+
+
 def test_every_script_file_is_tested_here() -> None:
     """Every lua/*.lua but the prelude is loaded by scripts.py and run by a test above."""
     files = {
