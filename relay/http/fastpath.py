@@ -242,6 +242,11 @@ class _Head(NamedTuple):
     target: bytes = b""  # a read's path and query as sent (what its signature covers)
 
 
+# an enqueue's _Head is built by tuple.__new__: the NamedTuple's own __new__ is a Python frame
+# (~2 µs of the wake's cold path)
+_new_tuple = tuple.__new__
+
+
 class _Pending(NamedTuple):
     """A request whose head was parsed and whose body is still arriving."""
 
@@ -712,7 +717,7 @@ class FastConnection(asyncio.Protocol):
         key, authorization, length = fields
         if length is None or not endpoint.accepts_body(length):
             return None
-        return _Head(line[1], line[2], key, authorization, length)
+        return _new_tuple(_Head, (line[1], line[2], key, authorization, length, None, b""))
 
     def _read_head(self, head: bytes, cut: int) -> _Head | None:
         """The fields of a read's head (no body, no Idempotency-Key), else None."""
