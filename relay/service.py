@@ -193,7 +193,6 @@ class QueueService:
         try:
             while True:
                 route = self.fleet.route(recipient, channel)
-                route.store.expect_enqueue(route.keys)
                 with route.hub.waiting(route.keys.wake) as waiter:
                     await waiter.ready(min(1.0, max(0.0, deadline - loop.time())))
                     while True:

@@ -493,12 +493,6 @@ class ShardStore:
             self._batcher.submit_to(call, call, durable=True, at_once=True)
         return token
 
-    def expect_enqueue(self, q: K.QueueKeys) -> None:
-        """A queue an enqueue will likely name soon (a long-poll waits on it): its enqueue
-        parts encoded now, not by the enqueue that wakes it (~10 µs of the wake's cold path)."""
-        if q.qid not in self._enqueue_parts:
-            self._encode_enqueue_parts(q)
-
     def _encode_enqueue_parts(self, q: K.QueueKeys) -> tuple[bytes, bytes]:
         """The queue's fixed parts of an enqueue item: its keys (state, the queue's own five,
         index, stats: lua/enqueue.lua's order); its qid and wake channel."""
