@@ -46,8 +46,9 @@ class Sweep:
     messages: int
 
 
-def populate(r: redis.Redis, queues: int, now_ms: int) -> None:
-    """`queues` queues of one 256-byte message each, enqueued at `now_ms` by the relay's script."""
+def enqueue_call(k: K.QueueKeys, payload: bytes, now_ms: int, message_id: str, token: str) -> tuple[Any, ...]:
+    """EVALSHA's numkeys, keys and arguments for an enqueue.lua call of one item with the default
+    limits (the order relay/storage/lua/enqueue.lua declares)."""
     limits = QueueLimits()
     fixed = (
         limits.rate_count,
@@ -56,14 +57,17 @@ def populate(r: redis.Redis, queues: int, now_ms: int) -> None:
         limits.max_bytes,
         limits.retention_ms,
     )
+    keys = (k.state, k.meta, k.msgs, k.idem, k.idemx, k.rate, k.index, k.stats)
+    return (len(keys), *keys, *fixed, payload, now_ms, "", "", message_id, k.qid, k.wake, token, "")
+
+
+def populate(r: redis.Redis, queues: int, now_ms: int) -> None:
+    """`queues` queues of one 256-byte message each, enqueued at `now_ms` by the relay's script."""
     r.script_load(scripts.ENQUEUE.source)
     pipe = r.pipeline(transaction=False)
     for n in range(queues):
-        recipient = os.urandom(32)
-        k = K.queue_keys(recipient, b"")
-        keys = (k.state, k.meta, k.msgs, k.idem, k.idemx, k.rate, k.index, k.stats)
-        args = (*fixed, b"x" * 256, now_ms, "", "", "mid", k.qid, k.wake, f"t{n}", "")
-        pipe.evalsha(scripts.ENQUEUE.sha, len(keys), *keys, *args)
+        k = K.queue_keys(os.urandom(32), b"")
+        pipe.evalsha(scripts.ENQUEUE.sha, *enqueue_call(k, b"x" * 256, now_ms, "mid", f"t{n}"))
         if len(pipe) >= 500:
             pipe.execute()
     pipe.execute()
