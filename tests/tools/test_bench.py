@@ -601,6 +601,9 @@ async def test_wake_head_to_head_alternates_a_real_relay_and_nchan(
         assert (r.target, r.params["waiters"], v["probes"], v["unexpected"]) == (r.target, 6, 10, 0)
         assert 0 < v["p50_ms"] <= v["p99_ms"] <= v["max_ms"] < wake.PROBE_TIMEOUT_S * 1000
         assert 0 <= v["answered_p50_ms"] <= v["p50_ms"]
+        # CPU over the ten measured wakes: often under one 10 ms clock tick, but read for both sides
+        assert 0 <= v["server_cpu_us"] < 1e5
+        assert 0 <= v["redis_cpu_us"] < 1e5  # the bench's redis-server was measured: not NaN
     text = report.render(bench.results, "quick", "relayfleet bench", {}, "now", 1.0, 64, [])
     assert "### Wake head to head with nginx + nchan" in text
     assert "| wake long-poll, 6 waiters: relay-1p / nchan-redis p50 | ≤ 1.0 x in every round |" in text
@@ -612,7 +615,8 @@ def _wake_results() -> Results:
     for n, (relay, nchan) in enumerate(((0.8, 1.0), (1.2, 1.0), (0.9, 1.0))):
         for target, p50 in (("relay-1p", relay), ("nchan-redis", nchan)):
             params: dict[str, int | str] = {"mode": "longpoll", "waiters": 1000, "size": 256, "round": n + 1}
-            res.add(Row("wake", target, params, {"p50_ms": p50, "p99_ms": p50 * 2, "probes": 1000.0}))
+            cpu = {"server_cpu_us": 300.0 * p50 + n, "redis_cpu_us": 40.0 * p50 + n}
+            res.add(Row("wake", target, params, {"p50_ms": p50, "p99_ms": p50 * 2, "probes": 1000.0, **cpu}))
     return res
 
 
@@ -626,6 +630,27 @@ def test_report_wake_verdict_needs_every_round() -> None:
     assert "the medians of 3 alternating rounds" in text
     assert "| long-poll | 1,000 | 2 | 1.20 | 2.40 | 1.00 | 2.00 | 1.20 | 1.20 |" in text
     assert "0 of 2 measured wake targets met in every round." in text
+
+
+def test_report_wake_table_shows_cpu_per_wake_of_each_side_and_its_redis() -> None:
+    res = _wake_results()
+    text = report.render(res, "full", "relayfleet bench", {}, "now", 1.0, 64, [])
+    header = (
+        "| mode | waiters | round | relay p50 ms | relay p99 ms | nchan p50 ms | nchan p99 ms "
+        "| p50 relay / nchan | p99 relay / nchan | relay CPU µs/wake | nchan CPU µs/wake "
+        "| relay's Redis CPU µs/wake | nchan's Redis CPU µs/wake |"
+    )
+    assert header in text
+    # round 2: relay 300 x 1.2 + 1 and 40 x 1.2 + 1, nchan 300 x 1.0 + 1 and 40 x 1.0 + 1
+    assert "| long-poll | 1,000 | 2 | 1.20 | 2.40 | 1.00 | 2.00 | 1.20 | 1.20 | 361 | 301 | 49 | 41 |" in text
+    assert "CPU µs/wake = utime + stime over the measured wakes alone" in text
+    assert "in 10 ms clock ticks (±10 µs per wake at 1,000 wakes)." in text
+    # the verdicts stay on p50 / p99 alone: the same as without any CPU figure
+    for r in res.rows:
+        del r.values["server_cpu_us"], r.values["redis_cpu_us"]
+    bare = report.render(res, "full", "relayfleet bench", {}, "now", 1.0, 64, [])
+    assert "| 0.90 (0.90 / 1.00 ms) | 0.80, 1.20, 0.90 | missed (2 of 3 rounds met) |" in bare
+    assert "| long-poll | 1,000 | 2 | 1.20 | 2.40 | 1.00 | 2.00 | 1.20 | 1.20 | - | - | - | - |" in bare
 
 
 async def test_the_wake_set_up_waits_for_quiet_at_most_quiet_max_s(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -619,6 +619,7 @@ def _wake_head_to_head(res: Results) -> list[str]:
                         *(_ms(x.values.get(k)) for x in (r, n) for k in ("p50_ms", "p99_ms")),
                         _ratio(r.values.get("p50_ms"), n.values.get("p50_ms")),
                         _ratio(r.values.get("p99_ms"), n.values.get("p99_ms")),
+                        *(_num(x.values.get(k)) for k in ("server_cpu_us", "redis_cpu_us") for x in (r, n)),
                     ]
                 )
             for key, what in (("p50_ms", "p50"), ("p99_ms", "p99")):
@@ -659,7 +660,12 @@ def _wake_head_to_head(res: Results) -> list[str]:
         "sending the enqueue to the waiter's answer or frame. A woken waiter polls again from its "
         "answer's position (relay `fromSeq`, nchan Etag) or acks (relay live). "
         f"Measured = the medians of {rounds} alternating rounds (who runs first switches every "
-        "round, each run on a freshly started server); per round = each round's ratio, relay / nchan."
+        "round, each run on a freshly started server); per round = each round's ratio, relay / nchan. "
+        "CPU µs/wake = utime + stime over the measured wakes alone (not the set-up or warm-up wakes; "
+        "the gaps between wakes and the idle waiters' upkeep included) ÷ the wakes, of the server's "
+        "own processes (relay process; nginx master + worker) and, apart, of the redis-server, read "
+        f"from /proc in 10 ms clock ticks (±{_num(10_000 / probes) if probes else '-'} µs per wake at "
+        f"{_num(float(probes))} wakes)."
     )
     lines.append("")
     lines += _table(["target", "goal", "measured (relay / nchan)", "per round", "verdict"], verdicts)
@@ -675,6 +681,10 @@ def _wake_head_to_head(res: Results) -> list[str]:
             "nchan p99 ms",
             "p50 relay / nchan",
             "p99 relay / nchan",
+            "relay CPU µs/wake",
+            "nchan CPU µs/wake",
+            "relay's Redis CPU µs/wake",
+            "nchan's Redis CPU µs/wake",
         ],
         detail,
     )

@@ -286,7 +286,7 @@ class Bench:
             t = (await targets.start_nchan(self.procs, redis.url))[1]
         try:
             row = await wake.run(
-                t, mode, waiters, self.plan.wake_probes, scenarios.recipient, scenarios.filler(256)
+                t, mode, waiters, self.plan.wake_probes, scenarios.recipient, scenarios.filler(256), redis
             )
         finally:
             self.stop(t)

@@ -23,11 +23,10 @@ import aiohttp
 import orjson
 import redis.asyncio as aioredis
 from relayfleet_testing.bench import wrk
-from relayfleet_testing.bench.cputime import CpuWindow
 from relayfleet_testing.bench.loadgen import Conn, HttpError, Response, build_request, closed_loop, open_many
 from relayfleet_testing.bench.procs import BenchError, Procs, wait_exit
 from relayfleet_testing.bench.results import Row, percentile
-from relayfleet_testing.bench.targets import RedisServer, Target
+from relayfleet_testing.bench.targets import CpuMeter, RedisServer, Target
 
 from relay.storage import keys as K
 from relay.storage import scripts
@@ -205,18 +204,10 @@ async def enqueue(
     threads = len(target.ports)  # one wrk thread per server process
     if run.warmup:
         await wrk.run(run.procs, target.urls(), scripts_, connections, threads, run.warmup, "wrk-warmup")
-    if redis is not None:
-        await redis.settle()
-    server0 = target.cpu_seconds()
-    redis0 = redis.cpu_seconds() if redis is not None else 0.0
+    meter = await CpuMeter.open(target, redis)
     res = await wrk.run(run.procs, target.urls(), scripts_, connections, threads, run.seconds, "wrk")
-    server_s = target.cpu_seconds() - server0
-    redis_s = math.nan
-    if redis is not None:
-        await redis.settle()
-        redis_s = redis.cpu_seconds() - redis0
+    cpu = await meter.close(max(0, res.requests - res.errors))
     target.check_alive()
-    cpu = CpuWindow(server_s, redis_s, max(0, res.requests - res.errors))
     note = "no request completed within the run" if res.requests == 0 else ""
     if res.errors:
         note = await diagnose(

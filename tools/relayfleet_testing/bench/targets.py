@@ -7,6 +7,7 @@ and runs against the relay, the aiohttp ceiling and nginx + nchan alike.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import re
 import resource
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis.asyncio as aioredis
-from relayfleet_testing.bench.cputime import total_cpu_seconds
+from relayfleet_testing.bench.cputime import CpuWindow, total_cpu_seconds
 from relayfleet_testing.bench.loadgen import Conn, HttpError
 from relayfleet_testing.bench.procs import BenchError, Child, Procs, child_pids, free_port, rss_kib, wait_port
 
@@ -160,6 +161,35 @@ class RedisServer:
         finally:
             await client.aclose()
         return float(info["used_memory"]) / (1 << 20)
+
+
+class CpuMeter:
+    """The CPU a server and its Redis spend over one window of a run (cputime.CpuWindow).
+
+    The window opens once Redis has no fork running or scheduled; the server's reading
+    closes at ``close``, Redis's after any fork the window started has finished, so an AOF
+    rewrite the run caused is counted and one before it is not. Without Redis its figure
+    is NaN.
+    """
+
+    def __init__(self, target: Target, redis: RedisServer | None, server0: float, redis0: float) -> None:
+        self.target, self.redis = target, redis
+        self._server0, self._redis0 = server0, redis0
+
+    @classmethod
+    async def open(cls, target: Target, redis: RedisServer | None) -> CpuMeter:
+        if redis is None:
+            return cls(target, None, target.cpu_seconds(), 0.0)
+        await redis.settle()
+        return cls(target, redis, target.cpu_seconds(), redis.cpu_seconds())
+
+    async def close(self, messages: int) -> CpuWindow:
+        server_s = self.target.cpu_seconds() - self._server0
+        redis_s = math.nan
+        if self.redis is not None:
+            await self.redis.settle()
+            redis_s = self.redis.cpu_seconds() - self._redis0
+        return CpuWindow(server_s, redis_s, messages)
 
 
 async def _rewrite_aof(client: aioredis.Redis) -> None:

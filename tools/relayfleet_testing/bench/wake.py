@@ -7,6 +7,11 @@ waiter, the next only after the previous wake arrived (and a short gap, so the w
 waiter's follow-up is done). The figure is the time from sending the enqueue to the last
 byte of the waiter's answer or frame, stamped where the bytes arrive (loadgen, wsclient).
 
+CPU per wake: utime + stime of the server's processes (relay process; nginx master and
+worker) and of its redis-server over the measured probes alone (not the set-up, not the
+warm-up probes), gaps and idle waiters' upkeep included, ÷ the measured wakes
+(targets.CpuMeter, as the enqueue's CPU per message).
+
 Each waiter keeps its server's contract: a woken relay long-poll polls again from the
 answer's ``nextSeq`` (docs/api.md), a nchan long-poll from the answer's Etag and
 Last-Modified; a relay live socket acks each message. The probe goes to a waiter parked
@@ -25,7 +30,7 @@ import orjson
 from relayfleet_testing.bench.loadgen import Conn, HttpError, Response, build_request, gather_bounded
 from relayfleet_testing.bench.procs import BenchError
 from relayfleet_testing.bench.results import Row, percentile
-from relayfleet_testing.bench.targets import Target
+from relayfleet_testing.bench.targets import CpuMeter, RedisServer, Target
 from relayfleet_testing.bench.wsclient import WsConn
 
 MODES = ("longpoll", "websocket")
@@ -219,6 +224,17 @@ async def probe(target: Target, writer: Conn, waiter: _Waiter, body: bytes) -> t
     return (done - sent) * 1000, max(0.0, done - answer.done) * 1000
 
 
+async def _wakes(
+    target: Target, writer: Conn, waiters: list[_Waiter], body: bytes, gap_s: float
+) -> list[tuple[float, float]]:
+    """One probe to each of ``waiters`` in turn, ``gap_s`` after each wake: their timings."""
+    timings = []
+    for waiter in waiters:
+        timings.append(await probe(target, writer, waiter, body))
+        await asyncio.sleep(gap_s)
+    return timings
+
+
 async def run(
     target: Target,
     mode: str,
@@ -226,10 +242,12 @@ async def run(
     probes: int,
     recipients: Callable[[], bytes],
     body: bytes,
+    redis: RedisServer | None = None,
     warmup: int = 20,
     gap_s: float = 0.002,
 ) -> Row:
-    """Park ``waiters`` waiters on ``target``, then ``warmup`` + ``probes`` sequential wakes."""
+    """Park ``waiters`` waiters on ``target``, then ``warmup`` + ``probes`` sequential wakes;
+    the CPU ``target`` and ``redis`` spend per measured wake (Redis's NaN without ``redis``)."""
     started = time.perf_counter()
     parked: list[_Waiter] = []
 
@@ -247,23 +265,18 @@ async def run(
         await wait_registered(target, mode, waiters)
         setup_s = time.perf_counter() - started
         writer = await Conn.open(target.host, target.ports[0])
-        sent_to_woken: list[float] = []
-        answered_to_woken: list[float] = []
-        woken_first = 0
-        for i in range(warmup + probes):
-            e2e, after = await probe(target, writer, parked[i % len(parked)], body)
-            if i >= warmup:
-                sent_to_woken.append(e2e)
-                answered_to_woken.append(after)
-                woken_first += after == 0.0
-            await asyncio.sleep(gap_s)
+        order = [parked[i % len(parked)] for i in range(warmup + probes)]  # round-robin
+        await _wakes(target, writer, order[:warmup], body, gap_s)
+        meter = await CpuMeter.open(target, redis)
+        timings = await _wakes(target, writer, order[warmup:], body, gap_s)
+        cpu = await meter.close(len(timings))
         target.check_alive()
     finally:
         if writer is not None:
             writer.close()
         await _close(parked)
-    sent_to_woken.sort()
-    answered_to_woken.sort()
+    sent_to_woken = sorted(e2e for e2e, _ in timings)
+    answered_to_woken = sorted(after for _, after in timings)
     return Row(
         "wake",
         target.name,
@@ -274,10 +287,11 @@ async def run(
             "max_ms": sent_to_woken[-1],
             "answered_p50_ms": percentile(answered_to_woken, 50),
             "answered_p99_ms": percentile(answered_to_woken, 99),
-            "woken_first": float(woken_first),
+            "woken_first": float(sum(after == 0.0 for after in answered_to_woken)),
             "probes": float(len(sent_to_woken)),
             "unexpected": float(sum(w.unexpected for w in parked)),
             "setup_s": setup_s,
+            **cpu.values(),  # server_cpu_us, redis_cpu_us, cpu_us: per measured wake
         },
     )
 
