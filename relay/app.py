@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import hdrs, web
 from yarl import URL
 
-from relay import metrics, push, shard_health
+from relay import busy_poll, metrics, push, shard_health
 from relay.api import didcomm, fanout, health, inbox, live, openapi, pickup, queues
 from relay.api.auth import Authenticator
 from relay.api.context import CTX, Context
@@ -199,6 +199,8 @@ async def serve(
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
     logsafe.install()
     nofile = raise_nofile_limit()
+    # before any connection opens: it counts the store replies awaited from the first
+    busy_poll.install(asyncio.get_running_loop(), settings.busy_poll_us, settings.busy_poll_share)
     fleet = await start_fleet(shard_map, settings, source)
     app = build_app(settings, fleet)
     if settings.auth == "none":

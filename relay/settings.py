@@ -71,6 +71,12 @@ RELAY_ENV: tuple[EnvVar, ...] = (
         "10000",
         "net allocations between young garbage-collector passes (CPython's default: 700)",
     ),
+    EnvVar(
+        "RELAY_BUSY_POLL_US",
+        "2000",
+        "after I/O, poll for the next this long rather than sleep (0: off; docs/configuration.md)",
+    ),
+    EnvVar("RELAY_BUSY_POLL_SHARE", "0.5", "busy-polling takes at most this share of one core"),
     EnvVar("RELAY_SHUTDOWN_DELAY_SECONDS", "0", "keep serving this long after SIGTERM before draining"),
     EnvVar("RELAY_DIDCOMM_REDELIVER_S", "10", "a Pickup delivery not acknowledged goes out again after"),
 )
@@ -216,6 +222,10 @@ class Settings:
     max_rss_mb: int = 0
     # Young garbage-collector passes every this many net allocations (relay/gc_tuning.py).
     gc_young_threshold: int = 10_000
+    # After I/O the loop polls for the next event this long (µs) rather than sleep, within a
+    # share of one core (relay/busy_poll.py); 0: off.
+    busy_poll_us: int = 2000
+    busy_poll_share: float = 0.5
     fleet: str = "default"
     shutdown_delay_s: float = 0.0  # keep serving after SIGTERM (endpoints catch up), then drain
     credentials_dir: str | None = None  # RELAY_REDIS_CREDENTIALS_DIR: full shard URLs, one file each
@@ -263,6 +273,8 @@ class Settings:
             "max_rss_mb": env_int("RELAY_MAX_RSS_MB", d.max_rss_mb),
             "shutdown_delay_s": max(0.0, env_float("RELAY_SHUTDOWN_DELAY_SECONDS", d.shutdown_delay_s)),
             "gc_young_threshold": max(1, env_int("RELAY_GC_YOUNG_THRESHOLD", d.gc_young_threshold)),
+            "busy_poll_us": min(100_000, max(0, env_int("RELAY_BUSY_POLL_US", d.busy_poll_us))),
+            "busy_poll_share": min(1.0, max(0.0, env_float("RELAY_BUSY_POLL_SHARE", d.busy_poll_share))),
         }
         values.update(flags)
         return cls(**values)

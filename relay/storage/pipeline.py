@@ -19,6 +19,7 @@ import hiredis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from relay import busy_poll
 from relay.fleet.sharding import is_sentinel_url
 from relay.storage import sentinel
 from relay.storage.boot import mark_boot
@@ -198,12 +199,16 @@ def _with_wait(
 
 
 class _Batch:
-    __slots__ = ("deadline", "items", "may_reload", "pos", "retry")
+    __slots__ = ("busy", "deadline", "items", "may_reload", "pos", "retry")
 
-    def __init__(self, items: list[_Item], may_reload: bool) -> None:
+    def __init__(self, items: list[_Item], may_reload: bool, lone: bool = False) -> None:
         self.items = items
         self.pos = 0
         self.may_reload = may_reload
+        # A lone command written on an idle connection (ScriptBatcher.write_now): the loop
+        # may busy-poll for its reply; while any other batch is awaited it may not, so that
+        # under load Redis and the clients keep the CPU (relay/busy_poll.py).
+        self.busy = not lone
         self.retry: list[_Item] = []
         self.deadline = 0.0  # loop time by which its replies must have come (_Resp.send)
 
@@ -229,6 +234,7 @@ class _Resp(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
 
     def data_received(self, data: bytes) -> None:
+        busy_poll.event()
         self.reader.feed(data)
         waiting = self.waiting
         while True:
@@ -259,6 +265,8 @@ class _Resp(asyncio.Protocol):
                     sink.set_result(reply)
             if batch.pos == len(batch.items):
                 waiting.popleft()
+                if batch.busy:
+                    busy_poll.awaiting(-1)
                 self.owner._batch_done(batch)
             if self.demoted:
                 # This node no longer takes writes: drop the connection so the next one
@@ -293,6 +301,8 @@ class _Resp(asyncio.Protocol):
         if timeout is None:
             timeout = self.owner.reply_timeout(size, len(batch.items))
         self.waiting.append(batch)
+        if batch.busy:
+            busy_poll.awaiting(1)
         loop = asyncio.get_running_loop()
         batch.deadline = deadline = loop.time() + timeout
         if self._timer is None or deadline < self._timer_at:
@@ -327,6 +337,7 @@ class _Resp(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         waiting, self.waiting = self.waiting, deque()
+        busy_poll.awaiting(-sum([batch.busy for batch in waiting]))
         for batch in waiting:
             if failover:  # refused (and what followed was refused too): nothing ran
                 _fail(batch.items[batch.pos :] + batch.retry, StoreFailover(reason))
@@ -467,7 +478,7 @@ class ScriptBatcher:
         conn = self._conn
         assert conn is not None
         self._inflight += 1
-        conn.track(_Batch([(command, sink)], may_reload=True), len(command))
+        conn.track(_Batch([(command, sink)], may_reload=True, lone=True), len(command))
 
     async def close(self) -> None:
         self._closed = True

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from relay import busy_poll
 from relay.fleet.sharding import is_sentinel_url
 from relay.storage import keys as K
 from relay.storage import sentinel
@@ -509,6 +510,7 @@ class WakeupHub:
             if data == b"":
                 raise ConnectionError("closed by server")
             if data:
+                busy_poll.event()
                 last_data = now
                 for msg in conn.received(data):
                     self._dispatch(msg)
