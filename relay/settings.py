@@ -73,7 +73,7 @@ RELAY_ENV: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "RELAY_BUSY_POLL_US",
-        "2000",
+        "0",
         "after I/O, poll for the next this long rather than sleep (0: off; docs/configuration.md)",
     ),
     EnvVar("RELAY_BUSY_POLL_SHARE", "0.5", "busy-polling takes at most this share of one core"),
@@ -223,8 +223,8 @@ class Settings:
     # Young garbage-collector passes every this many net allocations (relay/gc_tuning.py).
     gc_young_threshold: int = 10_000
     # After I/O the loop polls for the next event this long (µs) rather than sleep, within a
-    # share of one core (relay/busy_poll.py); 0: off.
-    busy_poll_us: int = 2000
+    # share of one core (relay/busy_poll.py); 0 (the default): off, it costs CPU.
+    busy_poll_us: int = 0
     busy_poll_share: float = 0.5
     fleet: str = "default"
     shutdown_delay_s: float = 0.0  # keep serving after SIGTERM (endpoints catch up), then drain

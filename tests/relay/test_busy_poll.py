@@ -1,6 +1,6 @@
 """The loop's busy-poll window after I/O (relay/busy_poll.py): it polls for a bounded time
 after an event, never while a batched store call is awaited, within its CPU budget, and the
-loop sleeps again afterwards; the relay process runs with it on by default."""
+loop sleeps again afterwards; the relay process runs with it when RELAY_BUSY_POLL_US is set."""
 
 from __future__ import annotations
 
@@ -72,16 +72,14 @@ async def test_no_polling_while_a_batched_store_call_is_awaited(installed: None)
 
 
 async def test_the_budget_bounds_polling_to_a_share_of_a_core(installed: None) -> None:
-    busy_poll.install(asyncio.get_running_loop(), 400_000, 0.05)  # 50 ms a second at most
+    busy_poll.install(asyncio.get_running_loop(), 50_000, 0.2)  # a 20 ms burst, then 20 %
     spun, by_budget = metrics.BUSY_POLL_SECONDS.value, windows("budget")
-    busy_poll.event()
-    await asyncio.sleep(0.2)
-    assert windows("budget") == by_budget + 1
-    first = metrics.BUSY_POLL_SECONDS.value - spun
-    assert 0.04 <= first <= 0.08
-    busy_poll.event()  # spent: ~10 ms refilled in those 200 ms
-    await asyncio.sleep(0.1)
-    assert metrics.BUSY_POLL_SECONDS.value - spun - first <= 0.03
+    started = time.perf_counter()
+    while time.perf_counter() - started < 0.3:  # I/O every 10 ms: unbounded, it never sleeps
+        busy_poll.event()
+        await asyncio.sleep(0.01)
+    assert windows("budget") > by_budget
+    assert 0.04 <= metrics.BUSY_POLL_SECONDS.value - spun <= 0.1  # ~20 ms + 20 % of 300
 
 
 async def test_off_does_nothing(installed: None) -> None:
@@ -130,7 +128,7 @@ async def test_store_calls_awaited_are_counted_back_to_zero(
 
 def test_settings_bound_the_window_and_the_share(monkeypatch: pytest.MonkeyPatch) -> None:
     d = Settings.from_env()
-    assert (d.busy_poll_us, d.busy_poll_share) == (2000, 0.5)
+    assert (d.busy_poll_us, d.busy_poll_share) == (0, 0.5)
     monkeypatch.setenv("RELAY_BUSY_POLL_US", "10000000")
     monkeypatch.setenv("RELAY_BUSY_POLL_SHARE", "3")
     s = Settings.from_env()
@@ -155,7 +153,8 @@ def _metric(url: str, line_start: str) -> float:
 def test_the_relay_process_polls_after_requests_and_sleeps_when_idle(
     redis_server: LocalRedis, tmp_path: Path
 ) -> None:
-    relay = spawn_relay(["--redis-url", redis_server.url], tmp_path)
+    env = {"RELAY_BUSY_POLL_US": "2000"}
+    relay = spawn_relay(["--redis-url", redis_server.url], tmp_path, env=env)
     try:
         wait_ready(relay)
         for i in range(20):
