@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import re
@@ -158,7 +157,7 @@ async def test_longpoll_memory_and_wakeups_on_a_real_relay(
     idle = scenarios.IdlePolls(target)
     try:
         await idle.grow(20)
-        await asyncio.sleep(0.2)
+        await scenarios.parked(target, 20)  # the relay's waiter gauge counts all 20
         values = await scenarios.wake_probes(target, 10, 256, 0.003)
     finally:
         await idle.close()

@@ -372,7 +372,8 @@ def _longpoll(res: Results) -> list[str]:
     lines.append(
         "Sequential probes on one server process while N other long-polls sit idle on it (each on its "
         "own queue). wake = enqueue answered → waiting reader answered (0 when the reader was answered "
-        "first); e2e = enqueue sent → reader answered. RSS/poll = (RSS with N idle - RSS before) ÷ N."
+        "first); e2e = enqueue sent → reader answered. RSS/poll = (RSS with N idle - RSS before) ÷ N, "
+        "RSS with N idle sampled once the server reports all N waiting (the aiohttp ceiling: after 1 s)."
     )
     lines.append("")
     lines += _table(

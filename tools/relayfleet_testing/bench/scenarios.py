@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 import redis.asyncio as aioredis
-from relayfleet_testing.bench import wrk
+from relayfleet_testing.bench import wake, wrk
 from relayfleet_testing.bench.loadgen import Conn, HttpError, Response, build_request, closed_loop, open_many
 from relayfleet_testing.bench.procs import BenchError, Procs, wait_exit
 from relayfleet_testing.bench.results import Row, percentile
@@ -450,6 +450,17 @@ async def wake_probes(target: Target, probes: int, size: int, settle_s: float) -
     }
 
 
+async def parked(target: Target, n: int) -> None:
+    """Until the server holds all `n` idle polls parked: RSS per idle poll is sampled then, not
+    after a fixed sleep, which at 10,000 caught a slower server with a quarter of them still
+    being set up (RSS still rising). The relay and nchan say how many wait (the wake phase's
+    wake.wait_registered); the aiohttp ceiling cannot, so it gets the fixed sleep."""
+    if target.kind == "aiohttp":
+        await asyncio.sleep(1.0 if n >= 1000 else 0.2)
+    else:
+        await wake.wait_registered(target, "longpoll", n)
+
+
 async def longpoll(target: Target, idle_levels: list[int], probes: int, size: int = 256) -> list[Row]:
     """Wake latency with N idle long-polls parked on the same process, and RSS per idle poll.
 
@@ -460,10 +471,11 @@ async def longpoll(target: Target, idle_levels: list[int], probes: int, size: in
     settle = 0.002
     try:
         await wake_probes(target, 20, size, settle)  # warm-up: imports, first allocations
+        await parked(target, 0)  # and the first count asked for (/metrics rendered once) before RSS
         base_rss = target.rss_kib()
         for n in idle_levels:
             await idle.grow(n)
-            await asyncio.sleep(1.0 if n >= 1000 else 0.2)  # let the server park every poll
+            await parked(target, n)
             target.check_alive()
             rss = target.rss_kib()
             values = await wake_probes(target, probes, size, settle)
