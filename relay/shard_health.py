@@ -5,16 +5,18 @@ Two cadences:
   and persistence of every shard that answered: three round trips per shard.
 - load (at most every RELAY_SHARD_STATS_INTERVAL_S s, default 30, and only when
   /metrics was scraped since the last read, so an unscraped relay costs the shards
-  nothing): the slots the map gives the shard, read by lua/slot_sweep.lua SWEEP_SLOTS
-  (64) slots a call, one call a round trip: Redis reads each slot's state, statistics
-  and queue count and answers only for the slots holding anything, and the loop serves
-  requests between two calls. A shard of 16,384 slots holding 10,000 queues costs the
-  relay ~0.15-0.2 s of CPU in pieces of ~1 ms, and Redis ~0.1-0.15 s in calls of
-  ~0.3-0.5 ms (docs/benchmarks.md); redis-py pipelining three commands per slot cost the
-  relay ~1.1-1.5 s in pieces of 35-60 ms, the whole tail of a 10,000-waiter wake. Only
-  the relay holding the shard's stats lease (a key on the shard, 3 intervals long,
-  renewed by each read) does it: N relays sweep a shard once per interval, not N times,
-  and the load gauges of a shard come from one relay at a time (others drop theirs).
+  nothing): the slots the map gives the shard, read by lua/slot_sweep.lua LOAD_SLOTS
+  (32) slots a call, one call a round trip on the store's bulk lane (its own connection,
+  packed as the hot path packs; not redis-py, whose Python packer cost ~0.4 ms a call):
+  Redis sums the slots' statistics and queue counts and answers only the totals, so the
+  relay does nothing per slot, and the loop serves requests between two calls. A shard
+  of 16,384 slots holding 10,000 queues costs the relay ~0.08-0.11 s of CPU in pieces
+  under ~0.5 ms, and Redis ~0.12-0.17 s in calls of ~0.2-0.3 ms (docs/benchmarks.md,
+  "Pacing the shard load sweep": pauses between smaller calls cost 1.5-3x the CPU, every
+  call finding Redis and the relay cold, for no wake gain). Only the relay holding the
+  shard's stats lease (a key on the shard, 3 intervals long, renewed by each read) does
+  it: N relays sweep a shard once per interval, not N times, and the load gauges of a
+  shard come from one relay at a time (others drop theirs).
 
 Gauges carry a `shard` label only: shards are few, queues and slots never become labels.
 """
@@ -41,10 +43,7 @@ from relay import metrics
 from relay.api.context import CTX
 from relay.fleet.routing import ShardRouter
 from relay.storage import keys as K
-from relay.storage import script_runner, scripts
-from relay.storage.maintenance import SWEEP_SLOTS, stat_fields, sweep_call, sweep_stats
-from relay.storage.script_runner import ScriptLoadFailed
-from relay.storage.store import ShardStore
+from relay.storage.store import ShardStore, StoreRejected, StoreUnavailable
 
 log = logging.getLogger("relay.shard_health")
 
@@ -106,28 +105,26 @@ async def read_health(store: ShardStore) -> dict[str, float]:
     }
 
 
+# Slots a read_load call: ~0.2-0.3 ms of Redis, a few tens of µs of the relay's loop
+# (docs/benchmarks.md); the batch readers (maintenance) keep SWEEP_SLOTS.
+LOAD_SLOTS = 32
+
+
 async def read_load(store: ShardStore, slots: list[int], now_ms: int) -> ShardLoad:
     """Totals over the given slots (the ones the map gives this shard); moved slots count for nothing.
-    One slot_sweep.lua call per round trip: the loop serves requests between two."""
+    One slot_sweep.lua call of LOAD_SLOTS slots a round trip, answering only its totals: the
+    loop serves requests between two, and Redis serves the other connections."""
     messages = size = queues = migrating = 0
     rate = 0.0
-    fields = stat_fields(now_ms)
-    for i in range(0, len(slots), SWEEP_SLOTS):
-        chunk = slots[i : i + SWEEP_SLOTS]
-        (reply,) = await script_runner.run_async(
-            store.client, [sweep_call(chunk, fields)], (scripts.SLOT_SWEEP,), "all"
+    for i in range(0, len(slots), LOAD_SLOTS):
+        chunk_messages, chunk_bytes, chunk_queues, chunk_rate, chunk_migrating = await store.sweep_totals(
+            slots[i : i + LOAD_SLOTS], now_ms
         )
-        if isinstance(reply, Exception):
-            raise reply
-        for slot in sweep_stats(chunk, reply, now_ms):  # only the slots that hold anything
-            if slot.state is not None and slot.state.startswith("moved"):
-                continue
-            if slot.state in ("migrating", "importing"):
-                migrating += 1
-            messages += slot.msgs
-            size += slot.bytes
-            queues += slot.queues
-            rate += slot.rate
+        messages += chunk_messages
+        size += chunk_bytes
+        queues += chunk_queues
+        rate += chunk_rate
+        migrating += chunk_migrating
     return ShardLoad(messages, size, queues, rate, len(slots), migrating)
 
 
@@ -200,7 +197,7 @@ class ShardHealth:
                 return
             slots = self.fleet.map.slots_of(name)
             load = await read_load(store, slots, int(time.time() * 1000))
-        except (RedisError, OSError, ScriptLoadFailed) as exc:
+        except (RedisError, OSError, StoreUnavailable, StoreRejected) as exc:
             log.warning("shard %s: reading slot statistics failed: %s", name, type(exc).__name__)
             return
         metrics.SHARD_MESSAGES.labels(name).set(load.messages)

@@ -31,8 +31,10 @@ __all__ = [
     "TrimPolicy",
     "slot_load",
     "stat_fields",
+    "sweep_args",
     "sweep_call",
     "sweep_stats",
+    "sweep_totals",
 ]
 
 _MINUTE_MS = 60_000
@@ -105,11 +107,28 @@ def slot_load(values: Sequence[Any], now_ms: int) -> tuple[int, int, float]:
 _STAT_FIELDS = len(stat_fields(0))
 
 
-def sweep_call(slots: Sequence[int], fields: Sequence[str]) -> tuple[Any, ...]:
-    """The slot_sweep.lua call reading these slots' state, `fields` of their statistics and
-    their queue count (at most SWEEP_SLOTS slots a call)."""
+def sweep_args(
+    slots: Sequence[int], fields: Sequence[str], totals_at: int | None = None
+) -> tuple[list[str], list[str]]:
+    """KEYS and ARGV of the slot_sweep.lua call reading these slots' state, `fields` of their
+    statistics and their queue count (at most SWEEP_SLOTS slots a call): a row per slot
+    holding anything (`sweep_stats`), or with `totals_at` (ms; `fields` = stat_fields(totals_at))
+    only the batch's totals (`sweep_totals`)."""
     keys = [key for s in slots for key in (K.slot_state(s), K.slot_stats(s), K.slot_index(s))]
-    return script_runner.evalsha(scripts.SLOT_SWEEP, keys, fields)
+    minute = "" if totals_at is None else str(totals_at - totals_at % _MINUTE_MS)
+    return keys, [minute, *fields]
+
+
+def sweep_call(slots: Sequence[int], fields: Sequence[str]) -> tuple[Any, ...]:
+    """The EVALSHA of `sweep_args` for rows, for script_runner."""
+    return script_runner.evalsha(scripts.SLOT_SWEEP, *sweep_args(slots, fields))
+
+
+def sweep_totals(reply: Sequence[Any]) -> tuple[int, int, int, float, int]:
+    """Messages, bytes, queues, enqueues per minute and migrating slots of a `sweep_call` with
+    `totals_at`: over its slots, moved ones left out, each read as `slot_load` reads it."""
+    messages, nbytes, queues, rate, migrating = (int(v) for v in reply)
+    return messages, nbytes, queues, float(rate), migrating
 
 
 def sweep_stats(slots: Sequence[int], reply: Sequence[Any], now_ms: int) -> Iterator[SlotStats]:

@@ -80,11 +80,24 @@ DC_SET = _load("dc_set", _PRELUDE)
 DC_CLAIM = _load("dc_claim", _PRELUDE)
 DC_LIST = _load("dc_list", _PRELUDE)
 
-ALL: tuple[Script, ...] = (ENQUEUE, READ, DRAIN, ACK, STATUS, NONCE, TRIM, DC_GET, DC_SET, DC_CLAIM, DC_LIST)
-
-# The slots' load statistics in batches (relay.shard_health, relay.storage.maintenance): a
-# background read through script_runner, never on the hot path, so not in ALL.
+# The slots' load statistics in batches (relay.shard_health through a relay's bulk lane,
+# relay.storage.maintenance through script_runner).
 SLOT_SWEEP = _load("slot_sweep", _PRELUDE)
+
+ALL: tuple[Script, ...] = (
+    ENQUEUE,
+    READ,
+    DRAIN,
+    ACK,
+    STATUS,
+    NONCE,
+    TRIM,
+    DC_GET,
+    DC_SET,
+    DC_CLAIM,
+    DC_LIST,
+    SLOT_SWEEP,
+)
 
 # Migration steps (relay.fleet.migration); relays never run them, so not in ALL.
 SLOT_STATE = _load("slot_state", _PRELUDE)

@@ -473,7 +473,7 @@ def test_slot_sweep_reports_only_the_slots_holding_anything(r: redis.Redis) -> N
     slots = [SLOT + 5, SLOT, SLOT + 1, SLOT + 2, SLOT + 3, SLOT + 4]  # SLOT + 5: no keys at all
     fields = stat_fields(NOW)
     keys = [k for s in slots for k in (K.slot_state(s), K.slot_stats(s), K.slot_index(s))]
-    reply = run(r, scripts.SLOT_SWEEP, keys, fields)
+    reply = run(r, scripts.SLOT_SWEEP, keys, ["", *fields])
     stride = 3 + len(fields)
     rows = [reply[i : i + stride] for i in range(0, len(reply), stride)]
     assert [row[0] for row in rows] == [2, 3, 4, 6]
@@ -483,7 +483,7 @@ def test_slot_sweep_reports_only_the_slots_holding_anything(r: redis.Redis) -> N
         assert queues == r.scard(K.slot_index(slot))
         assert values == r.hmget(K.slot_stats(slot), fields)
     assert slot_load(rows[0][3:], NOW) == (1, 3, 1.0)
-    assert run(r, scripts.SLOT_SWEEP, keys[:3], fields) == []  # an empty slot: nothing to decode
+    assert run(r, scripts.SLOT_SWEEP, keys[:3], ["", *fields]) == []  # an empty slot: nothing to decode
 
 
 def test_import_stamp_and_boot_mark(r: redis.Redis) -> None:

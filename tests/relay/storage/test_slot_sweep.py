@@ -19,7 +19,7 @@ from relayfleet_testing.bench.sweep_cost import populate
 from relayfleet_testing.localredis import LocalRedis
 
 from relay.fleet.sharding import SLOT_COUNT
-from relay.shard_health import MONITOR, ShardLoad, read_load
+from relay.shard_health import LOAD_SLOTS, MONITOR, ShardLoad, read_load
 from relay.storage import keys as K
 from relay.storage.limits import QueueLimits
 from relay.storage.maintenance import SWEEP_SLOTS, ShardMaintenance, SlotStats, slot_load, stat_fields
@@ -115,7 +115,7 @@ async def test_read_load_totals_match_each_slots_keys(redis_server: LocalRedis, 
     try:
         r.config_resetstat()
         assert await read_load(store, ALL, NOW) == expected
-        assert script_calls(r) == math.ceil(SLOT_COUNT / SWEEP_SLOTS)
+        assert script_calls(r) == math.ceil(SLOT_COUNT / LOAD_SLOTS)
         # a shard holding some of the slots: only those are read
         half = ALL[: SLOT_COUNT // 2]
         load = await read_load(store, half, NOW)
@@ -123,6 +123,40 @@ async def test_read_load_totals_match_each_slots_keys(redis_server: LocalRedis, 
         assert load.queues == sum(s.queues for s in one_by_one(r, half, NOW) if s.slot != kinds["moved"])
     finally:
         await store.close()
+
+
+async def test_read_load_reads_totals_in_small_calls_beside_the_store(
+    redis_server: LocalRedis, r: redis.Redis
+) -> None:
+    """The relay's sweep reads LOAD_SLOTS slots a call and gets only their totals back, on the
+    store's bulk lane: a stream of store calls on the hot lane keeps being answered while it
+    runs (the sweep never holds either for more than one small call), and a Redis that lost
+    its scripts (a restart, a failover) is given them again."""
+    populate(r, 2000, NOW)
+    slots = ALL[: 64 * LOAD_SLOTS]
+    store = ShardStore("s", redis_server.url, QueueLimits())
+    await store.start()
+    try:
+        r.script_flush()
+        alone = await read_load(store, slots, NOW)
+        r.config_resetstat()
+        served = 0
+
+        async def stream() -> None:
+            nonlocal served
+            while not sweep.done():
+                assert await store.ping()
+                served += 1
+
+        sweep = asyncio.get_running_loop().create_task(read_load(store, slots, NOW))
+        await stream()
+        beside = await sweep
+    finally:
+        await store.close()
+    assert beside == alone
+    assert alone.queues == sum(s.queues for s in one_by_one(r, slots, NOW))
+    assert script_calls(r) == math.ceil(len(slots) / LOAD_SLOTS)
+    assert served >= 8
 
 
 async def test_the_loop_serves_requests_between_a_sweeps_batches(
@@ -171,6 +205,6 @@ async def test_the_loop_serves_requests_between_a_sweeps_batches(
         gc.enable()
     assert load.queues == 20_000
     with redis.Redis.from_url(redis_server.url) as r:
-        assert script_calls(r) == len(slots) // SWEEP_SLOTS
+        assert script_calls(r) == len(slots) // LOAD_SLOTS
     assert served >= len(slots) // 512
     assert longest < 0.010
