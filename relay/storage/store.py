@@ -51,6 +51,7 @@ __all__ = [
     "StoreRejected",
     "StoreUnavailable",
     "enqueue_outcome",
+    "new_tuple",
 ]
 
 
@@ -86,7 +87,9 @@ class EnqueueRequest(NamedTuple):
         return hashlib.sha256(self.payload).hexdigest() if self.idempotency_key else ""
 
 
-_new_tuple = tuple.__new__
+# Builds a NamedTuple on a hot path without its own __new__, a Python frame (~2 µs of the
+# wake's cold path): new_tuple(Cls, (field, ...)), every field given, in order.
+new_tuple = tuple.__new__
 
 
 class EnqueueOutcome(NamedTuple):  # a tuple: built on every enqueue, cheaper than a frozen dataclass
@@ -227,8 +230,7 @@ def _messages(entries: list[Any]) -> list[Message]:
 def enqueue_outcome(raw: Any) -> EnqueueOutcome:
     """What enqueue.lua answered; SlotMoved / SlotMigrating for a fenced slot."""
     if raw[0] == b"ok":  # nearly every reply: Lua's numbers arrive as RESP integers
-        # tuple.__new__: the NamedTuple's own __new__ is a Python frame in the wake's path
-        return _new_tuple(EnqueueOutcome, ("stored", raw[1], 0, raw[2], "", raw[3] if len(raw) > 3 else b""))
+        return new_tuple(EnqueueOutcome, ("stored", raw[1], 0, raw[2], "", raw[3] if len(raw) > 3 else b""))
     reply = _check(raw)
     tag = reply[0]
     if tag == b"dup":
