@@ -199,16 +199,17 @@ def _with_wait(
 
 
 class _Batch:
-    __slots__ = ("busy", "deadline", "items", "may_reload", "pos", "retry")
+    __slots__ = ("batched", "deadline", "items", "may_reload", "pos", "retry")
 
     def __init__(self, items: list[_Item], may_reload: bool, lone: bool = False) -> None:
         self.items = items
         self.pos = 0
         self.may_reload = may_reload
-        # A lone command written on an idle connection (ScriptBatcher.write_now): the loop
-        # may busy-poll for its reply; while any other batch is awaited it may not, so that
-        # under load Redis and the clients keep the CPU (relay/busy_poll.py).
-        self.busy = not lone
+        # Counted as awaited by busy_poll.awaiting while in flight, so the loop does not
+        # busy-poll then: under load Redis and the clients keep the CPU (relay/busy_poll.py).
+        # Not a lone command written on an idle connection (ScriptBatcher.write_now, the
+        # wake's enqueue): the loop may busy-poll for its reply.
+        self.batched = not lone
         self.retry: list[_Item] = []
         self.deadline = 0.0  # loop time by which its replies must have come (_Resp.send)
 
@@ -265,7 +266,7 @@ class _Resp(asyncio.Protocol):
                     sink.set_result(reply)
             if batch.pos == len(batch.items):
                 waiting.popleft()
-                if batch.busy:
+                if batch.batched:
                     busy_poll.awaiting(-1)
                 self.owner._batch_done(batch)
             if self.demoted:
@@ -301,7 +302,7 @@ class _Resp(asyncio.Protocol):
         if timeout is None:
             timeout = self.owner.reply_timeout(size, len(batch.items))
         self.waiting.append(batch)
-        if batch.busy:
+        if batch.batched:
             busy_poll.awaiting(1)
         loop = asyncio.get_running_loop()
         batch.deadline = deadline = loop.time() + timeout
@@ -337,7 +338,7 @@ class _Resp(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         waiting, self.waiting = self.waiting, deque()
-        busy_poll.awaiting(-sum([batch.busy for batch in waiting]))
+        busy_poll.awaiting(-sum([batch.batched for batch in waiting]))
         for batch in waiting:
             if failover:  # refused (and what followed was refused too): nothing ran
                 _fail(batch.items[batch.pos :] + batch.retry, StoreFailover(reason))
