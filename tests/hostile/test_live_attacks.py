@@ -12,6 +12,7 @@ import base64
 import io
 import os
 import socket
+import struct
 import time
 
 import aiohttp
@@ -48,35 +49,66 @@ def _assert_no_unhandled(relay: Relay) -> None:
     assert not found, f"unhandled errors in the relay log: {found}"
 
 
+def _upgrade_request(r: str) -> bytes:
+    """The WebSocket upgrade of a live connection on queue `r` (RFC 6455 section 4.1)."""
+    key = base64.b64encode(os.urandom(16)).decode()
+    return (
+        f"GET /v1/queues/{r}/live HTTP/1.1\r\nHost: relay\r\nUpgrade: websocket\r\n"
+        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    ).encode()
+
+
+async def _frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """One frame from the server (RFC 6455 section 5.2: unmasked, unfragmented here): its opcode
+    and payload."""
+    first, second = await reader.readexactly(2)
+    assert not second & 0x80, "a server frame is never masked"
+    size = second & 0x7F
+    if size == 126:
+        size = int.from_bytes(await reader.readexactly(2), "big")
+    elif size == 127:
+        size = int.from_bytes(await reader.readexactly(8), "big")
+    return first & 0x0F, await reader.readexactly(size)
+
+
+async def _live_until_empty(relay: Relay, r: str) -> tuple[asyncio.StreamWriter, str]:
+    """A live connection on queue `r`, spoken by hand, read up to its "empty" marker: its writer
+    and "empty", or what the relay answered instead (a refusal's status line, a close frame)."""
+    reader, writer = await asyncio.open_connection(relay.host, relay.port)
+    writer.write(_upgrade_request(r))
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 101"):
+        return writer, head.split(b"\r\n", 1)[0].decode()
+    while True:
+        opcode, payload = await asyncio.wait_for(_frame(reader), 60)
+        if opcode == 0x8:
+            return writer, f"closed {int.from_bytes(payload[:2], 'big') if payload else None}"
+        if opcode == 0x1 and b'"empty"' in payload:
+            return writer, "empty"
+        if opcode not in (0x1, 0x9, 0xA):  # text before the marker (the backlog), ping, pong
+            return writer, f"opcode {opcode}"
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Drop the connection with a TCP reset, no close handshake (SO_LINGER 0, then close)."""
+    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
 async def test_500_live_connects_at_once_then_a_mass_disconnect(relay_with: RelayWith) -> None:
     relay = relay_with()
     queues = [recipient(2_000_000 + i) for i in range(500)]
-    ws_url = relay.url.replace("http", "ws")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         await (await s.post(f"{relay.url}/v1/queues/{queues[0]}/messages", data=b"backlog")).release()
-
-        async def connect(r: str) -> tuple[aiohttp.ClientWebSocketResponse, str]:
-            ws = await s.ws_connect(
-                f"{ws_url}/v1/queues/{r}/live", timeout=aiohttp.ClientWSTimeout(ws_close=5)
-            )
-            while True:
-                msg = await ws.receive(timeout=60)
-                if msg.type != aiohttp.WSMsgType.TEXT:
-                    return ws, f"closed {ws.close_code}"
-                if '"empty"' in msg.data:
-                    return ws, "empty"
-
         t0 = time.monotonic()
-        opened = await asyncio.gather(*[connect(r) for r in queues])
+        opened = await asyncio.gather(*[_live_until_empty(relay, r) for r in queues])
         accept_s = time.monotonic() - t0
-        outcomes = [o for _ws, o in opened]
+        outcomes = [o for _w, o in opened]
         gauge_open = await _metric(s, relay, "relayfleet_live_connections")
         flags_open = await _live_flags(s, relay, queues[:50])
         # the clients drop (a TCP reset each, not a close handshake), one with unread backlog
-        for ws, _o in opened:
-            transport = ws._response.connection.transport if ws._response.connection else None
-            if transport is not None:
-                transport.abort()
+        for writer, _o in opened:
+            _reset(writer)
         t1 = time.monotonic()
         while True:
             gauge = await _metric(s, relay, "relayfleet_live_connections")
@@ -85,8 +117,6 @@ async def test_500_live_connects_at_once_then_a_mass_disconnect(relay_with: Rela
             await asyncio.sleep(0.05)
         cleaned_s = time.monotonic() - t1
         flags_after = await _live_flags(s, relay, queues)
-        for ws, _o in opened:
-            await ws.close()
     report(
         "live-burst-500",
         accepted=outcomes.count("empty"),
@@ -109,13 +139,7 @@ def _never_reading_socket(relay: Relay, r: str) -> socket.socket:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect((relay.host, relay.port))
-    key = base64.b64encode(os.urandom(16)).decode()
-    sock.sendall(
-        (
-            f"GET /v1/queues/{r}/live HTTP/1.1\r\nHost: relay\r\nUpgrade: websocket\r\n"
-            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
-        ).encode()
-    )
+    sock.sendall(_upgrade_request(r))
     head = sock.recv(256)
     assert head.startswith(b"HTTP/1.1 101"), head
     return sock
