@@ -3,8 +3,13 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# pip's wheel cache outlives clean checkouts on the same machine (pyspark builds from a 456 MB sdist)
-export PIP_CACHE_DIR ?= $(HOME)/.cache/relayfleet/pip
+# The cache root of every hack/ script (hack/lib.sh): RELAYFLEET_CACHE_DIR, default
+# ${XDG_CACHE_HOME:-$HOME/.cache}/relayfleet, a relative one taken from the repository root
+CACHE_ROOT := $(or $(RELAYFLEET_CACHE_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/relayfleet)
+CACHE_ROOT := $(if $(filter /%,$(CACHE_ROOT)),$(CACHE_ROOT),$(CURDIR)/$(CACHE_ROOT))
+# pip's wheel cache outlives clean checkouts on the same machine (pyspark builds from a 456 MB
+# sdist); hack/images.sh fills the same one
+export PIP_CACHE_DIR ?= $(CACHE_ROOT)/pip
 PYTEST_ARGS ?=
 
 .PHONY: release run test system-deps lint typecheck control-plane didcomm-toolchain didcomm-e2e chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev cluster cluster-down cluster-images
