@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -408,6 +409,32 @@ def test_cpu_of_a_process_tree_counts_live_and_reaped_children(procs: Procs) -> 
     assert cputime.tree_cpu_seconds(child.pid) == 0.0  # gone: nothing more to count
 
 
+def test_foreign_load_leaves_out_the_measured_processes_and_our_own(procs: Procs, tmp_path: Path) -> None:
+    # a server that burns 0.4 s, and a reaped child of ours that burns 0.3 s: neither is
+    # foreign load; the same server left out of the list is (other processes on this shared
+    # machine add to both readings alike, so only differences are asserted)
+    go = tmp_path / "go"
+    code = (
+        "import os, sys, time\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+        + _BURN.format(s=0.4)
+        + "print('burnt', flush=True)\ntime.sleep(30)\n"
+    )
+    server = procs.start("server", [sys.executable, "-c", code], capture=True)
+    try:
+        busy0 = cputime.machine_busy_seconds()
+        measured, unlisted = cputime.ForeignLoad([server.pid]), cputime.ForeignLoad([])
+        go.touch()
+        subprocess.run([sys.executable, "-c", _BURN.format(s=0.3)], check=True)
+        _wait_for_line(server, "burnt")
+        unlisted_s, measured_s = unlisted.seconds(), measured.seconds()
+        busy_s = cputime.machine_busy_seconds() - busy0
+    finally:
+        procs.stop_all()
+    assert 0.35 <= unlisted_s - measured_s < 0.6  # the server's burn
+    assert busy_s - measured_s >= 0.65  # both burns are ours
+
+
 def test_cpu_window_per_message() -> None:
     window = cputime.CpuWindow(server_s=0.5, redis_s=0.25, messages=10000)
     assert window.values() == pytest.approx({"server_cpu_us": 50.0, "redis_cpu_us": 25.0, "cpu_us": 75.0})
@@ -431,6 +458,7 @@ async def test_enqueue_run_measures_relay_and_redis_cpu_per_message(procs: Procs
     assert 1 < v["server_cpu_us"] < 1e5
     assert 1 < v["redis_cpu_us"] < 1e5
     assert v["cpu_us"] == pytest.approx(v["server_cpu_us"] + v["redis_cpu_us"])
+    assert 0 <= v["foreign_cores"] <= (os.cpu_count() or 1)  # the neighbours' load, whatever it is
 
 
 @pytest.mark.skipif(WRK_MISSING, reason="wrk is not installed")
@@ -511,10 +539,14 @@ def test_report_head_to_head_verdict_takes_the_alternating_runs_medians() -> Non
     res = _vs_nchan_results(80.0, 100.0)  # the single runs are not the verdict once alternating runs exist
     for n, (relay_rate, nchan_rate) in enumerate(((9000.0, 10000.0), (13000.0, 10000.0), (12000.0, 11000.0))):
         for target, rate, cpu_us in (("relay-1p", relay_rate, 90.0 - n), ("nchan-redis", nchan_rate, 100.0)):
-            values = {"rate": rate, "cpu_us": cpu_us}
+            load = 0.1 * n if target == "relay-1p" else 0.05
+            values = {"rate": rate, "cpu_us": cpu_us, "foreign_cores": load}
             res.add(Row("head_to_head", target, {"size": 256, "conns": 64, "round": n + 1}, values))
     text = report.render(res, "full", "relayfleet bench", {}, "now", 1.0, 64, [])
     assert "the median of 3 alternating runs per side and size" in text
+    # the neighbours' load during each round's two runs, relay / nchan, in round order
+    assert "in cores kept busy on average" in text
+    assert "256 B 0.00 / 0.05, 0.10 / 0.05, 0.20 / 0.05." in text
     # medians 12,000 / 10,000 msg/s; each round's own ratio in order
     msg_row = "| enqueue 256 B: relay-1p / nchan-redis msg/s | ≥ 1.0 x | 1.20 (12,000 / 10,000 msg/s)"
     assert f"{msg_row} | 0.90, 1.30, 1.09 | met |" in text

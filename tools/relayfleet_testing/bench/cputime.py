@@ -68,3 +68,34 @@ class CpuWindow:
         """The Row values of one enqueue run."""
         server, redis, total = self.per_message_us()
         return {"server_cpu_us": server, "redis_cpu_us": redis, "cpu_us": total}
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of this machine has been busy (or stolen by the hypervisor)
+    since boot: /proc/stat's first line less idle and iowait."""
+    with open("/proc/stat", encoding="ascii") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) * _TICK_S
+
+
+def own_seconds() -> float:
+    """CPU of this process and of the children it has reaped (the load generators)."""
+    me, kids = os.times()[:2], os.times()[2:4]
+    return sum(me) + sum(kids)
+
+
+class ForeignLoad:
+    """The CPU that no process of a measurement spent over its window: the neighbours' load
+    on a shared machine, which is what makes two runs seconds apart disagree."""
+
+    def __init__(self, pids: Iterable[int]) -> None:
+        self._pids = list(pids)
+        self._start = self._reading()
+
+    def _reading(self) -> tuple[float, float]:
+        return machine_busy_seconds(), own_seconds() + total_cpu_seconds(self._pids)
+
+    def seconds(self) -> float:
+        """Foreign CPU seconds since construction (≥ 0; /proc counts 10 ms ticks)."""
+        busy, ours = self._reading()
+        return max(0.0, (busy - self._start[0]) - (ours - self._start[1]))

@@ -574,7 +574,32 @@ def _enqueue_head_to_head(res: Results, main_conns: int) -> list[str]:
     )
     lines.append("")
     lines += _table(["target", "goal", "measured (relay / nchan)", "per round", "verdict"], rows)
-    return [*lines, "", f"{met} of {measured} measured head-to-head targets met.", ""]
+    lines += ["", f"{met} of {measured} measured head-to-head targets met.", ""]
+    return lines + _foreign_load(res)
+
+
+def _foreign_load(res: Results) -> list[str]:
+    """Each alternating round's load of other processes during its two runs, relay / nchan."""
+    parts: list[str] = []
+    for size in HEAD_TO_HEAD_SIZES:
+        relay, nchan = _head_to_head(res, "relay-1p", size), _head_to_head(res, "nchan-redis", size)
+        loads = [
+            f"{a:.2f} / {b:.2f}"
+            for r, n in zip(relay, nchan, strict=False)
+            if (a := _finite(r.values, "foreign_cores")) is not None
+            and (b := _finite(n.values, "foreign_cores")) is not None
+        ]
+        if loads:
+            parts.append(f"{size_label(size)} {', '.join(loads)}")
+    if not parts:
+        return []
+    return [
+        "Other processes' load during each round's measured runs, relay / nchan, in cores kept busy "
+        f"on average (busy time of the machine less that of the server, Redis and wrk): {'; '.join(parts)}. "
+        "A round whose two runs differ here by a few tenths of a core is decided by the neighbours "
+        "on this shared machine, not by the servers.",
+        "",
+    ]
 
 
 WAKE_MODE_LABELS = {"longpoll": "long-poll", "websocket": "WebSocket"}

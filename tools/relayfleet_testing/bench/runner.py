@@ -161,7 +161,7 @@ class Bench:
         shown = " ".join(
             f"{k}={val:,.2f}"
             for k, val in v.items()
-            if k in ("rate", "msg_rate", "p50_ms", "p99_ms", "server_cpu_us", "redis_cpu_us")
+            if k in ("rate", "msg_rate", "p50_ms", "p99_ms", "server_cpu_us", "redis_cpu_us", "foreign_cores")
         )
         self.log(f"{row.scenario:<11} {row.target:<18} {params:<32} {shown}")
 

@@ -23,6 +23,7 @@ import aiohttp
 import orjson
 import redis.asyncio as aioredis
 from relayfleet_testing.bench import wake, wrk
+from relayfleet_testing.bench.cputime import ForeignLoad
 from relayfleet_testing.bench.loadgen import Conn, HttpError, Response, build_request, closed_loop, open_many
 from relayfleet_testing.bench.procs import BenchError, Procs, wait_exit
 from relayfleet_testing.bench.results import Row, percentile
@@ -198,14 +199,17 @@ async def enqueue(
     The CPU window is the measured wrk run alone: it opens after the warm-up has ended
     and Redis has no fork left from it, and closes when wrk has exited (the server) and
     Redis has finished any AOF rewrite the run started (Redis). Without ``redis`` the
-    Redis column is NaN.
+    Redis column is NaN. ``foreign_cores``: the cores other processes of this machine kept
+    busy over the measured run, on average (cputime.ForeignLoad).
     """
     scripts_ = _enqueue_scripts(target, size)
     threads = len(target.ports)  # one wrk thread per server process
     if run.warmup:
         await wrk.run(run.procs, target.urls(), scripts_, connections, threads, run.warmup, "wrk-warmup")
     meter = await CpuMeter.open(target, redis)
+    foreign = ForeignLoad([c.pid for c in target.children] + ([redis.child.pid] if redis else []))
     res = await wrk.run(run.procs, target.urls(), scripts_, connections, threads, run.seconds, "wrk")
+    foreign_s = foreign.seconds()
     cpu = await meter.close(max(0, res.requests - res.errors))
     target.check_alive()
     note = "no request completed within the run" if res.requests == 0 else ""
@@ -223,6 +227,7 @@ async def enqueue(
             "p99_ms": res.p99_ms,
             "errors": float(res.errors),
             **cpu.values(),
+            "foreign_cores": foreign_s / res.seconds if res.seconds > 0 else math.nan,
         },
         note,
     )
