@@ -25,6 +25,7 @@ from relayfleet_testing.bench import (
     wrk,
     wsclient,
 )
+from relayfleet_testing.bench import procs as procs_mod
 from relayfleet_testing.bench.loadgen import Conn, HttpError, _dechunk, closed_loop
 from relayfleet_testing.bench.procs import BenchError, Child, Procs, free_port, wait_port
 from relayfleet_testing.bench.results import Results, Row, percentile
@@ -71,6 +72,23 @@ def test_stop_all_ends_every_child_by_pid(procs: Procs) -> None:
             or "zombie" in Path(f"/proc/{child.pid}/status").read_text()
         )
     assert procs.running() == []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no autogroup scheduling")
+def test_children_start_in_scheduling_groups_at_the_bench_nice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(procs_mod.GROUP_NICE_ENV, "3")  # a positive nice needs no privilege
+    assert procs_mod.group_nice() == 3
+    with Procs(tmp_path, procs_mod.group_nice()) as boosted, Procs(tmp_path / "plain") as plain:
+        (tmp_path / "plain").mkdir()
+        child = boosted.start("sleeper", ["sleep", "30"])
+        other = plain.start("sleeper", ["sleep", "30"])
+        assert not boosted.group_nice_refused
+        assert Path(f"/proc/{child.pid}/autogroup").read_text().split()[-1] == "3"
+        assert Path(f"/proc/{other.pid}/autogroup").read_text().split()[-1] == "0"  # a test's own: unchanged
+    monkeypatch.setenv(procs_mod.GROUP_NICE_ENV, "bogus")
+    assert procs_mod.group_nice() == procs_mod.DEFAULT_GROUP_NICE
 
 
 def test_a_child_ignoring_sigterm_is_killed(procs: Procs) -> None:

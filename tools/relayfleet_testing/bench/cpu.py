@@ -36,7 +36,7 @@ from pathlib import Path
 
 from relayfleet_testing.bench import profile, scenarios, wrk
 from relayfleet_testing.bench.layers import LAYERS
-from relayfleet_testing.bench.procs import BenchError, Child, Procs, free_port
+from relayfleet_testing.bench.procs import BenchError, Child, Procs, free_port, group_nice
 from relayfleet_testing.bench.results import counts, size_label
 from relayfleet_testing.bench.scenarios import OCTET, recipient
 from relayfleet_testing.bench.targets import (
@@ -244,7 +244,7 @@ def summary(subjects: list[Subject], sizes: list[int], connections: int, seconds
 
 async def run(args: argparse.Namespace, specs: list[Spec]) -> int:
     sizes: list[int] = args.size
-    with tempfile.TemporaryDirectory(prefix="relay-cpu-") as tmp, Procs(Path(tmp)) as procs:
+    with tempfile.TemporaryDirectory(prefix="relay-cpu-") as tmp, Procs(Path(tmp), group_nice()) as procs:
         sample_dir = Path(args.cpu_profile) if args.cpu_profile else None
         started = [
             await (_start_nchan(procs) if spec.kind == "nchan" else _start_python(procs, spec, sample_dir))

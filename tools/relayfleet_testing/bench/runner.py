@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import uvloop
 from relayfleet_testing.bench import profile, report, scenarios, targets, wake
-from relayfleet_testing.bench.procs import BenchError, Procs, raise_nofile_limit
+from relayfleet_testing.bench.procs import GROUP_NICE_ENV, BenchError, Procs, group_nice, raise_nofile_limit
 from relayfleet_testing.bench.results import Results, Row, counts, size_label
 from relayfleet_testing.bench.scenarios import Run
 from relayfleet_testing.bench.targets import RedisServer, Target
@@ -487,6 +487,16 @@ def _phases(text: str) -> tuple[str, ...]:
     return chosen
 
 
+def _group_nice_note(procs: Procs) -> str:
+    if not procs.group_nice:
+        return "Scheduling: the processes the bench started competed with other sessions' work as equals."
+    how = "could not be set here" if procs.group_nice_refused else "set"
+    return (
+        f"Scheduling: every process the bench started (servers, Redis, wrk) in a group at nice "
+        f"{procs.group_nice} ({GROUP_NICE_ENV}; {how}), so others' niced work on this machine yields to it."
+    )
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # same clean-up path as Ctrl-C
 
@@ -524,7 +534,7 @@ def main(argv: list[str]) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     bench: Bench | None = None
     try:
-        with Procs(workdir) as procs:
+        with Procs(workdir, group_nice()) as procs:
             bench = Bench(plan, procs)
             uvloop.run(bench.main())
     except KeyboardInterrupt:
@@ -544,6 +554,7 @@ def main(argv: list[str]) -> int:
         "Everything runs on this machine: servers, Redis and the load generators share its cores.",
         f"Redis: one redis-server, AOF {'appendfsync everysec' if plan.aof else 'off'}, noeviction, "
         "flushed between runs.",
+        _group_nice_note(bench.procs),
         *plan.notes,
     ]
     facts = report.machine_facts(REPO)

@@ -19,7 +19,17 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from relayfleet_testing.bench.cputime import CpuWindow, total_cpu_seconds
 from relayfleet_testing.bench.loadgen import Conn, HttpError
-from relayfleet_testing.bench.procs import BenchError, Child, Procs, child_pids, free_port, rss_kib, wait_port
+from relayfleet_testing.bench.procs import (
+    DEFAULT_GROUP_NICE,
+    GROUP_NICE_ENV,
+    BenchError,
+    Child,
+    Procs,
+    child_pids,
+    free_port,
+    rss_kib,
+    wait_port,
+)
 
 from relay.storage.keys import b64
 
@@ -37,7 +47,9 @@ RELAY_PYTHON_ENV = "RELAYFLEET_BENCH_PYTHON"
 # for the bench commands' --help (every variable documented)
 ENV_HELP = f"""environment:
   {NCHAN_CONF_ENV}  the nchan peer config to render [default {SHARED_NCHAN_CONF}]
-  {RELAY_PYTHON_ENV}  the Python the relay processes run under [default this interpreter]"""
+  {RELAY_PYTHON_ENV}  the Python the relay processes run under [default this interpreter]
+  {GROUP_NICE_ENV}  the scheduling-group nice of every process the bench starts, 0 = unchanged
+    [default {DEFAULT_GROUP_NICE}]"""
 
 
 @dataclass
