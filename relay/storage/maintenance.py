@@ -23,21 +23,22 @@ from relay.storage import script_runner, scripts, sentinel
 from relay.storage.script_runner import ScriptLoadFailed
 
 __all__ = [
+    "ROWS",
     "SWEEP_SLOTS",
+    "TOTALS",
     "MaintenanceError",
     "ShardMaintenance",
     "SlotStats",
+    "SweepMismatch",
     "TrimOutcome",
     "TrimPolicy",
-    "slot_load",
-    "stat_fields",
     "sweep_args",
     "sweep_call",
+    "sweep_refused",
     "sweep_stats",
     "sweep_totals",
 ]
 
-_MINUTE_MS = 60_000
 # Slots per slot_sweep.lua call: one call stays well under a millisecond in Redis, and the
 # relay's own work on its reply too, so neither Redis nor the relay's loop stalls while a
 # shard's 16,384 slots are read (docs/benchmarks.md).
@@ -81,71 +82,81 @@ class TrimOutcome:
     fenced: bool = False  # the slot stopped being owned here (migration started): skipped
 
 
-def stat_fields(now_ms: int) -> list[str]:
-    """The slot statistics fields `slot_load` reads at `now_ms`: held messages and bytes, and
-    the enqueue counters of this minute and the last ('w<minute start ms>', enqueue.lua).
-    Relays before 2026-11 counted minutes in 'wstart'/'wcur'/'wprev': still read, so a
-    fleet part-way through an upgrade reports the rate of both."""
-    minute = now_ms - now_ms % _MINUTE_MS
-    return ["msgs", "bytes", f"w{minute}", f"w{minute - _MINUTE_MS}", "wstart", "wcur", "wprev"]
+class SweepMismatch(MaintenanceError):
+    """slot_sweep.lua and its caller are out of step: the script refused the arguments, or
+    its reply is not the shape read here. A code defect, not a shard's state: never retried."""
 
 
-def slot_load(values: Sequence[Any], now_ms: int) -> tuple[int, int, float]:
-    """Messages, bytes and enqueues per minute of one slot from the values of `stat_fields`.
-
-    The current minute is partial, so the last complete minute is the measure; a burst that
-    started this minute still counts through max()."""
-    msgs, nbytes, current, previous, wstart, wcur, wprev = (_int(v) for v in values)
-    minute = now_ms - now_ms % _MINUTE_MS
-    if wstart == minute:  # the former counters: 'wcur' is this minute, 'wprev' the last
-        current, previous = max(current, wcur), max(previous, wprev)
-    elif wstart == minute - _MINUTE_MS:
-        previous = max(previous, wcur)
-    return max(0, msgs), max(0, nbytes), float(max(current, previous))
+# The script's modes (ARGV[1], lua/slot_sweep.lua's header): a row per slot holding anything,
+# or the batch's totals.
+ROWS, TOTALS = "rows", "totals"
+# A row: position in the batch (from 1), state, queues, messages, bytes, enqueues per minute.
+_ROW = 6
+# Totals: messages, bytes, queues, enqueues per minute, migrating slots.
+_TOTALS = 5
+# What the script's refusal starts with (redis.error_reply), wherever the reply surfaces.
+SWEEP_REFUSED = "slot_sweep: expected"
 
 
-_STAT_FIELDS = len(stat_fields(0))
-
-
-def sweep_args(
-    slots: Sequence[int], fields: Sequence[str], totals_at: int | None = None
-) -> tuple[list[str], list[str]]:
-    """KEYS and ARGV of the slot_sweep.lua call reading these slots' state, `fields` of their
-    statistics and their queue count (at most SWEEP_SLOTS slots a call): a row per slot
-    holding anything (`sweep_stats`), or with `totals_at` (ms; `fields` = stat_fields(totals_at))
-    only the batch's totals (`sweep_totals`)."""
+def sweep_args(slots: Sequence[int], mode: str, now_ms: int) -> tuple[list[str], list[str]]:
+    """KEYS and ARGV of the slot_sweep.lua call reading these slots' load at `now_ms` (at most
+    SWEEP_SLOTS slots a call): a row per slot holding anything (ROWS, read by `sweep_stats`),
+    or only the batch's totals (TOTALS, read by `sweep_totals`). The script interprets each
+    slot's statistics (its rate window, moved and migrating slots): Python never does."""
+    if mode not in (ROWS, TOTALS):
+        raise SweepMismatch(f"slot_sweep has no mode {mode!r}")
     keys = [key for s in slots for key in (K.slot_state(s), K.slot_stats(s), K.slot_index(s))]
-    minute = "" if totals_at is None else str(totals_at - totals_at % _MINUTE_MS)
-    return keys, [minute, *fields]
+    return keys, [mode, str(now_ms)]
 
 
-def sweep_call(slots: Sequence[int], fields: Sequence[str]) -> tuple[Any, ...]:
+def sweep_call(slots: Sequence[int], now_ms: int) -> tuple[Any, ...]:
     """The EVALSHA of `sweep_args` for rows, for script_runner."""
-    return script_runner.evalsha(scripts.SLOT_SWEEP, *sweep_args(slots, fields))
+    return script_runner.evalsha(scripts.SLOT_SWEEP, *sweep_args(slots, ROWS, now_ms))
 
 
-def sweep_totals(reply: Sequence[Any]) -> tuple[int, int, int, float, int]:
-    """Messages, bytes, queues, enqueues per minute and migrating slots of a `sweep_call` with
-    `totals_at`: over its slots, moved ones left out, each read as `slot_load` reads it."""
-    messages, nbytes, queues, rate, migrating = (int(v) for v in reply)
+def sweep_totals(reply: Any) -> tuple[int, int, int, float, int]:
+    """Messages, bytes, queues, enqueues per minute and migrating slots of a TOTALS call, over
+    its slots, moved ones left out."""
+    if not isinstance(reply, list) or len(reply) != _TOTALS or not all(type(v) is int for v in reply):
+        raise SweepMismatch(f"slot_sweep totals: expected {_TOTALS} integers, got {_shape(reply)}")
+    messages, nbytes, queues, rate, migrating = reply
     return messages, nbytes, queues, float(rate), migrating
 
 
-def sweep_stats(slots: Sequence[int], reply: Sequence[Any], now_ms: int) -> Iterator[SlotStats]:
-    """The statistics of the slots a `sweep_call` (with `stat_fields(now_ms)`) reported, in
-    order; a slot it left out holds nothing (zero load, owned, no queues)."""
-    stride = 3 + _STAT_FIELDS
-    for i in range(0, len(reply), stride):
-        position, state, queues = reply[i : i + 3]
-        msgs, nbytes, rate = slot_load(reply[i + 3 : i + stride], now_ms)
+def sweep_stats(slots: Sequence[int], reply: Any) -> Iterator[SlotStats]:
+    """The statistics of the slots a ROWS call reported, in order; a slot it left out holds
+    nothing (zero load, owned, no queues)."""
+    if not isinstance(reply, list):
+        raise SweepMismatch(f"slot_sweep rows: expected a list of rows, got {_shape(reply)}")
+    for row in reply:
+        if (
+            not isinstance(row, list)
+            or len(row) != _ROW
+            or not all(type(v) is int for v in (row[0], *row[2:]))
+            or not 1 <= row[0] <= len(slots)
+        ):
+            raise SweepMismatch(f"slot_sweep rows: expected rows of {_ROW}, got {_shape(row)}")
+        position, state, queues, msgs, nbytes, rate = row
         yield SlotStats(
-            slot=slots[int(position) - 1],
+            slot=slots[position - 1],
             state=state.decode("utf-8", "replace") if state is not None else None,
             msgs=msgs,
             bytes=nbytes,
-            rate=rate,
-            queues=int(queues),
+            rate=float(rate),
+            queues=queues,
         )
+
+
+def sweep_refused(text: str) -> bool:
+    """True when a Redis error reply is slot_sweep.lua refusing its arguments."""
+    return SWEEP_REFUSED in text
+
+
+def _shape(reply: Any) -> str:
+    """What a reply was, for a SweepMismatch message: its type and length, never its values."""
+    if isinstance(reply, list):
+        return f"a list of {len(reply)}"
+    return type(reply).__name__
 
 
 def redacted(url: str) -> str:
@@ -154,10 +165,6 @@ def redacted(url: str) -> str:
     if parts.scheme == "unix":
         return parts.path
     return f"{parts.hostname}:{parts.port or 6379}{parts.path or ''}"
-
-
-def _int(value: Any) -> int:
-    return int(value) if value is not None else 0
 
 
 def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
@@ -214,19 +221,21 @@ class ShardMaintenance:
         return out
 
     def slot_stats(self, slots: Sequence[int], now_ms: int) -> list[SlotStats]:
-        """Statistics of every slot given, in order; O(1) per slot, no payload read."""
+        """Statistics of every slot given, in order, as slot_sweep.lua reads them at `now_ms`;
+        O(1) per slot, no payload read."""
         out: list[SlotStats] = []
-        fields = stat_fields(now_ms)
         try:
             # a round trip carries several script calls (Redis serves others between two)
             for batch in _chunks(slots, self._batch):
                 chunks = list(_chunks(batch, SWEEP_SLOTS))
-                calls = [sweep_call(chunk, fields) for chunk in chunks]
+                calls = [sweep_call(chunk, now_ms) for chunk in chunks]
                 replies = script_runner.run(self.client, calls, (scripts.SLOT_SWEEP,), "all")
                 for chunk, reply in zip(chunks, replies, strict=True):
                     if isinstance(reply, Exception):
+                        if sweep_refused(str(reply)):
+                            raise SweepMismatch(f"on {redacted(self.url)}: {reply}")
                         raise reply
-                    found = {s.slot: s for s in sweep_stats(chunk, reply, now_ms)}
+                    found = {s.slot: s for s in sweep_stats(chunk, reply)}
                     out.extend(found.get(s) or SlotStats(s, None, 0, 0, 0.0, 0) for s in chunk)
         except ScriptLoadFailed as exc:
             raise self._fail("reading slot statistics", exc.cause) from None

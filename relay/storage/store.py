@@ -17,7 +17,7 @@ from relay.storage import keys as K
 from relay.storage import scripts
 from relay.storage import sentinel as S
 from relay.storage.limits import QueueLimits
-from relay.storage.maintenance import stat_fields, sweep_args, sweep_totals
+from relay.storage.maintenance import TOTALS, SweepMismatch, sweep_args, sweep_refused, sweep_totals
 from relay.storage.message import Message
 from relay.storage.pipeline import (
     ReplicationTimeout,
@@ -605,9 +605,15 @@ class ShardStore:
     async def sweep_totals(self, slots: Sequence[int], now_ms: int) -> tuple[int, int, int, float, int]:
         """slot_sweep.lua's totals of these slots (maintenance.sweep_totals), over the bulk
         lane: its own connection, packed as the hot path packs, so the hot lane's batches
-        never carry it."""
-        keys, args = sweep_args(slots, stat_fields(now_ms), totals_at=now_ms)
-        return sweep_totals(await self._bulk.call(scripts.SLOT_SWEEP, tuple(keys), tuple(args)))
+        never carry it. SweepMismatch when the script and this caller are out of step."""
+        keys, args = sweep_args(slots, TOTALS, now_ms)
+        try:
+            reply = await self._bulk.call(scripts.SLOT_SWEEP, tuple(keys), tuple(args))
+        except StoreUnavailable as exc:
+            if sweep_refused(str(exc)):
+                raise SweepMismatch(str(exc)) from None
+            raise
+        return sweep_totals(reply)
 
     # -- the DIDComm mediator's records (one hash per slot; relay/didcomm/records.py) ----------
     async def _records(self, script: scripts.Script, slot: int, args: tuple[str | int, ...]) -> list[Any]:

@@ -17,7 +17,7 @@ import redis
 
 from relay.storage import keys as K
 from relay.storage import scripts
-from relay.storage.maintenance import slot_load, stat_fields
+from relay.storage.maintenance import ROWS, SWEEP_REFUSED, TOTALS, sweep_args
 from relay.storage.scripts import Script
 
 SLOT = 7
@@ -145,7 +145,10 @@ def test_enqueue_rate_window_is_exact_and_ranked_by_time(r: redis.Redis) -> None
 
 def test_enqueue_counts_each_minute_and_keeps_the_last_two(r: redis.Redis) -> None:
     def load(now: int) -> tuple[int, int, float]:
-        return slot_load(r.hmget(q().stats, stat_fields(now)), now)
+        """SLOT's messages, bytes and enqueues per minute as slot_sweep.lua reads them."""
+        keys, args = sweep_args([SLOT], ROWS, now)
+        ((_, _, _, msgs, nbytes, rate),) = run(r, scripts.SLOT_SWEEP, keys, args)
+        return msgs, nbytes, float(rate)
 
     def counters() -> dict[bytes, bytes]:
         stats: dict[bytes, bytes] = cast(dict[bytes, bytes], r.hgetall(q().stats))
@@ -463,27 +466,52 @@ def test_slot_drop_only_in_an_allowed_state(r: redis.Redis) -> None:
 
 def test_slot_sweep_reports_only_the_slots_holding_anything(r: redis.Redis) -> None:
     """One call reads a batch of slots: for each slot holding anything, its position in the
-    batch, state, queue count and the statistics fields asked for, as Redis holds them (what
-    GET, SCARD and HMGET answer: maintenance.slot_load interprets them, the script does not)."""
+    batch, state, queue count and its load (messages, bytes, enqueues per minute) as the
+    script reads the statistics; totals over the batch, moved slots left out. (The rate
+    window's cases: test_enqueue_counts_each_minute_and_keeps_the_last_two and
+    tests/relay/storage/test_slot_sweep.py.)"""
     enqueue(r, b"abc")  # SLOT: a queue and its statistics
     r.set(K.slot_state(SLOT + 1), "migrating")  # a state only
     r.sadd(K.slot_index(SLOT + 2), "q")  # queues only
     r.hset(K.slot_stats(SLOT + 3), mapping={"msgs": 0, "bytes": 0, "qgen": 4})  # nothing but zeros
     r.hset(K.slot_stats(SLOT + 4), mapping={"wstart": MINUTE, "wcur": 2})  # a former relay's counters
-    slots = [SLOT + 5, SLOT, SLOT + 1, SLOT + 2, SLOT + 3, SLOT + 4]  # SLOT + 5: no keys at all
-    fields = stat_fields(NOW)
-    keys = [k for s in slots for k in (K.slot_state(s), K.slot_stats(s), K.slot_index(s))]
-    reply = run(r, scripts.SLOT_SWEEP, keys, ["", *fields])
-    stride = 3 + len(fields)
-    rows = [reply[i : i + stride] for i in range(0, len(reply), stride)]
-    assert [row[0] for row in rows] == [2, 3, 4, 6]
-    for position, state, queues, *values in rows:
-        slot = slots[position - 1]
-        assert state == r.get(K.slot_state(slot))
-        assert queues == r.scard(K.slot_index(slot))
-        assert values == r.hmget(K.slot_stats(slot), fields)
-    assert slot_load(rows[0][3:], NOW) == (1, 3, 1.0)
-    assert run(r, scripts.SLOT_SWEEP, keys[:3], ["", *fields]) == []  # an empty slot: nothing to decode
+    r.set(K.slot_state(SLOT + 6), "moved b 3")
+    r.hset(K.slot_stats(SLOT + 6), mapping={"msgs": 5, "bytes": 50, "wstart": MINUTE, "wcur": 9})
+    r.hset(K.slot_stats(SLOT + 7), mapping={"msgs": -2, "bytes": -9})  # a drift below zero reads 0
+    slots = [SLOT + 5, SLOT, SLOT + 1, SLOT + 2, SLOT + 3, SLOT + 4, SLOT + 6, SLOT + 7]  # + 5: no keys
+    keys, args = sweep_args(slots, ROWS, NOW)
+    assert run(r, scripts.SLOT_SWEEP, keys, args) == [
+        [2, None, 1, 1, 3, 1],
+        [3, b"migrating", 0, 0, 0, 0],
+        [4, None, 1, 0, 0, 0],
+        [6, None, 0, 0, 0, 2],
+        [7, b"moved b 3", 0, 5, 50, 9],
+    ]
+    keys, args = sweep_args(slots, TOTALS, NOW)
+    assert run(r, scripts.SLOT_SWEEP, keys, args) == [1, 3, 2, 1 + 2, 1]  # the moved slot left out
+    assert run(r, scripts.SLOT_SWEEP, keys[:3], sweep_args([SLOT + 5], ROWS, NOW)[1]) == []
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(["", "msgs", "bytes"], id="the former rows call (fields by position)"),
+        pytest.param([str(NOW), "msgs", "bytes"], id="the former totals call"),
+        pytest.param(["rows"], id="no time"),
+        pytest.param(["totals", "soon"], id="a time that is no number"),
+        pytest.param(["sums", str(NOW)], id="an unknown mode"),
+        pytest.param(["rows", str(NOW), "x"], id="an argument too many"),
+    ],
+)
+def test_slot_sweep_refuses_a_call_out_of_step(r: redis.Redis, args: list[str]) -> None:
+    """A caller whose arguments are not the script's fails loudly (an error naming the script)
+    instead of being read by position into a wrong answer."""
+    keys, _ = sweep_args([SLOT], ROWS, NOW)
+    enqueue(r)
+    with pytest.raises(redis.ResponseError, match=SWEEP_REFUSED):
+        run(r, scripts.SLOT_SWEEP, keys, args)
+    with pytest.raises(redis.ResponseError, match=SWEEP_REFUSED):  # KEYS: three per slot
+        run(r, scripts.SLOT_SWEEP, keys[:2], sweep_args([SLOT], TOTALS, NOW)[1])
 
 
 def test_import_stamp_and_boot_mark(r: redis.Redis) -> None:

@@ -1,9 +1,11 @@
-"""Slot statistics read in batches by lua/slot_sweep.lua, on a real redis-server, against what
-reading each slot's keys one by one gives (the way both readers worked before): the Spark jobs'
-and `relayfleet plan`'s ShardMaintenance.slot_stats and the relays' shard_health.read_load.
+"""Slot statistics read in batches by lua/slot_sweep.lua, on a real redis-server, against each
+slot's keys read one by one and interpreted by this file's own statement of the rule
+(`reference_load`, docs/design-decisions.md): the Spark jobs' and `relayfleet plan`'s
+ShardMaintenance.slot_stats (the script's rows) and the relays' shard_health.read_load (its
+totals) are both the script's one reading, so they agree with each other and with the rule.
 Populated, empty, moved, migrating and importing slots, statistics of zero, a former relay's
-minute counters; the batch bound (one script call per SWEEP_SLOTS slots), and a relay's loop
-free between two calls."""
+minute counters; the batch bound (one script call per SWEEP_SLOTS slots), a caller out of
+step with the script failing loudly, and a relay's loop free between two calls."""
 
 from __future__ import annotations
 
@@ -14,15 +16,19 @@ import time
 from collections.abc import Sequence
 
 import aiohttp
+import pytest
 import redis
 from relayfleet_testing.bench.sweep_cost import populate
 from relayfleet_testing.localredis import LocalRedis
 
+import relay.storage.store
 from relay.fleet.sharding import SLOT_COUNT
 from relay.shard_health import LOAD_SLOTS, MONITOR, ShardLoad, read_load
 from relay.storage import keys as K
+from relay.storage import maintenance, scripts
 from relay.storage.limits import QueueLimits
-from relay.storage.maintenance import SWEEP_SLOTS, ShardMaintenance, SlotStats, slot_load, stat_fields
+from relay.storage.maintenance import SWEEP_SLOTS, ShardMaintenance, SlotStats, SweepMismatch
+from relay.storage.script_runner import evalsha
 from relay.storage.store import ShardStore
 from tests.support.in_process_relay import RunningRelay
 
@@ -47,31 +53,56 @@ def varied_shard(r: redis.Redis) -> dict[str, int]:
         "zeros": empty[2],
         "index_only": empty[3],
         "moved_empty": empty[4],
+        "burst": empty[5],  # more enqueues this minute than the last
+        "last_only": empty[6],
+        "stale": empty[7],  # counters of two minutes ago: no rate now
+        "legacy_stale": empty[8],
+        "below_zero": empty[9],  # counters drifted below zero read as nothing
     }
     r.set(K.slot_state(kinds["moved"]), "moved b 3")
     r.set(K.slot_state(kinds["migrating"]), "migrating")
     r.set(K.slot_state(kinds["importing"]), "importing")
     r.set(K.slot_state(kinds["moved_empty"]), "moved b 3")
-    # relays before 2026-11 counted minutes in wstart/wcur/wprev (maintenance.stat_fields)
+    r.hset(K.slot_stats(kinds["burst"]), mapping={f"w{MINUTE}": 9, f"w{MINUTE - 60_000}": 2})
+    r.hset(K.slot_stats(kinds["last_only"]), mapping={f"w{MINUTE - 60_000}": 5})
+    r.hset(K.slot_stats(kinds["stale"]), mapping={f"w{MINUTE - 120_000}": 8})
+    r.hset(K.slot_stats(kinds["below_zero"]), mapping={"msgs": -3, "bytes": -10})
+    # relays before 2026-11 counted minutes in wstart/wcur/wprev (lua/slot_sweep.lua)
     r.hset(K.slot_stats(kinds["legacy_now"]), mapping={"wstart": MINUTE, "wcur": 7, "wprev": 2})
     r.hset(K.slot_stats(kinds["legacy_last"]), mapping={"wstart": MINUTE - 60_000, "wcur": 4, "msgs": 3})
+    r.hset(K.slot_stats(kinds["legacy_stale"]), mapping={"wstart": MINUTE - 120_000, "wcur": 6})
     r.hset(K.slot_stats(kinds["zeros"]), mapping={"msgs": 0, "bytes": 0, "qgen": 2})
     r.sadd(K.slot_index(kinds["index_only"]), "q")
     return kinds
 
 
+def reference_load(values: Sequence[bytes | None], now_ms: int) -> tuple[int, int, float]:
+    """The rule, restated here so the script is checked against it (not against itself): held
+    messages and bytes (never below zero), and the enqueues of the last complete minute or this
+    one, whichever is more; a relay before 2026-11 counted minutes in wstart/wcur/wprev."""
+    msgs, nbytes, this_minute, last_minute, wstart, wcur, wprev = (int(v or 0) for v in values)
+    minute = now_ms - now_ms % 60_000
+    if wstart == minute:
+        this_minute, last_minute = max(this_minute, wcur), max(last_minute, wprev)
+    elif wstart == minute - 60_000:
+        last_minute = max(last_minute, wcur)
+    return max(0, msgs), max(0, nbytes), float(max(this_minute, last_minute))
+
+
 def one_by_one(r: redis.Redis, slots: Sequence[int], now_ms: int) -> list[SlotStats]:
-    """Each slot's GET, HMGET and SCARD, interpreted by slot_load."""
+    """Each slot's GET, HMGET and SCARD, interpreted by reference_load."""
+    minute = now_ms - now_ms % 60_000
+    fields = ["msgs", "bytes", f"w{minute}", f"w{minute - 60_000}", "wstart", "wcur", "wprev"]
     pipe = r.pipeline(transaction=False)
     for s in slots:
         pipe.get(K.slot_state(s))
-        pipe.hmget(K.slot_stats(s), stat_fields(now_ms))
+        pipe.hmget(K.slot_stats(s), fields)
         pipe.scard(K.slot_index(s))
     replies = pipe.execute()
     out = []
     for i, s in enumerate(slots):
         state, values, queues = replies[3 * i : 3 * i + 3]
-        msgs, nbytes, rate = slot_load(values, now_ms)
+        msgs, nbytes, rate = reference_load(values, now_ms)
         out.append(SlotStats(s, state.decode() if state is not None else None, msgs, nbytes, rate, queues))
     return out
 
@@ -87,8 +118,13 @@ def test_maintenance_slot_stats_match_each_slots_keys(redis_server: LocalRedis, 
     kinds = varied_shard(r)
     expected = one_by_one(r, ALL, NOW)
     by_slot = {s.slot: s for s in expected}
-    assert by_slot[kinds["legacy_now"]].rate == 7.0
-    assert by_slot[kinds["legacy_last"]].rate == 4.0
+    # the reference is pinned by hand where the rule has a case
+    rates = {"burst": 9.0, "last_only": 5.0, "stale": 0.0, "legacy_now": 7.0, "legacy_last": 4.0}
+    assert {kind: by_slot[kinds[kind]].rate for kind in [*rates, "legacy_stale"]} == {
+        **rates,
+        "legacy_stale": 0.0,
+    }
+    assert (by_slot[kinds["below_zero"]].msgs, by_slot[kinds["below_zero"]].bytes) == (0, 0)
     assert sum(s.queues for s in expected) == 2001
     r.config_resetstat()
     with ShardMaintenance(redis_server.url) as m:
@@ -210,3 +246,57 @@ async def test_the_loop_serves_requests_between_a_sweeps_batches(
         assert script_calls(r) == len(slots) // LOAD_SLOTS
     assert served >= len(slots) // 512
     assert longest < 0.010
+
+
+def former_call(slots: Sequence[int], mode: str, now_ms: int) -> tuple[list[str], list[str]]:
+    """The arguments slot_sweep.lua took before it read the statistics itself: the minute (or '')
+    then the fields by position. A caller still sending them is out of step with the script."""
+    keys, _ = maintenance.sweep_args(slots, mode, now_ms)
+    minute = now_ms - now_ms % 60_000
+    return keys, ["" if mode == maintenance.ROWS else str(minute), "msgs", "bytes", f"w{minute}"]
+
+
+async def test_a_caller_out_of_step_with_the_script_fails_loudly(
+    redis_server: LocalRedis, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Arguments the script does not take are refused, and a reply of another shape than the
+    reader's is not read by position into numbers: either way SweepMismatch (the relay logs it
+    as an error; a Spark job or `relayfleet plan` stops with it), never a wrong load."""
+    populate(r, 200, NOW)
+    some = ALL[:256]
+    store = ShardStore("s", redis_server.url, QueueLimits())
+    await store.start()
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(relay.storage.store, "sweep_args", former_call)
+            with pytest.raises(SweepMismatch, match="slot_sweep: expected"):
+                await read_load(store, some, NOW)
+        with monkeypatch.context() as patch:  # the rows asked for where totals are read
+            patch.setattr(
+                relay.storage.store, "sweep_args", lambda s, _, now: maintenance.sweep_args(s, "rows", now)
+            )
+            with pytest.raises(SweepMismatch, match="slot_sweep totals: expected 5 integers"):
+                await read_load(store, some, NOW)
+        assert (await read_load(store, some, NOW)).queues == sum(s.queues for s in one_by_one(r, some, NOW))
+    finally:
+        await store.close()
+    with ShardMaintenance(redis_server.url) as m:
+        with monkeypatch.context() as patch:
+            patch.setattr(
+                maintenance,
+                "sweep_call",
+                lambda s, now: evalsha(scripts.SLOT_SWEEP, *former_call(s, maintenance.ROWS, now)),
+            )
+            with pytest.raises(SweepMismatch, match="slot_sweep: expected"):
+                m.slot_stats(some, NOW)
+        with monkeypatch.context() as patch:  # the totals asked for where rows are read
+            patch.setattr(
+                maintenance,
+                "sweep_call",
+                lambda s, now: evalsha(scripts.SLOT_SWEEP, *maintenance.sweep_args(s, "totals", now)),
+            )
+            with pytest.raises(SweepMismatch, match="slot_sweep rows: expected rows of 6"):
+                m.slot_stats(some, NOW)
+        assert m.slot_stats(some, NOW) == one_by_one(r, some, NOW)
+    with pytest.raises(SweepMismatch, match="no mode 'sums'"):
+        maintenance.sweep_args(some, "sums", NOW)
