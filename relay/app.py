@@ -29,6 +29,7 @@ from relay.http.serving import FAST_PROTOCOL, make_runner, raise_nofile_limit
 from relay.metrics import RouteSeries
 from relay.service import QueueService
 from relay.settings import Settings
+from relay.storage.pipeline import batched_awaited
 
 log = logging.getLogger("relay.app")
 
@@ -199,8 +200,9 @@ async def serve(
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
     logsafe.install()
     nofile = raise_nofile_limit()
-    # before any connection opens: it counts the store replies awaited from the first
-    busy_poll.install(asyncio.get_running_loop(), settings.busy_poll_us, settings.busy_poll_share)
+    busy_poll.install(
+        asyncio.get_running_loop(), settings.busy_poll_us, settings.busy_poll_share, batched_awaited
+    )
     fleet = await start_fleet(shard_map, settings, source)
     app = build_app(settings, fleet)
     if settings.auth == "none":

@@ -10,11 +10,12 @@ So after I/O the loop keeps polling for the next event for a short window instea
 sleeping: a callback rescheduled with `call_soon` makes the loop poll epoll without
 blocking. Three bounds keep this from costing anyone else:
 - every turn yields the CPU (sched_yield): a task that wants this CPU runs first;
-- no spinning while a batched store call is awaited (relay/storage/pipeline.py): batches
-  mean load, and then Redis and the clients need the CPU; a lone call written on an idle
-  connection (the wake's enqueue) is polled for;
+- no spinning while a batched store call is awaited (asked of relay/storage/pipeline.py
+  at every turn): batches mean load, and then Redis and the clients need the CPU; a lone
+  call written on an idle connection (the wake's enqueue) is polled for;
 - a budget: spinning takes at most `share` of one core, averaged over a second.
-Nothing here runs when nothing happens; window 0 (the default, RELAY_BUSY_POLL_US) turns it off.
+Nothing here runs when nothing happens; window 0 (the default, RELAY_BUSY_POLL_US) turns it off,
+and then `active` is None: each I/O path checks that, and does nothing more.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 
 from relay import metrics
 
@@ -41,13 +43,16 @@ class BusyPoll:
         "_share",
         "_spinning",
         "_started",
+        "_store_busy",
         "_tokens",
         "_window",
-        "awaited",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, window_s: float, share: float) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, window_s: float, share: float, store_busy: Callable[[], bool]
+    ) -> None:
         self._loop = loop
+        self._store_busy = store_busy  # True while a batched store call is awaited
         self._window = window_s
         self._share = share
         self._cap = share * _BUDGET_PERIOD_S
@@ -56,9 +61,9 @@ class BusyPoll:
         self._last_event = 0.0
         self._started = 0.0
         self._spinning = False
-        self.awaited = 0  # batched store calls awaited (relay/storage/pipeline.py counts them)
 
     def event(self) -> None:
+        """I/O arrived: poll for the next for a while rather than sleep."""
         now = self._last_event = _clock()
         if self._spinning:
             return
@@ -72,7 +77,7 @@ class BusyPoll:
 
     def _turn(self) -> None:
         now = _clock()
-        if self.awaited > 0:
+        if self._store_busy():
             self._stop(now, "store")
         elif now - self._last_event >= self._window:
             self._stop(now, "window")
@@ -90,29 +95,17 @@ class BusyPoll:
         metrics.BUSY_POLL_WINDOWS.labels(ended_by).inc()
 
 
-_active: list[BusyPoll] = []  # the relay process's one, once installed
+# The relay process's one, once installed; None: off. Read as `busy_poll.active` at each
+# event (not bound at import), so the I/O paths pay one check when it is off.
+active: BusyPoll | None = None
 
 
-def install(loop: asyncio.AbstractEventLoop, window_us: int, share: float) -> None:
-    """Busy-poll `loop` after I/O (the relay's own process, before it opens a connection;
-    window 0 or share 0: never). Replaces what an earlier call installed."""
-    _active.clear()
+def install(
+    loop: asyncio.AbstractEventLoop, window_us: int, share: float, store_busy: Callable[[], bool]
+) -> None:
+    """Busy-poll `loop` after I/O (the relay's own process; window 0 or share 0: never), not
+    while `store_busy()`. Replaces what an earlier call installed."""
+    global active
+    active = None
     if window_us > 0 and share > 0 and hasattr(os, "sched_yield"):
-        _active.append(BusyPoll(loop, window_us / 1e6, share))
-
-
-def event() -> None:
-    """I/O arrived: poll for the next for a while rather than sleep (no-op when off)."""
-    if _active:
-        _active[0].event()
-
-
-def awaiting(calls: int) -> None:
-    """Batched store calls now awaited (+) or answered (-); none is spun for."""
-    if _active:
-        _active[0].awaited += calls
-
-
-def awaited() -> int:
-    """Batched store calls awaited now, as counted (0 when off)."""
-    return _active[0].awaited if _active else 0
+        active = BusyPoll(loop, window_us / 1e6, share, store_busy)

@@ -598,7 +598,8 @@ class FastConnection(asyncio.Protocol):
 
     # -- reading ------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
-        busy_poll.event()
+        if busy_poll.active is not None:
+            busy_poll.active.event()
         if self._handing_off:  # read before the pause took hold: aiohttp's too
             self._buf += data
             return

@@ -167,7 +167,8 @@ class GuardedRequestHandler(web.RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        busy_poll.event()
+        if busy_poll.active is not None:
+            busy_poll.active.event()
         super().data_received(data)
         # Bytes of a new request on an idle connection, headers not complete yet: arm.
         # While a request is handled, or with a timer running, nothing to do: the usual

@@ -205,10 +205,10 @@ class _Batch:
         self.items = items
         self.pos = 0
         self.may_reload = may_reload
-        # Counted as awaited by busy_poll.awaiting while in flight, so the loop does not
-        # busy-poll then: under load Redis and the clients keep the CPU (relay/busy_poll.py).
-        # Not a lone command written on an idle connection (ScriptBatcher.write_now, the
-        # wake's enqueue): the loop may busy-poll for its reply.
+        # While a batched call is awaited the loop does not busy-poll (batched_awaited): under
+        # load Redis and the clients keep the CPU (relay/busy_poll.py). Not a lone command
+        # written on an idle connection (ScriptBatcher.write_now, the wake's enqueue): the loop
+        # may busy-poll for its reply.
         self.batched = not lone
         self.retry: list[_Item] = []
         self.deadline = 0.0  # loop time by which its replies must have come (_Resp.send)
@@ -233,9 +233,11 @@ class _Resp(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        _waiting[self] = self.waiting
 
     def data_received(self, data: bytes) -> None:
-        busy_poll.event()
+        if busy_poll.active is not None:
+            busy_poll.active.event()
         self.reader.feed(data)
         waiting = self.waiting
         while True:
@@ -266,8 +268,6 @@ class _Resp(asyncio.Protocol):
                     sink.set_result(reply)
             if batch.pos == len(batch.items):
                 waiting.popleft()
-                if batch.batched:
-                    busy_poll.awaiting(-1)
                 self.owner._batch_done(batch)
             if self.demoted:
                 # This node no longer takes writes: drop the connection so the next one
@@ -302,8 +302,6 @@ class _Resp(asyncio.Protocol):
         if timeout is None:
             timeout = self.owner.reply_timeout(size, len(batch.items))
         self.waiting.append(batch)
-        if batch.batched:
-            busy_poll.awaiting(1)
         loop = asyncio.get_running_loop()
         batch.deadline = deadline = loop.time() + timeout
         if self._timer is None or deadline < self._timer_at:
@@ -334,11 +332,11 @@ class _Resp(asyncio.Protocol):
 
     def _fail_all(self, reason: str, failover: bool = False) -> None:
         self.lost = True
+        _waiting.pop(self, None)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         waiting, self.waiting = self.waiting, deque()
-        busy_poll.awaiting(-sum([batch.batched for batch in waiting]))
         for batch in waiting:
             if failover:  # refused (and what followed was refused too): nothing ran
                 _fail(batch.items[batch.pos :] + batch.retry, StoreFailover(reason))
@@ -348,6 +346,22 @@ class _Resp(asyncio.Protocol):
                 _fail(batch.retry, StoreUnavailable(reason))
             batch.retry = []
             self.owner._batch_done(batch)
+
+
+# The batches each open Redis connection of this process awaits (all on the relay's one loop),
+# by connection: what batched_awaited reads.
+_waiting: dict[_Resp, deque[_Batch]] = {}
+
+
+def batched_awaited() -> bool:
+    """Whether a batched call is awaited on any connection: the relay's loop does not busy-poll
+    then (relay/busy_poll.py). Read from the batches waiting, so it cannot drift from them;
+    asked at every turn of a busy-poll window, so empty deques are skipped in C (filter)."""
+    for waiting in filter(None, _waiting.values()):
+        for batch in waiting:
+            if batch.batched:
+                return True
+    return False
 
 
 # A connection with no batch answered for this long is idle: submit_to(at_once=True) sends at once.

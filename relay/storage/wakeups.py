@@ -510,7 +510,8 @@ class WakeupHub:
             if data == b"":
                 raise ConnectionError("closed by server")
             if data:
-                busy_poll.event()
+                if busy_poll.active is not None:
+                    busy_poll.active.event()
                 last_data = now
                 for msg in conn.received(data):
                     self._dispatch(msg)

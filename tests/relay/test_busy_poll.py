@@ -8,7 +8,7 @@ import asyncio
 import os
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,8 @@ from relayfleet_testing.localredis import LocalRedis
 from relay import busy_poll, metrics
 from relay.settings import Settings
 from relay.storage import keys as K
-from relay.storage.store import EnqueueRequest, QueueLimits, ShardStore
+from relay.storage.pipeline import batched_awaited
+from relay.storage.store import EnqueueOutcome, EnqueueRequest, QueueLimits, ShardStore
 from tests.support.fleet_harness import spawn_relay, stop_relays, wait_ready
 
 REDIS = "/usr/bin/redis-server"
@@ -27,16 +28,26 @@ def windows(ended_by: str) -> float:
     return metrics.BUSY_POLL_WINDOWS.labels(ended_by).value
 
 
+def _idle_store() -> bool:
+    return False
+
+
+def install(window_us: int, share: float, store_busy: Callable[[], bool] = _idle_store) -> busy_poll.BusyPoll:
+    busy_poll.install(asyncio.get_running_loop(), window_us, share, store_busy)
+    assert busy_poll.active is not None
+    return busy_poll.active
+
+
 @pytest.fixture
 async def installed() -> AsyncIterator[None]:
     yield
-    busy_poll.install(asyncio.get_running_loop(), 0, 0.0)  # off again for every later test
+    busy_poll.install(asyncio.get_running_loop(), 0, 0.0, _idle_store)  # off again for every later test
 
 
 async def test_a_window_polls_for_its_length_then_the_loop_sleeps(installed: None) -> None:
-    busy_poll.install(asyncio.get_running_loop(), 30_000, 1.0)
+    poll = install(30_000, 1.0)
     spun, ended = metrics.BUSY_POLL_SECONDS.value, windows("window")
-    busy_poll.event()
+    poll.event()
     await asyncio.sleep(0.1)
     assert windows("window") == ended + 1
     assert 0.025 <= metrics.BUSY_POLL_SECONDS.value - spun <= 0.09
@@ -48,48 +59,48 @@ async def test_a_window_polls_for_its_length_then_the_loop_sleeps(installed: Non
 
 
 async def test_events_within_the_window_extend_it(installed: None) -> None:
-    busy_poll.install(asyncio.get_running_loop(), 20_000, 1.0)
+    poll = install(20_000, 1.0)
     spun, ended = metrics.BUSY_POLL_SECONDS.value, windows("window")
-    busy_poll.event()
+    poll.event()
     for _ in range(4):
         await asyncio.sleep(0.01)
-        busy_poll.event()
+        poll.event()
     await asyncio.sleep(0.08)
     assert windows("window") == ended + 1  # one window, not five
     assert metrics.BUSY_POLL_SECONDS.value - spun >= 0.055
 
 
 async def test_no_polling_while_a_batched_store_call_is_awaited(installed: None) -> None:
-    busy_poll.install(asyncio.get_running_loop(), 50_000, 1.0)
-    spun, by_store = metrics.BUSY_POLL_SECONDS.value, windows("store")
-    busy_poll.awaiting(1)
-    busy_poll.event()
+    store_busy = [True]
+    poll = install(50_000, 1.0, lambda: store_busy[0])
+    spun, by_store, ended = metrics.BUSY_POLL_SECONDS.value, windows("store"), windows("window")
+    poll.event()
     await asyncio.sleep(0.06)
     assert windows("store") == by_store + 1
     assert metrics.BUSY_POLL_SECONDS.value - spun < 0.01
-    busy_poll.awaiting(-1)
-    assert busy_poll.awaited() == 0
+    store_busy[0] = False  # answered: the next event polls its whole window again
+    poll.event()
+    await asyncio.sleep(0.06)
+    assert (windows("store"), windows("window")) == (by_store + 1, ended + 1)
+    assert metrics.BUSY_POLL_SECONDS.value - spun >= 0.045
 
 
 async def test_the_budget_bounds_polling_to_a_share_of_a_core(installed: None) -> None:
-    busy_poll.install(asyncio.get_running_loop(), 50_000, 0.2)  # a 20 ms burst, then 20 %
+    poll = install(50_000, 0.2)  # a 20 ms burst, then 20 %
     spun, by_budget = metrics.BUSY_POLL_SECONDS.value, windows("budget")
     started = time.perf_counter()
     while time.perf_counter() - started < 0.3:  # I/O every 10 ms: unbounded, it never sleeps
-        busy_poll.event()
+        poll.event()
         await asyncio.sleep(0.01)
     assert windows("budget") > by_budget
     assert 0.04 <= metrics.BUSY_POLL_SECONDS.value - spun <= 0.1  # ~20 ms + 20 % of 300
 
 
-async def test_off_does_nothing(installed: None) -> None:
-    busy_poll.install(asyncio.get_running_loop(), 0, 0.5)
-    spun = metrics.BUSY_POLL_SECONDS.value
-    busy_poll.event()
-    busy_poll.awaiting(3)
-    await asyncio.sleep(0.02)
-    assert metrics.BUSY_POLL_SECONDS.value == spun
-    assert busy_poll.awaited() == 0
+async def test_off_installs_nothing(installed: None) -> None:
+    install(2_000, 0.5)
+    for window_us, share in ((0, 0.5), (2_000, 0.0)):
+        busy_poll.install(asyncio.get_running_loop(), window_us, share, _idle_store)
+        assert busy_poll.active is None  # what every I/O path checks before anything else
 
 
 @pytest.fixture
@@ -101,27 +112,46 @@ def redis_server() -> Iterator[LocalRedis]:
         server.stop()
 
 
-async def test_store_calls_awaited_are_counted_back_to_zero(
+async def _written(store: ShardStore, q: K.QueueKeys, n: int) -> list[asyncio.Task[EnqueueOutcome]]:
+    """`n` enqueues at once, given the loop turns that write them as batches."""
+    calls = [store.enqueue(q, EnqueueRequest(b"", b"", os.urandom(8)), 1000) for _ in range(n)]
+    futures = [asyncio.ensure_future(call) for call in calls]
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    return futures
+
+
+async def test_batched_store_calls_stop_the_polling_while_awaited(
     installed: None, redis_server: LocalRedis
 ) -> None:
-    busy_poll.install(asyncio.get_running_loop(), 2_000, 0.5)
     store = ShardStore("t", redis_server.url, QueueLimits(rate_count=10**6))
     await store.start()
     try:
         q = K.queue_keys(os.urandom(32), b"")
-        await store.enqueue(q, EnqueueRequest(b"", b"", b"lone"), 1000)
-        outcomes = await asyncio.gather(
-            *(store.enqueue(q, EnqueueRequest(b"", b"", b"m%d" % i), 1000) for i in range(200))
-        )
+        await asyncio.sleep(0.01)  # the connection idle (ScriptBatcher.write_now)
+        # a lone call on an idle connection is polled for
+        lone = asyncio.ensure_future(store.enqueue(q, EnqueueRequest(b"", b"", b"lone"), 1000))
+        for _ in range(3):  # the turns a batch would take to be written
+            await asyncio.sleep(0)
+        assert not lone.done()
+        assert not batched_awaited()
+        await lone
+        # a burst is batched: no polling until every batch is answered
+        poll = install(50_000, 1.0, batched_awaited)
+        by_store = windows("store")
+        burst = await _written(store, q, 200)
+        assert batched_awaited()
+        poll.event()
+        outcomes = await asyncio.gather(*burst)
         assert len({o.seq for o in outcomes}) == 200
-        assert busy_poll.awaited() == 0
-        # calls in flight when the connection is lost are counted back too
-        calls = [store.enqueue(q, EnqueueRequest(b"", b"", b"x%d" % i), 1000) for i in range(50)]
-        pending = [asyncio.ensure_future(call) for call in calls]
-        await asyncio.sleep(0)
+        assert not batched_awaited()
+        assert windows("store") >= by_store + 1
+        # calls in flight when the connection is lost are no longer awaited either
+        pending = await _written(store, q, 50)
+        assert batched_awaited()
         redis_server.stop()
         await asyncio.gather(*pending, return_exceptions=True)
-        assert busy_poll.awaited() == 0
+        assert not batched_awaited()
     finally:
         await store.close()
 
