@@ -13,24 +13,26 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from relay import gc_tuning
 from relay.fleet.sharding import ShardMapError, is_sentinel_url, parse_sentinel_url
-from relay.helpfmt import EnvHelpFormatter
+from relay.helpfmt import EnvHelpParser
 from relay.settings import ConfigError, Settings, env_value, parse_env
 from relay.storage.connection import RedisURLError
 
 
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", EnvHelpFormatter)  # every flag: its env and default
-        super().__init__(*args, **kwargs)
-
+class _Parser(EnvHelpParser):  # every flag: its env and default
     def error(self, message: str) -> NoReturn:
         # one line, exit 2 (the contract), instead of argparse's usage dump; named by the
         # command it is about ("relayfleet migrate: ...")
         self.exit(2, f"{self.prog}: {message}\n")
+
+
+class _AddsArguments(Protocol):
+    """A parser or one of its groups (argparse names no public type for both)."""
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +54,7 @@ def _flag(
     help: str,
     parse: Callable[[str], object] = str,
     kind: str = "a string",
-    to: argparse._ActionsContainer | None = None,
+    to: _AddsArguments | None = None,
     **kw: Any,
 ) -> None:
     """An option whose help names its environment variable and default; the value is resolved
@@ -157,6 +159,15 @@ def _relay_epilog() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return _build_parsers()[0]
+
+
+def subcommand_parsers() -> dict[str, EnvHelpParser]:
+    """Each built-in subcommand's parser by name, as `build_parser` makes them (for tests)."""
+    return _build_parsers()[1]
+
+
+def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, EnvHelpParser]]:
     parser = _Parser(prog="relayfleet", description="Sharded store-and-forward relay for E2EE messaging")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_relay_args(sub.add_parser("relay", help="run a relay process", epilog=_relay_epilog()))
@@ -202,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, ep in sorted(plugins.items()):
         if name not in TOOL_COMMANDS and name not in sub.choices:
             sub.add_parser(name, help=f"from {ep.dist.name if ep.dist else ep.value} (see {name} --help)")
-    return parser
+    return parser, dict(sub.choices)
 
 
 # -- commands of other distributions and packages -------------------------------------------------

@@ -8,7 +8,6 @@ and executors import this module with only the task function's needs.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from typing import Any, NoReturn
 from relay.fleet import credentials
 from relay.fleet.contract import shard_map_from_configmap_data
 from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
+from relay.helpfmt import EnvHelpParser
 from relay.storage.maintenance import ShardMaintenance
 
 GROUP = "relayfleet.dev"
@@ -33,15 +33,9 @@ class JobError(Exception):
     """The job could not do its work (unreachable shard, API refused): exit status 1."""
 
 
-class ArgParser(argparse.ArgumentParser):
+class ArgParser(EnvHelpParser):
     """argparse whose errors become UsageError, so the caller prints one line; --help names
     every flag's variable and default (relay/helpfmt.py)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from relay.helpfmt import EnvHelpFormatter
-
-        kwargs.setdefault("formatter_class", EnvHelpFormatter)
-        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)

@@ -19,7 +19,7 @@ from relay.backup.errors import BackupError
 from relay.backup.restoring import restore
 from relay.backup.taking import backup
 from relay.fleet.sharding import ShardMapError
-from relay.helpfmt import EnvHelpFormatter
+from relay.helpfmt import EnvHelpParser
 from relay.progress import ProgressReporter
 from relay.storage.connection import RedisConnectError, RedisURLError
 from relay.storage.snapshot import SnapshotError
@@ -45,11 +45,7 @@ def read_url(url: str | None, url_file: str | None) -> str:
     raise RedisURLError("one of --redis-url (or RELAY_REDIS_URL) or --redis-url-file is required")
 
 
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", EnvHelpFormatter)  # every flag: its env and default
-        super().__init__(*args, **kwargs)
-
+class _Parser(EnvHelpParser):  # every flag: its env and default
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"relayfleet {self.prog.split()[-1]}: {message}\n")
 
