@@ -80,8 +80,8 @@ def machine_busy_seconds() -> float:
 
 def own_seconds() -> float:
     """CPU of this process and of the children it has reaped (the load generators)."""
-    me, kids = os.times()[:2], os.times()[2:4]
-    return sum(me) + sum(kids)
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 class ForeignLoad:
