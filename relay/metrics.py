@@ -55,6 +55,33 @@ REJECTED = Counter(
 RATE_LIMITED = Counter(
     "relayfleet_rate_limited_total", "Enqueues refused by the per-queue rate limit", registry=REGISTRY
 )
+QUOTA_REFUSALS = Counter(
+    "relayfleet_quota_refusals_total",
+    "Storing requests refused by a quota (per client, per recipient, per connection, shard reserve),"
+    " by route and reason",
+    ["route", "reason"],  # route: a route template or "didcomm"; reason: one of QUOTA_REASONS
+    registry=REGISTRY,
+)
+# The reasons a quota refusal is counted under (a closed set: no label takes a client's text).
+QUOTA_REASONS = (
+    "client_messages",  # RELAY_CLIENT_RATE_MESSAGES
+    "client_bytes",  # RELAY_CLIENT_RATE_BYTES
+    "recipient_channels",  # RELAY_RECIPIENT_MAX_CHANNELS
+    "recipient_messages",  # RELAY_RECIPIENT_MAX_MESSAGES
+    "recipient_bytes",  # RELAY_RECIPIENT_MAX_BYTES
+    "recipient_rate",  # RELAY_RECIPIENT_RATE_LIMIT
+    "shard_reserve",  # RELAY_SHARD_RESERVE_FRACTION / RELAY_SHARD_RESERVE_QUEUE_BYTES
+    "didcomm_keys",  # RELAY_DIDCOMM_MAX_KEYS_PER_CONNECTION
+    "didcomm_connections",  # RELAY_DIDCOMM_MAX_CONNECTIONS_PER_CLIENT
+    "enqueue_token",  # a storing route without a valid enqueue token (401)
+)
+
+
+def quota_refused(route: str, reason: str) -> None:
+    """Count one quota refusal; `reason` must be one of QUOTA_REASONS (else "other")."""
+    QUOTA_REFUSALS.labels(route, reason if reason in QUOTA_REASONS else "other").inc()
+
+
 WAITERS = LoopGauge("relayfleet_waiters", "Long-polls currently waiting in this process", registry=REGISTRY)
 LIVE_CONNECTIONS = Gauge("relayfleet_live_connections", "Open live WebSocket connections", registry=REGISTRY)
 LIVE_FRAMES = LoopCounter(

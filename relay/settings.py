@@ -8,6 +8,7 @@ by the prefix policy (docs/design-decisions.md) still work, with a warning in th
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from collections.abc import Callable
@@ -79,6 +80,22 @@ RELAY_ENV: tuple[EnvVar, ...] = (
     EnvVar("RELAY_BUSY_POLL_SHARE", "0.5", "busy-polling takes at most this share of one core"),
     EnvVar("RELAY_SHUTDOWN_DELAY_SECONDS", "0", "keep serving this long after SIGTERM before draining"),
     EnvVar("RELAY_DIDCOMM_REDELIVER_S", "10", "a Pickup delivery not acknowledged goes out again after"),
+    EnvVar(
+        "RELAY_CLIENT_RATE_MESSAGES",
+        "10000",
+        "messages one client may store per RELAY_CLIENT_RATE_WINDOW_MS, all recipients together (0: off)",
+    ),
+    EnvVar(
+        "RELAY_CLIENT_RATE_BYTES",
+        str(32 << 20),
+        "payload bytes one client may store per RELAY_CLIENT_RATE_WINDOW_MS (0: off)",
+    ),
+    EnvVar("RELAY_CLIENT_RATE_WINDOW_MS", "5000", "per-client quota window (token bucket refill), ms"),
+    EnvVar(
+        "RELAY_TRUSTED_PROXIES",
+        "none",
+        "CIDRs of proxies whose X-Forwarded-For names the client (comma separated; behind an ingress)",
+    ),
 )
 
 # Old name -> new name (prefix policy, docs/design-decisions.md): read with a warning.
@@ -237,6 +254,13 @@ class Settings:
     # A message a Pickup delivery handed out is offered again only after this long without
     # its messages-received (an agent that died before acking gets it back then).
     didcomm_redeliver_s: float = 10.0
+    # Per-client quota across recipients (relay/api/quota.py, docs/api.md "Client quota"): a
+    # token bucket per client of this many messages and payload bytes, refilled over the window.
+    client_rate_messages: int = 10_000
+    client_rate_bytes: int = 32 << 20
+    client_rate_window_ms: int = 5000
+    # X-Forwarded-For is believed only from a TCP peer in one of these networks (CIDR text).
+    trusted_proxies: tuple[str, ...] = ()
 
     @property
     def fleet_name(self) -> str:
@@ -275,9 +299,26 @@ class Settings:
             "gc_young_threshold": max(1, env_int("RELAY_GC_YOUNG_THRESHOLD", d.gc_young_threshold)),
             "busy_poll_us": min(100_000, max(0, env_int("RELAY_BUSY_POLL_US", d.busy_poll_us))),
             "busy_poll_share": min(1.0, max(0.0, env_float("RELAY_BUSY_POLL_SHARE", d.busy_poll_share))),
+            "client_rate_messages": max(0, env_int("RELAY_CLIENT_RATE_MESSAGES", d.client_rate_messages)),
+            "client_rate_bytes": max(0, env_int("RELAY_CLIENT_RATE_BYTES", d.client_rate_bytes)),
+            "client_rate_window_ms": max(1, env_int("RELAY_CLIENT_RATE_WINDOW_MS", d.client_rate_window_ms)),
+            "trusted_proxies": trusted_proxies_from_env(),
         }
         values.update(flags)
         return cls(**values)
+
+
+def trusted_proxies_from_env() -> tuple[str, ...]:
+    """RELAY_TRUSTED_PROXIES: CIDRs (or single addresses), comma or space separated; each checked."""
+    raw = env_value("RELAY_TRUSTED_PROXIES") or ""
+    out: list[str] = []
+    for item in raw.replace(",", " ").split():
+        try:
+            out.append(str(ipaddress.ip_network(item, strict=False)))
+        except ValueError:
+            shown = item if len(item) <= 40 else item[:40] + "..."
+            raise ConfigError(f"RELAY_TRUSTED_PROXIES must be a list of CIDRs, got {shown!r}") from None
+    return tuple(out)
 
 
 def limits_from_env() -> QueueLimits:

@@ -133,6 +133,7 @@ MOVED_BY: dict[str, str] = {
 # that gets a test moves from here to MOVED_BY).
 NOT_MOVED_YET = {
     "relayfleet_operator_rebalances_active",  # 1 while a rebalance executes, no test catches it then
+    "relayfleet_quota_refusals_total",  # issue 36: the quotas that count it land next
 }
 
 
