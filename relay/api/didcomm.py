@@ -25,7 +25,7 @@ from relay.didcomm.envelope import EnvelopeError
 from relay.didcomm.mediator import HANDLED_TYPES, ForwardRefused, Mediator, Outcome
 from relay.didcomm.mediator_pickup import message_id
 from relay.didcomm.messages import MediatorError
-from relay.didcomm.records import CHANNEL, Connection
+from relay.didcomm.records import QUEUE_CHANNEL, Connection
 from relay.service import Unavailable
 
 log = logging.getLogger("relay.didcomm")
@@ -179,7 +179,7 @@ class DidcommSocket:
         with contextlib.ExitStack() as stack:
             waiters = []
             for key in queues:
-                route = fleet.route(key, CHANNEL)
+                route = fleet.route(key, QUEUE_CHANNEL)
                 waiters.append(stack.enter_context(route.hub.waiting(route.keys.wake)))
             await asyncio.gather(*(w.ready(1.0) for w in waiters))  # subscribed before reading
             self.poke.clear()

@@ -20,7 +20,7 @@ from relay.didcomm.attachments import AttachmentError, attached_document, signed
 from relay.didcomm.envelope import Unpacked, pack, parse, shaped, unpack
 from relay.didcomm.mediator_pickup import LiveSession, Pickup
 from relay.didcomm.messages import PREFIXES, MediatorError, reply, thread_of
-from relay.didcomm.records import CHANNEL, Connection, Records
+from relay.didcomm.records import QUEUE_CHANNEL, Connection, Records
 from relay.service import QueueService
 from relay.storage.store import EnqueueOutcome, EnqueueRequest
 
@@ -235,7 +235,7 @@ class Mediator:
         if not (isinstance(mid, str) and 0 < len(mid) <= MAX_MESSAGE_ID and mid.isprintable()):
             mid = ""
         outcome = await self.service.enqueue(
-            EnqueueRequest(to, CHANNEL, payload, "didcomm:" + mid if mid else "", mid)
+            EnqueueRequest(to, QUEUE_CHANNEL, payload, "didcomm:" + mid if mid else "", mid)
         )
         if outcome.kind not in ("stored", "duplicate"):
             raise ForwardRefused(outcome)

@@ -5,6 +5,7 @@ queue keeps it from going out twice until `redeliver_ms` have passed without an 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Iterable
@@ -14,12 +15,13 @@ from relay import boundedjson, metrics
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import shaped
 from relay.didcomm.messages import MediatorError, reply
-from relay.didcomm.records import CHANNEL, Connection, Lease, Records
+from relay.didcomm.records import QUEUE_CHANNEL, Connection, Lease, Records
 from relay.service import QueueService
 from relay.storage.store import Message
 
 __all__ = ["MAX_IDS", "LiveSession", "Pickup", "message_id", "packable", "parse_message_id"]
 
+log = logging.getLogger("relay.didcomm")
 MAX_IDS = 10_000
 SWEEPS = 8  # reads per delivery while what is read holds messages that must be dropped
 
@@ -97,7 +99,7 @@ class Pickup:
         """A Pickup status. Live deliveries awaiting their ack (`in_flight`) are not counted as
         waiting: an agent that asked for a count's worth would get them twice."""
         results, leases = await asyncio.gather(
-            asyncio.gather(*(self.service.status(k, CHANNEL) for k in queues)), self.leases(queues)
+            asyncio.gather(*(self.service.status(k, QUEUE_CHANNEL) for k in queues)), self.leases(queues)
         )
         now = now_ms()
         leased = sum(lease.held for lease in leases.values() if lease.active(now))
@@ -133,7 +135,7 @@ class Pickup:
         }
         for _ in range(SWEEPS):
             results = await asyncio.gather(
-                *(self.service.read(k, CHANNEL, starts.get(k), limit, 0) for k in queues)
+                *(self.service.read(k, QUEUE_CHANNEL, starts.get(k), limit, 0) for k in queues)
             )
             merged = [(k, m) for k, r in zip(queues, results, strict=True) for m in r.messages]
             merged.sort(key=lambda km: km[1].received_ms)
@@ -147,15 +149,18 @@ class Pickup:
         return batch
 
     async def drop(self, unpackable: list[tuple[bytes, Message]]) -> None:
-        """Remove what no agent could take as a packed message. Forwards store only packed
-        messages; the plain enqueue API can put anything on a key's queue, and a DIDComm agent
-        fails a whole delivery on one attachment it cannot parse (Credo-ts does), then meets
-        that one first in every delivery after: one such message would block the queue."""
+        """Remove what no agent could take as a packed message. Only forwards store in the
+        mediator's key space and they store only packed messages, so this meets nothing unless
+        Redis was written behind the relay's back; but a DIDComm agent fails a whole delivery on
+        one attachment it cannot parse (Credo-ts does), then meets that one first in every
+        delivery after: one such message would block the queue. Counted and logged (the
+        count only), never silently."""
         per_key: dict[bytes, list[int]] = {}
         for key, m in unpackable:
             per_key.setdefault(key, []).append(m.seq)
-        await asyncio.gather(*(self.service.ack(k, CHANNEL, None, seqs) for k, seqs in per_key.items()))
+        await asyncio.gather(*(self.service.ack(k, QUEUE_CHANNEL, None, seqs) for k, seqs in per_key.items()))
         metrics.DIDCOMM_MESSAGES.labels("messagepickup/2.0/delivery", "dropped").inc(len(unpackable))
+        log.warning("didcomm pickup removed %d stored messages that are not packed messages", len(unpackable))
 
     async def lease_out(self, batch: list[tuple[bytes, Message]], leases: dict[bytes, Lease]) -> None:
         """Record that `batch` went out: its queues' leases move past it."""
@@ -237,7 +242,7 @@ class Pickup:
                     by_key.setdefault(parsed[0], []).append(parsed[1])
             keys = list(by_key)
             counts = await asyncio.gather(
-                *(self.service.ack(k, CHANNEL, None, sorted(by_key[k])) for k in keys)
+                *(self.service.ack(k, QUEUE_CHANNEL, None, sorted(by_key[k])) for k in keys)
             )
             await self.lease_back(dict(zip(keys, counts, strict=True)))
             if session is not None:

@@ -9,6 +9,7 @@ runs on the shard that then queues the message:
 - ``r:<agent key>``   the recipient keys that connection registered (space-separated)
 - ``k:<recipient>``   the agent key of the connection that registered it
 - ``d:<recipient>``   the delivery lease of that key's queue (see Lease)
+A key's queue itself is (recipient, QUEUE_CHANNEL), in the mediator's own key space.
 Keys appear as unpadded base64url of the 32 raw bytes.
 """
 
@@ -20,9 +21,14 @@ from dataclasses import dataclass
 
 from relay.didcomm.keys import b64decode_any, b64url
 from relay.service import QueueService
+from relay.storage.keys import MEDIATOR_CHANNEL
 
 MAX_KEYS_PER_CONNECTION = 1000
-CHANNEL = b""  # forwards are queued on the recipient key's default channel
+# Where a record lives: the slot of (its key, RECORD_CHANNEL). Unchanged since the mediator's
+# queues moved to their own key space, so connections and keylists carry over an upgrade.
+RECORD_CHANNEL = b""
+# The mediator's queues: never the HTTP API's (relay/storage/keys.MEDIATOR_CHANNEL).
+QUEUE_CHANNEL = MEDIATOR_CHANNEL
 
 
 @dataclass(frozen=True)
@@ -77,12 +83,16 @@ class Records:
 
     async def connection(self, key: bytes) -> Connection | None:
         field = "c:" + b64url(key)
-        (raw,) = await self.service.call(key, CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,)))
+        (raw,) = await self.service.call(
+            key, RECORD_CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,))
+        )
         return Connection.from_json(key, raw) if raw else None
 
     async def save(self, conn: Connection) -> None:
         pair = ("c:" + b64url(conn.key), conn.to_json())
-        await self.service.call(conn.key, CHANNEL, lambda r: r.store.record_set(r.keys.slot, (pair,), ()))
+        await self.service.call(
+            conn.key, RECORD_CHANNEL, lambda r: r.store.record_set(r.keys.slot, (pair,), ())
+        )
 
     @staticmethod
     def new(key: bytes, did: str, label: str) -> Connection:
@@ -92,14 +102,14 @@ class Records:
         """The recipient keys the connection registered (its Pickup queues)."""
         field = "r:" + b64url(conn.key)
         (raw,) = await self.service.call(
-            conn.key, CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,))
+            conn.key, RECORD_CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,))
         )
         return [b64decode_any(m) for m in raw.decode().split()] if raw else []
 
     async def owner(self, recipient: bytes) -> bytes | None:
         field = "k:" + b64url(recipient)
         (raw,) = await self.service.call(
-            recipient, CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,))
+            recipient, RECORD_CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,))
         )
         return b64decode_any(raw.decode()) if raw else None
 
@@ -108,20 +118,22 @@ class Records:
         or 'server_error' (this connection holds MAX_KEYS_PER_CONNECTION already)."""
         owner, member = b64url(conn.key), b64url(recipient)
         claimed = await self.service.call(
-            recipient, CHANNEL, lambda r: r.store.record_claim(r.keys.slot, "k:" + member, owner, True)
+            recipient, RECORD_CHANNEL, lambda r: r.store.record_claim(r.keys.slot, "k:" + member, owner, True)
         )
         if not claimed:
             return "client_error"
         listed = await self.service.call(
             conn.key,
-            CHANNEL,
+            RECORD_CHANNEL,
             lambda r: r.store.record_list(
                 r.keys.slot, "r:" + owner, True, MAX_KEYS_PER_CONNECTION, (member,)
             ),
         )
         if not listed:
             await self.service.call(
-                recipient, CHANNEL, lambda r: r.store.record_claim(r.keys.slot, "k:" + member, owner, False)
+                recipient,
+                RECORD_CHANNEL,
+                lambda r: r.store.record_claim(r.keys.slot, "k:" + member, owner, False),
             )
             return "server_error"
         return "success"
@@ -130,20 +142,22 @@ class Records:
         owner, member = b64url(conn.key), b64url(recipient)
         await self.service.call(
             conn.key,
-            CHANNEL,
+            RECORD_CHANNEL,
             lambda r: r.store.record_list(
                 r.keys.slot, "r:" + owner, False, MAX_KEYS_PER_CONNECTION, (member,)
             ),
         )
         released = await self.service.call(
-            recipient, CHANNEL, lambda r: r.store.record_claim(r.keys.slot, "k:" + member, owner, False)
+            recipient,
+            RECORD_CHANNEL,
+            lambda r: r.store.record_claim(r.keys.slot, "k:" + member, owner, False),
         )
         return "success" if released else "client_error"
 
     async def lease(self, recipient: bytes) -> Lease | None:
         field = "d:" + b64url(recipient)
         (raw,) = await self.service.call(
-            recipient, CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,))
+            recipient, RECORD_CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,))
         )
         return Lease.parse(raw)
 
@@ -152,4 +166,6 @@ class Records:
         field = "d:" + b64url(recipient)
         pairs = ((field, f"{lease.cursor} {lease.expiry_ms} {lease.held}"),) if lease is not None else ()
         deletes = () if lease is not None else (field,)
-        await self.service.call(recipient, CHANNEL, lambda r: r.store.record_set(r.keys.slot, pairs, deletes))
+        await self.service.call(
+            recipient, RECORD_CHANNEL, lambda r: r.store.record_set(r.keys.slot, pairs, deletes)
+        )

@@ -173,6 +173,16 @@ def queue_keys(recipient: bytes, channel: bytes) -> QueueKeys:
     return queue_keys_for_id(slot_of(recipient, channel), queue_id(recipient, channel))
 
 
+# The channel of every queue the DIDComm mediator keeps (forwards, Pickup over a connection,
+# its status and live delivery): the mediator's own key space. It is longer than any channel
+# the HTTP API accepts (relay/api/params.MAX_CHANNEL_BYTES, 64), so no signed or anonymous
+# HTTP request can name one of these queues, and no keylist-update can name a queue of the
+# HTTP API: a registered key reaches only what was forwarded to it (docs/design-decisions.md,
+# "The mediator's own key space"). Queue ids stay "<recipient>.<channel>" like any other, so
+# slot migration, retention, trim and the indexes treat these queues as they treat the rest.
+MEDIATOR_CHANNEL = b"relayfleet didcomm mediator: queues of mediated keys, beyond the HTTP API"
+
+
 def slot_didcomm(slot: int) -> str:
     """Hash: the DIDComm mediator's records in this slot (relay/didcomm/records.py): 'c:<key>'
     connection, 'r:<key>' keys the connection registered, 'k:<key>' the connection owning a

@@ -32,7 +32,9 @@ from tests.support.didcomm_test_agent import Agent, forward_envelope, inner_mess
 WIRE = {"Content-Type": "application/didcomm-envelope-enc"}
 
 
-def didcomm_relay(workdir: Path, env: dict[str, str] | None = None) -> Relay:
+def didcomm_relay(
+    workdir: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ("--auth", "none")
+) -> Relay:
     """`relayfleet relay` with the mediator on (its own redis-server); stop both with stop_all."""
     workdir.mkdir(parents=True, exist_ok=True)
     seed = workdir / "seed"
@@ -45,7 +47,7 @@ def didcomm_relay(workdir: Path, env: dict[str, str] | None = None) -> Relay:
     }
     redis = start_redis()
     try:
-        return start_relay(redis, workdir, full)
+        return start_relay(redis, workdir, full, args=args)
     except BaseException:
         redis.stop()
         raise

@@ -4,9 +4,10 @@ queue: read, drain, inbox, the live WebSocket, Pickup 2.0 over HTTP and over liv
 mediator's Pickup over POST /v1/didcomm and its live mode on /v1/didcomm/ws, and push.
 
 Each path must answer 2xx, hand out every message in order (the poison as the bytes stored),
-and keep delivering what comes after; the mediator's Pickup removes what is not a packed
-message instead of handing it to an agent (Credo-ts fails a whole delivery on it, every
-time). Before the fix one anonymous forward whose `msg` was 3,000 nested `[` made every
+and keep delivering what comes after. The mediator's queues live in its own key space: poison
+the plain API puts on a mediated key's queue stays in that HTTP API queue, never reaching (nor
+being removed by) the mediator's Pickup; only packed messages are forwarded into the
+mediator's space. Before the fix one anonymous forward whose `msg` was 3,000 nested `[` made every
 later mediator delivery-request answer 500 and live mode close 1011 (the mediator parsed
 stored payloads to embed them as `data.json`).
 """
@@ -126,16 +127,6 @@ async def test_pickup_over_http_hands_out_poison_and_acks_it(
         assert (await resp.json())["message_count"] == 0
 
 
-async def _dropped(http: aiohttp.ClientSession, relay: Relay) -> float:
-    """relayfleet_didcomm_messages_total{type="messagepickup/2.0/delivery",result="dropped"}."""
-    async with http.get(relay.url + "/metrics") as resp:
-        text = await resp.text()
-    for line in text.splitlines():
-        if line.startswith("relayfleet_didcomm_messages_total{") and 'result="dropped"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 async def _poison_mediated(http: aiohttp.ClientSession, relay: Relay, m: Mediated) -> dict[str, int]:
     """Every bad forward an anonymous sender can post, plus raw poison on the key's queue.
     Returns each bad forward's status by name."""
@@ -153,8 +144,15 @@ async def _poison_mediated(http: aiohttp.ClientSession, relay: Relay, m: Mediate
     # shaped like an envelope, opens for nobody: stored, delivered, the agent discards it
     shaped = {"protected": "e30", "iv": "AAAA", "ciphertext": "AAAA", "tag": "AAAA"}
     statuses["shaped_garbage"], _ = await post(http, relay, m.forward(shaped))
-    await _enqueue(http, relay, dk.b64url(m.key), POISONS)  # the plain API takes anything
+    # the plain API takes anything, on the key's HTTP API queue: not the mediator's
+    await _enqueue(http, relay, dk.b64url(m.key), POISONS)
     return statuses
+
+
+async def _http_api_queue(http: aiohttp.ClientSession, relay: Relay, m: Mediated) -> list[bytes]:
+    async with http.get(f"{relay.url}/v1/queues/{dk.b64url(m.key)}/messages?limit=100") as resp:
+        assert resp.status == 200
+        return _payloads(await resp.json())
 
 
 async def test_mediator_pickup_over_http_survives_a_poisoned_inbox(
@@ -180,8 +178,9 @@ async def test_mediator_pickup_over_http_survives_a_poisoned_inbox(
     assert delivery["@type"].endswith("/delivery")
     got = _attached(delivery)
     assert got[-3:] == [json.dumps(g).encode() for g in goods]  # in order, as forwarded
-    assert len(got) == 1 + 3  # the shaped garbage too; the raw poison was removed, not handed out
-    assert await _dropped(http, relay) >= len(POISONS)
+    assert len(got) == 1 + 3  # the shaped garbage too; the raw poison is not the mediator's
+    assert not set(got) & set(POISONS)
+    assert await _http_api_queue(http, relay, m) == list(POISONS)  # neither taken nor dropped
     ids = [a["@id"] for a in delivery["~attach"]]
     after = await m.agent.send(msg("messagepickup/2.0/messages-received", message_id_list=ids))
     assert after is not None
@@ -227,6 +226,7 @@ async def test_mediator_live_mode_survives_a_poisoned_inbox(
         assert not ws.closed, ws.close_code
     assert want <= set(got)
     assert not set(got) & set(POISONS)  # never handed to the agent
+    assert await _http_api_queue(http, relay, m) == list(POISONS)
     report("poisoned mediator inbox, live mode", delivered=len(got), close_code=None)
 
 

@@ -133,6 +133,32 @@ async def test_whole_flow_forward_then_pickup_over_http(agent: Agent, http: Any)
     assert attached(last) == [inners[2], fresh]  # again, in order
 
 
+async def test_an_unpackable_message_in_the_mediators_space_is_removed_counted_and_logged(
+    agent: Agent, relay: RunningRelay, http: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only forwards write the mediator's queues and they store packed messages only; what
+    Redis holds otherwise (written behind the relay's back) is removed at delivery, with
+    relayfleet_didcomm_messages_total{result="dropped"} and a log line saying how many."""
+    from relay.api.context import CTX
+    from relay.storage.keys import MEDIATOR_CHANNEL
+    from relay.storage.store import EnqueueRequest
+
+    key = await mediated(agent)
+    service = relay.app[CTX].service
+    stored = await service.enqueue(EnqueueRequest(key, MEDIATOR_CHANNEL, b"[[[ not an envelope", ""))
+    assert stored.kind == "stored"
+    inner = inner_message(key, "good")
+    assert (await agent.post(forward_envelope(routing_key(agent), key, inner)))[0] == 202
+    with caplog.at_level(logging.WARNING, "relay.didcomm"):
+        delivery = await agent.send(msg("messagepickup/2.0/delivery-request", limit=10))
+    assert delivery is not None
+    assert attached(delivery) == [inner]
+    assert "removed 1 stored messages that are not packed messages" in caplog.text
+    async with http.get(relay.base_url + "/metrics") as r:
+        text = await r.text()
+    assert 'relayfleet_didcomm_messages_total{result="dropped",type="messagepickup/2.0/delivery"}' in text
+
+
 async def test_forward_with_the_same_id_is_stored_once(agent: Agent) -> None:
     key = await mediated(agent)
     inner = inner_message(key, "once")
@@ -315,13 +341,18 @@ async def test_slot_migration_moves_connections_keylists_and_queues(
         inners = [inner_message(key, f"before {i}") for i in range(2)]
         for inner in inners:
             assert (await agent.post(forward_envelope(routing_key(agent), key, inner)))[0] == 202
-        slots = sorted({slot_of(agent.kp.verkey, b""), slot_of(key, b"")})
+        # the records' slots and the queue's, in the mediator's own key space
+        slots = sorted({slot_of(agent.kp.verkey, b""), slot_of(key, b""), slot_of(key, K.MEDIATOR_CHANNEL)})
         report = await migrate_slots(load_file(path), slots, "b", file_publisher(path))
         assert report.slots_moved == len(slots)
         ra, rb = (redis.Redis.from_url(servers[n].url) for n in ("a", "b"))
-        for slot in slots:
+        record_slots = {slot_of(agent.kp.verkey, b""), slot_of(key, b"")}
+        for slot in record_slots:
             assert not ra.exists(K.slot_didcomm(slot))
             assert rb.exists(K.slot_didcomm(slot))
+        queue = K.queue_keys(key, K.MEDIATOR_CHANNEL)
+        assert not ra.exists(queue.msgs)
+        assert rb.xlen(queue.msgs) == 2
         keylist = await agent.send(msg("coordinate-mediation/1.0/keylist-query"))
         assert keylist is not None
         assert keylist["keys"] == [{"recipient_key": dk.did_key(key)}]
@@ -475,3 +506,14 @@ async def test_a_wildcard_host_without_a_public_url_is_warned_about(
         await relay_factory(redis_server.url, didcomm_seed_file=seed_file, host="0.0.0.0", public_url=PUBLIC)
     assert not [r for r in caplog.records if r.name == "relay.didcomm"]
     assert relay.base_url  # the relay itself still serves (the test server binds 127.0.0.1)
+
+
+def test_the_mediators_channel_is_beyond_the_http_apis_reach() -> None:
+    """The mediator's key space holds only while no HTTP API channel can be this long."""
+    from relay.api.params import MAX_CHANNEL_BYTES
+    from relay.didcomm.records import QUEUE_CHANNEL, RECORD_CHANNEL
+    from relay.storage.keys import MEDIATOR_CHANNEL
+
+    assert QUEUE_CHANNEL == MEDIATOR_CHANNEL
+    assert len(MEDIATOR_CHANNEL) > MAX_CHANNEL_BYTES
+    assert RECORD_CHANNEL == b""  # records stay where they were: keylists survive the upgrade
