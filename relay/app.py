@@ -20,6 +20,7 @@ from relay.api.auth import Authenticator
 from relay.api.context import CTX, Context
 from relay.api.errors import overloaded
 from relay.api.failures import code_of, error_for
+from relay.api.quota import ClientQuota
 from relay.fleet.routing import MapSource, ShardRouter
 from relay.fleet.sharding import ShardMap
 from relay.http import logsafe
@@ -139,7 +140,14 @@ def build_app(settings: Settings, fleet: ShardRouter) -> web.Application:
     app = web.Application(client_max_size=settings.max_payload * 2)
     service = QueueService(fleet, settings)
     guard = MemoryGuard(ceiling_bytes(settings.max_rss_mb))
-    context = Context(settings=settings, service=service, auth=Authenticator(settings, service), memory=guard)
+    quota = ClientQuota(settings)
+    context = Context(
+        settings=settings,
+        service=service,
+        auth=Authenticator(settings, service),
+        memory=guard,
+        quota=quota if quota.enabled else None,
+    )
     app[CTX] = context
     logsafe.install()
     app.on_startup.append(_start_guard)

@@ -13,6 +13,7 @@ import time
 
 from aiohttp import web
 
+from relay import metrics
 from relay.api.errors import unauthorized
 from relay.protocol import (
     SCHEME,
@@ -72,15 +73,22 @@ class Authenticator:
         if not fresh:
             raise unauthorized("nonce was already used")
 
-    def verify_enqueue(self, request: web.Request) -> None:
+    def verify_enqueue(self, request: web.Request, route: str = "/v1/queues/{recipient}/messages") -> None:
+        """A storing route's (enqueue, fan-out, inbox append) token check."""
         if self.tokens:
-            self.verify_enqueue_header(request.headers.get("Authorization"))
+            self.verify_enqueue_header(request.headers.get("Authorization"), route)
 
-    def verify_enqueue_header(self, header: str | None) -> None:
-        """401 unless `header` carries one of the enqueue tokens (when any are configured)."""
+    def verify_enqueue_header(
+        self, header: str | None, route: str = "/v1/queues/{recipient}/messages"
+    ) -> None:
+        """401 unless `header` carries one of the enqueue tokens (when any are configured),
+        counted under `route` in relayfleet_quota_refusals_total."""
         if not self.tokens:
             return
         header = header or ""
         scheme, _, token = header.partition(" ")
-        if scheme != "Bearer" or not any(hmac.compare_digest(token.strip().encode(), t) for t in self.tokens):
-            raise unauthorized("enqueue requires a valid bearer token", "Bearer")
+        if scheme != "Bearer" or not any(
+            hmac.compare_digest(token.strip().encode("utf-8", "replace"), t) for t in self.tokens
+        ):
+            metrics.quota_refused(route, "enqueue_token")
+            raise unauthorized("a storing request requires a valid bearer token", "Bearer")

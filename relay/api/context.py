@@ -8,6 +8,7 @@ from typing import Protocol
 from aiohttp import web
 
 from relay.api.auth import Authenticator
+from relay.api.quota import ClientQuota
 from relay.http.memguard import MemoryGuard
 from relay.service import QueueService
 from relay.settings import Settings
@@ -50,6 +51,7 @@ class Context:
     auth: Authenticator
     live: LiveRegistry = field(default_factory=LiveRegistry)
     memory: MemoryGuard = field(default_factory=lambda: MemoryGuard(None))
+    quota: ClientQuota | None = None  # the per-client quota; None when its limits are off
     ready: bool = False
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from relay.api import params
+from relay.api import params, quota
 from relay.api.context import Context, ctx
 from relay.api.errors import ApiError, bad_request, json_response
 from relay.api.queues import enqueue_error
@@ -24,6 +24,7 @@ from relay.storage.store import EnqueueRequest, StoreRejected
 log = logging.getLogger("relay.fanout")
 
 routes = web.RouteTableDef()
+ROUTE = "/v1/messages"
 
 MAX_RECIPIENTS = 1000
 _MESSAGE_ID = re.compile(r"^[\x20-\x7e]{1,128}$")
@@ -76,10 +77,13 @@ async def _one(c: Context, text: Any, channel: bytes, payload: bytes, message_id
     return {"recipient": text, "status": status, "seq": outcome.seq, "duplicate": duplicate}
 
 
-@routes.post("/v1/messages")
+@routes.post(ROUTE)
 async def fanout(request: web.Request) -> web.Response:
     c = ctx(request)
-    c.auth.verify_enqueue(request)
+    c.auth.verify_enqueue(request, ROUTE)
+    limiter = c.quota
+    if limiter is not None:  # a client whose quota is spent is refused before its body is read
+        quota.admit_ready(limiter, request, ROUTE)
     cap = c.settings.max_payload
     doc, _ = await params.json_body(request, cap * 4 // 3 + MAX_RECIPIENTS * 64 + 4096)
     if not isinstance(doc, dict):
@@ -100,5 +104,7 @@ async def fanout(request: web.Request) -> web.Response:
         raise bad_request("messageId must be 1-128 printable ASCII characters", "bad_message_id")
     _check_fanout(len(recipients), doc.get("payload"), c.settings.max_fanout_bytes)
     payload = _payload(doc.get("payload"), cap)
+    if limiter is not None:  # every recipient's copy counts: all or nothing, before Redis
+        quota.admit(limiter, request, ROUTE, len(recipients), len(recipients) * len(payload))
     results = await asyncio.gather(*(_one(c, r, channel, payload, message_id) for r in recipients))
     return json_response({"results": list(results)})

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from relay.api import params
+from relay.api import params, quota
 from relay.api.context import ctx
 from relay.api.errors import ApiError, bad_request, json_response
 from relay.api.queues import enqueue_error
@@ -23,6 +23,7 @@ from relay.service import now_ms
 from relay.storage.store import EnqueueRequest
 
 routes = web.RouteTableDef()
+APPEND_ROUTE = "/v1/inbox/append"
 
 HEADER = "X-Inbox-ID"
 _DOMAIN = b"relayfleet/inbox/v1\x00"  # keeps inbox queues apart from every other use of sha256
@@ -62,10 +63,15 @@ def _ciphertext(text: Any, cap: int) -> bytes:
     return data
 
 
-@routes.post("/v1/inbox/append")
+@routes.post(APPEND_ROUTE)
 async def append(request: web.Request) -> web.Response:
     c = ctx(request)
     recipient = _inbox(request)
+    # a storing route: the enqueue token when those are on (reads stay X-Inbox-ID alone)
+    c.auth.verify_enqueue(request, APPEND_ROUTE)
+    limiter = c.quota
+    if limiter is not None:  # a client whose quota is spent is refused before its body is read
+        quota.admit_ready(limiter, request, APPEND_ROUTE)
     cap = c.settings.max_payload
     doc, _ = await params.json_body(request, cap * 4 // 3 + 4096)
     if not isinstance(doc, dict):
@@ -74,6 +80,8 @@ async def append(request: web.Request) -> web.Response:
     if not isinstance(message_id, str) or not _MESSAGE_ID.match(message_id):
         raise bad_request("messageId must be 1-128 printable ASCII characters", "bad_message_id")
     payload = _ciphertext(doc.get("ciphertext"), cap)
+    if limiter is not None:
+        quota.admit(limiter, request, APPEND_ROUTE, 1, len(payload))
     stored_ms = now_ms()  # the createdAt the message is stored with, so storedAt = createdAt
     outcome = await c.service.enqueue(
         EnqueueRequest(

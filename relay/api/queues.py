@@ -9,12 +9,13 @@ from typing import Any
 
 from aiohttp import web
 
-from relay.api import bulk, params
+from relay.api import bulk, params, quota
 from relay.api.context import ctx
 from relay.api.errors import ApiError, bad_request, json_response
 from relay.storage.store import EnqueueOutcome, EnqueueRequest, Message, ReadResult
 
 routes = web.RouteTableDef()
+ENQUEUE_ROUTE = "/v1/queues/{recipient}/messages"  # the route template (metrics label)
 
 
 def enqueue_error(outcome: EnqueueOutcome) -> ApiError | None:
@@ -71,14 +72,19 @@ async def read_response(
     return web.Response(body=read_bytes(result, from_seq, drained), content_type="application/json")
 
 
-@routes.post("/v1/queues/{recipient}/messages")
+@routes.post(ENQUEUE_ROUTE)
 async def enqueue(request: web.Request) -> web.Response:
     c = ctx(request)
     recipient = params.recipient_key(request.match_info["recipient"])
     channel = params.channel_of(request)
     key = params.idempotency_key(request)
-    c.auth.verify_enqueue(request)
+    c.auth.verify_enqueue(request, ENQUEUE_ROUTE)
+    limiter = c.quota  # the per-client quota: charged before the body is read where it can be
+    charged = limiter is None or quota.admit_declared(limiter, request, ENQUEUE_ROUTE, c.settings.max_payload)
     payload = await params.payload(request, c.settings.max_payload)
+    if not charged:
+        assert limiter is not None
+        quota.admit(limiter, request, ENQUEUE_ROUTE, 1, len(payload))
     # the app cancels handlers whose client left (for long-polls); the bookkeeping of a
     # stored message (metrics, push notification) runs on Redis's reply, not in this handler
     outcome = await c.service.enqueue(EnqueueRequest(recipient, channel, payload, key))

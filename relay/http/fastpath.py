@@ -49,6 +49,7 @@ from relay.api.context import Context
 from relay.api.errors import ApiError, error_response, overloaded
 from relay.api.failures import code_of, error_for
 from relay.api.queues import enqueue_answer, next_seq, read_bytes
+from relay.api.quota import Address, ClientQuota
 from relay.http.memguard import CLAIM_FROM
 from relay.http.serving import MAX_LINE, GuardedServer
 from relay.metrics import RouteSeries
@@ -78,6 +79,8 @@ _HEADER = re.compile(rb"(%b):[ \t]*(%b)[ \t]*" % (_NAME_TEXT, _VALUE_TEXT))
 _BLOCK = re.compile(rb"(?:\r\n%b:[ \t]*%b[ \t]*)*" % (_NAME_TEXT, _VALUE_TEXT))
 _FIELDS = re.compile(rb"\r\n(%b):[ \t]*(%b)" % (_NAME_TEXT, _VALUE_TEXT))
 _DIGITS = re.compile(rb"[0-9]{1,18}")
+# A clean block holds each header at most once (header_fields): the client behind a trusted proxy.
+_FORWARDED = re.compile(rb"\r\nx-forwarded-for:[ \t]*(%b)" % _VALUE_TEXT, re.IGNORECASE)
 # Headers whose presence changes framing or the connection: aiohttp's business.
 _FOREIGN = frozenset((b"transfer-encoding", b"content-encoding", b"expect", b"upgrade", b"http2-settings"))
 MAX_HEAD = MAX_LINE  # aiohttp's line limit, for the whole head: a longer one is left to aiohttp
@@ -195,6 +198,7 @@ class FastEndpoint:
         "header_blocks",
         "memory",
         "queues",
+        "quota",
         "read_series",
         "series",
         "service",
@@ -206,6 +210,7 @@ class FastEndpoint:
         self.service = ctx.service
         self.auth = ctx.auth
         self.memory = ctx.memory
+        self.quota = ctx.quota
         self.cap = ctx.settings.max_payload
         self.series = RouteSeries(ROUTE, "POST")
         self.read_series = RouteSeries(ROUTE, "GET")
@@ -381,6 +386,7 @@ class FastConnection(asyncio.Protocol):
         "_body_parts",
         "_body_timer",
         "_buf",
+        "_client",
         "_closing",
         "_drained",
         "_guard",
@@ -390,6 +396,7 @@ class FastConnection(asyncio.Protocol):
         "_idle_since",
         "_keepalive_timer",
         "_loop",
+        "_peer",
         "_pending",
         "_read_paused",
         "_requests",
@@ -426,6 +433,10 @@ class FastConnection(asyncio.Protocol):
         # a read in progress: the requests after it wait, as on aiohttp's path, so that none
         # of them (an enqueue to the same queue) runs before it
         self._blocked_by: _Answer | None = None
+        # the per-client quota's view of the peer: its address, and the client it is (None:
+        # a trusted proxy, whose requests each name their client)
+        self._peer: Address | None = None
+        self._client: int | None = None
 
     # -- connection lifecycle ---------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -434,6 +445,9 @@ class FastConnection(asyncio.Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):  # closed already
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        quota = self.endpoint.quota
+        if quota is not None:
+            self._peer, self._client = quota.peer_key(self.transport.get_extra_info("peername"))
         self._arm_headers()
         self._idle_since = self._loop.time()
         self._arm_keepalive()
@@ -714,7 +728,20 @@ class FastConnection(asyncio.Protocol):
         key, authorization, length = fields
         if length is None or not endpoint.accepts_body(length):
             return None
+        if endpoint.quota is not None and not self._admitted(endpoint.quota, block, authorization, length):
+            return None  # aiohttp's path answers the 429 without reading the body
         return new_tuple(_Head, (line[1], line[2], key, authorization, length, None, b""))
+
+    def _admitted(self, quota: ClientQuota, block: bytes, authorization: bytes | None, length: int) -> bool:
+        """The per-client quota, charged as the head arrives (relay/api/quota.py): False when
+        the client is over it (nothing charged; aiohttp's path refuses it, same check)."""
+        client = quota.token_key(authorization)
+        if client is None:
+            client = self._client
+            if client is None:  # a trusted proxy: its X-Forwarded-For names the client
+                found = _FORWARDED.search(block)
+                client = quota.forwarded_key(self._peer, None if found is None else found[1].decode())
+        return quota.take(client, 1, length) is None
 
     def _read_head(self, head: bytes, cut: int) -> _Head | None:
         """The fields of a read's head (no body, no Idempotency-Key), else None."""
@@ -754,7 +781,7 @@ class FastConnection(asyncio.Protocol):
             recipient, channel = self._queue_of(head)
             key = head.key
             idempotency_key = "" if key is None else params.idempotency_value(key.decode())
-            endpoint.auth.verify_enqueue_header(_text(head.authorization))
+            endpoint.auth.verify_enqueue_header(_text(head.authorization), ROUTE)
             payload = params.non_empty(body)
             endpoint.service.enqueue_into(
                 answer, EnqueueRequest(recipient, channel, payload, idempotency_key)
