@@ -28,7 +28,7 @@ def b64(data: bytes) -> str:
 
 
 def refusals(route: str, reason: str) -> float:
-    return metrics.QUOTA_REFUSALS.labels(route, reason)._value.get()
+    return float(metrics.QUOTA_REFUSALS.labels(route, reason)._value.get())
 
 
 @pytest.fixture
@@ -68,11 +68,13 @@ async def test_bytes_quota_refuses_one_client_not_another(
     a, b = session_from("127.0.0.1"), session_from("127.0.0.2")
     answers = [await enqueue(a, relay, b"x" * 30_000) for _ in range(5)]
     assert [s for s, _, _ in answers] == [201, 201, 201, 429, 429]
-    status, headers, body = answers[3]
+    _status, headers, body = answers[3]
     assert body["code"] == "client_rate_limited"
-    assert int(headers["Retry-After"]) >= 1 and body["retryAfterMs"] >= 1
+    assert int(headers["Retry-After"]) >= 1
+    assert body["retryAfterMs"] >= 1
     # 20,000 bytes short at 100,000 per 60 s: 12 s
-    assert 11_000 <= body["retryAfterMs"] <= 13_000 and headers["Retry-After"] in ("12", "13")
+    assert 11_000 <= body["retryAfterMs"] <= 13_000
+    assert headers["Retry-After"] in ("12", "13")
     assert refusals(route, "client_bytes") - before == 2
     # another source address is another client; small messages still fit for the first one
     assert [(await enqueue(b, relay, b"y" * 30_000))[0] for _ in range(3)] == [201] * 3
@@ -87,7 +89,8 @@ async def test_messages_quota_and_refill(redis_server: LocalRedis, relay_factory
         got = [(await enqueue(http, relay, b"m"))[0] for _ in range(7)]
         assert got == [201] * 5 + [429] * 2
         _, headers, body = await enqueue(http, relay, b"m")
-        assert body["code"] == "client_rate_limited" and headers["Retry-After"] == "1"
+        assert body["code"] == "client_rate_limited"
+        assert headers["Retry-After"] == "1"
         await asyncio.sleep(0.45)  # 5 per second: two back
         assert [(await enqueue(http, relay, b"m"))[0] for _ in range(3)] == [201, 201, 429]
 
@@ -114,9 +117,8 @@ async def test_fanout_counts_every_recipient_and_inbox_appends_count(
             async with http.post(relay.base_url + "/v1/inbox/append", json=append, headers=headers) as resp:
                 assert resp.status == want, await resp.text()
                 if want == 429:
-                    assert (
-                        resp.headers["Retry-After"] and (await resp.json())["code"] == "client_rate_limited"
-                    )
+                    assert resp.headers["Retry-After"]
+                    assert (await resp.json())["code"] == "client_rate_limited"
 
 
 @pytest.mark.parametrize("fastpath", [True, False])
@@ -184,28 +186,37 @@ async def test_enqueue_tokens_on_every_storing_route_raw_http(
         return int(got.split(b" ", 2)[1]), got
 
     before = refusals("/v1/inbox/append", "enqueue_token")
-    append = f"POST /v1/inbox/append HTTP/1.1\r\nHost: t\r\nX-Inbox-ID: {inbox}\r\nContent-Type: application/json\r\n"
+    append = (
+        f"POST /v1/inbox/append HTTP/1.1\r\nHost: t\r\nX-Inbox-ID: {inbox}\r\n"
+        "Content-Type: application/json\r\n"
+    )
     status, got = await raw(append, body)
-    assert status == 401 and b"WWW-Authenticate: Bearer" in got and b'"code":"unauthorized"' in got
+    assert status == 401
+    assert b"WWW-Authenticate: Bearer" in got
+    assert b'"code":"unauthorized"' in got
     status, got = await raw(append + "Authorization: Bearer wrong\r\n", body)
     assert status == 401
     assert refusals("/v1/inbox/append", "enqueue_token") - before == 2
     reading = f"GET /v1/inbox/messages HTTP/1.1\r\nHost: t\r\nX-Inbox-ID: {inbox}\r\n"
     status, got = await raw(reading)
-    assert status == 200 and b'"messages":[]' in got  # nothing was stored
+    assert status == 200
+    assert b'"messages":[]' in got
     status, got = await raw(append + "Authorization: Bearer s3cret\r\n", body)
     assert status == 201, got
     status, got = await raw(reading)
-    assert status == 200 and b'"messageId":"m1"' in got
+    assert status == 200
+    assert b'"messageId":"m1"' in got
     # enqueue and fan-out, for the record (both paths of enqueue)
     path = f"/v1/queues/{b64(os.urandom(32))}/messages"
     status, got = await raw(f"POST {path} HTTP/1.1\r\nHost: t\r\n", b"x")
-    assert status == 401 and b"WWW-Authenticate: Bearer" in got
+    assert status == 401
+    assert b"WWW-Authenticate: Bearer" in got
     fan = b'{"recipients":["%s"],"payload":"aGk"}' % b64(os.urandom(32)).encode()
     status, got = await raw(
         "POST /v1/messages HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n", fan
     )
-    assert status == 401 and b"WWW-Authenticate: Bearer" in got
+    assert status == 401
+    assert b"WWW-Authenticate: Bearer" in got
 
 
 # --- the limiter itself ------------------------------------------------------------------------
@@ -219,7 +230,8 @@ def test_a_cost_over_a_whole_bucket_needs_a_full_one() -> None:
     q = quota(client_rate_messages=0, client_rate_bytes=1000, client_rate_window_ms=1000)
     assert q.take(1, 1, 5000) is None  # a full bucket admits it (never refused forever)
     refusal = q.take(1, 1, 5000)
-    assert refusal is not None and refusal.reason == "client_bytes"
+    assert refusal is not None
+    assert refusal.reason == "client_bytes"
     assert 900 <= refusal.retry_after_ms <= 1000
     assert q.take(2, 10**9, 10) is None  # messages off: any count
     assert not quota(client_rate_messages=0, client_rate_bytes=0).enabled
@@ -244,10 +256,13 @@ def test_the_client_table_stays_bounded() -> None:
 
 def test_addresses_and_settings() -> None:
     v4, v6a, v6b = (parse_address(t) for t in ("192.0.2.1", "2001:db8::1", "2001:db8::2"))
-    assert v4 is not None and v6a is not None and v6b is not None
+    assert v4 is not None
+    assert v6a is not None
+    assert v6b is not None
     assert address_key(v6a) == address_key(v6b) != address_key(v4)
     mapped = parse_address("::ffff:192.0.2.1")
-    assert mapped is not None and address_key(mapped) == address_key(v4)
+    assert mapped is not None
+    assert address_key(mapped) == address_key(v4)
     assert parse_address("not an address") is None
     q = quota(trusted_proxies=("10.0.0.0/8",))
     assert q.peer_key(("10.1.2.3", 1))[1] is None  # a trusted proxy: per request
