@@ -64,7 +64,7 @@ async def test_bytes_quota_refuses_one_client_not_another(
         client_rate_window_ms=60_000,
     )
     route = "/v1/queues/{recipient}/messages"
-    before = refusals(route, "client_bytes")
+    before = refusals(route, "client_bytes")  # relayfleet_quota_refusals_total
     a, b = session_from("127.0.0.1"), session_from("127.0.0.2")
     answers = [await enqueue(a, relay, b"x" * 30_000) for _ in range(5)]
     assert [s for s, _, _ in answers] == [201, 201, 201, 429, 429]
