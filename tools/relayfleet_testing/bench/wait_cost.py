@@ -26,6 +26,7 @@ from pathlib import Path
 import redis
 from relayfleet_testing.bench.loadgen import Conn, HttpError, build_request
 from relayfleet_testing.bench.procs import BenchError, Procs, free_port, wait_port
+from relayfleet_testing.bench.targets import BENCH_RELAY_ENV
 
 from relay.fleet.sharding import SentinelTarget
 
@@ -109,7 +110,7 @@ async def run(args: argparse.Namespace) -> int:
             port = free_port()
             argv = [sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", str(port)]
             argv += ["--redis-url", url, "--auth", "none"]
-            env = {"RELAY_LOG_LEVEL": "WARNING", "RELAY_RATE_LIMIT": str(1 << 30)}
+            env = {"RELAY_LOG_LEVEL": "WARNING", "RELAY_RATE_LIMIT": str(1 << 30), **BENCH_RELAY_ENV}
             await wait_port(port, procs.start(f"relay-{min_replicas}", argv, env))
             relays[label] = port
         for port in relays.values():  # warm up: connections, scripts
