@@ -13,6 +13,7 @@ chart upgrade moves it along (docs/design-decisions.md, "Images the operator def
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -106,6 +107,29 @@ class Limits:
     rate_limit_window_seconds: int = 5
     max_queue_messages: int = 10000
     max_queue_bytes: int = 268435456
+    # The quotas of issue 36 (docs/operator.md, "Limits"): spec.limits key -> value, only those
+    # given; the relay's own default holds for the rest (relay/settings.py has them once).
+    quotas: tuple[tuple[str, int | float], ...] = ()
+    trusted_proxies: tuple[str, ...] = ()
+
+
+# spec.limits keys of the quotas -> the relay's environment variable (the value as given;
+# 0 turns a limit off). crds/relayshards.yaml declares each with its range.
+QUOTA_ENV: dict[str, str] = {
+    "clientRateMessages": "RELAY_CLIENT_RATE_MESSAGES",
+    "clientRateBytes": "RELAY_CLIENT_RATE_BYTES",
+    "clientRateWindowMs": "RELAY_CLIENT_RATE_WINDOW_MS",
+    "recipientMaxChannels": "RELAY_RECIPIENT_MAX_CHANNELS",
+    "recipientMaxMessages": "RELAY_RECIPIENT_MAX_MESSAGES",
+    "recipientMaxBytes": "RELAY_RECIPIENT_MAX_BYTES",
+    "recipientRateLimit": "RELAY_RECIPIENT_RATE_LIMIT",
+    "shardReserveFraction": "RELAY_SHARD_RESERVE_FRACTION",
+    "shardReserveQueueBytes": "RELAY_SHARD_RESERVE_QUEUE_BYTES",
+    "didcommMaxKeysPerConnection": "RELAY_DIDCOMM_MAX_KEYS_PER_CONNECTION",
+    "didcommIdleExpirySeconds": "RELAY_DIDCOMM_IDLE_EXPIRY_S",
+    "didcommMaxConnectionsPerClient": "RELAY_DIDCOMM_MAX_CONNECTIONS_PER_CLIENT",
+}
+TRUSTED_PROXIES_ENV = "RELAY_TRUSTED_PROXIES"  # from spec.limits.trustedProxies, comma-joined
 
 
 @dataclass(frozen=True)
@@ -168,6 +192,8 @@ RESERVED_RELAY_ENV = frozenset(
         "RELAY_PUSH_WEBHOOK_FILE",
         "RELAY_DIDCOMM_SEED",
         "RELAY_DIDCOMM_SEED_FILE",
+        *QUOTA_ENV.values(),
+        TRUSTED_PROXIES_ENV,
     }
 )
 
@@ -309,6 +335,17 @@ def _relay(spec: Mapping[str, Any]) -> RelayConfig:
     )
 
 
+def _trusted_proxies(value: Any) -> tuple[str, ...]:
+    """spec.limits.trustedProxies, each a CIDR or address (the schema's pattern is loose)."""
+    out = []
+    for item in value:
+        try:
+            out.append(str(ipaddress.ip_network(str(item), strict=False)))
+        except ValueError:
+            raise SpecError(f"limits.trustedProxies: {str(item)[:64]!r} is not a CIDR") from None
+    return tuple(out)
+
+
 def parse_shard(body: Mapping[str, Any], images: ImageDefaults = ImageDefaults()) -> ShardSpec:
     """Build a ShardSpec from a RelayShard object (as a dict or kopf Body); `images` for the
     images it does not name.
@@ -347,6 +384,8 @@ def parse_shard(body: Mapping[str, Any], images: ImageDefaults = ImageDefaults()
             rate_limit_window_seconds=limits.get("rateLimitWindowSeconds", Limits.rate_limit_window_seconds),
             max_queue_messages=limits.get("maxQueueMessages", Limits.max_queue_messages),
             max_queue_bytes=limits.get("maxQueueBytes", Limits.max_queue_bytes),
+            quotas=tuple((key, limits[key]) for key in QUOTA_ENV if key in limits),
+            trusted_proxies=_trusted_proxies(limits.get("trustedProxies", ())),
         ),
         relay=_relay(spec),
     )

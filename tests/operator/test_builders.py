@@ -14,6 +14,9 @@ import pytest
 import redis
 from relayfleet_operator import builders
 from relayfleet_operator.spec import (
+    QUOTA_ENV,
+    RESERVED_RELAY_ENV,
+    TRUSTED_PROXIES_ENV,
     ExternalRedis,
     ImageDefaults,
     ManagedRedis,
@@ -523,3 +526,45 @@ def test_images_a_shard_does_not_name_are_the_operators_configured_ones() -> Non
         f"ghcr.io/relayfleet/relayfleet:{version}",
         f"ghcr.io/relayfleet/redis:{version}",
     }
+
+
+def test_quota_limits_reach_the_relay_env_only_when_given() -> None:
+    """spec.limits' quota keys (issue 36) become the relay's variables; unset ones leave the
+    relay's own default (no variable), and 0 (off) is passed on as given."""
+    given = {
+        "clientRateMessages": 200,
+        "clientRateBytes": 0,
+        "clientRateWindowMs": 10_000,
+        "trustedProxies": ["10.0.0.0/8", "fd00::/8", "192.168.1.7"],
+        "recipientMaxChannels": 16,
+        "recipientMaxMessages": 20_000,
+        "recipientMaxBytes": 1 << 30,
+        "recipientRateLimit": 1000,
+        "shardReserveFraction": 0.1,
+        "shardReserveQueueBytes": 1 << 20,
+        "didcommMaxKeysPerConnection": 100,
+        "didcommIdleExpirySeconds": 86400,
+        "didcommMaxConnectionsPerClient": 30,
+    }
+    env = {e["name"]: e["value"] for e in builders.relay_env(parse_shard(shard_body(limits=given)))}
+    assert {k: v for k, v in env.items() if k in QUOTA_ENV.values() or k == TRUSTED_PROXIES_ENV} == {
+        "RELAY_CLIENT_RATE_MESSAGES": "200",
+        "RELAY_CLIENT_RATE_BYTES": "0",
+        "RELAY_CLIENT_RATE_WINDOW_MS": "10000",
+        "RELAY_TRUSTED_PROXIES": "10.0.0.0/8,fd00::/8,192.168.1.7/32",
+        "RELAY_RECIPIENT_MAX_CHANNELS": "16",
+        "RELAY_RECIPIENT_MAX_MESSAGES": "20000",
+        "RELAY_RECIPIENT_MAX_BYTES": str(1 << 30),
+        "RELAY_RECIPIENT_RATE_LIMIT": "1000",
+        "RELAY_SHARD_RESERVE_FRACTION": "0.1",
+        "RELAY_SHARD_RESERVE_QUEUE_BYTES": str(1 << 20),
+        "RELAY_DIDCOMM_MAX_KEYS_PER_CONNECTION": "100",
+        "RELAY_DIDCOMM_IDLE_EXPIRY_S": "86400",
+        "RELAY_DIDCOMM_MAX_CONNECTIONS_PER_CLIENT": "30",
+    }
+    assert set(QUOTA_ENV) | {"trustedProxies"} == set(given)  # every key is exercised
+    plain = {e["name"] for e in builders.relay_env(parse_shard(shard_body()))}
+    assert not plain & (set(QUOTA_ENV.values()) | {TRUSTED_PROXIES_ENV})
+    assert set(QUOTA_ENV.values()) | {TRUSTED_PROXIES_ENV} <= RESERVED_RELAY_ENV
+    with pytest.raises(SpecError, match="trustedProxies"):
+        parse_shard(shard_body(limits={"trustedProxies": ["10.0.0.0/33"]}))

@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from relayfleet_operator import builders
-from relayfleet_operator.spec import parse_shard
+from relayfleet_operator.spec import QUOTA_ENV, parse_shard
 
 from relay.fleet.sharding import even_split
 from tests.support.chart import (
@@ -71,6 +71,35 @@ def test_relayshard_crd_contract() -> None:
     assert set(cond) == {"type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
     assert cond["type"]["enum"] == ["Ready", "Progressing", "Degraded", "Migrating"]
     assert status["kopf"] == {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+
+def test_spec_limits_carry_every_quota_setting() -> None:
+    """Issue 36: spec.limits has a camelCase key for each agreed quota variable, unset by
+    default (the relay's default holds), 0 allowed (off), out-of-range values refused."""
+    limits = schema_of(crd("relayshards.yaml"))["properties"]["spec"]["properties"]["limits"]
+    props = limits["properties"]
+    assert set(QUOTA_ENV) | {"trustedProxies"} <= set(props)
+    for key in QUOTA_ENV:
+        assert "default" not in props[key], key
+        assert props[key]["description"].startswith(QUOTA_ENV[key] + " - "), key
+        assert props[key]["minimum"] == (1 if key == "clientRateWindowMs" else 0), key
+    validator = jsonschema.Draft7Validator(limits)
+    good = {
+        "clientRateMessages": 0,
+        "clientRateBytes": 33554432,
+        "trustedProxies": ["10.0.0.0/8", "2001:db8::/32"],
+        "shardReserveFraction": 0.05,
+    }
+    assert list(validator.iter_errors(good)) == []
+    for bad in (
+        {"clientRateMessages": -1},
+        {"clientRateWindowMs": 0},
+        {"trustedProxies": ["not a cidr"]},
+        {"trustedProxies": "10.0.0.0/8"},
+        {"shardReserveFraction": 1.5},
+        {"didcommMaxKeysPerConnection": "many"},
+    ):
+        assert list(validator.iter_errors(bad)), bad
 
 
 def test_relayrebalance_crd_contract() -> None:

@@ -28,6 +28,8 @@ from relayfleet_operator.builders.pods import (
     secret_volume,
 )
 from relayfleet_operator.spec import (
+    QUOTA_ENV,
+    TRUSTED_PROXIES_ENV,
     RelayConfig,
     SecretKeyRef,
     ShardSpec,
@@ -47,6 +49,10 @@ def relay_env(shard: ShardSpec) -> list[Obj]:
         ("RELAY_RETENTION_SECONDS", retention.max_age_seconds),
         ("RELAY_REDIS_CREDENTIALS_DIR", CREDENTIALS_DIR),
     ]
+    # the quotas given in spec.limits (the relay's defaults for the rest)
+    pairs += [(QUOTA_ENV[key], value) for key, value in limits.quotas]
+    if limits.trusted_proxies:
+        pairs.append((TRUSTED_PROXIES_ENV, ",".join(limits.trusted_proxies)))
     relay = shard.relay
     if relay.public_url:
         pairs.append(("RELAY_PUBLIC_URL", relay.public_url))
