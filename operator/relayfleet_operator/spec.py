@@ -107,8 +107,8 @@ class Limits:
     rate_limit_window_seconds: int = 5
     max_queue_messages: int = 10000
     max_queue_bytes: int = 268435456
-    # The storage quotas (docs/operator.md, after the spec example): spec.limits key -> value, only those
-    # given; the relay's own default holds for the rest (relay/settings.py has them once).
+    # The storage quotas (docs/operator.md): spec.limits key -> value, only those given; the
+    # relay's own default holds for the rest (relay/settings.py has them once).
     quotas: tuple[tuple[str, int | float], ...] = ()
     trusted_proxies: tuple[str, ...] = ()
 

@@ -52,7 +52,11 @@ _E400 = _error("malformed request (bad recipient, channel, parameter or body)")
 _E401 = _error("missing or invalid signature or token", _WWW_AUTH)
 _E413 = _error("body over its size cap (payload_too_large); fan-out over its byte budget (fanout_too_large)")
 _E415 = _error("unsupported_encoding: request bodies must not be compressed (Content-Encoding)")
-_E429 = _error("rate limited; retryAfterMs tells when to retry", _RETRY_AFTER)
+_E429 = _error(
+    "rate_limited (the queue's rate) or client_rate_limited (the per-client quota);"
+    " retryAfterMs tells when to retry",
+    _RETRY_AFTER,
+)
 _E503 = _error(
     "shard unavailable or slot migrating past the deadline, or the relay is overloaded (memory guard); retry",
     _RETRY_AFTER,
@@ -505,6 +509,11 @@ PATHS: dict[str, Any] = {
                 "401": _E401,
                 "413": _E413,
                 "415": _E415,
+                "429": _error(
+                    "client_rate_limited: every recipient's copy counts against the client quota;"
+                    " nothing was stored",
+                    _RETRY_AFTER,
+                ),
             },
         }
     },
@@ -601,11 +610,13 @@ PATHS: dict[str, Any] = {
             "operationId": "inboxAppend",
             "summary": "tunnl3d inbox append (idempotent by messageId)",
             "parameters": [_P_INBOX],
+            "security": _ENQUEUE_SECURITY,
             "requestBody": _json_body("InboxAppend"),
             "responses": {
                 "201": _json(_ref("InboxStored"), "stored"),
                 "200": _json(_ref("InboxStored"), "this messageId was stored before: its seq"),
                 "400": _E400,
+                "401": _E401,
                 "413": _E413,
                 "415": _E415,
                 "429": _E429,
