@@ -252,5 +252,10 @@ def recipient(n: int) -> str:
 # The suite relay's header timeout (tests/hostile/conftest.py): short, so slowloris tests finish quickly.
 HEADER_TIMEOUT_S = 2.0
 
+# For attacks on something else that store far more than one client's quota from 127.0.0.1 (big
+# prefills, floods of pipelined enqueues): the per-client quota off, so the attack meets only
+# the bound it is about (the quota's own attack: tests/hostile/test_client_quota_flood.py).
+NO_CLIENT_QUOTA = {"RELAY_CLIENT_RATE_MESSAGES": "0", "RELAY_CLIENT_RATE_BYTES": "0"}
+
 # The `relay_with(env, nofile)` fixture: a relay of its own with other settings.
 RelayWith = Callable[..., Relay]

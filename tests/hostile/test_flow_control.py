@@ -17,6 +17,7 @@ import time
 import pytest
 
 from tests.hostile.harness import (
+    NO_CLIENT_QUOTA,
     Relay,
     RelayWith,
     http,
@@ -78,7 +79,7 @@ async def test_a_client_that_never_reads_answers_is_stopped_being_read(relay_wit
     """One connection keeps writing pipelined enqueues and never reads: once its answers fill
     the socket buffers and the transport passes its write high-water mark, the relay stops
     reading it (nothing more is stored), and RSS stays far under RELAY_MAX_RSS_MB."""
-    relay = relay_with({"RELAY_MAX_RSS_MB": "256", "RELAY_RATE_LIMIT": "1000000"})
+    relay = relay_with({"RELAY_MAX_RSS_MB": "256", "RELAY_RATE_LIMIT": "1000000", **NO_CLIENT_QUOTA})
     batch = _enqueues(1000)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # small, as a stalled reader's window
@@ -129,7 +130,7 @@ async def test_a_client_that_never_reads_answers_is_stopped_being_read(relay_wit
 async def test_pipelined_enqueues_cost_bounded_memory_and_return_it(relay_with: RelayWith) -> None:
     """40,000 pipelined 1-byte enqueues (4.4 MB) on one connection whose answers are read
     only after it has sent them all: bounded growth meanwhile, and the memory goes back."""
-    relay = relay_with({"RELAY_RATE_LIMIT": "1000000"})
+    relay = relay_with({"RELAY_RATE_LIMIT": "1000000", **NO_CLIENT_QUOTA})
     data = _enqueues(40_000, first=5000)
     reader, writer = await asyncio.open_connection(relay.host, relay.port, limit=1 << 20)
     async with _Peak(relay) as peak:

@@ -26,7 +26,15 @@ import pytest
 import redis
 
 from relay.protocol import b64decode
-from tests.hostile.harness import Relay, RelayWith, recipient, report, start_redis, start_relay
+from tests.hostile.harness import (
+    NO_CLIENT_QUOTA,
+    Relay,
+    RelayWith,
+    recipient,
+    report,
+    start_redis,
+    start_relay,
+)
 from tests.support.tcp_proxy import tcp_proxy
 
 pytestmark = pytest.mark.timeout(300)
@@ -103,7 +111,7 @@ async def test_concurrent_big_reads_do_not_delay_a_victims_small_enqueues(relay_
     """Three readers loop over a queue of 24 x 5 MiB (default limit) while a victim enqueues
     small messages to its own queue: the victim's p99 stays under 250 ms, no 5xx anywhere,
     and no read carries more than 8 MiB of payload."""
-    relay = relay_with()
+    relay = relay_with(NO_CLIENT_QUOTA)
     big, victim = recipient(1401), recipient(1402)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         for i in range(24):
@@ -176,7 +184,7 @@ PAGES = [[1], [2, 3], [4, 5, 6]]  # the reads' pages (a drain's depend on what i
 
 
 async def test_read_and_drain_carry_at_most_8_mib_and_continue_by_next_seq(relay_with: RelayWith) -> None:
-    relay = relay_with()
+    relay = relay_with(NO_CLIENT_QUOTA)
     r = recipient(1411)
     async with aiohttp.ClientSession() as s:
         for i, size in enumerate(SIZES):
@@ -219,7 +227,7 @@ async def test_read_and_drain_carry_at_most_8_mib_and_continue_by_next_seq(relay
 
 
 async def test_a_message_larger_than_the_budget_is_still_returned_alone(relay_with: RelayWith) -> None:
-    relay = relay_with({"RELAY_MAX_RESPONSE_BYTES": str(MiB)})
+    relay = relay_with({"RELAY_MAX_RESPONSE_BYTES": str(MiB), **NO_CLIENT_QUOTA})
     r = recipient(1412)
     async with aiohttp.ClientSession() as s:
         for i in range(3):
@@ -237,7 +245,7 @@ async def test_a_message_larger_than_the_budget_is_still_returned_alone(relay_wi
 async def test_live_backlog_of_big_messages_is_sent_in_budgeted_batches(relay_with: RelayWith) -> None:
     """12 x 5 MiB through a live WebSocket: all arrive in order and the relay never holds
     more than a budget's batch (before: 16 messages per batch, ~80 MiB + their copies)."""
-    relay = relay_with()
+    relay = relay_with(NO_CLIENT_QUOTA)
     r = recipient(1413)
     async with aiohttp.ClientSession() as s:
         for i in range(12):
@@ -264,7 +272,7 @@ async def test_live_backlog_of_big_messages_is_sent_in_budgeted_batches(relay_wi
 
 
 async def test_reads_of_unknown_queues_create_no_redis_state(relay_with: RelayWith) -> None:
-    relay = relay_with()
+    relay = relay_with(NO_CLIENT_QUOTA)
     db = redis.Redis.from_url(relay.redis.url)
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=50)) as s:
