@@ -18,7 +18,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.hostile.harness import Relay, RelayWith, recipient, report
+from tests.hostile.harness import NO_CLIENT_QUOTA, Relay, RelayWith, recipient, report
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -166,7 +166,7 @@ async def test_a_live_client_that_never_reads_is_dropped_with_bounded_memory(rel
     one budget's batch plus one frame (before: 16 x 5 MiB per socket, forever) and drops
     the client after RELAY_LIVE_SEND_TIMEOUT_S."""
     timeout_s = 3.0
-    relay = relay_with({"RELAY_LIVE_SEND_TIMEOUT_S": str(timeout_s)})
+    relay = relay_with({"RELAY_LIVE_SEND_TIMEOUT_S": str(timeout_s), **NO_CLIENT_QUOTA})  # a big backlog
     r = recipient(2100)
     async with aiohttp.ClientSession() as s:
         for i in range(24):
@@ -200,7 +200,7 @@ async def test_a_live_client_that_stops_reading_small_frames_is_dropped(relay_wi
     full, the next frames wait for the socket under RELAY_LIVE_SEND_TIMEOUT_S and the
     client is still dropped (a window of 256 x 48 KiB = 12 MiB, more than loopback buffers)."""
     timeout_s = 2.0
-    relay = relay_with({"RELAY_LIVE_SEND_TIMEOUT_S": str(timeout_s)})
+    relay = relay_with({"RELAY_LIVE_SEND_TIMEOUT_S": str(timeout_s), **NO_CLIENT_QUOTA})  # a big backlog
     r = recipient(2101)
     async with aiohttp.ClientSession() as s:
 
