@@ -269,6 +269,14 @@ class RelayClient:
         _, doc = await self.request("GET", path, sign=True)
         return doc
 
+    async def channels(self, recipient: Key | None = None) -> dict[str, Any]:
+        """The recipient's channels and what each holds (signed): {"channels": [{"channel",
+        "message_count", "total_bytes"}, ...], "message_count", "total_bytes"}; the default
+        channel ("") first."""
+        r = recipient or self._me()
+        _, doc = await self.request("GET", self._path(r, "channels", {}), sign=True)
+        return doc
+
     # -- live delivery, Pickup 2.0, inbox, fan-out ----------------------------
     def live(
         self, recipient: Key | None = None, channel: bytes = b"", from_seq: int | None = None

@@ -22,6 +22,7 @@ from relay.storage.store import (
     StatusResult,
     StoreFailover,
     StoreOutcomeUnknown,
+    StoreRejected,
     StoreUnavailable,
     enqueue_outcome,
 )
@@ -93,6 +94,7 @@ class QueueService:
         self.closing = False
         self._waiters = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._reconciled: dict[bytes, float] = {}  # recipient -> last reconciliation (monotonic)
 
     # -- plumbing ------------------------------------------------------------
     async def call(
@@ -270,7 +272,17 @@ class QueueService:
         return done
 
     def enqueue_into(self, sink: OutcomeSink, req: EnqueueRequest) -> None:
-        """`enqueue`, its outcome handed to `sink` (see OutcomeSink) instead of a new future."""
+        """`enqueue`, its outcome handed to `sink` (see OutcomeSink) instead of a new future.
+
+        A non-default channel's message is first admitted by its recipient's home shard
+        (the recipient-wide quotas, docs/design-decisions.md "Per-recipient quotas"): one more
+        round trip, in a task. The default channel's enqueue checks them itself, in its one call."""
+        if req.channel and self._recipient_limited:
+            self._spawn(self._admit_then_enqueue(sink, req))
+            return
+        self._enqueue_now(sink, req)
+
+    def _enqueue_now(self, sink: OutcomeSink, req: EnqueueRequest) -> None:
         ts = req.now_ms or now_ms()  # every attempt of this enqueue stores the same time
         route = self.fleet.route(req.recipient, req.channel)
         # the job (the reply's sink) is built once the enqueue is written: not in the wake's path
@@ -286,6 +298,96 @@ class QueueService:
         job.token = token
         return job
 
+    async def _admit_then_enqueue(self, sink: OutcomeSink, req: EnqueueRequest) -> None:
+        """Admit a non-default channel's message on its recipient's home shard, then enqueue it
+        (refunded when the channel's shard refuses it). A refusal for a held cap or the channel
+        cap first reconciles the record with the queues (at most once a second per recipient
+        and relay) and asks again: the counters may be high, never low."""
+        ts = req.now_ms or now_ms()
+        recipient = req.recipient
+        try:
+            verdict = await self._admit(req, ts)
+            if verdict.kind == "full" and self._may_reconcile(recipient) and await self.reconcile(recipient):
+                verdict = await self._admit(req, ts)
+        except BaseException as exc:
+            if not sink.done():
+                if isinstance(exc, asyncio.CancelledError):
+                    sink.cancel()
+                else:
+                    sink.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        if verdict.kind != "stored":
+            self._stored(req, verdict)
+            if not sink.done():
+                sink.set_result(verdict)
+            return
+        self._enqueue_now(_Refunding(self, sink, req, ts), req._replace(now_ms=ts))
+
+    def _admit(self, req: EnqueueRequest, ts: int) -> Awaitable[EnqueueOutcome]:
+        size = len(req.payload)
+        return self.call(
+            req.recipient, b"", lambda r: r.store.recipient_admit(req.recipient, req.channel, size, ts)
+        )
+
+    def _may_reconcile(self, recipient: bytes) -> bool:
+        """At most one reconciliation a second per recipient from this relay (a blast at a full
+        recipient must not turn each refusal into a status read of every channel)."""
+        now = time.monotonic()
+        last = self._reconciled.get(recipient)
+        if last is not None and now - last < 1.0:
+            return False
+        if len(self._reconciled) >= 4096:
+            self._reconciled.pop(next(iter(self._reconciled)))
+        self._reconciled[recipient] = now
+        return True
+
+    async def _refund(self, recipient: bytes, messages: int, size: int, admitted_ms: int = 0) -> None:
+        """Give back to the recipient's record; a refund that fails leaves the counters high
+        (refusing early until reconciled), so it never fails the request that made it."""
+        ts = now_ms()
+        try:
+            await self.call(
+                recipient,
+                b"",
+                lambda r: r.store.recipient_refund(recipient, messages, size, ts, admitted_ms),
+                False,
+            )
+        except (Unavailable, StoreUnavailable, StoreRejected):
+            metrics.REDIS_ERRORS.labels("home", "refund_lost").inc()
+
+    async def channels(self, recipient: bytes) -> list[tuple[bytes, StatusResult]]:
+        """The recipient's channels (the default one first) and what each holds; reconciles its
+        record with them on the way. Creates no Redis state for an unknown recipient."""
+        listed, admits, _ = await self.call(recipient, b"", lambda r: r.store.recipient_channels(recipient))
+        chans = [b"", *listed]
+        found = await asyncio.gather(*(self.status(recipient, ch) for ch in chans))
+        if listed:
+            await self._settle(recipient, admits, list(zip(listed, found[1:], strict=True)))
+        return list(zip(chans, found, strict=True))
+
+    async def reconcile(self, recipient: bytes) -> bool:
+        """Replace the recipient's held counters by what its channels hold; True when applied."""
+        listed, admits, _ = await self.call(recipient, b"", lambda r: r.store.recipient_channels(recipient))
+        if not listed:
+            return False
+        found = await asyncio.gather(*(self.status(recipient, ch) for ch in listed))
+        return await self._settle(recipient, admits, list(zip(listed, found, strict=True)))
+
+    async def _settle(self, recipient: bytes, admits: int, found: list[tuple[bytes, StatusResult]]) -> bool:
+        held = [(ch, st.count, st.bytes) for ch, st in found]
+        # an admitted enqueue may still be on its way this long after its admit
+        quiet_ms = int(1000 * (self.settings.request_deadline_s + self.settings.limits.write_timeout_s))
+        ts = now_ms()
+        return await self.call(
+            recipient, b"", lambda r: r.store.recipient_settle(recipient, admits, ts, quiet_ms, held)
+        )
+
+    @property
+    def _recipient_limited(self) -> bool:
+        return self.settings.limits.recipient_limited
+
     def _stored(self, req: EnqueueRequest, outcome: EnqueueOutcome) -> None:
         """Metrics and hooks for an enqueue Redis has answered."""
         kind = outcome.kind
@@ -297,7 +399,12 @@ class QueueService:
         elif kind == "duplicate":
             _DUPLICATE.inc(1)
         elif kind == "rate_limited":
-            metrics.RATE_LIMITED.inc()
+            if outcome.reason:
+                metrics.quota_refused(_ENQUEUE_ROUTE, "recipient_rate")
+            else:
+                metrics.RATE_LIMITED.inc()
+        elif kind == "full" and (reason := _QUOTA_REASON.get(outcome.reason)) is not None:
+            metrics.quota_refused(_ENQUEUE_ROUTE, reason)
 
     async def read(
         self,
@@ -333,18 +440,21 @@ class QueueService:
             return await self.call(recipient, channel, lambda r: r.store.drain(r.keys, limit), False)
 
         result = await (self._wait_for(recipient, channel, wait_s, fetch) if wait_s > 0 else fetch())
+        if result.messages and channel and self._recipient_limited:
+            await self._refund(
+                recipient, len(result.messages), sum([len(m.payload) for m in result.messages])
+            )
         _count("drained", result)
         return result
 
     async def ack(
         self, recipient: bytes, channel: bytes, up_to_seq: int | None, seqs: list[int] | None
     ) -> int:
-        if up_to_seq is not None:
-            n = up_to_seq
-            removed = await self.call(recipient, channel, lambda r: r.store.ack_upto(r.keys, n))
-        else:
-            chosen = seqs or []
-            removed = await self.call(recipient, channel, lambda r: r.store.ack_seqs(r.keys, chosen))
+        removed, size = await self.call(
+            recipient, channel, lambda r: r.store.ack_sized(r.keys, up_to_seq, seqs)
+        )
+        if removed and channel and self._recipient_limited:
+            await self._refund(recipient, removed, size)
         metrics.MESSAGES.labels("acked").inc(removed)
         return removed
 
@@ -366,6 +476,47 @@ class QueueService:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._tasks.discard)
+
+
+_ENQUEUE_ROUTE = "/v1/queues/{recipient}/messages"
+# enqueue.lua's and rcpt_admit.lua's refusal reasons -> relayfleet_quota_refusals_total's
+_QUOTA_REASON = {
+    "channels": "recipient_channels",
+    "recipient messages": "recipient_messages",
+    "recipient bytes": "recipient_bytes",
+    "reserve": "shard_reserve",
+}
+
+
+class _Refunding:
+    """The OutcomeSink of an admitted non-default enqueue: hands the outcome on, and gives the
+    admit back to the recipient's record when the channel's shard did not store the message
+    (a failure may have stored it: no refund, the counters stay high until reconciled)."""
+
+    __slots__ = ("req", "service", "sink", "ts")
+
+    def __init__(self, service: QueueService, sink: OutcomeSink, req: EnqueueRequest, ts: int) -> None:
+        self.service = service
+        self.sink = sink
+        self.req = req
+        self.ts = ts
+
+    def done(self) -> bool:
+        return False  # the refund is owed even when the handler's sink was cancelled
+
+    def set_result(self, result: EnqueueOutcome, /) -> None:
+        if result.kind != "stored":
+            req = self.req
+            self.service._spawn(self.service._refund(req.recipient, 1, len(req.payload), self.ts))
+        if not self.sink.done():
+            self.sink.set_result(result)
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        if not self.sink.done():
+            self.sink.set_exception(exception)
+
+    def cancel(self) -> bool:
+        return self.sink.cancel()
 
 
 class _Enqueue:

@@ -48,6 +48,36 @@ RELAY_ENV: tuple[EnvVar, ...] = (
     EnvVar("RELAY_RATE_WINDOW_MS", "5000", "rate-limit window, ms"),
     EnvVar("RELAY_QUEUE_MAX_MESSAGES", "10000", "messages per queue"),
     EnvVar("RELAY_QUEUE_MAX_BYTES", "268435456", "payload bytes per queue"),
+    EnvVar(
+        "RELAY_RECIPIENT_MAX_CHANNELS",
+        str(_LIMITS.recipient_max_channels),
+        "non-default channels one recipient may hold messages in (0: no cap)",
+    ),
+    EnvVar(
+        "RELAY_RECIPIENT_MAX_MESSAGES",
+        "2 x RELAY_QUEUE_MAX_MESSAGES",
+        "messages held per recipient across its channels (0: no cap)",
+    ),
+    EnvVar(
+        "RELAY_RECIPIENT_MAX_BYTES",
+        "2 x RELAY_QUEUE_MAX_BYTES",
+        "payload bytes held per recipient across its channels (0: no cap)",
+    ),
+    EnvVar(
+        "RELAY_RECIPIENT_RATE_LIMIT",
+        "2 x RELAY_RATE_LIMIT",
+        "enqueues per recipient per RELAY_RATE_WINDOW_MS across its channels (0: no limit)",
+    ),
+    EnvVar(
+        "RELAY_SHARD_RESERVE_FRACTION",
+        str(_LIMITS.shard_reserve_fraction),
+        "within this share of a shard's maxmemory only small queues store (0: no reserve)",
+    ),
+    EnvVar(
+        "RELAY_SHARD_RESERVE_QUEUE_BYTES",
+        str(_LIMITS.shard_reserve_queue_bytes),
+        "in a shard's reserve, a message taking its queue past this is 507 storage_reserve",
+    ),
     EnvVar("RELAY_RETENTION_SECONDS", "604800", "how long an unacknowledged message is kept"),
     EnvVar("RELAY_MAX_RESPONSE_BYTES", "8388608", "payload bytes per read/drain/live batch"),
     EnvVar("RELAY_REDIS_WRITE_TIMEOUT_S", str(_LIMITS.write_timeout_s), "enqueue/ack/status reply deadline"),
@@ -323,11 +353,26 @@ def trusted_proxies_from_env() -> tuple[str, ...]:
 
 def limits_from_env() -> QueueLimits:
     d = QueueLimits()
+    rate_count = env_int("RELAY_RATE_LIMIT", d.rate_count)
+    max_messages = env_int("RELAY_QUEUE_MAX_MESSAGES", d.max_messages)
+    max_bytes = env_int("RELAY_QUEUE_MAX_BYTES", d.max_bytes)
     return QueueLimits(
-        rate_count=env_int("RELAY_RATE_LIMIT", d.rate_count),
+        rate_count=rate_count,
         rate_window_ms=env_int("RELAY_RATE_WINDOW_MS", d.rate_window_ms),
-        max_messages=env_int("RELAY_QUEUE_MAX_MESSAGES", d.max_messages),
-        max_bytes=env_int("RELAY_QUEUE_MAX_BYTES", d.max_bytes),
+        max_messages=max_messages,
+        max_bytes=max_bytes,
+        # recipient-wide: twice the per-queue values unless set, so raising a queue's limit
+        # (a benchmark, one busy queue) raises its recipient's with it
+        recipient_max_channels=max(0, env_int("RELAY_RECIPIENT_MAX_CHANNELS", d.recipient_max_channels)),
+        recipient_max_messages=max(0, env_int("RELAY_RECIPIENT_MAX_MESSAGES", 2 * max_messages)),
+        recipient_max_bytes=max(0, env_int("RELAY_RECIPIENT_MAX_BYTES", 2 * max_bytes)),
+        recipient_rate_count=max(0, env_int("RELAY_RECIPIENT_RATE_LIMIT", 2 * rate_count)),
+        shard_reserve_fraction=min(
+            0.9, max(0.0, env_float("RELAY_SHARD_RESERVE_FRACTION", d.shard_reserve_fraction))
+        ),
+        shard_reserve_queue_bytes=max(
+            0, env_int("RELAY_SHARD_RESERVE_QUEUE_BYTES", d.shard_reserve_queue_bytes)
+        ),
         retention_ms=env_int("RELAY_RETENTION_SECONDS", d.retention_ms // 1000) * 1000,
         max_response_bytes=max(1, env_int("RELAY_MAX_RESPONSE_BYTES", d.max_response_bytes)),
         write_timeout_s=max(0.05, env_float("RELAY_REDIS_WRITE_TIMEOUT_S", d.write_timeout_s)),

@@ -258,20 +258,74 @@ _LOAD_GAUGES = (
 )
 
 
+# How often the shard reserve reads each shard's memory.
+RESERVE_INTERVAL_S = 1.0
+
+
+def in_reserve(used: int, maxmemory: int, fraction: float) -> bool:
+    """Whether a shard using `used` of `maxmemory` bytes is within its reserve (the last
+    `fraction` of it). A shard without maxmemory has none."""
+    return maxmemory > 0 and fraction > 0 and used >= maxmemory * (1.0 - fraction)
+
+
+class ReserveWatch:
+    """The shard reserve (docs/design-decisions.md, "Shard reserve"): reads every shard's
+    used_memory and maxmemory about once a second and tells its store whether it is within
+    RELAY_SHARD_RESERVE_FRACTION of its maxmemory; the store passes that to enqueue.lua as an
+    argument of the calls it already makes. A shard that does not answer keeps its last state."""
+
+    def __init__(self, fleet: ShardRouter, fraction: float, interval_s: float = RESERVE_INTERVAL_S) -> None:
+        self.fleet = fleet
+        self.fraction = fraction
+        self.interval_s = interval_s
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bad round must never end the loop
+                log.warning("shard reserve round failed: %s", type(exc).__name__)
+            await asyncio.sleep(self.interval_s)
+
+    async def tick(self) -> None:
+        await asyncio.gather(*(self._probe(store) for store in list(self.fleet.stores.values())))
+
+    async def _probe(self, store: ShardStore) -> None:
+        try:
+            used, maxmemory = await store.memory()
+        except (StoreUnavailable, StoreRejected, OSError, TimeoutError, ValueError):
+            return
+        store.set_reserve(in_reserve(used, maxmemory, self.fraction))
+
+
 MONITOR = web.AppKey("relayfleet_shard_health", ShardHealth)
+RESERVE = web.AppKey("relayfleet_shard_reserve", ReserveWatch)
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.get_running_loop().create_task(app[MONITOR].run())
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(app[MONITOR].run())]
+    watch = app[RESERVE]
+    if watch.fraction > 0:
+        tasks.append(loop.create_task(watch.run()))
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def setup(app: web.Application) -> None:
     settings = app[CTX].settings
     app[MONITOR] = ShardHealth(
         app[CTX].service.fleet, settings.shard_health_interval_s, settings.shard_stats_interval_s
+    )
+    limits = settings.limits
+    app[RESERVE] = ReserveWatch(
+        app[CTX].service.fleet,
+        limits.shard_reserve_fraction if limits.shard_reserve_queue_bytes > 0 else 0.0,
     )
     app.cleanup_ctx.append(_lifecycle)

@@ -53,7 +53,8 @@ _E401 = _error("missing or invalid signature or token", _WWW_AUTH)
 _E413 = _error("body over its size cap (payload_too_large); fan-out over its byte budget (fanout_too_large)")
 _E415 = _error("unsupported_encoding: request bodies must not be compressed (Content-Encoding)")
 _E429 = _error(
-    "rate_limited (the queue's rate) or client_rate_limited (the per-client quota);"
+    "rate_limited (the queue's rate), client_rate_limited (the per-client quota) or"
+    " recipient_rate_limited (the recipient's, across its channels);"
     " retryAfterMs tells when to retry",
     _RETRY_AFTER,
 )
@@ -61,7 +62,11 @@ _E503 = _error(
     "shard unavailable or slot migrating past the deadline, or the relay is overloaded (memory guard); retry",
     _RETRY_AFTER,
 )
-_E507 = _error("queue_full (depth or byte cap) or storage_full (shard out of memory)")
+_E507 = _error(
+    "queue_full (depth or byte cap), recipient_full (the recipient's caps across its channels),"
+    " too_many_channels (the recipient's channel cap), storage_reserve (the shard is within its"
+    " reserve and this queue is large) or storage_full (shard out of memory)"
+)
 
 _P_RECIPIENT = {
     "name": "recipient",
@@ -203,6 +208,27 @@ SCHEMAS: dict[str, Any] = {
             "live_delivery": {"type": "boolean"},
             "nextSeq": {"type": "integer", "minimum": 1},
             "epoch": {"type": "string"},
+        },
+    },
+    "ChannelList": {
+        "type": "object",
+        "required": ["channels", "message_count", "total_bytes"],
+        "properties": {
+            "channels": {
+                "type": "array",
+                "description": 'the default channel ("") first, then the registered non-default channels',
+                "items": {
+                    "type": "object",
+                    "required": ["channel", "message_count", "total_bytes"],
+                    "properties": {
+                        "channel": {"type": "string", "pattern": CHANNEL_PATTERN},
+                        "message_count": {"type": "integer", "minimum": 0},
+                        "total_bytes": {"type": "integer", "minimum": 0},
+                    },
+                },
+            },
+            "message_count": {"type": "integer", "minimum": 0},
+            "total_bytes": {"type": "integer", "minimum": 0},
         },
     },
     "FanoutRequest": {
@@ -468,6 +494,20 @@ PATHS: dict[str, Any] = {
             "parameters": _QUEUE_PARAMS,
             "responses": {
                 "200": _json(_ref("Status"), "queue status"),
+                "400": _E400,
+                "401": _E401,
+                "503": _E503,
+            },
+        }
+    },
+    "/v1/queues/{recipient}/channels": {
+        "get": {
+            "operationId": "channels",
+            "summary": "the recipient's channels and what each holds (signed)",
+            "security": _SIGNED,
+            "parameters": [_P_RECIPIENT],
+            "responses": {
+                "200": _json(_ref("ChannelList"), "the channels, the default one first"),
                 "400": _E400,
                 "401": _E401,
                 "503": _E503,

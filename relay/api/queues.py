@@ -26,16 +26,43 @@ def enqueue_error(outcome: EnqueueOutcome) -> ApiError | None:
         )
     if outcome.kind == "rate_limited":
         ms = outcome.retry_after_ms
-        return ApiError(
-            429,
-            "rate_limited",
-            "too many messages for this queue; retry later",
-            {"Retry-After": str(max(1, math.ceil(ms / 1000)))},
-            {"retryAfterMs": ms},
-        )
+        headers, extra = {"Retry-After": str(max(1, math.ceil(ms / 1000)))}, {"retryAfterMs": ms}
+        if outcome.reason:  # the recipient's rate across its channels
+            return ApiError(
+                429,
+                "recipient_rate_limited",
+                "too many messages for this recipient across its channels; retry later",
+                headers,
+                extra,
+            )
+        return ApiError(429, "rate_limited", "too many messages for this queue; retry later", headers, extra)
     if outcome.kind == "full":
-        return ApiError(507, "queue_full", f"queue is full ({outcome.reason} cap reached)")
+        return _full(outcome.reason)
     return None
+
+
+def _full(reason: str) -> ApiError:
+    """A 507 for enqueue.lua's and rcpt_admit.lua's refusal reasons (docs/api.md)."""
+    if reason in ("recipient messages", "recipient bytes"):
+        what = "messages" if reason == "recipient messages" else "payload bytes"
+        return ApiError(
+            507,
+            "recipient_full",
+            f"the recipient holds its cap of {what} across its channels; nothing was stored",
+        )
+    if reason == "channels":
+        return ApiError(
+            507,
+            "too_many_channels",
+            "the recipient holds messages in its cap of channels; read or drain one first",
+        )
+    if reason == "reserve":
+        return ApiError(
+            507,
+            "storage_reserve",
+            "the shard is nearly full and this queue is large; only small queues store now",
+        )
+    return ApiError(507, "queue_full", f"queue is full ({reason} cap reached)")
 
 
 def message_json(m: Message) -> dict[str, Any]:
@@ -182,5 +209,25 @@ async def status(request: web.Request) -> web.Response:
             "live_delivery": (recipient, channel) in c.live.by_queue,
             "nextSeq": st.last_seq + 1,
             "epoch": st.epoch,
+        }
+    )
+
+
+@routes.get("/v1/queues/{recipient}/channels")
+async def channels(request: web.Request) -> web.Response:
+    """The recipient's channels (the default one, "", first) and what each holds: signed like
+    every queue read. Creates no Redis state for an unknown recipient."""
+    c = ctx(request)
+    recipient = params.recipient_key(request.match_info["recipient"])
+    await c.auth.verify(request, recipient)
+    found = await c.service.channels(recipient)
+    return json_response(
+        {
+            "channels": [
+                {"channel": params.b64encode(ch), "message_count": st.count, "total_bytes": st.bytes}
+                for ch, st in found
+            ],
+            "message_count": sum(st.count for _, st in found),
+            "total_bytes": sum(st.bytes for _, st in found),
         }
     )

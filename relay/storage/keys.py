@@ -38,6 +38,11 @@ def b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
 
+def b64decode(text: str) -> bytes:
+    """The bytes of a `b64` name part."""
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
 # A slot's hash tag, %-formatted with the slot's number (the enqueue hot path formats its
 # slot's keys from it in one go, storage/store.py).
 SLOT_TAG = PREFIX + ":{rf%d}"
@@ -188,3 +193,18 @@ def slot_didcomm(slot: int) -> str:
     connection, 'r:<key>' keys the connection registered, 'k:<key>' the connection owning a
     registered key. A slot-level key, so migration moves it with the slot's queues."""
     return f"{slot_tag(slot)}:didcomm"
+
+
+def slot_recipients(slot: int) -> str:
+    """Hash: the per-recipient quota records of the recipients whose default channel lives in
+    this slot (their "home"; docs/design-decisions.md, "Per-recipient quotas"). Fields, each
+    prefixed "<b64 recipient>|": 'c' its registered non-default channels (b64url, space-separated),
+    'n' / 'b' messages / payload bytes admitted to them and not yet refunded, 'g' admits so far,
+    't' the last admit (ms), 'w' the rate ring ("<first bucket> <count> ..."). A slot-level key,
+    so migration moves it with the slot; the enqueue script reads it for default-channel items."""
+    return f"{slot_tag(slot)}:rcpt"
+
+
+def recipient_field(recipient: bytes) -> str:
+    """The prefix of a recipient's fields in slot_recipients ("<b64 recipient>|")."""
+    return b64(recipient) + "|"

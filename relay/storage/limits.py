@@ -23,3 +23,24 @@ class QueueLimits:
     # writes before the writes are answered 503 replication_timeout (the batch's reply
     # deadline grows by as much)
     wait_timeout_ms: int = 1000
+    # Per recipient across all its channels (docs/api.md, "Per-recipient quotas"; 0: no limit).
+    # The defaults of the relay's settings are twice the per-queue ones, so a recipient using
+    # only its default channel meets its queue's limits first.
+    recipient_max_channels: int = 16  # non-default channels registered at once
+    recipient_max_messages: int = 20000
+    recipient_max_bytes: int = 512 * 1024 * 1024
+    recipient_rate_count: int = 1000  # messages per rate_window_ms
+    # Shard reserve: within this fraction of a shard's maxmemory, a message that takes its
+    # queue past shard_reserve_queue_bytes is refused (507 storage_reserve; 0: no reserve).
+    shard_reserve_fraction: float = 0.1
+    shard_reserve_queue_bytes: int = 1024 * 1024
+
+    @property
+    def recipient_limited(self) -> bool:
+        """Whether any recipient-wide limit is on (a non-default enqueue is admitted first)."""
+        return bool(
+            self.recipient_max_channels
+            or self.recipient_max_messages
+            or self.recipient_max_bytes
+            or self.recipient_rate_count
+        )

@@ -74,6 +74,10 @@ ACK = _load("ack", _PRELUDE)
 STATUS = _load("status", _PRELUDE)
 NONCE = _load("nonce", _PRELUDE)
 TRIM = _load("trim", _PRELUDE)
+# Per-recipient quotas: the records in the recipient's home slot (keys.slot_recipients).
+RCPT_ADMIT = _load("rcpt_admit", _PRELUDE)
+RCPT_REFUND = _load("rcpt_refund", _PRELUDE)
+RCPT_SETTLE = _load("rcpt_settle", _PRELUDE)
 # The DIDComm mediator's records (relay/didcomm/records.py).
 DC_GET = _load("dc_get", _PRELUDE)
 DC_SET = _load("dc_set", _PRELUDE)
@@ -92,6 +96,9 @@ ALL: tuple[Script, ...] = (
     STATUS,
     NONCE,
     TRIM,
+    RCPT_ADMIT,
+    RCPT_REFUND,
+    RCPT_SETTLE,
     DC_GET,
     DC_SET,
     DC_CLAIM,

@@ -34,6 +34,7 @@ from relay.storage.resp import bulk, bulk_str, encode
 from relay.storage.wakeups import NOTICE_PREFIX
 
 _PING = encode("PING")
+_INFO_MEMORY = encode("INFO", "memory")
 
 __all__ = [
     "EnqueueOutcome",
@@ -119,9 +120,9 @@ class StatusResult:
     newest_ms: int | None
 
 
-_ENQUEUE_KEYS = 8  # per item (lua/enqueue.lua)
+_ENQUEUE_KEYS = 9  # per item (lua/enqueue.lua)
 _ENQUEUE_HEAD = bulk_str("EVALSHA") + bulk_str(scripts.ENQUEUE.sha)
-_ENQUEUE_FIXED_ARGS = 5
+_ENQUEUE_FIXED_ARGS = 9
 _ENQUEUE_ITEM_ARGS = 9
 # a call of one item, up to its keys
 _LONE_HEAD = b"*%d\r\n%b%b" % (
@@ -136,13 +137,15 @@ _CALL_BYTES = 1 << 20
 # queues whose encoded enqueue parts are kept (~500 B each; the oldest goes when full)
 _ENQUEUE_PARTS_MAX = 65536
 # The enqueue item's keys as RESP bulk strings (lua/enqueue.lua's order: the slot's state,
-# the queue's own five from its base (keys.QueueKeys.base), the slot's index and statistics),
+# the queue's own five from its base (keys.QueueKeys.base), the slot's index, statistics and
+# recipient records),
 # then its qid and wake channel: one format each, from the slot's number and the queue's base.
 # The first enqueue of a queue (in every wake of a fresh queue) runs from cold caches: eight
 # names built and encoded one by one cost ~40 µs there, the slot's three through a per-slot
 # cache ~8 more when it missed.
 _SLOT_SUFFIXES = [
-    name(0).removeprefix(K.slot_tag(0)).encode() for name in (K.slot_state, K.slot_index, K.slot_stats)
+    name(0).removeprefix(K.slot_tag(0)).encode()
+    for name in (K.slot_state, K.slot_index, K.slot_stats, K.slot_recipients)
 ]
 # each slot name's length past the slot's digits
 _SLOT_KEY_EXTRA = tuple(len(K.slot_tag(0)) - 1 + len(suffix) for suffix in _SLOT_SUFFIXES)
@@ -239,6 +242,8 @@ def enqueue_outcome(raw: Any) -> EnqueueOutcome:
         return EnqueueOutcome("conflict", seq=int(reply[1]))
     if tag == b"rate":
         return EnqueueOutcome("rate_limited", retry_after_ms=int(reply[1]))
+    if tag == b"rrate":  # the recipient's rate across its channels
+        return EnqueueOutcome("rate_limited", retry_after_ms=int(reply[1]), reason="recipient")
     return EnqueueOutcome("full", reason=_s(reply[1]))
 
 
@@ -380,7 +385,13 @@ class ShardStore:
         # only: an entry per idle long-poll would cost ~1 KiB each); bounded, the oldest goes
         self._enqueue_parts: dict[str, tuple[bytes, bytes]] = {}
         self._call: _EnqueueCall | None = None  # the enqueue call still taking items
-        self._enqueue_fixed = b"".join(
+        self.in_reserve = False  # within the shard's reserve (set_reserve)
+        self._enqueue_fixed = self._fixed_args()
+
+    def _fixed_args(self) -> bytes:
+        """enqueue.lua's fixed arguments, encoded once (again when the reserve flips)."""
+        limits = self.limits
+        return b"".join(
             [
                 bulk(a)
                 for a in (
@@ -389,9 +400,22 @@ class ShardStore:
                     limits.max_messages,
                     limits.max_bytes,
                     limits.retention_ms,
+                    limits.recipient_max_messages,
+                    limits.recipient_max_bytes,
+                    limits.recipient_rate_count,
+                    limits.shard_reserve_queue_bytes if self.in_reserve else 0,
                 )
             ]
         )
+
+    def set_reserve(self, on: bool) -> None:
+        """The shard is (not) within its reserve (relay/shard_health.py's memory reads): from the
+        next enqueue call on, a message taking its queue past shard_reserve_queue_bytes is refused.
+        An argument of the same call, not a round trip."""
+        on = on and self.limits.shard_reserve_queue_bytes > 0
+        if on != self.in_reserve:
+            self.in_reserve = on
+            self._enqueue_fixed = self._fixed_args()
 
     def _connect_failed(self, reason: str) -> None:
         if self.on_auth_failure is not None and is_auth_failure(reason):
@@ -498,13 +522,13 @@ class ShardStore:
 
     def _encode_enqueue_parts(self, q: K.QueueKeys) -> tuple[bytes, bytes]:
         """The queue's fixed parts of an enqueue item: its keys (state, the queue's own five,
-        index, stats: lua/enqueue.lua's order); its qid and wake channel."""
+        index, stats, recipient records: lua/enqueue.lua's order); its qid and wake channel."""
         slot = q.slot
         d = len(str(slot))
         base = q.base.encode()
         n = len(base)
         m, s, i, x, r = _QUEUE_KEY_EXTRA
-        st, ix, sx = _SLOT_KEY_EXTRA
+        st, ix, sx, rx = _SLOT_KEY_EXTRA
         qid = q.qid
         parts = (
             _ITEM_KEYS
@@ -524,6 +548,8 @@ class ShardStore:
                 d + ix,
                 slot,
                 d + sx,
+                slot,
+                d + rx,
                 slot,
             ),
             _QID_WAKE % (len(qid), qid.encode(), n + _WAKE_EXTRA, base),
@@ -558,22 +584,119 @@ class ShardStore:
         return ReadResult(_messages(reply[3]), _s(reply[1]), int(reply[2]), more=bool(reply[4]))
 
     async def ack_upto(self, q: K.QueueKeys, up_to_seq: int) -> int:
-        reply = _check(
-            await self._batcher.call(
-                scripts.ACK, (q.state, q.meta, q.msgs, q.stats), ("upto", up_to_seq), durable=True
-            )
-        )
-        return int(reply[1])
+        return (await self.ack_sized(q, up_to_seq, None))[0]
 
     async def ack_seqs(self, q: K.QueueKeys, seqs: list[int]) -> int:
-        if not seqs:
-            return 0
+        return (await self.ack_sized(q, None, seqs))[0]
+
+    async def ack_sized(
+        self, q: K.QueueKeys, up_to_seq: int | None, seqs: list[int] | None
+    ) -> tuple[int, int]:
+        """Ack up to a seq, or the given seqs: (messages removed, their payload bytes)."""
+        args: tuple[str | int, ...] = (
+            ("upto", up_to_seq) if up_to_seq is not None else ("seqs", *(seqs or ()))
+        )
+        if len(args) < 2:
+            return 0, 0
+        reply = _check(
+            await self._batcher.call(scripts.ACK, (q.state, q.meta, q.msgs, q.stats), args, durable=True)
+        )
+        return int(reply[1]), int(reply[2])
+
+    # -- per-recipient quotas (the recipient's home: the slot of its default channel) ----------
+    def _home(self, recipient: bytes) -> tuple[str, ...]:
+        q = K.queue_keys(recipient, b"")
+        return (q.state, K.slot_recipients(q.slot), q.meta, q.msgs, q.rate)
+
+    async def recipient_admit(
+        self, recipient: bytes, channel: bytes, size: int, now_ms: int
+    ) -> EnqueueOutcome:
+        """Admit one message to a non-default channel on its recipient's home shard (this store):
+        the channel cap, the recipient's held caps and rate; counted as held until refunded.
+        Kind "stored" (admitted), "rate_limited" or "full" (reason: channels, recipient ...)."""
+        lim = self.limits
         reply = _check(
             await self._batcher.call(
-                scripts.ACK, (q.state, q.meta, q.msgs, q.stats), ("seqs", *seqs), durable=True
+                scripts.RCPT_ADMIT,
+                self._home(recipient),
+                (
+                    K.recipient_field(recipient),
+                    K.b64(channel),
+                    size,
+                    now_ms,
+                    lim.recipient_max_channels,
+                    lim.recipient_max_messages,
+                    lim.recipient_max_bytes,
+                    lim.recipient_rate_count,
+                    lim.rate_window_ms,
+                ),
+                durable=True,
             )
         )
-        return int(reply[1])
+        if reply[0] == b"ok":
+            return EnqueueOutcome("stored")
+        return enqueue_outcome(reply)
+
+    async def recipient_refund(
+        self, recipient: bytes, messages: int, size: int, now_ms: int, admitted_ms: int = 0
+    ) -> None:
+        """Give back what a non-default channel no longer holds (or was admitted but not stored:
+        then `admitted_ms` is the admit's time, and its rate entry goes too)."""
+        home = self._home(recipient)
+        _check(
+            await self._batcher.call(
+                scripts.RCPT_REFUND,
+                home[:2],
+                (
+                    K.recipient_field(recipient),
+                    messages,
+                    size,
+                    admitted_ms,
+                    now_ms,
+                    self.limits.rate_window_ms,
+                ),
+                durable=True,
+            )
+        )
+
+    async def recipient_channels(self, recipient: bytes) -> tuple[list[bytes], int, int]:
+        """The recipient's registered non-default channels, its admit count and last admit (ms)."""
+        reply = _check(
+            await self._batcher.call(
+                scripts.RCPT_SETTLE, self._home(recipient)[:2], (K.recipient_field(recipient), "peek")
+            )
+        )
+        text = _s(reply[1])
+        return [K.b64decode(c) for c in text.split()], int(reply[2]), int(reply[3])
+
+    async def recipient_settle(
+        self,
+        recipient: bytes,
+        seen_admits: int,
+        now_ms: int,
+        quiet_ms: int,
+        held: Sequence[tuple[bytes, int, int]],
+    ) -> bool:
+        """Replace the recipient's held counters with what its channels' queues hold (`held`:
+        channel, messages, bytes, read after `recipient_channels` answered `seen_admits`), and
+        unregister the empty channels, unless an admit came since or within `quiet_ms` (one may
+        still be on its way). True when applied."""
+        args: list[str | int] = [
+            K.recipient_field(recipient),
+            "set",
+            seen_admits,
+            now_ms,
+            quiet_ms,
+            self.limits.rate_window_ms,
+        ]
+        for channel, messages, size in held:
+            args += [K.b64(channel), messages, size]
+        reply = _check(
+            await self._batcher.call(
+                scripts.RCPT_SETTLE, self._home(recipient)[:2], tuple(args), durable=True
+            )
+        )
+        return bool(reply[0] == b"ok")
 
     async def status(self, q: K.QueueKeys) -> StatusResult:
         r = _check(await self._batcher.call(scripts.STATUS, (q.state, q.meta, q.msgs, q.stats), (q.qid,)))
@@ -585,6 +708,17 @@ class ShardStore:
             oldest_ms=int(r[5]) if r[5] else None,
             newest_ms=int(r[6]) if r[6] else None,
         )
+
+    async def memory(self) -> tuple[int, int]:
+        """(used_memory, maxmemory) of the shard, over the store's own bulk lane: redis-py's
+        INFO, on uvloop, leaves a future behind when its connect is cut short by DNS."""
+        reply = await asyncio.wait_for(self._bulk.submit(_INFO_MEMORY), 3.0)
+        fields = dict(
+            line.split(b":", 1)
+            for line in bytes(reply).splitlines()
+            if b":" in line and not line.startswith(b"#")
+        )
+        return int(fields.get(b"used_memory", b"0")), int(fields.get(b"maxmemory", b"0"))
 
     async def publish_notice(self, channel: str, data: bytes) -> int:
         """Publish a notice (not a message) on a wakeup channel; returns the subscriber count.

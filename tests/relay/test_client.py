@@ -45,6 +45,21 @@ async def test_keygen_text_is_a_key_and_the_public_half_is_derived(
         assert await me.ack(up_to_seq=batch.next_seq - 1) == 1
 
 
+async def test_channels_lists_what_the_recipient_holds(relay: RunningRelay) -> None:
+    async with RelayClient(relay.base_url, keypair().private) as me:
+        assert me.public_key is not None
+        await me.enqueue(me.public_key, b"abc", channel=b"chat")
+        await me.enqueue(me.public_key, b"de")
+        assert await me.channels() == {
+            "channels": [
+                {"channel": "", "message_count": 1, "total_bytes": 2},
+                {"channel": b64encode(b"chat"), "message_count": 1, "total_bytes": 3},
+            ],
+            "message_count": 2,
+            "total_bytes": 5,
+        }
+
+
 async def test_keypair_and_the_client_agree(relay: RunningRelay) -> None:
     pair = keypair()
     public, private = pair  # the order keygen prints: public, private

@@ -304,7 +304,13 @@ def _set_states(slots: Sequence[int], new: str, allowed: Sequence[str]) -> list[
 
 def slot_keys(slot: int) -> tuple[str, ...]:
     """Slot-level keys, the index last: deleting in this order leaves the index while anything remains."""
-    return (K.slot_stats(slot), K.slot_nonces(slot), K.slot_didcomm(slot), K.slot_index(slot))
+    return (
+        K.slot_stats(slot),
+        K.slot_nonces(slot),
+        K.slot_didcomm(slot),
+        K.slot_recipients(slot),
+        K.slot_index(slot),
+    )
 
 
 def queue_keys(slot: int, qid: str) -> tuple[str, ...]:

@@ -161,3 +161,42 @@ end
 local function pending_epoch(stats_key, qid)
   return epoch_of(boot_run(), redis.call('HGET', stats_key, 'qgen'), qid)
 end
+
+-- A recipient's rate ring (keys.slot_recipients, field '<r>|w'): the admits of its non-default
+-- channels per bucket of a tenth of the rate window, "<bucket>:<count>" pairs separated by
+-- ','. A bucket counts while any part of it is inside the window, so the count may include up
+-- to one bucket's admits from just before the window: it refuses early, never late.
+-- Returns the count and the ms until the oldest counted bucket leaves the window (0: none).
+local function ring_count(w, now, window)
+  if not w then return 0, 0 end
+  local width = math.max(1, math.ceil(window / 10))
+  local total, leaves = 0, 0
+  for b, c in string.gmatch(w, '(%d+):(%d+)') do
+    local gone = (tonumber(b) + 1) * width + window - now  -- ms until this bucket leaves
+    if gone > 0 then
+      total = total + tonumber(c)
+      if leaves == 0 or gone < leaves then leaves = gone end
+    end
+  end
+  return total, leaves
+end
+
+-- The ring `w` with `delta` added to the bucket of time `t`, buckets out of the window dropped
+-- (a bucket never goes below 0). nil when nothing is left.
+local function ring_add(w, now, window, t, delta)
+  local width = math.max(1, math.ceil(window / 10))
+  local at = math.floor(t / width)
+  local parts, found = {}, false
+  for b, c in string.gmatch(w or '', '(%d+):(%d+)') do
+    local bn, cn = tonumber(b), tonumber(c)
+    if bn == at then cn, found = math.max(0, cn + delta), true end
+    if (bn + 1) * width + window - now > 0 and cn > 0 then
+      parts[#parts + 1] = string.format('%d:%d', bn, cn)
+    end
+  end
+  if not found and delta > 0 and (at + 1) * width + window - now > 0 then
+    parts[#parts + 1] = string.format('%d:%d', at, delta)
+  end
+  if #parts == 0 then return nil end
+  return table.concat(parts, ',')
+end

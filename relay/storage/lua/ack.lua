@@ -2,7 +2,7 @@
 -- KEYS[1] slot state (string)  KEYS[2] queue meta (hash)  KEYS[3] queue messages (stream)
 -- KEYS[4] slot statistics (hash)
 -- ARGV[1] mode: 'upto' (ARGV[2] = highest seq to delete) or 'seqs' (ARGV[2..] = seqs)
--- Returns {'ok', removed} | fence reply
+-- Returns {'ok', removed, removed payload bytes} | fence reply
 local state_key, meta_key, msgs_key, stats_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local mode, upto = ARGV[1], ARGV[2]  -- upto: the highest seq's digits ('upto' mode)
 local f = fence(state_key)
@@ -34,4 +34,4 @@ if removed > 0 then
   redis.call('HSET', meta_key, 'bytes', math.max(0, held - bytes))
   slot_stats(stats_key, -removed, -bytes)
 end
-return {'ok', removed}
+return {'ok', removed, bytes}

@@ -11,11 +11,18 @@
 -- ARGV[1] rate limit: messages per window   ARGV[2] rate window, ms
 -- ARGV[3] queue cap: messages        ARGV[4] queue cap: bytes
 -- ARGV[5] idempotency retention, ms
--- Per item i, 8 keys from k = 8 * (i - 1) and 9 arguments from a = 5 + 9 * (i - 1):
+-- ARGV[6] recipient cap: messages held across its channels (0 = none)
+-- ARGV[7] recipient cap: payload bytes held across its channels (0 = none)
+-- ARGV[8] recipient rate: messages per window across its channels (0 = none)
+-- ARGV[9] shard reserve: refuse a message that takes its queue past this many payload bytes
+--         (0 = the shard is not in its reserve; relay/shard_health.py sets it)
+-- Per item i, 9 keys from k = 9 * (i - 1) and 9 arguments from a = 9 + 9 * (i - 1):
 -- KEYS[k+1] slot state (string)        KEYS[k+2] queue meta (hash)
 -- KEYS[k+3] queue messages (stream)    KEYS[k+4] idempotency keys (hash)
 -- KEYS[k+5] idempotency expiry (zset)  KEYS[k+6] rate-limit window (zset)
 -- KEYS[k+7] slot queue index (set)     KEYS[k+8] slot statistics (hash)
+-- KEYS[k+9] slot recipient records (hash; read for a default-channel item, whose slot is its
+--           recipient's home: keys.slot_recipients)
 -- ARGV[a+1] payload                    ARGV[a+2] now, ms since epoch
 -- ARGV[a+3] idempotency key ('' = none)
 -- ARGV[a+4] payload digest ('*' = a repeated key is a duplicate whatever the payload)
@@ -26,7 +33,9 @@
 -- ARGV[a+9] '1' when this resends an attempt whose reply never came (its outcome is
 --           unknown): if that attempt stored the message, answer its seq instead
 -- Returns one reply per item: {'ok', seq, subscribers, epoch} | {'dup', seq} | {'conflict', seq}
---       | {'rate', retry_after_ms} | {'full', reason} | fence reply
+--       | {'rate', retry_after_ms} | {'rrate', retry_after_ms} (the recipient's rate)
+--       | {'full', reason} (reason: 'messages', 'bytes', 'recipient messages',
+--         'recipient bytes', 'reserve') | fence reply
 -- (a resend that finds its lost attempt answers {'ok', seq, 0}: no epoch, nothing published)
 --
 -- Out of memory: Redis refuses a script's writes only until its first write, so every
@@ -42,6 +51,12 @@ local cap_msgs, cap_bytes = tonumber(ARGV[3]), tonumber(ARGV[4])
 -- the rate_limit-th newest rate-window entry as an index from the oldest: ZRANGE's "-n"
 -- (none when fewer are held)
 local nth_newest = '-' .. ARGV[1]
+-- the recipient-wide limits (docs/design-decisions.md, "Per-recipient quotas"): a
+-- default-channel item checks them with its recipient's record in the same slot; a
+-- non-default one was admitted by that record's shard before it was sent (rcpt_admit.lua)
+local rcap_msgs, rcap_bytes, rrate = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local rcpt_on = rcap_msgs > 0 or rcap_bytes > 0 or rrate > 0
+local reserve = tonumber(ARGV[9])
 
 local fences = {}  -- slot state key -> fence reply, or false when this shard owns it
 -- the boot mark's run and the seq floor, read with the first item's slot state (one MGET)
@@ -82,6 +97,7 @@ end
 local function enqueue_one(k, a)
   local state_key, meta_key, msgs_key, idem_key = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
   local idemx_key, rate_key, index_key, stats_key = KEYS[k + 5], KEYS[k + 6], KEYS[k + 7], KEYS[k + 8]
+  local rcpt_key = KEYS[k + 9]
   local payload, now_s, ikey, digest = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
   local message_id, qid, channel, token, resend = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7], ARGV[a + 8], ARGV[a + 9]
   local f = fences[state_key]
@@ -131,8 +147,35 @@ local function enqueue_one(k, a)
   end
   local size = string.len(payload)
   local held = (tonumber(meta[4]) or 0) + size
-  if redis.call('XLEN', msgs_key) + 1 > cap_msgs then return {'full', 'messages'} end
+  local len = redis.call('XLEN', msgs_key)
+  if len + 1 > cap_msgs then return {'full', 'messages'} end
   if held > cap_bytes then return {'full', 'bytes'} end
+  if reserve > 0 and held > reserve then return {'full', 'reserve'} end
+  if rcpt_on and string.byte(qid, -1) == 46 then  -- "<recipient>.": the default channel
+    local r = string.sub(qid, 1, -2) .. '|'
+    local h = redis.call('HMGET', rcpt_key, r .. 'n', r .. 'b', r .. 'w')
+    if rcap_msgs > 0 and len + 1 + (tonumber(h[1]) or 0) > rcap_msgs then
+      return {'full', 'recipient messages'}
+    end
+    if rcap_bytes > 0 and held + (tonumber(h[2]) or 0) > rcap_bytes then
+      return {'full', 'recipient bytes'}
+    end
+    -- the recipient's rate: this queue's window plus its other channels' ring (with no ring,
+    -- the queue's own limit above already implies a recipient limit at least as large)
+    if rrate > 0 and (h[3] or rrate < tonumber(ARGV[1])) then
+      local window = tonumber(window_s)
+      local others, leaves = ring_count(h[3], now, window)
+      local from = '(' .. fmt('%d', now - window)
+      if others + redis.call('ZCOUNT', rate_key, from, '+inf') >= rrate then
+        local first = redis.call('ZRANGEBYSCORE', rate_key, from, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+        if first[2] then
+          local mine = tonumber(first[2]) + window - now
+          if leaves == 0 or mine < leaves then leaves = mine end
+        end
+        return {'rrate', math.max(1, leaves)}
+      end
+    end
+  end
 
   -- Stored. The lost-tail check (as the prelude's) is folded into this one meta write.
   local seq = tonumber(meta[3])
@@ -222,8 +265,8 @@ local function enqueue_one(k, a)
 end
 
 local replies = {}
-for i = 1, #KEYS / 8 do
-  replies[i] = enqueue_one(8 * (i - 1), 5 + 9 * (i - 1))
+for i = 1, #KEYS / 9 do
+  replies[i] = enqueue_one(9 * (i - 1), 9 + 9 * (i - 1))
 end
 for _, stats_key in ipairs(stats_order) do
   add_stats(stats_key, stats[stats_key])  -- each holds at least the item that created it

@@ -49,11 +49,14 @@ def enqueue(
     rate: int = 100,
     cap_msgs: int = 100,
     cap_bytes: int = 1 << 20,
+    recipient: tuple[int, int, int] = (0, 0, 0),
+    reserve: int = 0,
+    k: K.QueueKeys | None = None,
 ) -> list[Any]:
-    k = q()
-    keys = (k.state, k.meta, k.msgs, k.idem, k.idemx, k.rate, k.index, k.stats)
-    fixed = (rate, 60_000, cap_msgs, cap_bytes, 86_400_000)
-    args = (*fixed, payload, now, ikey, digest, "mid", QID, k.wake, token, resend)
+    k = k or q()
+    keys = (k.state, k.meta, k.msgs, k.idem, k.idemx, k.rate, k.index, k.stats, K.slot_recipients(k.slot))
+    fixed = (rate, 60_000, cap_msgs, cap_bytes, 86_400_000, *recipient, reserve)
+    args = (*fixed, payload, now, ikey, digest, "mid", k.qid, k.wake, token, resend)
     replies = run(r, scripts.ENQUEUE, keys, args)
     assert len(replies) == 1
     return list(replies[0])
@@ -117,9 +120,19 @@ Item = tuple[K.QueueKeys, dict[str, Any]]
 def enqueue_many(r: redis.Redis, items: Sequence[Item], rate: int = 2) -> list[Any]:
     """One enqueue.lua call carrying several items (as a relay sends a loop tick's enqueues)."""
     keys: list[str] = []
-    args: list[bytes | str | int] = [rate, 60_000, 100, 1 << 20, 86_400_000]
+    args: list[bytes | str | int] = [rate, 60_000, 100, 1 << 20, 86_400_000, 0, 0, 0, 0]
     for k, o in items:
-        keys += [k.state, k.meta, k.msgs, k.idem, k.idemx, k.rate, k.index, k.stats]
+        keys += [
+            k.state,
+            k.meta,
+            k.msgs,
+            k.idem,
+            k.idemx,
+            k.rate,
+            k.index,
+            k.stats,
+            K.slot_recipients(k.slot),
+        ]
         args += [o.get("payload", b"m"), o.get("now", NOW), o.get("ikey", ""), o.get("digest", ""), ""]
         args += [k.qid, k.wake, o["token"], o.get("resend", "")]
     return [list(x) for x in run(r, scripts.ENQUEUE, keys, args)]
@@ -335,9 +348,9 @@ def test_read_status_drain_ack(r: redis.Redis) -> None:
     got = list(run(r, scripts.READ, four, ("", 10, 5, QID)))
     assert [e[0] for e in got[3]] == [b"1-0", b"2-0"]
     # ack: 'upto' and 'seqs', idempotent, counters follow
-    assert list(run(r, scripts.ACK, four, ("upto", 2))) == [b"ok", 2]
-    assert list(run(r, scripts.ACK, four, ("upto", 2))) == [b"ok", 0]
-    assert list(run(r, scripts.ACK, four, ("seqs", 4, 9))) == [b"ok", 1]
+    assert list(run(r, scripts.ACK, four, ("upto", 2))) == [b"ok", 2, 4]  # removed, their bytes
+    assert list(run(r, scripts.ACK, four, ("upto", 2))) == [b"ok", 0, 0]
+    assert list(run(r, scripts.ACK, four, ("seqs", 4, 9))) == [b"ok", 1, 2]
     assert r.hget(k.meta, "bytes") == b"4"
     assert r.hget(k.stats, "msgs") == b"2"
     # drain: deletes exactly what it returns; 'more' while messages remain
@@ -593,3 +606,106 @@ def test_every_script_file_is_tested_here() -> None:
     assert files == loaded
     here = Path(__file__).read_text("utf-8")
     assert {f for f in files if f"scripts.{f.upper()}" not in here} == set()
+
+
+# -- per-recipient quotas (rcpt_admit / rcpt_refund / rcpt_settle, enqueue.lua's home check) ----
+RCPT = b"\x07" * 32
+RF = K.recipient_field(RCPT)
+
+
+def home_keys() -> tuple[str, ...]:
+    d = K.queue_keys_for_id(SLOT, K.queue_id(RCPT, b""))
+    return (d.state, K.slot_recipients(SLOT), d.meta, d.msgs, d.rate)
+
+
+def admit(
+    r: redis.Redis,
+    channel: bytes,
+    size: int = 10,
+    now: int = NOW,
+    caps: tuple[int, int, int, int] = (2, 5, 100, 4),
+) -> list[Any]:
+    args = (RF, K.b64(channel), size, now, *caps, 60_000)
+    return list(run(r, scripts.RCPT_ADMIT, home_keys(), args))
+
+
+def test_recipient_admit_caps_channels_held_and_rate_across_channels(r: redis.Redis) -> None:
+    # channel cap 2, 5 messages, 100 bytes, 4 per window
+    assert admit(r, b"a") == [b"ok", 1]
+    assert admit(r, b"b") == [b"ok", 2]
+    assert admit(r, b"c") == [b"full", b"channels"]  # a third channel
+    assert admit(r, b"a", size=81) == [b"full", b"recipient bytes"]  # 20 held + 81
+    assert admit(r, b"b") == [b"ok", 3]
+    assert admit(r, b"b") == [b"ok", 4]
+    refused = admit(r, b"a", now=NOW + 1000)  # the 5th within the window: the ring says when
+    assert refused[0] == b"rrate"
+    assert 0 < refused[1] <= 66_000
+    # refunds: the last admit was refused by its channel's shard (its rate entry goes), and
+    # two messages were acked
+    assert run(r, scripts.RCPT_REFUND, home_keys()[:2], (RF, 1, 10, NOW, NOW, 60_000)) == [b"ok"]
+    assert run(r, scripts.RCPT_REFUND, home_keys()[:2], (RF, 2, 20, 0, NOW, 60_000)) == [b"ok"]
+    rec = r.hgetall(K.slot_recipients(SLOT))
+    assert rec[(RF + "n").encode()] == b"1"
+    assert rec[(RF + "b").encode()] == b"10"
+    assert admit(r, b"a", now=NOW + 1000)[0] == b"ok"  # the ring has room again
+    # the default queue's own messages count towards the held cap: 2 admitted + 3 stored
+    k = K.queue_keys_for_id(SLOT, K.queue_id(RCPT, b""))
+    for i in range(3):
+        assert enqueue(r, b"x", token=f"d{i}", k=k, now=NOW + 2000 + i)[0] == b"ok"
+    assert admit(r, b"a", now=NOW + 3000, caps=(2, 5, 100, 0)) == [b"full", b"recipient messages"]
+    # a refund never goes below 0 and a recipient without a record gets none
+    assert run(r, scripts.RCPT_REFUND, home_keys()[:2], (RF, 99, 999, 0, NOW, 60_000)) == [b"ok"]
+    assert r.hget(K.slot_recipients(SLOT), RF + "n") == b"0"
+    other = K.recipient_field(b"\x08" * 32)
+    assert run(r, scripts.RCPT_REFUND, home_keys()[:2], (other, 1, 1, 0, NOW, 60_000)) == [b"ok"]
+    assert not r.hexists(K.slot_recipients(SLOT), other + "n")
+    # fenced: the admit waits for the migration like every write
+    fence(r, "migrating")
+    assert admit(r, b"a") == [b"migrating"]
+
+
+def test_default_channel_enqueue_checks_the_recipient_record(r: redis.Redis) -> None:
+    k = K.queue_keys_for_id(SLOT, K.queue_id(RCPT, b""))
+    assert admit(r, b"a", size=50) == [b"ok", 1]
+    # held across channels: 1 admitted elsewhere + 1 here = the cap of 2
+    assert enqueue(r, b"x", token="a1", k=k, recipient=(2, 0, 0))[0] == b"ok"
+    assert enqueue(r, b"x", token="a2", k=k, recipient=(2, 0, 0)) == [b"full", b"recipient messages"]
+    assert enqueue(r, b"x" * 10, token="a3", k=k, recipient=(0, 60, 0)) == [b"full", b"recipient bytes"]
+    # rate across channels: the ring's admit + this queue's one stored message = 2
+    refused = enqueue(r, b"x", token="a4", k=k, recipient=(0, 0, 2), now=NOW + 10)
+    assert refused[0] == b"rrate"
+    assert 0 < refused[1] <= 66_000
+    assert enqueue(r, b"x", token="a5", k=k, recipient=(0, 0, 3), now=NOW + 10)[0] == b"ok"
+    # a non-default channel's item is not checked here (its home admitted it)
+    c = K.queue_keys_for_id(SLOT, K.queue_id(RCPT, b"a"))
+    assert enqueue(r, b"x", token="a6", k=c, recipient=(1, 1, 1))[0] == b"ok"
+    # the shard reserve: a message taking its queue past the reserve bytes is refused
+    assert enqueue(r, b"x" * 8, token="a7", k=c, reserve=8) == [b"full", b"reserve"]
+    assert enqueue(r, b"x" * 6, token="a8", k=c, reserve=8)[0] == b"ok"
+
+
+def test_recipient_settle_replaces_counters_only_when_quiet(r: redis.Redis) -> None:
+    keys = home_keys()[:2]
+    assert run(r, scripts.RCPT_SETTLE, keys, (RF, "peek")) == [b"ok", b"", 0, 0]
+    assert not r.exists(K.slot_recipients(SLOT))  # a peek creates nothing
+    admit(r, b"a")
+    admit(r, b"b")
+    assert run(r, scripts.RCPT_SETTLE, keys, (RF, "peek")) == [
+        b"ok",
+        K.b64(b"a").encode() + b" " + K.b64(b"b").encode(),
+        2,
+        NOW,
+    ]
+    held = (K.b64(b"a"), 3, 30, K.b64(b"b"), 0, 0)
+    # an admit since the peek, or one within the quiet period: not applied
+    assert run(r, scripts.RCPT_SETTLE, keys, (RF, "set", 1, NOW + 10_000, 5000, 60_000, *held)) == [b"busy"]
+    assert run(r, scripts.RCPT_SETTLE, keys, (RF, "set", 2, NOW + 1000, 5000, 60_000, *held)) == [b"busy"]
+    assert run(r, scripts.RCPT_SETTLE, keys, (RF, "set", 2, NOW + 10_000, 5000, 60_000, *held)) == [b"ok"]
+    rec = r.hgetall(K.slot_recipients(SLOT))
+    assert rec[(RF + "c").encode()] == K.b64(b"a").encode()  # the empty channel is unregistered
+    assert rec[(RF + "n").encode()] == b"3"
+    assert rec[(RF + "b").encode()] == b"30"
+    # nothing held and the rate window passed: the record goes
+    empty = (K.b64(b"a"), 0, 0)
+    assert run(r, scripts.RCPT_SETTLE, keys, (RF, "set", 2, NOW + 200_000, 5000, 60_000, *empty)) == [b"ok"]
+    assert not r.exists(K.slot_recipients(SLOT))

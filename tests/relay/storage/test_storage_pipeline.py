@@ -302,7 +302,8 @@ def test_a_full_enqueue_parts_cache_drops_its_oldest_entry_only(monkeypatch: pyt
 def test_an_enqueue_item_s_fixed_parts_are_its_key_names_encoded(slot: int) -> None:
     store = ShardStore("t", "redis://127.0.0.1:1/0", QueueLimits())  # never connected
     q = K.QueueKeys(slot, K.queue_id(b"r" * 32, b"chan"))
-    names = (q.state, q.meta, q.msgs, q.idem, q.idemx, q.rate, q.index, q.stats)  # lua/enqueue.lua's order
+    # lua/enqueue.lua's order
+    names = (q.state, q.meta, q.msgs, q.idem, q.idemx, q.rate, q.index, q.stats, K.slot_recipients(slot))
     assert store._encode_enqueue_parts(q) == (
         b"".join([bulk_str(name) for name in names]),
         bulk_str(q.qid) + bulk_str(q.wake),

@@ -147,9 +147,11 @@ async def redis_limit(run: Run, redis: RedisServer, size: int, connections: int,
     # store path: fence, rate check, caps, XADD, counters, index, statistics, PUBLISH.
     now = str(int(time.time() * 1000))
     q = "rfbench:{q}"
-    keys = [f"{q}:{k}" for k in ("state", "meta", "msgs", "idem", "idemx", "rate", "index", "stats")]
+    keys = [f"{q}:{k}" for k in ("state", "meta", "msgs", "idem", "idemx", "rate", "index", "stats", "rcpt")]
     big = str(1 << 50)
-    argv = [big, "1", big, big, "604800000", payload, now, "", "", "", "bench", "rfbench:wake", "e", ""]
+    # (recipient limits off: "bench" is no default-channel queue id, so none would apply)
+    fixed = [big, "1", big, big, "604800000", "0", "0", "0", "0"]
+    argv = [*fixed, payload, now, "", "", "", "bench", "rfbench:wake", "e", ""]
     script_cmd = ["EVALSHA", scripts.ENQUEUE.sha, str(len(keys)), *keys, *argv]
     # these messages stay (no trim in the script): cap the bytes written
     budget = max(5000, (1 << 30) // (size + 256))

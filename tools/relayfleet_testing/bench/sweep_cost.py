@@ -56,8 +56,12 @@ def enqueue_call(k: K.QueueKeys, payload: bytes, now_ms: int, message_id: str, t
         limits.max_messages,
         limits.max_bytes,
         limits.retention_ms,
+        limits.recipient_max_messages,
+        limits.recipient_max_bytes,
+        limits.recipient_rate_count,
+        0,  # the shard is not within its reserve
     )
-    keys = (k.state, k.meta, k.msgs, k.idem, k.idemx, k.rate, k.index, k.stats)
+    keys = (k.state, k.meta, k.msgs, k.idem, k.idemx, k.rate, k.index, k.stats, K.slot_recipients(k.slot))
     return (len(keys), *keys, *fixed, payload, now_ms, "", "", message_id, k.qid, k.wake, token, "")
 
 
