@@ -77,6 +77,14 @@ QUOTA_REASONS = (
 )
 
 
+DIDCOMM_RECORDS_EXPIRED = Counter(
+    "relayfleet_didcomm_records_expired_total",
+    "DIDComm mediator records (connections with their keylists, key registrations) removed after"
+    " their idle expiry (RELAY_DIDCOMM_IDLE_EXPIRY_S)",
+    registry=REGISTRY,
+)
+
+
 def quota_refused(route: str, reason: str) -> None:
     """Count one quota refusal; `reason` must be one of QUOTA_REASONS (else "other")."""
     QUOTA_REFUSALS.labels(route, reason if reason in QUOTA_REASONS else "other").inc()

@@ -111,6 +111,19 @@ RELAY_ENV: tuple[EnvVar, ...] = (
     EnvVar("RELAY_SHUTDOWN_DELAY_SECONDS", "0", "keep serving this long after SIGTERM before draining"),
     EnvVar("RELAY_DIDCOMM_REDELIVER_S", "10", "a Pickup delivery not acknowledged goes out again after"),
     EnvVar(
+        "RELAY_DIDCOMM_MAX_KEYS_PER_CONNECTION", "100", "keys one DIDComm connection may register (0: no cap)"
+    ),
+    EnvVar(
+        "RELAY_DIDCOMM_IDLE_EXPIRY_S",
+        "2592000",
+        "a DIDComm connection and its key registrations expire after this long without its activity",
+    ),
+    EnvVar(
+        "RELAY_DIDCOMM_MAX_CONNECTIONS_PER_CLIENT",
+        "100",
+        "new DIDComm connections one client (source address) may open per hour, per relay (0: off)",
+    ),
+    EnvVar(
         "RELAY_CLIENT_RATE_MESSAGES",
         "10000",
         "messages one client may store per RELAY_CLIENT_RATE_WINDOW_MS, all recipients together (0: off)",
@@ -284,6 +297,10 @@ class Settings:
     # A message a Pickup delivery handed out is offered again only after this long without
     # its messages-received (an agent that died before acking gets it back then).
     didcomm_redeliver_s: float = 10.0
+    # The mediator's record limits (relay/didcomm/records.py, docs/protocols.md "Limits").
+    didcomm_max_keys_per_connection: int = 100
+    didcomm_idle_expiry_s: float = 30 * 86400.0
+    didcomm_max_connections_per_client: int = 100
     # Per-client quota across recipients (relay/api/quota.py, docs/api.md "Client quota"): a
     # token bucket per client of this many messages and payload bytes, refilled over the window.
     client_rate_messages: int = 10_000
@@ -306,6 +323,15 @@ class Settings:
             "public_url": env_value("RELAY_PUBLIC_URL"),
             "credentials_dir": env_value("RELAY_REDIS_CREDENTIALS_DIR"),
             "didcomm_redeliver_s": max(0.0, env_float("RELAY_DIDCOMM_REDELIVER_S", d.didcomm_redeliver_s)),
+            "didcomm_max_keys_per_connection": max(
+                0, env_int("RELAY_DIDCOMM_MAX_KEYS_PER_CONNECTION", d.didcomm_max_keys_per_connection)
+            ),
+            "didcomm_idle_expiry_s": max(
+                0.001, env_float("RELAY_DIDCOMM_IDLE_EXPIRY_S", d.didcomm_idle_expiry_s)
+            ),
+            "didcomm_max_connections_per_client": max(
+                0, env_int("RELAY_DIDCOMM_MAX_CONNECTIONS_PER_CLIENT", d.didcomm_max_connections_per_client)
+            ),
             "enqueue_tokens": enqueue_tokens_from_env(),
             "push_webhook": env_secret("RELAY_PUSH_WEBHOOK"),
             "max_payload": env_int("RELAY_MAX_PAYLOAD", d.max_payload),

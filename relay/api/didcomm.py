@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import weakref
 from collections.abc import Iterable
 
@@ -18,11 +19,11 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from relay import metrics
 from relay.api import params
 from relay.api.context import CTX, ctx
-from relay.api.errors import ApiError, json_response
+from relay.api.errors import ApiError, json_response, unauthorized
 from relay.api.queues import enqueue_error
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import EnvelopeError
-from relay.didcomm.mediator import HANDLED_TYPES, ForwardRefused, Mediator, Outcome
+from relay.didcomm.mediator import HANDLED_TYPES, Caller, ForwardRefused, Mediator, Outcome
 from relay.didcomm.mediator_pickup import message_id
 from relay.didcomm.messages import MediatorError
 from relay.didcomm.records import QUEUE_CHANNEL, Connection
@@ -71,7 +72,34 @@ async def invitation(request: web.Request) -> web.Response:
     return json_response({"invitation": m.invitation(), "invitation_url": m.invitation_url()})
 
 
-async def _handle(m: Mediator, raw: bytes, session: DidcommSocket | None) -> Outcome:
+def client_of(request: web.Request) -> str:
+    """The client a DIDComm connection budget counts against: the TCP peer's address. (The
+    per-client quota's identity, with trusted proxies' X-Forwarded-For, replaces this when it
+    lands: one function to swap.)"""
+    return request.remote or ""
+
+
+def caller_of(request: web.Request) -> Caller:
+    """Who is calling: its client, and whether it may store (a valid enqueue token, or none
+    configured: RELAY_ENQUEUE_TOKENS governs forwards as it governs enqueues)."""
+    auth = ctx(request).auth
+    try:
+        auth.verify_enqueue_header(request.headers.get("Authorization"))
+    except ApiError:
+        return Caller(client_of(request), False)
+    return Caller(client_of(request), True)
+
+
+def _refusal(exc: MediatorError) -> ApiError:
+    if exc.status == 401:
+        return unauthorized(exc.text, "Bearer")
+    if exc.status == 429:
+        wait = max(1, math.ceil(exc.retry_after_s))
+        return ApiError(429, exc.code, exc.text, {"Retry-After": str(wait)}, {"retryAfterMs": wait * 1000})
+    return ApiError(exc.status, exc.code, exc.text)
+
+
+async def _handle(m: Mediator, raw: bytes, session: DidcommSocket | None, caller: Caller) -> Outcome:
     """Open and act on one envelope; errors as ApiError (the WebSocket turns them into frames)."""
     try:
         opened = m.open(raw)
@@ -79,10 +107,10 @@ async def _handle(m: Mediator, raw: bytes, session: DidcommSocket | None) -> Out
         _count("envelope", "undecryptable")
         raise ApiError(exc.status, exc.code, str(exc)) from None
     try:
-        outcome = await m.handle(opened, session)
+        outcome = await m.handle(opened, session, caller)
     except MediatorError as exc:
         _count("unknown" if exc.code == "unsupported_message_type" else "message", exc.code)
-        raise ApiError(exc.status, exc.code, exc.text) from None
+        raise _refusal(exc) from None
     except ForwardRefused as exc:
         _count("routing/1.0/forward", "refused")
         err = enqueue_error(exc.outcome)
@@ -100,7 +128,7 @@ async def inbound(request: web.Request) -> web.Response:
             415, "unsupported_media_type", "send a packed DIDComm envelope (application/didcomm-envelope-enc)"
         )
     raw = await params.payload(request, envelope_cap(c.settings.max_payload))
-    outcome = await _handle(m, raw, None)
+    outcome = await _handle(m, raw, None, caller_of(request))
     if outcome.reply is not None and outcome.return_route:
         return web.Response(status=200, body=outcome.reply, content_type=REPLY_TYPE)
     return web.Response(status=202)
@@ -110,8 +138,9 @@ class DidcommSocket:
     """One agent's WebSocket: replies to return-routed messages, and Pickup 2.0 live mode
     (deliver as messages arrive, delete only on messages-received)."""
 
-    def __init__(self, m: Mediator, ws: web.WebSocketResponse) -> None:
+    def __init__(self, m: Mediator, ws: web.WebSocketResponse, caller: Caller) -> None:
         self.m = m
+        self.caller = caller  # as the upgrade request showed it
         self.ws = ws
         self.live_conn: Connection | None = None
         self.live_task: asyncio.Task[None] | None = None
@@ -142,7 +171,7 @@ class DidcommSocket:
     # -- frames -------------------------------------------------------------------------
     async def on_frame(self, raw: bytes) -> None:
         try:
-            outcome = await _handle(self.m, raw, self)
+            outcome = await _handle(self.m, raw, self, self.caller)
         except ApiError as exc:
             await self.ws.send_json({"error": exc.text, "code": exc.code})
             return
@@ -220,7 +249,7 @@ async def websocket(request: web.Request) -> web.StreamResponse:
         raise Unavailable("relay shutting down")
     await ws.prepare(request)
     request.app[SOCKETS].add(ws)
-    session = DidcommSocket(m, ws)
+    session = DidcommSocket(m, ws, caller_of(request))
     metrics.LIVE_CONNECTIONS.inc()
     try:
         async for msg in ws:
@@ -276,4 +305,12 @@ def setup(app: web.Application) -> None:
         identity = load_identity(s.didcomm_seed_file, public)
     except (OSError, dk.DidError) as exc:
         raise SystemExit(f"relayfleet: RELAY_DIDCOMM_SEED_FILE: {exc}") from None
-    app[MEDIATOR] = Mediator(identity, c.service, s.max_payload, s.didcomm_redeliver_s)
+    app[MEDIATOR] = Mediator(
+        identity,
+        c.service,
+        s.max_payload,
+        s.didcomm_redeliver_s,
+        s.didcomm_max_keys_per_connection,
+        s.didcomm_idle_expiry_s,
+        s.didcomm_max_connections_per_client,
+    )

@@ -11,13 +11,14 @@ from __future__ import annotations
 import fnmatch
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from relay import boundedjson
+from relay import boundedjson, metrics
 from relay.didcomm import keys as dk
 from relay.didcomm.attachments import AttachmentError, attached_document, signed_attachment
 from relay.didcomm.envelope import Unpacked, pack, parse, shaped, unpack
+from relay.didcomm.limits import ConnectionBudget
 from relay.didcomm.mediator_pickup import LiveSession, Pickup
 from relay.didcomm.messages import PREFIXES, MediatorError, reply, thread_of
 from relay.didcomm.records import QUEUE_CHANNEL, Connection, Records
@@ -93,16 +94,34 @@ class Outcome:
     extra: list[bytes] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who sent an envelope, as the transport saw it: the client (relay/api/didcomm.client_of)
+    and whether the request or WebSocket upgrade carried a valid enqueue token (True when
+    RELAY_ENQUEUE_TOKENS is off)."""
+
+    client: str = ""
+    may_store: bool = True
+
+
 class Mediator:
     def __init__(
-        self, identity: dk.Identity, service: QueueService, max_payload: int, redeliver_s: float = 10.0
+        self,
+        identity: dk.Identity,
+        service: QueueService,
+        max_payload: int,
+        redeliver_s: float = 10.0,
+        max_keys: int = 100,
+        idle_expiry_s: float = 30 * 86400.0,
+        connections_per_client: int = 100,
     ) -> None:
         self.redeliver_ms = int(
             redeliver_s * 1000
         )  # a delivered, unacknowledged message goes out again after
         self.identity = identity
         self.service = service
-        self.records = Records(service)
+        self.records = Records(service, max_keys, int(idle_expiry_s * 1000))
+        self.budget = ConnectionBudget(connections_per_client)
         self.pickup = Pickup(service, self.records, self.redeliver_ms)
         self.max_payload = max_payload
         self.max_plaintext = max(MAX_MESSAGE, max_payload + FORWARD_ROOM)
@@ -139,13 +158,18 @@ class Mediator:
     def pack_for(self, doc: dict[str, Any], recipient: bytes) -> bytes:
         return pack(json.dumps(doc, separators=(",", ":")).encode(), [recipient], self.identity.connection)
 
-    async def handle(self, opened: Unpacked, session: LiveSession | None) -> Outcome:
+    async def handle(
+        self, opened: Unpacked, session: LiveSession | None, caller: Caller = Caller()
+    ) -> Outcome:
         """Act on one opened envelope. Raises MediatorError (problem), ForwardRefused."""
         doc, prefix, name = self._parse(opened.message)
         transport = doc.get("~transport")
         rr = transport.get("return_route") if isinstance(transport, dict) else None
         out = Outcome(type=name, return_route=rr in ("all", "thread"), sender=opened.sender)
         if name == FORWARD:
+            if not caller.may_store:
+                metrics.quota_refused("/v1/didcomm", "enqueue_token")
+                raise MediatorError("a forward requires a valid bearer token", "unauthorized", 401)
             await self.forward(doc, opened.message)
             return out
         if len(opened.message) > MAX_MESSAGE:
@@ -153,7 +177,7 @@ class Mediator:
         if opened.sender is None:
             raise MediatorError(f"{name} must be authcrypted", "unknown_connection", 403)
         if name in ("didexchange/1.1/request", "didexchange/1.0/request"):
-            reply = await self.did_exchange(doc, prefix, name[: -len("request")], opened.sender)
+            reply = await self.did_exchange(doc, prefix, name[: -len("request")], opened.sender, caller)
             out.reply = self.pack_for(reply, opened.sender)
             return out
         conn = await self.records.connection(opened.sender)
@@ -163,6 +187,7 @@ class Mediator:
                 "unknown_connection",
                 403,
             )
+        await self.records.touch(conn)
         out.connection = conn
         answer = await self._on_connection(doc, prefix, name, conn, session)
         if answer is not None:
@@ -262,7 +287,7 @@ class Mediator:
 
     # -- DID Exchange ---------------------------------------------------------------------
     async def did_exchange(
-        self, doc: dict[str, Any], prefix: str, family: str, sender: bytes
+        self, doc: dict[str, Any], prefix: str, family: str, sender: bytes, caller: Caller
     ) -> dict[str, Any]:
         _, pthid = thread_of(doc)
         if pthid not in (self.identity.invitation_id, self.identity.did):
@@ -287,7 +312,16 @@ class Mediator:
         conn = self.records.new(sender, str(their_did), label[:200] if isinstance(label, str) else "")
         known = await self.records.connection(sender)
         if known is None or known.did != conn.did:  # a resent request keeps its grant
-            await self.records.save(conn)
+            wait_s = self.budget.admit(caller.client)
+            if wait_s is not None:
+                metrics.quota_refused("/v1/didcomm", "didcomm_connections")
+                raise MediatorError(
+                    "too many new DIDComm connections from this client; retry later",
+                    "too_many_connections",
+                    429,
+                    wait_s,
+                )
+            await self.records.save(conn, fresh=known is None)
         request_id = doc.get("@id")
         thid, _ = thread_of(doc)
         did = self.identity.did
@@ -306,7 +340,7 @@ class Mediator:
         family = "coordinate-mediation/1.0/"
         if short == "mediate-request":
             if not conn.mediation:
-                await self.records.save(Connection(conn.key, conn.did, conn.label, True, conn.created_ms))
+                await self.records.save(replace(conn, mediation=True))
             grant = {"endpoint": self.identity.endpoint, "routing_keys": [self.identity.routing.did_key]}
             return reply(doc, prefix, family + "mediate-grant", grant)
         if not conn.mediation:

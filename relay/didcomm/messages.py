@@ -15,11 +15,14 @@ PREFIXES = ("https://didcomm.org/", "did:sov:BzCbsNYhMrjHiqZDTUASHg;spec/")
 class MediatorError(Exception):
     """A message the mediator will not act on: a problem-report to a known sender, else 4xx JSON."""
 
-    def __init__(self, text: str, code: str = "bad_didcomm_message", status: int = 400) -> None:
+    def __init__(
+        self, text: str, code: str = "bad_didcomm_message", status: int = 400, retry_after_s: float = 0
+    ) -> None:
         super().__init__(text)
         self.text = text
         self.code = code
         self.status = status
+        self.retry_after_s = retry_after_s  # a 429's Retry-After
 
 
 def thread_of(doc: dict[str, Any]) -> tuple[str | None, str | None]:

@@ -15,15 +15,17 @@ Keys appear as unpadded base64url of the 32 raw bytes.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from relay.didcomm.keys import b64decode_any, b64url
+from relay import metrics
+from relay.didcomm.keys import DidError, b64decode_any, b64url
 from relay.service import QueueService
 from relay.storage.keys import MEDIATOR_CHANNEL
 
-MAX_KEYS_PER_CONNECTION = 1000
 # Where a record lives: the slot of (its key, RECORD_CHANNEL). Unchanged since the mediator's
 # queues moved to their own key space, so connections and keylists carry over an upgrade.
 RECORD_CHANNEL = b""
@@ -38,10 +40,17 @@ class Connection:
     label: str
     mediation: bool  # mediate-grant sent
     created_ms: int
+    seen_ms: int = 0  # last activity written (0: a record from before idle expiry)
 
     def to_json(self) -> str:
         return json.dumps(
-            {"did": self.did, "label": self.label, "mediation": self.mediation, "created": self.created_ms},
+            {
+                "did": self.did,
+                "label": self.label,
+                "mediation": self.mediation,
+                "created": self.created_ms,
+                "seen": self.seen_ms,
+            },
             separators=(",", ":"),
         )
 
@@ -49,7 +58,12 @@ class Connection:
     def from_json(cls, key: bytes, raw: bytes) -> Connection:
         doc = json.loads(raw)
         return cls(
-            key, str(doc["did"]), str(doc.get("label", "")), bool(doc["mediation"]), int(doc["created"])
+            key,
+            str(doc["did"]),
+            str(doc.get("label", "")),
+            bool(doc["mediation"]),
+            int(doc["created"]),
+            int(doc.get("seen", 0)),
         )
 
 
@@ -77,95 +91,122 @@ class Lease:
         return cls(cursor, expiry, held) if raw else None
 
 
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
 class Records:
-    def __init__(self, service: QueueService) -> None:
+    """The records, with the limits of docs/protocols.md ("Limits"): at most `max_keys` keys a
+    connection (0: no cap), and every connection and registration expires after `idle_ms`
+    without its connection's activity (dc_*.lua's idle expiry; refreshed by `touch`)."""
+
+    def __init__(self, service: QueueService, max_keys: int = 100, idle_ms: int = 30 * 86_400_000) -> None:
         self.service = service
+        self.max_keys = max_keys
+        self.idle_ms = max(1, idle_ms)
+        # a connection's activity is written at most this often (a record per message would
+        # double the mediator's writes); expiry is that much early at worst
+        self.touch_ms = max(1, min(self.idle_ms // 10, 3_600_000))
+
+    async def _get(self, key: bytes, field: str) -> bytes | None:
+        now, idle = now_ms(), self.idle_ms
+        (raw,) = await self.service.call(
+            key, RECORD_CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,), now, idle)
+        )
+        return raw
+
+    async def _set(self, key: bytes, pairs: tuple[tuple[str, str], ...], deletes: tuple[str, ...]) -> None:
+        now, idle = now_ms(), self.idle_ms
+        swept = await self.service.call(
+            key, RECORD_CHANNEL, lambda r: r.store.record_set(r.keys.slot, pairs, deletes, now, idle)
+        )
+        if swept:
+            metrics.DIDCOMM_RECORDS_EXPIRED.inc(swept)
+
+    async def _claim(self, recipient: bytes, owner: str, add: bool, proven: bool = False) -> tuple[bool, str]:
+        field, now, idle = "k:" + b64url(recipient), now_ms(), self.idle_ms
+        return await self.service.call(
+            recipient,
+            RECORD_CHANNEL,
+            lambda r: r.store.record_claim(r.keys.slot, field, owner, add, now, idle, proven),
+        )
+
+    async def _list(self, conn_key: bytes, add: bool, members: tuple[str, ...]) -> bool:
+        field, cap = "r:" + b64url(conn_key), self.max_keys or (1 << 30)
+        return await self.service.call(
+            conn_key, RECORD_CHANNEL, lambda r: r.store.record_list(r.keys.slot, field, add, cap, members)
+        )
 
     async def connection(self, key: bytes) -> Connection | None:
-        field = "c:" + b64url(key)
-        (raw,) = await self.service.call(
-            key, RECORD_CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,))
-        )
+        """The live connection of this agent key (None once it expired)."""
+        raw = await self._get(key, "c:" + b64url(key))
         return Connection.from_json(key, raw) if raw else None
 
-    async def save(self, conn: Connection) -> None:
-        pair = ("c:" + b64url(conn.key), conn.to_json())
-        await self.service.call(
-            conn.key, RECORD_CHANNEL, lambda r: r.store.record_set(r.keys.slot, (pair,), ())
-        )
+    async def save(self, conn: Connection, fresh: bool = False) -> Connection:
+        """Write the connection (its idle expiry starts afresh); `fresh`: a new connection,
+        which starts with an empty keylist (not an expired one's)."""
+        saved = replace(conn, seen_ms=now_ms())
+        deletes = ("r:" + b64url(conn.key),) if fresh else ()
+        await self._set(conn.key, (("c:" + b64url(conn.key), saved.to_json()),), deletes)
+        return saved
+
+    async def touch(self, conn: Connection) -> None:
+        """The connection was active: push its expiry and its registrations' back, at most
+        every `touch_ms`."""
+        if now_ms() - conn.seen_ms < self.touch_ms:
+            return
+        await self.save(conn)
+        owner = b64url(conn.key)
+        keys = await self.keys(conn)
+        results = await asyncio.gather(*(self._claim(k, owner, True) for k in keys))
+        lost = tuple(b64url(k) for k, (ok, _) in zip(keys, results, strict=True) if not ok)
+        if lost:  # taken over since (a proven owner): off this keylist
+            await self._list(conn.key, False, lost)
 
     @staticmethod
     def new(key: bytes, did: str, label: str) -> Connection:
-        return Connection(key, did, label, False, int(time.time() * 1000))
+        return Connection(key, did, label, False, now_ms())
 
     async def keys(self, conn: Connection) -> list[bytes]:
         """The recipient keys the connection registered (its Pickup queues)."""
-        field = "r:" + b64url(conn.key)
-        (raw,) = await self.service.call(
-            conn.key, RECORD_CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,))
-        )
+        raw = await self._get(conn.key, "r:" + b64url(conn.key))
         return [b64decode_any(m) for m in raw.decode().split()] if raw else []
 
     async def owner(self, recipient: bytes) -> bytes | None:
-        field = "k:" + b64url(recipient)
-        (raw,) = await self.service.call(
-            recipient, RECORD_CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,))
-        )
+        """The connection a live registration of `recipient` belongs to."""
+        raw = await self._get(recipient, "k:" + b64url(recipient))
         return b64decode_any(raw.decode()) if raw else None
 
     async def add_key(self, conn: Connection, recipient: bytes) -> str:
-        """keylist-update 'add': 'success', 'client_error' (another connection holds the key)
-        or 'server_error' (this connection holds MAX_KEYS_PER_CONNECTION already)."""
+        """keylist-update 'add': 'success'; 'client_error' while another connection's
+        registration of the key is alive (unless the key is this connection's own authcrypt
+        key: a proven registration takes it over); 'server_error' when this connection holds
+        `max_keys` already (counted as a quota refusal)."""
         owner, member = b64url(conn.key), b64url(recipient)
-        claimed = await self.service.call(
-            recipient, RECORD_CHANNEL, lambda r: r.store.record_claim(r.keys.slot, "k:" + member, owner, True)
-        )
-        if not claimed:
-            return "client_error"
-        listed = await self.service.call(
-            conn.key,
-            RECORD_CHANNEL,
-            lambda r: r.store.record_list(
-                r.keys.slot, "r:" + owner, True, MAX_KEYS_PER_CONNECTION, (member,)
-            ),
-        )
-        if not listed:
-            await self.service.call(
-                recipient,
-                RECORD_CHANNEL,
-                lambda r: r.store.record_claim(r.keys.slot, "k:" + member, owner, False),
-            )
+        if not await self._list(conn.key, True, (member,)):
+            metrics.quota_refused("/v1/didcomm", "didcomm_keys")
             return "server_error"
+        claimed, previous = await self._claim(recipient, owner, True, proven=recipient == conn.key)
+        if not claimed:
+            await self._list(conn.key, False, (member,))
+            return "client_error"
+        if previous:  # an expired or unproven holder's keylist no longer names it
+            with contextlib.suppress(DidError):
+                await self._list(b64decode_any(previous), False, (member,))
         return "success"
 
     async def remove_key(self, conn: Connection, recipient: bytes) -> str:
         owner, member = b64url(conn.key), b64url(recipient)
-        await self.service.call(
-            conn.key,
-            RECORD_CHANNEL,
-            lambda r: r.store.record_list(
-                r.keys.slot, "r:" + owner, False, MAX_KEYS_PER_CONNECTION, (member,)
-            ),
-        )
-        released = await self.service.call(
-            recipient,
-            RECORD_CHANNEL,
-            lambda r: r.store.record_claim(r.keys.slot, "k:" + member, owner, False),
-        )
+        await self._list(conn.key, False, (member,))
+        released, _ = await self._claim(recipient, owner, False)
         return "success" if released else "client_error"
 
     async def lease(self, recipient: bytes) -> Lease | None:
-        field = "d:" + b64url(recipient)
-        (raw,) = await self.service.call(
-            recipient, RECORD_CHANNEL, lambda r: r.store.record_get(r.keys.slot, (field,))
-        )
-        return Lease.parse(raw)
+        return Lease.parse(await self._get(recipient, "d:" + b64url(recipient)))
 
     async def set_lease(self, recipient: bytes, lease: Lease | None) -> None:
         """Replace the queue's lease (last writer wins: a race costs a duplicate delivery)."""
         field = "d:" + b64url(recipient)
         pairs = ((field, f"{lease.cursor} {lease.expiry_ms} {lease.held}"),) if lease is not None else ()
         deletes = () if lease is not None else (field,)
-        await self.service.call(
-            recipient, RECORD_CHANNEL, lambda r: r.store.record_set(r.keys.slot, pairs, deletes)
-        )
+        await self._set(recipient, pairs, deletes)

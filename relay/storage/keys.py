@@ -208,3 +208,10 @@ def slot_recipients(slot: int) -> str:
 def recipient_field(recipient: bytes) -> str:
     """The prefix of a recipient's fields in slot_recipients ("<b64 recipient>|")."""
     return b64(recipient) + "|"
+
+
+def slot_didcomm_idle(slot: int) -> str:
+    """Sorted set: when each DIDComm record of slot_didcomm(slot) expires if left idle (member
+    'c:<key>' a connection, 'k:<key>' a registration; score = expiry ms). The dc_*.lua scripts
+    read it (an expired record reads as absent) and sweep it on writes; migration moves it."""
+    return f"{slot_tag(slot)}:didcomm-idle"

@@ -751,19 +751,35 @@ class ShardStore:
 
     # -- the DIDComm mediator's records (one hash per slot; relay/didcomm/records.py) ----------
     async def _records(self, script: scripts.Script, slot: int, args: tuple[str | int, ...]) -> list[Any]:
-        return _check(await self._batcher.call(script, (K.slot_state(slot), K.slot_didcomm(slot)), args))
+        keys = (K.slot_state(slot), K.slot_didcomm(slot), K.slot_didcomm_idle(slot))
+        return _check(await self._batcher.call(script, keys, args))
 
-    async def record_get(self, slot: int, fields: tuple[str, ...]) -> list[bytes | None]:
-        return (await self._records(scripts.DC_GET, slot, fields))[1:]
+    async def record_get(
+        self, slot: int, fields: tuple[str, ...], now_ms: int, idle_ms: int
+    ) -> list[bytes | None]:
+        """The fields; one whose record's idle expiry passed reads as None."""
+        return (await self._records(scripts.DC_GET, slot, (now_ms, idle_ms, *fields)))[1:]
 
     async def record_set(
-        self, slot: int, pairs: tuple[tuple[str, str], ...], deletes: tuple[str, ...]
-    ) -> None:
-        await self._records(scripts.DC_SET, slot, (len(pairs), *(x for p in pairs for x in p), *deletes))
+        self,
+        slot: int,
+        pairs: tuple[tuple[str, str], ...],
+        deletes: tuple[str, ...],
+        now_ms: int,
+        idle_ms: int,
+    ) -> int:
+        """Write and delete fields; the number of expired records swept on the way."""
+        args: tuple[str | int, ...] = (now_ms, idle_ms, len(pairs), *(x for p in pairs for x in p), *deletes)
+        return int((await self._records(scripts.DC_SET, slot, args))[1])
 
-    async def record_claim(self, slot: int, field: str, owner: str, add: bool) -> bool:
-        reply = await self._records(scripts.DC_CLAIM, slot, (field, owner, "add" if add else "remove"))
-        return bool(reply[1])
+    async def record_claim(
+        self, slot: int, field: str, owner: str, add: bool, now_ms: int, idle_ms: int, proven: bool = False
+    ) -> tuple[bool, str]:
+        """(done, the previous owner a take displaced or '')."""
+        args = (field, owner, "add" if add else "remove", now_ms, idle_ms, "1" if proven else "0")
+        reply = await self._records(scripts.DC_CLAIM, slot, args)
+        previous = reply[2]
+        return bool(reply[1]), previous.decode() if isinstance(previous, bytes) else str(previous)
 
     async def record_list(self, slot: int, field: str, add: bool, cap: int, members: tuple[str, ...]) -> bool:
         """False when adding would pass `cap` (nothing added)."""

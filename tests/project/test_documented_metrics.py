@@ -99,6 +99,9 @@ MOVED_BY: dict[str, str] = {
     "relayfleet_quota_refusals_total": (
         "tests/relay/api/test_client_quota.py::test_bytes_quota_refuses_one_client_not_another"
     ),
+    "relayfleet_didcomm_records_expired_total": (
+        "tests/relay/didcomm/test_didcomm_mediator.py::test_records_expire_when_idle_and_free_their_keys"
+    ),
     **dict.fromkeys(
         (
             "relayfleet_operator_reconciles_total",

@@ -309,6 +309,7 @@ def slot_keys(slot: int) -> tuple[str, ...]:
         K.slot_nonces(slot),
         K.slot_didcomm(slot),
         K.slot_recipients(slot),
+        K.slot_didcomm_idle(slot),
         K.slot_index(slot),
     )
 

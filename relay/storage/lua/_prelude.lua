@@ -200,3 +200,37 @@ local function ring_add(w, now, window, t, delta)
   if #parts == 0 then return nil end
   return table.concat(parts, ',')
 end
+
+-- The DIDComm records' idle expiry (dc_*.lua, relay/didcomm/records.py): each 'c:<agent>' (a
+-- connection) and 'k:<key>' (a registration) has a member of that name in the slot's idle
+-- sorted set, scored with the ms it expires at. The member deciding a field: 'r:' (a
+-- connection's keylist) follows its 'c:', 'd:' (a key's delivery lease) its 'k:'.
+local function dc_governor(field)
+  local kind = string.sub(field, 1, 2)
+  if kind == 'r:' then return 'c:' .. string.sub(field, 3) end
+  if kind == 'd:' then return 'k:' .. string.sub(field, 3) end
+  return field
+end
+
+-- Whether the record `member` governs is alive at `now`. A record written before idle
+-- expiry existed has no score: it gets one now (`idle` ms from now) instead of never expiring.
+local function dc_alive(records_key, idle_key, member, now, idle)
+  if redis.call('HEXISTS', records_key, member) == 0 then return false end
+  local score = redis.call('ZSCORE', idle_key, member)
+  if not score then
+    redis.call('ZADD', idle_key, now + idle, member)
+    return true
+  end
+  return tonumber(score) > now
+end
+
+-- Remove up to `n` records whose idle expiry passed (a connection with its keylist, a
+-- registration with its delivery lease); bounded, so no write pays for a backlog.
+local function dc_sweep(records_key, idle_key, now, n)
+  local gone = redis.call('ZRANGEBYSCORE', idle_key, '-inf', now, 'LIMIT', 0, n)
+  for _, m in ipairs(gone) do
+    redis.call('HDEL', records_key, m, (string.sub(m, 1, 2) == 'c:' and 'r:' or 'd:') .. string.sub(m, 3))
+  end
+  if #gone > 0 then redis.call('ZREM', idle_key, unpack(gone)) end
+  return #gone
+end

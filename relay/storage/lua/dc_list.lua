@@ -1,5 +1,6 @@
 -- dc_list: add members to / remove members from a space-separated set field ('r:<conn>').
--- KEYS[1] slot state (string)  KEYS[2] slot DIDComm records (hash)
+-- KEYS[1] slot state (string)  KEYS[2] slot DIDComm records (hash)  KEYS[3] their idle
+-- expiry (zset; not read here: a keylist expires with its connection, dc_set/dc_sweep)
 -- ARGV[1] field  ARGV[2] 'add' | 'remove'  ARGV[3] most members the field may hold
 -- ARGV[4..] members (no spaces)
 -- Returns {'ok', members now held} | {'full', members now held} (nothing added) | fence reply

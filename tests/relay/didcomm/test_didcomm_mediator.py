@@ -294,11 +294,10 @@ async def test_bad_inputs_are_4xx_json_and_store_nothing(
     status, body = await agent.post(agent.packed(msg("messagepickup/2.0/delivery-request", limit="ten")))
     assert status == 400
     assert json.loads(body)["code"] == "bad_didcomm_message"
-    # nothing but the agent's own connection record was written: no queue, no other record
-    # (fleet-level keys such as the boot marker and the stats lease are the relay's own)
+    # nothing but the agent's own connection record (and its idle expiry) was written: no
+    # queue, no other record (fleet-level keys such as the boot marker are the relay's own)
     new = {k for k in r.keys("rf:{*") if isinstance(k, bytes)} - before
-    assert len(new) == 1
-    assert new.pop().endswith(b":didcomm")
+    assert sorted(k.rsplit(b":", 1)[1] for k in new) == [b"didcomm", b"didcomm-idle"]
 
 
 async def test_without_a_seed_the_mediator_is_off(

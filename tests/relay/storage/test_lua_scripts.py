@@ -315,10 +315,10 @@ def test_fenced_scripts_answer_the_fence_and_write_nothing(r: redis.Redis) -> No
         assert list(run(r, scripts.STATUS, (k.state, k.meta, k.msgs, k.stats), (QID,))) == reply
         assert list(run(r, scripts.NONCE, (k.state, K.slot_nonces(SLOT)), ("a.b", NOW, 1000))) == reply
         assert list(run(r, scripts.TRIM, trim_keys(), trim_args())) == reply
-        dc = (k.state, K.slot_didcomm(SLOT))
-        assert list(run(r, scripts.DC_GET, dc, ("f",))) == reply
-        assert list(run(r, scripts.DC_SET, dc, (1, "f", "v"))) == reply
-        assert list(run(r, scripts.DC_CLAIM, dc, ("k:x", "c1", "add"))) == reply
+        dc = (k.state, K.slot_didcomm(SLOT), K.slot_didcomm_idle(SLOT))
+        assert list(run(r, scripts.DC_GET, dc, (NOW, 1000, "f"))) == reply
+        assert list(run(r, scripts.DC_SET, dc, (NOW, 1000, 1, "f", "v"))) == reply
+        assert list(run(r, scripts.DC_CLAIM, dc, ("k:x", "c1", "add", NOW, 1000, "0"))) == reply
         assert list(run(r, scripts.DC_LIST, dc, ("r:c1", "add", 5, "m"))) == reply
         assert sorted(r.keys()) == [k.state.encode()]
 
@@ -436,23 +436,56 @@ def test_trim_age_cap_budget_idle_delete(r: redis.Redis) -> None:
 
 
 def test_didcomm_records(r: redis.Redis) -> None:
-    dc = (K.slot_state(SLOT), K.slot_didcomm(SLOT))
-    assert list(run(r, scripts.DC_SET, dc, (2, "a", "1", "b", "2"))) == [b"ok"]
-    assert list(run(r, scripts.DC_GET, dc, ("a", "b", "c"))) == [b"ok", b"1", b"2", None]
-    assert list(run(r, scripts.DC_SET, dc, (0, "a"))) == [b"ok"]  # delete only
-    assert list(run(r, scripts.DC_GET, dc, ("a",))) == [b"ok", None]
-    assert list(run(r, scripts.DC_GET, dc, ())) == [b"ok"]
-    assert list(run(r, scripts.DC_CLAIM, dc, ("k:x", "c1", "add"))) == [b"ok", 1]
-    assert list(run(r, scripts.DC_CLAIM, dc, ("k:x", "c2", "add"))) == [b"ok", 0]
-    assert list(run(r, scripts.DC_CLAIM, dc, ("k:x", "c2", "remove"))) == [b"ok", 0]
-    assert list(run(r, scripts.DC_CLAIM, dc, ("k:x", "c1", "remove"))) == [b"ok", 1]
-    assert list(run(r, scripts.DC_CLAIM, dc, ("k:x", "c1", "remove"))) == [b"ok", 1]
+    dc = (K.slot_state(SLOT), K.slot_didcomm(SLOT), K.slot_didcomm_idle(SLOT))
+    t, idle = 1_000_000, 500
+    assert list(run(r, scripts.DC_SET, dc, (t, idle, 2, "a", "1", "b", "2"))) == [b"ok", 0]
+    assert list(run(r, scripts.DC_GET, dc, (t, idle, "a", "b", "c"))) == [b"ok", b"1", b"2", None]
+    assert list(run(r, scripts.DC_SET, dc, (t, idle, 0, "a"))) == [b"ok", 0]  # delete only
+    assert list(run(r, scripts.DC_GET, dc, (t, idle, "a"))) == [b"ok", None]
+    assert list(run(r, scripts.DC_GET, dc, (t, idle))) == [b"ok"]
+    claim = scripts.DC_CLAIM
+    assert list(run(r, claim, dc, ("k:x", "c1", "add", t, idle, "0"))) == [b"ok", 1, b""]
+    assert list(run(r, claim, dc, ("k:x", "c2", "add", t, idle, "0"))) == [b"ok", 0, b""]
+    assert list(run(r, claim, dc, ("k:x", "c2", "remove", t, idle, "0"))) == [b"ok", 0, b""]
+    assert list(run(r, claim, dc, ("k:x", "c1", "remove", t, idle, "0"))) == [b"ok", 1, b""]
+    assert list(run(r, claim, dc, ("k:x", "c1", "remove", t, idle, "0"))) == [b"ok", 1, b""]
+    # a proven claim takes a live registration over; an expired one is free to anyone
+    assert list(run(r, claim, dc, ("k:y", "c1", "add", t, idle, "0"))) == [b"ok", 1, b""]
+    assert list(run(r, claim, dc, ("k:y", "c2", "add", t, idle, "1"))) == [b"ok", 1, b"c1"]
+    assert list(run(r, claim, dc, ("k:y", "c3", "add", t + idle, idle, "0"))) == [b"ok", 1, b"c2"]
     assert list(run(r, scripts.DC_LIST, dc, ("r:c", "add", 3, "m1", "m2", "m1"))) == [b"ok", 2]
     assert list(run(r, scripts.DC_LIST, dc, ("r:c", "add", 3, "m3", "m4"))) == [b"full", 2]
     assert list(run(r, scripts.DC_LIST, dc, ("r:c", "remove", 3, "m1"))) == [b"ok", 1]
     assert r.hget(K.slot_didcomm(SLOT), "r:c") == b"m2"
     assert list(run(r, scripts.DC_LIST, dc, ("r:c", "remove", 3, "m2"))) == [b"ok", 0]
     assert not r.hexists(K.slot_didcomm(SLOT), "r:c")
+
+
+def test_didcomm_records_expire_when_idle(r: redis.Redis) -> None:
+    """A connection ('c:') and a registration ('k:') read as absent once their idle expiry
+    passed, with what they govern ('r:', 'd:'); the next write sweeps them away; a record
+    from before expiry existed gets its expiry on first read."""
+    dc = (K.slot_state(SLOT), K.slot_didcomm(SLOT), K.slot_didcomm_idle(SLOT))
+    t, idle = 1_000_000, 500
+    run(r, scripts.DC_SET, dc, (t, idle, 2, "c:a", "{}", "r:a", "k1"))
+    run(r, scripts.DC_CLAIM, dc, ("k:k1", "a", "add", t, idle, "0"))
+    run(r, scripts.DC_SET, dc, (t, idle, 1, "d:k1", "1 2 3"))
+    fields = ("c:a", "r:a", "k:k1", "d:k1")
+    assert list(run(r, scripts.DC_GET, dc, (t + idle - 1, idle, *fields))) == [
+        b"ok",
+        b"{}",
+        b"k1",
+        b"a",
+        b"1 2 3",
+    ]
+    assert list(run(r, scripts.DC_GET, dc, (t + idle, idle, *fields))) == [b"ok", None, None, None, None]
+    assert r.hlen(K.slot_didcomm(SLOT)) == 4  # unreachable, not yet removed
+    assert list(run(r, scripts.DC_SET, dc, (t + idle, idle, 1, "c:b", "{}"))) == [b"ok", 2]
+    assert r.hkeys(K.slot_didcomm(SLOT)) == [b"c:b"]
+    assert r.zrange(K.slot_didcomm_idle(SLOT), 0, -1) == [b"c:b"]
+    r.hset(K.slot_didcomm(SLOT), "c:old", "{}")  # written before idle expiry existed
+    assert list(run(r, scripts.DC_GET, dc, (t, idle, "c:old"))) == [b"ok", b"{}"]
+    assert r.zscore(K.slot_didcomm_idle(SLOT), "c:old") == t + idle
 
 
 def test_slot_state_compare_and_set(r: redis.Redis) -> None:
