@@ -5,16 +5,21 @@ mediator's own known-answer-tested packer) for the attacker's DIDComm connection
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
 import os
+import time
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import aiohttp
 import pytest
 import redis as redis_client
 
 from relay.didcomm import keys as dk
-from relay.didcomm.envelope import pack
+from relay.didcomm.envelope import EnvelopeError, pack, parse, unpack
 from relay.storage import keys as K
 from tests.hostile.didcomm_attacker import didcomm_relay, stop_all
 from tests.hostile.harness import Relay, report
@@ -101,3 +106,174 @@ async def test_mediated_messages_live_where_the_http_api_cannot_name_them(signed
         async with http.post(url, data=b"x") as resp:
             assert resp.status == 400
             assert (await resp.json())["code"] == "bad_channel"
+
+
+def relay_with(tmp_path: Path, **env: str) -> Relay:
+    return didcomm_relay(tmp_path, {k.upper(): v for k, v in env.items()})
+
+
+async def test_a_squatted_key_is_held_until_expiry_and_forwards_stay_encrypted(tmp_path: Path) -> None:
+    """First come, first served, within bounds: a squatter's registration of someone's
+    recipient key refuses the owner's (client_error) while it lives, holds forwards the squatter
+    cannot read (encrypted to the key), and expires with the squatter's idle connection."""
+    relay = relay_with(tmp_path, relay_didcomm_idle_expiry_s="3")
+    owner_key = dk.KeyPair.from_seed(os.urandom(32))
+    try:
+        async with aiohttp.ClientSession() as http:
+            squatter, owner = Agent(relay.url, http), Agent(relay.url, http)
+            for a in (squatter, owner):
+                await a.connect()
+                await a.mediate()
+            assert (await squatter.register(owner_key.verkey))["updated"][0]["result"] == "success"
+            refused = await owner.register(owner_key.verkey)
+            assert refused["updated"][0]["result"] == "client_error"  # whose it is, not said
+            routing = dk.verkey_from(squatter.grant["routing_keys"][0])
+            secret = inner_message(owner_key.verkey, "for the owner only")
+            assert (await squatter.post(forward_envelope(routing, owner_key.verkey, secret)))[0] == 202
+            delivery = await squatter.send(msg("messagepickup/2.0/delivery-request", limit=10))
+            assert delivery is not None
+            (got,) = attached(delivery)
+            assert got == secret
+            with pytest.raises(EnvelopeError):  # the squatter holds only its own key
+                unpack(parse(json.dumps(got).encode()), squatter.lookup)
+            opened = unpack(
+                parse(json.dumps(got).encode()), lambda k: owner_key if k == owner_key.verkey else None
+            )
+            assert b"for the owner only" in opened.message
+            # a key that is the connection's own authcrypt key is proven: it takes a squat over
+            assert (await squatter.register(owner.kp.verkey))["updated"][0]["result"] == "success"
+            assert (await owner.register(owner.kp.verkey))["updated"][0]["result"] == "success"
+            # the owner stays active, the squatter goes idle past the expiry (3 s)
+            for _ in range(4):
+                await asyncio.sleep(1)
+                assert await owner.send(msg("trust_ping/1.0/ping")) is not None
+            taken = await owner.register(owner_key.verkey)
+            status, body = await squatter.post(squatter.packed(msg("coordinate-mediation/1.0/keylist-query")))
+        report(
+            "didcomm_squat",
+            owner_during_squat=refused["updated"][0]["result"],
+            squatter_reads_plaintext=False,
+            owner_after_expiry=taken["updated"][0]["result"],
+        )
+        assert taken["updated"][0]["result"] == "success"
+        assert status == 403
+        assert json.loads(body)["code"] == "unknown_connection"  # the squatter's connection expired
+    finally:
+        stop_all(relay)
+
+
+async def test_keys_and_connections_are_capped_and_records_expire(tmp_path: Path) -> None:
+    """5,000 keys over 5 connections: 100 a connection registered, the rest refused; a sixth
+    connection from the same client in the hour refused 429; everything expires when idle."""
+    relay = relay_with(
+        tmp_path, relay_didcomm_idle_expiry_s="4", relay_didcomm_max_connections_per_client="5"
+    )
+    try:
+        async with aiohttp.ClientSession() as http:
+            agents = [Agent(relay.url, http) for _ in range(6)]
+            results: list[str] = []
+            started = time.perf_counter()
+            for a in agents[:5]:
+                await a.connect()
+                await a.mediate()
+                keys = [dk.KeyPair.from_seed(os.urandom(32)).verkey for _ in range(1000)]
+                reply = await a.register(*keys)
+                results += [u["result"] for u in reply["updated"]]
+            elapsed = time.perf_counter() - started
+            with pytest.raises(AssertionError):
+                await agents[5].connect()
+            status, body, headers = await exchange_answer(http, relay, agents[5])
+            r = redis_client.Redis.from_url(relay.redis.url)
+            fields_before = sum(r.hlen(k) for k in r.scan_iter("rf:{*}:didcomm"))
+            await asyncio.sleep(4.5)
+            # expired: every connection unknown, every key unregistered (a forward finds no one)
+            codes = []
+            for a in agents[:5]:
+                st, b = await a.post(a.packed(msg("coordinate-mediation/1.0/keylist-query")))
+                codes.append((st, json.loads(b)["code"]))
+            routing = dk.verkey_from(agents[0].grant["routing_keys"][0])
+            fwd = forward_envelope(routing, keys[0], inner_message(keys[0], "late"))
+            forward_status = (await agents[0].post(fwd))[0]
+            fields_after = sum(r.hlen(k) for k in r.scan_iter("rf:{*}:didcomm"))
+        report(
+            "didcomm_records",
+            keys_asked=len(results),
+            registered=results.count("success"),
+            refused=results.count("server_error"),
+            seconds=round(elapsed, 2),
+            sixth_connection=status,
+            record_fields_before_expiry=fields_before,
+            record_fields_after_expiry=fields_after,
+        )
+        assert results.count("success") == 500
+        assert results.count("server_error") == 4500
+        assert status == 429
+        assert json.loads(body)["code"] == "too_many_connections"
+        assert int(headers["Retry-After"]) >= 1
+        assert codes == [(403, "unknown_connection")] * 5
+        assert forward_status == 404
+    finally:
+        stop_all(relay)
+
+
+async def exchange_answer(
+    http: aiohttp.ClientSession, relay: Relay, agent: Agent
+) -> tuple[int, bytes, dict[str, str]]:
+    """The raw answer to a DID Exchange request from `agent` (a fresh connection)."""
+    async with http.get(relay.url + "/v1/didcomm/invitation") as r:
+        inv = (await r.json())["invitation"]
+    key = dk.verkey_from(inv["services"][0]["recipientKeys"][0])
+    request = {
+        "@type": "https://didcomm.org/didexchange/1.1/request",
+        "@id": str(uuid.uuid4()),
+        "~thread": {"pthid": inv["@id"]},
+        "label": "sixth",
+        "did": agent.did,
+    }
+    body = agent.packed(request, to=key)
+    headers = {"Content-Type": "application/didcomm-envelope-enc"}
+    async with http.post(relay.url + "/v1/didcomm", data=body, headers=headers) as resp:
+        return resp.status, await resp.read(), dict(resp.headers)
+
+
+async def test_forwards_need_the_enqueue_token_when_tokens_are_on(tmp_path: Path) -> None:
+    relay = relay_with(tmp_path, relay_enqueue_tokens="tok-1")
+    try:
+        async with aiohttp.ClientSession() as http:
+            agent = Agent(relay.url, http)
+            await agent.connect()  # the handshake and mediation need no token
+            await agent.mediate()
+            key = dk.KeyPair.from_seed(os.urandom(32)).verkey
+            assert (await agent.register(key))["updated"][0]["result"] == "success"
+            routing = dk.verkey_from(agent.grant["routing_keys"][0])
+            wire = {"Content-Type": "application/didcomm-envelope-enc"}
+            answers = {}
+            for name, extra in (("none", {}), ("wrong", {"Authorization": "Bearer nope"})):
+                fwd = forward_envelope(routing, key, inner_message(key, name))
+                async with http.post(relay.url + "/v1/didcomm", data=fwd, headers={**wire, **extra}) as resp:
+                    answers[name] = (resp.status, await resp.json(), resp.headers.get("WWW-Authenticate"))
+            fwd = forward_envelope(routing, key, inner_message(key, "with token"))
+            good = {**wire, "Authorization": "Bearer tok-1"}
+            async with http.post(relay.url + "/v1/didcomm", data=fwd, headers=good) as resp:
+                answers["token"] = (resp.status, {}, None)
+            ws_url = relay.url.replace("http://", "ws://") + "/v1/didcomm/ws"
+            async with http.ws_connect(ws_url) as ws:  # an upgrade without the token
+                await ws.send_bytes(forward_envelope(routing, key, inner_message(key, "ws, none")))
+                ws_plain = await ws.receive_json(timeout=5)
+            async with http.ws_connect(ws_url, headers={"Authorization": "Bearer tok-1"}) as ws:
+                await ws.send_bytes(forward_envelope(routing, key, inner_message(key, "ws, token")))
+                ping = {**msg("trust_ping/1.0/ping"), "~transport": {"return_route": "all"}}
+                await ws.send_bytes(agent.packed(ping))
+                await ws.receive_bytes(timeout=5)  # the ping's answer: the forward went first
+            status = await agent.send(msg("messagepickup/2.0/status-request"))  # no token needed
+        report("didcomm_forward_token", **{k: v[0] for k, v in answers.items()}, ws_without=ws_plain["code"])
+        for name in ("none", "wrong"):
+            st, doc, scheme = answers[name]
+            assert (st, doc["code"], scheme) == (401, "unauthorized", "Bearer")
+            assert doc["error"] == "a forward requires a valid bearer token"
+        assert answers["token"][0] == 202
+        assert ws_plain == {"error": "a forward requires a valid bearer token", "code": "unauthorized"}
+        assert status is not None
+        assert status["message_count"] == 2  # the two with the token
+    finally:
+        stop_all(relay)

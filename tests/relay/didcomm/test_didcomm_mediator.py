@@ -516,3 +516,43 @@ def test_the_mediators_channel_is_beyond_the_http_apis_reach() -> None:
     assert QUEUE_CHANNEL == MEDIATOR_CHANNEL
     assert len(MEDIATOR_CHANNEL) > MAX_CHANNEL_BYTES
     assert RECORD_CHANNEL == b""  # records stay where they were: keylists survive the upgrade
+
+
+async def test_records_expire_when_idle_and_free_their_keys(
+    redis_server: LocalRedis, relay_factory: RelayFactory, seed_file: str, http: Any
+) -> None:
+    """After RELAY_DIDCOMM_IDLE_EXPIRY_S without activity a connection is unknown and its key
+    free; the next write to the connection's slot removes its records (counted)."""
+    from relay.fleet.sharding import slot_of
+    from relay.storage import keys as K
+
+    relay = await relay_factory(
+        redis_server.url, didcomm_seed_file=seed_file, public_url=PUBLIC, didcomm_idle_expiry_s=1.0
+    )
+    first = Agent(relay.base_url, http)
+    key = await mediated(first)
+    slot = slot_of(first.kp.verkey, b"")
+    await asyncio.sleep(1.2)
+    status, body = await first.post(first.packed(msg("coordinate-mediation/1.0/keylist-query")))
+    assert (status, json.loads(body)["code"]) == (403, "unknown_connection")
+    status, body = await first.post(forward_envelope(routing_key(first), key, inner_message(key, "late")))
+    assert (status, json.loads(body)["code"]) == (404, "unknown_recipient")
+    r = redis.Redis.from_url(redis_server.url)
+    assert r.hexists(K.slot_didcomm(slot), "c:" + dk.b64url(first.kp.verkey))  # unreachable, still there
+    second = Agent(relay.base_url, http)
+    while slot_of(second.kp.verkey, b"") != slot:  # a connection whose record shares the slot
+        second.kp = dk.KeyPair.from_seed(os.urandom(32))
+    second.did = dk.peer2_did(second.kp, ["didcomm:transport/queue"])
+    await second.connect()
+    assert not r.hexists(K.slot_didcomm(slot), "c:" + dk.b64url(first.kp.verkey))
+    assert not r.hexists(K.slot_didcomm(slot), "r:" + dk.b64url(first.kp.verkey))
+    other = Agent(relay.base_url, http)
+    await other.connect()
+    await other.mediate()
+    assert (await other.register(key))["updated"][0]["result"] == "success"  # free again
+    async with http.get(relay.base_url + "/metrics") as resp:
+        text = await resp.text()
+    assert any(
+        line.startswith("relayfleet_didcomm_records_expired_total ") and float(line.split()[1]) >= 1
+        for line in text.splitlines()
+    )
