@@ -21,6 +21,7 @@ from relay.api import params
 from relay.api.context import CTX, ctx
 from relay.api.errors import ApiError, json_response, unauthorized
 from relay.api.queues import enqueue_error
+from relay.api.quota import ClientQuota
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import EnvelopeError
 from relay.didcomm.mediator import HANDLED_TYPES, Caller, ForwardRefused, Mediator, Outcome
@@ -36,6 +37,7 @@ routes = web.RouteTableDef()
 
 MEDIATOR = web.AppKey("relayfleet_didcomm_mediator", Mediator)
 SOCKETS = web.AppKey("relayfleet_didcomm_sockets", weakref.WeakSet[web.WebSocketResponse])
+CLIENTS = web.AppKey("relayfleet_didcomm_clients", ClientQuota)
 CONTENT_TYPES = ("application/didcomm-envelope-enc", "application/ssi-agent-wire", "application/json")
 REPLY_TYPE = "application/didcomm-envelope-enc"
 HEARTBEAT_S = 20.0
@@ -72,11 +74,11 @@ async def invitation(request: web.Request) -> web.Response:
     return json_response({"invitation": m.invitation(), "invitation_url": m.invitation_url()})
 
 
-def client_of(request: web.Request) -> str:
-    """The client a DIDComm connection budget counts against: the TCP peer's address. (The
-    per-client quota's identity, with trusted proxies' X-Forwarded-For, replaces this when it
-    lands: one function to swap.)"""
-    return request.remote or ""
+def client_of(request: web.Request) -> int:
+    """The client a DIDComm connection budget counts against: the per-client quota's identity
+    (relay/api/quota.py: the enqueue token's holder, else the source address, through
+    RELAY_TRUSTED_PROXIES' X-Forwarded-For), whether or not that quota's limits are on."""
+    return request.app[CLIENTS].client_of(request)
 
 
 def caller_of(request: web.Request) -> Caller:
@@ -290,6 +292,7 @@ def setup(app: web.Application) -> None:
     app[SOCKETS] = weakref.WeakSet()
     app.on_shutdown.append(_close_all)
     c = app[CTX]
+    app[CLIENTS] = c.quota or ClientQuota(c.settings)
     s = c.settings
     if not s.didcomm_seed_file:
         return

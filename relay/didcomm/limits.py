@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Hashable
 
 WINDOW_S = 3600.0
 MAX_CLIENTS = 65_536  # clients tracked at once: past it, windows already over are forgotten first
@@ -15,9 +16,9 @@ MAX_CLIENTS = 65_536  # clients tracked at once: past it, windows already over a
 class ConnectionBudget:
     def __init__(self, per_hour: int) -> None:
         self.per_hour = per_hour
-        self._windows: dict[str, tuple[float, int]] = {}  # client -> (window start, count)
+        self._windows: dict[Hashable, tuple[float, int]] = {}  # client -> (window start, count)
 
-    def admit(self, client: str, now: float | None = None) -> float | None:
+    def admit(self, client: Hashable, now: float | None = None) -> float | None:
         """None when `client` may open one more connection (counted), else the seconds until it may."""
         if self.per_hour <= 0:
             return None

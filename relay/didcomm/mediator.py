@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import uuid
+from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -100,7 +101,7 @@ class Caller:
     and whether the request or WebSocket upgrade carried a valid enqueue token (True when
     RELAY_ENQUEUE_TOKENS is off)."""
 
-    client: str = ""
+    client: Hashable = ""
     may_store: bool = True
 
 
