@@ -13,13 +13,14 @@ relay's table of deprecated names (relay/settings.py DEPRECATED_ENV), so there i
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from relay.settings import DEPRECATED_ENV, ConfigError, EnvVar, env_value, parse_env
-from relayfleet_operator.spec import DEFAULT_IMAGE, DEFAULT_REDIS_IMAGE, ImageDefaults
+from relayfleet_operator.spec import DEFAULT_IMAGE, DEFAULT_REDIS_IMAGE, ImageDefaults, LimitDefaults
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _LEVELS_KIND = "one of " + ", ".join(LOG_LEVELS)
@@ -40,6 +41,11 @@ OPERATOR_ENV: tuple[EnvVar, ...] = (
         DEFAULT_REDIS_IMAGE,
         "Redis image of managed shards without spec.redis.managed.image",
     ),
+    EnvVar(
+        "RELAYFLEET_OPERATOR_DEFAULT_RELAY_LIMITS",
+        "none",
+        "JSON object of spec.limits quota keys for shards that leave them out (a shard's own key wins)",
+    ),
     EnvVar("RELAYFLEET_OPERATOR_CRDS_DIR", "none", "apply the CRD files there at start (guarded)"),
     EnvVar("RELAYFLEET_OPERATOR_KUBECONFIG", "none", "kubeconfig (else KUBECONFIG, else in-cluster)"),
     EnvVar("KUBECONFIG", "none", "the usual kubeconfig list (its first file; else ~/.kube/config)"),
@@ -59,6 +65,8 @@ class OperatorSettings:
     retry_seconds: float = 15.0
     # the images of a RelayShard that names none (the chart sets them from its values)
     images: ImageDefaults = field(default_factory=ImageDefaults)
+    # spec.limits quota keys of a RelayShard that leaves them out (the chart's relayDefaults.limits)
+    limit_defaults: LimitDefaults = field(default_factory=LimitDefaults)
     crds_dir: Path | None = None
     kubeconfig: str | None = None
     log_level: str = "INFO"
@@ -80,6 +88,7 @@ class OperatorSettings:
                 relay=_image("RELAYFLEET_OPERATOR_DEFAULT_RELAY_IMAGE", DEFAULT_IMAGE),
                 redis=_image("RELAYFLEET_OPERATOR_DEFAULT_REDIS_IMAGE", DEFAULT_REDIS_IMAGE),
             ),
+            limit_defaults=_limit_defaults(env_value("RELAYFLEET_OPERATOR_DEFAULT_RELAY_LIMITS")),
             crds_dir=Path(crds_dir) if crds_dir else None,
             kubeconfig=env_value("RELAYFLEET_OPERATOR_KUBECONFIG") or _kubeconfig_path(),
             log_level=parse_env("RELAY_LOG_LEVEL", cls.log_level, _log_level, _LEVELS_KIND),
@@ -108,6 +117,16 @@ def _image_ref(raw: str) -> str:
     if len(raw) > 512 or any(c.isspace() for c in raw):
         raise ValueError(raw)
     return raw
+
+
+def _limit_defaults(raw: str | None) -> LimitDefaults:
+    """Not through parse_env: its message would hide which key is wrong."""
+    if raw is None:
+        return LimitDefaults()
+    try:
+        return LimitDefaults.parse(json.loads(raw))
+    except ValueError as exc:  # json.JSONDecodeError is one
+        raise ConfigError(f"RELAYFLEET_OPERATOR_DEFAULT_RELAY_LIMITS: {exc}") from None
 
 
 def _seconds(name: str, default: float) -> float:

@@ -25,6 +25,7 @@ from relayfleet_operator.spec import (
     SHARD_KIND,
     ExternalRedis,
     ImageDefaults,
+    LimitDefaults,
     ShardSpec,
     SpecError,
     parse_shard,
@@ -56,6 +57,8 @@ class Context:
     retry_seconds: float = 15.0
     # the images of a RelayShard that names none (OperatorSettings.images)
     images: ImageDefaults = field(default_factory=ImageDefaults)
+    # the spec.limits quota keys of a RelayShard that leaves them out (OperatorSettings.limit_defaults)
+    limit_defaults: LimitDefaults = field(default_factory=LimitDefaults)
     locks: Locks = field(default_factory=Locks)
     # Which fleets are moving slots right now, and for what (shown in shard conditions).
     moving: dict[tuple[str, str], str] = field(default_factory=dict)

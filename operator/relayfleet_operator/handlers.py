@@ -48,7 +48,12 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     kube, config = memo.get("kube"), memo.get("settings")
     if not isinstance(kube, Kube) or not isinstance(config, OperatorSettings):
         raise kopf.PermanentError("start the operator through relayfleet_operator.main.run")
-    memo["ctx"] = fleet_state.Context(kube=kube, retry_seconds=config.retry_seconds, images=config.images)
+    memo["ctx"] = fleet_state.Context(
+        kube=kube,
+        retry_seconds=config.retry_seconds,
+        images=config.images,
+        limit_defaults=config.limit_defaults,
+    )
     memo["rebalancing"] = set()
 
 

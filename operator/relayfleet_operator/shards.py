@@ -114,7 +114,7 @@ async def reconcile(ctx: fleet_state.Context, body: Mapping[str, Any], *, announ
     what corrects drift (server-side apply resets every field we own)."""
     started = time.monotonic()
     try:
-        shard = parse_shard(body, ctx.images)
+        shard = parse_shard(body, ctx.images, ctx.limit_defaults)
     except SpecError as exc:
         metrics.ERRORS.labels("RelayShard", "SpecError").inc()
         notify(body, "InvalidSpec", str(exc), warning=True)
@@ -250,7 +250,7 @@ async def drain(ctx: fleet_state.Context, body: Mapping[str, Any]) -> None:
     Returns when the shard may go; raises kopf.TemporaryError to be called again later.
     Resumable: the plan is kept in status.drain and moves already published are skipped."""
     try:
-        shard = parse_shard(body, ctx.images)
+        shard = parse_shard(body, ctx.images, ctx.limit_defaults)
     except SpecError:
         return  # never reconciled, owns nothing: let it go
     key = (shard.namespace, shard.fleet)

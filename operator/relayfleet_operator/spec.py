@@ -9,6 +9,9 @@ the schema cannot say (whole-byte sizes, a five-field cron schedule).
 The two images are the exception: the CRD has no default for them, so a RelayShard that names
 none runs the operator's configured ones (ImageDefaults, from the chart's values), and a
 chart upgrade moves it along (docs/design-decisions.md, "Images the operator defaults").
+So are the quota keys of spec.limits (no default in the CRD either): a key a RelayShard leaves
+out takes the operator's configured value (LimitDefaults, the chart's relayDefaults.limits),
+else the relay's own default holds.
 """
 
 from __future__ import annotations
@@ -130,6 +133,49 @@ QUOTA_ENV: dict[str, str] = {
     "didcommMaxConnectionsPerClient": "RELAY_DIDCOMM_MAX_CONNECTIONS_PER_CLIENT",
 }
 TRUSTED_PROXIES_ENV = "RELAY_TRUSTED_PROXIES"  # from spec.limits.trustedProxies, comma-joined
+# The spec.limits keys without a CRD default, so the ones a fleet-wide default can fill: the API
+# server writes the other five into every RelayShard, where no operator default could reach them.
+DEFAULTABLE_LIMITS: tuple[str, ...] = (*QUOTA_ENV, "trustedProxies")
+# shardReserveFraction is a number; every other quota key is an integer
+_FRACTION_LIMITS = frozenset({"shardReserveFraction"})
+
+
+@dataclass(frozen=True)
+class LimitDefaults:
+    """spec.limits keys a RelayShard leaves out, from the operator's configuration
+    (OperatorSettings, RELAYFLEET_OPERATOR_DEFAULT_RELAY_LIMITS: the chart's relayDefaults.limits).
+    A RelayShard's own key wins, even 0 (off) or an empty trustedProxies."""
+
+    values: tuple[tuple[str, int | float | tuple[str, ...]], ...] = ()
+
+    @classmethod
+    def parse(cls, raw: Any) -> LimitDefaults:
+        """From a JSON object of spec.limits keys (types as the CRD has them; the chart's
+        values.schema.json also checks their ranges, and the relay checks its variables).
+        ValueError names the first bad key."""
+        if not isinstance(raw, Mapping):
+            raise ValueError("not a JSON object of spec.limits keys")
+        out: list[tuple[str, int | float | tuple[str, ...]]] = []
+        for key in DEFAULTABLE_LIMITS:
+            if key not in raw:
+                continue
+            value = raw[key]
+            if key == "trustedProxies":
+                if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                    raise ValueError("trustedProxies: not a list of CIDRs")
+                try:
+                    out.append((key, _trusted_proxies(value)))
+                except SpecError as exc:
+                    raise ValueError(str(exc)) from None
+                continue
+            number = (int, float) if key in _FRACTION_LIMITS else (int,)
+            if isinstance(value, bool) or not isinstance(value, number) or value < 0:
+                raise ValueError(f"{key}: not a non-negative {'number' if len(number) > 1 else 'integer'}")
+            out.append((key, value))
+        unknown = sorted(str(k)[:64] for k in raw if k not in DEFAULTABLE_LIMITS)
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not one of {', '.join(DEFAULTABLE_LIMITS)}")
+        return cls(tuple(out))
 
 
 @dataclass(frozen=True)
@@ -346,9 +392,13 @@ def _trusted_proxies(value: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def parse_shard(body: Mapping[str, Any], images: ImageDefaults = ImageDefaults()) -> ShardSpec:
+def parse_shard(
+    body: Mapping[str, Any],
+    images: ImageDefaults = ImageDefaults(),
+    limit_defaults: LimitDefaults = LimitDefaults(),
+) -> ShardSpec:
     """Build a ShardSpec from a RelayShard object (as a dict or kopf Body); `images` for the
-    images it does not name.
+    images it does not name, `limit_defaults` for the spec.limits quota keys it leaves out.
 
     The API server has checked the object against the CRD's schema and CEL rules
     (crds/relayshards.yaml: types, ranges, enums, names, exactly-one-of, reserved env);
@@ -357,7 +407,8 @@ def parse_shard(body: Mapping[str, Any], images: ImageDefaults = ImageDefaults()
     meta = _obj(body, "metadata")
     spec = _obj(body, "spec")
     retention = _obj(spec, "retention")
-    limits = _obj(spec, "limits")
+    # the shard's own keys over the operator's defaults (merged before parsing, so both are checked alike)
+    limits = {**dict(limit_defaults.values), **_obj(spec, "limits")}
     res = _obj(spec, "resources")
     generation = meta.get("generation", 0)
     return ShardSpec(

@@ -14,11 +14,13 @@ import pytest
 import redis
 from relayfleet_operator import builders
 from relayfleet_operator.spec import (
+    DEFAULTABLE_LIMITS,
     QUOTA_ENV,
     RESERVED_RELAY_ENV,
     TRUSTED_PROXIES_ENV,
     ExternalRedis,
     ImageDefaults,
+    LimitDefaults,
     ManagedRedis,
     ShardSpec,
     SpecError,
@@ -568,3 +570,61 @@ def test_quota_limits_reach_the_relay_env_only_when_given() -> None:
     assert set(QUOTA_ENV.values()) | {TRUSTED_PROXIES_ENV} <= RESERVED_RELAY_ENV
     with pytest.raises(SpecError, match="trustedProxies"):
         parse_shard(shard_body(limits={"trustedProxies": ["10.0.0.0/33"]}))
+
+
+def _quota_env(shard: ShardSpec) -> dict[str, str]:
+    wired = set(QUOTA_ENV.values()) | {TRUSTED_PROXIES_ENV}
+    return {e["name"]: e["value"] for e in builders.relay_env(shard) if e["name"] in wired}
+
+
+def test_the_operators_limit_defaults_fill_only_the_keys_a_shard_leaves_out() -> None:
+    """The chart's relayDefaults.limits (the operator's LimitDefaults) sit under each RelayShard's
+    own spec.limits: a key the shard sets wins (even 0, even an empty trustedProxies), a key in
+    neither sets no variable (the relay's own default)."""
+    defaults = LimitDefaults.parse(
+        {
+            "clientRateMessages": 2000,
+            "recipientMaxChannels": 32,
+            "shardReserveFraction": 0.2,
+            "trustedProxies": ["10.244.0.0/16"],
+        }
+    )
+    # a shard that sets none of them: every default reaches its relays
+    assert _quota_env(parse_shard(shard_body(), limit_defaults=defaults)) == {
+        "RELAY_CLIENT_RATE_MESSAGES": "2000",
+        "RELAY_RECIPIENT_MAX_CHANNELS": "32",
+        "RELAY_SHARD_RESERVE_FRACTION": "0.2",
+        "RELAY_TRUSTED_PROXIES": "10.244.0.0/16",
+    }
+    # the shard's own keys win; its other keys are added; the rest of the defaults stay
+    own = {"clientRateMessages": 0, "trustedProxies": [], "recipientMaxBytes": 1 << 20}
+    assert _quota_env(parse_shard(shard_body(limits=own), limit_defaults=defaults)) == {
+        "RELAY_CLIENT_RATE_MESSAGES": "0",
+        "RELAY_RECIPIENT_MAX_CHANNELS": "32",
+        "RELAY_RECIPIENT_MAX_BYTES": str(1 << 20),
+        "RELAY_SHARD_RESERVE_FRACTION": "0.2",
+    }
+    # no defaults and no keys: no variable at all
+    assert _quota_env(parse_shard(shard_body())) == {}
+    assert _quota_env(parse_shard(shard_body(), limit_defaults=LimitDefaults.parse({}))) == {}
+    # the five limits with CRD defaults are the shard's own (the API server fills them): never defaulted
+    assert not {"maxPayloadBytes", "rateLimitMessages"} & set(DEFAULTABLE_LIMITS)
+    assert set(DEFAULTABLE_LIMITS) == set(QUOTA_ENV) | {"trustedProxies"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ([], "not a JSON object"),
+        ({"maxPayloadBytes": 1}, "'maxPayloadBytes' is not one of"),
+        ({"clientRateMessages": True}, "clientRateMessages: not a non-negative integer"),
+        ({"clientRateMessages": 1.5}, "clientRateMessages: not a non-negative integer"),
+        ({"recipientMaxBytes": -1}, "recipientMaxBytes: not a non-negative integer"),
+        ({"shardReserveFraction": "0.1"}, "shardReserveFraction: not a non-negative number"),
+        ({"trustedProxies": "10.0.0.0/8"}, "trustedProxies: not a list"),
+        ({"trustedProxies": ["10.0.0.0/33"]}, "trustedProxies: '10.0.0.0/33' is not a CIDR"),
+    ],
+)
+def test_limit_defaults_refuse_what_spec_limits_would_not_hold(raw: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LimitDefaults.parse(raw)

@@ -16,7 +16,7 @@ import pytest
 from relayfleet_operator import handlers
 from relayfleet_operator.config import OPERATOR_ENV, OperatorSettings
 from relayfleet_operator.kube import Kube
-from relayfleet_operator.spec import DEFAULT_IMAGE, ImageDefaults
+from relayfleet_operator.spec import DEFAULT_IMAGE, DEFAULTABLE_LIMITS, ImageDefaults, LimitDefaults
 
 from relay.settings import ConfigError
 
@@ -65,6 +65,21 @@ def run_module(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
             {"RELAYFLEET_OPERATOR_DEFAULT_REDIS_IMAGE": "redis 7"},
             "relayfleet operator: RELAYFLEET_OPERATOR_DEFAULT_REDIS_IMAGE must be an image reference of"
             " at most 512 characters, no spaces, got 'redis 7'",
+        ),
+        (
+            {"RELAYFLEET_OPERATOR_DEFAULT_RELAY_LIMITS": '{"maxPayloadBytes": 5}'},
+            "relayfleet operator: RELAYFLEET_OPERATOR_DEFAULT_RELAY_LIMITS: 'maxPayloadBytes' is not one of "
+            + ", ".join(DEFAULTABLE_LIMITS),
+        ),
+        (
+            {"RELAYFLEET_OPERATOR_DEFAULT_RELAY_LIMITS": '{"clientRateMessages": "many"}'},
+            "relayfleet operator: RELAYFLEET_OPERATOR_DEFAULT_RELAY_LIMITS: clientRateMessages: not a"
+            " non-negative integer",
+        ),
+        (
+            {"RELAYFLEET_OPERATOR_DEFAULT_RELAY_LIMITS": "clientRateMessages=5"},
+            "relayfleet operator: RELAYFLEET_OPERATOR_DEFAULT_RELAY_LIMITS: Expecting value: line 1 column 1"
+            " (char 0)",
         ),
         (
             {"RELAY_LOG_LEVEL": "loud"},
@@ -119,6 +134,10 @@ def test_from_env_reads_every_variable_and_the_defaults_are_plain(
     monkeypatch.setenv("RELAYFLEET_OPERATOR_DEFAULT_RELAY_IMAGE", "registry.test/relay:7")
     monkeypatch.setenv("RELAYFLEET_OPERATOR_DEFAULT_REDIS_IMAGE", "registry.test/redis@sha256:" + "0" * 64)
     monkeypatch.setenv("RELAY_OPERATOR_NAMESPACE", "old-name")  # deprecated name, still read
+    monkeypatch.setenv(
+        "RELAYFLEET_OPERATOR_DEFAULT_RELAY_LIMITS",
+        '{"clientRateMessages": 0, "shardReserveFraction": 0.25, "trustedProxies": ["10.1.2.3"]}',
+    )
     got = OperatorSettings.from_env()
     assert got == OperatorSettings(
         namespace="old-name",
@@ -128,6 +147,9 @@ def test_from_env_reads_every_variable_and_the_defaults_are_plain(
         rebalance_tick_seconds=1.0,
         retry_seconds=4.0,
         images=ImageDefaults(relay="registry.test/relay:7", redis="registry.test/redis@sha256:" + "0" * 64),
+        limit_defaults=LimitDefaults(
+            (("clientRateMessages", 0), ("shardReserveFraction", 0.25), ("trustedProxies", ("10.1.2.3/32",)))
+        ),
         crds_dir=tmp_path,
         kubeconfig="/k/one",
         log_level="DEBUG",
@@ -168,6 +190,13 @@ async def test_the_handlers_context_carries_the_configured_images() -> None:
     memo = kopf.Memo(kube=Kube(None), settings=OperatorSettings(images=images))
     await handlers.startup(settings=kopf.OperatorSettings(), memo=memo)
     assert memo["ctx"].images == images  # shards.reconcile parses each RelayShard with them
+
+
+async def test_the_handlers_context_carries_the_configured_limit_defaults() -> None:
+    defaults = LimitDefaults.parse({"recipientMaxChannels": 8})
+    memo = kopf.Memo(kube=Kube(None), settings=OperatorSettings(limit_defaults=defaults))
+    await handlers.startup(settings=kopf.OperatorSettings(), memo=memo)
+    assert memo["ctx"].limit_defaults == defaults  # shards.reconcile and drain parse with them
 
 
 def test_importing_the_operator_reads_no_environment() -> None:
