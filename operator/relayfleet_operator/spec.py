@@ -150,9 +150,8 @@ class LimitDefaults:
 
     @classmethod
     def parse(cls, raw: Any) -> LimitDefaults:
-        """From a JSON object of spec.limits keys (types as the CRD has them; the chart's
-        values.schema.json also checks their ranges, and the relay checks its variables).
-        ValueError names the first bad key."""
+        """From a JSON object of spec.limits keys, with the CRD's types (the chart's
+        values.schema.json checks their ranges). ValueError names the first bad key."""
         if not isinstance(raw, Mapping):
             raise ValueError("not a JSON object of spec.limits keys")
         out: list[tuple[str, int | float | tuple[str, ...]]] = []
