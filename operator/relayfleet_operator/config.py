@@ -20,10 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relay.settings import DEPRECATED_ENV, ConfigError, EnvVar, env_value, parse_env
-from relayfleet_operator.spec import DEFAULT_IMAGE, DEFAULT_REDIS_IMAGE, ImageDefaults, LimitDefaults
+from relayfleet_operator.spec import (
+    DEFAULT_IMAGE,
+    DEFAULT_OPERATOR_LABELS,
+    DEFAULT_REDIS_IMAGE,
+    ImageDefaults,
+    LimitDefaults,
+    Neighbours,
+)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _LEVELS_KIND = "one of " + ", ".join(LOG_LEVELS)
+
+_DEFAULT_LABELS = ",".join(f"{k}={v}" for k, v in DEFAULT_OPERATOR_LABELS)
 
 # Every variable the operator reads, with its default as --help shows it.
 OPERATOR_ENV: tuple[EnvVar, ...] = (
@@ -46,6 +55,22 @@ OPERATOR_ENV: tuple[EnvVar, ...] = (
         "none",
         "JSON object of spec.limits quota keys for shards that leave them out (a shard's own key wins)",
     ),
+    EnvVar(
+        "RELAYFLEET_OPERATOR_POD_NAMESPACE",
+        "none",
+        "the operator's own namespace: Redis NetworkPolicies admit it from there only (none: the shard's)",
+    ),
+    EnvVar(
+        "RELAYFLEET_OPERATOR_POD_LABELS",
+        _DEFAULT_LABELS,
+        "labels K=V,... that select the operator's Pods in Redis NetworkPolicies",
+    ),
+    EnvVar(
+        "RELAYFLEET_OPERATOR_SPARK_NAMESPACE",
+        "none",
+        "the Spark jobs' namespace: admitted to their fleets' Redis, given a copy of their credentials",
+    ),
+    EnvVar("RELAYFLEET_OPERATOR_SPARK_FLEETS", "none", "the fleets NS/FLEET,... that the Spark jobs serve"),
     EnvVar("RELAYFLEET_OPERATOR_CRDS_DIR", "none", "apply the CRD files there at start (guarded)"),
     EnvVar("RELAYFLEET_OPERATOR_KUBECONFIG", "none", "kubeconfig (else KUBECONFIG, else in-cluster)"),
     EnvVar("KUBECONFIG", "none", "the usual kubeconfig list (its first file; else ~/.kube/config)"),
@@ -67,6 +92,8 @@ class OperatorSettings:
     images: ImageDefaults = field(default_factory=ImageDefaults)
     # spec.limits quota keys of a RelayShard that leaves them out (the chart's relayDefaults.limits)
     limit_defaults: LimitDefaults = field(default_factory=LimitDefaults)
+    # who may reach Redis from outside a shard's namespace; where the Spark jobs run
+    neighbours: Neighbours = field(default_factory=Neighbours)
     crds_dir: Path | None = None
     kubeconfig: str | None = None
     log_level: str = "INFO"
@@ -89,10 +116,46 @@ class OperatorSettings:
                 redis=_image("RELAYFLEET_OPERATOR_DEFAULT_REDIS_IMAGE", DEFAULT_REDIS_IMAGE),
             ),
             limit_defaults=_limit_defaults(env_value("RELAYFLEET_OPERATOR_DEFAULT_RELAY_LIMITS")),
+            neighbours=_neighbours(),
             crds_dir=Path(crds_dir) if crds_dir else None,
             kubeconfig=env_value("RELAYFLEET_OPERATOR_KUBECONFIG") or _kubeconfig_path(),
             log_level=parse_env("RELAY_LOG_LEVEL", cls.log_level, _log_level, _LEVELS_KIND),
         )
+
+
+def _neighbours() -> Neighbours:
+    spark = env_value("RELAYFLEET_OPERATOR_SPARK_NAMESPACE")
+    none: frozenset[tuple[str, str]] = frozenset()
+    fleets = parse_env("RELAYFLEET_OPERATOR_SPARK_FLEETS", none, _fleets, "a list NS/FLEET,...")
+    if fleets and not spark:
+        raise ConfigError("RELAYFLEET_OPERATOR_SPARK_FLEETS needs RELAYFLEET_OPERATOR_SPARK_NAMESPACE")
+    return Neighbours(
+        operator_namespace=env_value("RELAYFLEET_OPERATOR_POD_NAMESPACE"),
+        operator_labels=parse_env(
+            "RELAYFLEET_OPERATOR_POD_LABELS", DEFAULT_OPERATOR_LABELS, _labels, "a list K=V,... of labels"
+        ),
+        spark_namespace=spark,
+        spark_fleets=fleets,
+    )
+
+
+def _pairs(raw: str, sep: str) -> list[tuple[str, str]]:
+    out = []
+    for item in raw.split(","):
+        left, found, right = item.strip().partition(sep)
+        if not (found and left and right) or any(c.isspace() for c in item.strip()):
+            raise ValueError(raw)
+        out.append((left, right))
+    return out
+
+
+def _labels(raw: str) -> tuple[tuple[str, str], ...]:
+    # an empty selector would admit every Pod of the namespace
+    return tuple(sorted(_pairs(raw, "=")))
+
+
+def _fleets(raw: str) -> frozenset[tuple[str, str]]:
+    return frozenset(_pairs(raw, "/"))
 
 
 def _kubeconfig_path() -> str | None:

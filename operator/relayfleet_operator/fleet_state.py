@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,19 +20,21 @@ from relay.fleet import contract
 from relay.fleet.contract import MapChange, MapWriteConflict, Move, Obj
 from relay.fleet.sharding import ShardMap
 from relayfleet_operator import builders, metrics, shard_redis
-from relayfleet_operator.kube import Conflict, Kube
+from relayfleet_operator.kube import Conflict, Kube, KubeError
 from relayfleet_operator.spec import (
     API_VERSION,
     SHARD_KIND,
     ExternalRedis,
     ImageDefaults,
     LimitDefaults,
+    Neighbours,
     ShardSpec,
     SpecError,
     parse_shard,
 )
 
 _MAP_WRITE_ATTEMPTS = 8
+_log = logging.getLogger(__name__)
 
 
 class FleetError(RuntimeError):
@@ -59,6 +62,9 @@ class Context:
     images: ImageDefaults = field(default_factory=ImageDefaults)
     # the spec.limits quota keys of a RelayShard that leaves them out (OperatorSettings.limit_defaults)
     limit_defaults: LimitDefaults = field(default_factory=LimitDefaults)
+    # the operator's own namespace and labels, the Spark jobs' namespace and fleets
+    # (OperatorSettings.neighbours): the Redis NetworkPolicies and the credentials' copy
+    neighbours: Neighbours = field(default_factory=Neighbours)
     locks: Locks = field(default_factory=Locks)
     # Which fleets are moving slots right now, and for what (shown in shard conditions).
     moving: dict[tuple[str, str], str] = field(default_factory=dict)
@@ -222,27 +228,65 @@ async def fleet_urls(kube: Kube, objs: Sequence[Mapping[str, Any]]) -> dict[str,
 
 
 async def set_credentials(
-    kube: Kube, namespace: str, fleet: str, shard: str, url: str | None, owners: Sequence[ShardSpec]
+    kube: Kube,
+    namespace: str,
+    fleet: str,
+    shard: str,
+    url: str | None,
+    owners: Sequence[ShardSpec],
+    spark_namespace: str | None = None,
 ) -> None:
-    """Add, update (url) or remove (None) one shard's key in the fleet credentials Secret."""
+    """Add, update (url) or remove (None) one shard's key in the fleet credentials Secret,
+    and keep its copy in the Spark jobs' namespace (`spark_namespace`) the same."""
     name = builders.credentials_name(fleet)
     current = await kube.get("v1", "Secret", namespace, name)
     encoded = base64.b64encode(url.encode()).decode() if url is not None else None
-    if current is None:
-        if url is None:
-            return
-        try:
+    data: dict[str, str] = dict((current or {}).get("data") or {})
+    if current is None and url is not None:
+        with contextlib.suppress(Conflict):  # created concurrently: the winner's is read below
             await kube.create(builders.credentials_secret(namespace, fleet, {shard: url}, owners))
+        current = await kube.get("v1", "Secret", namespace, name)
+        data = dict((current or {}).get("data") or {})
+    if current is not None and data.get(shard) != encoded:
+        patch: Obj = {"data": {shard: encoded}}
+        if owners:
+            patch["metadata"] = {"ownerReferences": builders.fleet_owner_references(owners)}
+        written = await kube.merge_patch("v1", "Secret", namespace, name, patch)
+        data = dict(written.get("data") or {})
+    if spark_namespace is not None:
+        await _copy_credentials(kube, spark_namespace, namespace, fleet, data)
+
+
+async def _copy_credentials(
+    kube: Kube, spark_namespace: str, namespace: str, fleet: str, data: Mapping[str, str]
+) -> None:
+    """The Spark namespace's copy holds what the fleet's Secret holds. A failure is logged and
+    the shard's reconcile goes on: relays never wait on Spark; the next resync tries again."""
+    name = builders.credentials_name(fleet)
+    try:
+        copy = await kube.get("v1", "Secret", spark_namespace, name)
+        if copy is None:
+            if not data:
+                return
+            await kube.create(builders.spark_credentials_secret(spark_namespace, namespace, fleet, data))
             return
-        except Conflict:
-            current = await kube.get("v1", "Secret", namespace, name)
-    data = (current or {}).get("data") or {}
-    if data.get(shard) == encoded:
-        return
-    patch: Obj = {"data": {shard: encoded}}
-    if owners:
-        patch["metadata"] = {"ownerReferences": builders.fleet_owner_references(owners)}
-    await kube.merge_patch("v1", "Secret", namespace, name, patch)
+        held = copy.get("data") or {}
+        if held == data:
+            return
+        # merge patch: null removes a key the fleet no longer has
+        patch: Obj = {"data": {k: data.get(k) for k in {*held, *data}}}
+        await kube.merge_patch("v1", "Secret", spark_namespace, name, patch)
+    except KubeError as exc:
+        # the status and reason only: never the Secret's content
+        _log.warning(
+            "cannot copy Secret %s/%s to the Spark namespace %s: %s %s",
+            namespace,
+            name,
+            spark_namespace,
+            exc.status,
+            exc.reason,
+        )
+        metrics.ERRORS.labels("Secret", "SparkCredentialsCopy").inc()
 
 
 # --- the shard map ----------------------------------------------------------------------------

@@ -53,6 +53,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         retry_seconds=config.retry_seconds,
         images=config.images,
         limit_defaults=config.limit_defaults,
+        neighbours=config.neighbours,
     )
     memo["rebalancing"] = set()
 

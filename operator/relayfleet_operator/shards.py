@@ -129,13 +129,16 @@ async def reconcile(ctx: fleet_state.Context, body: Mapping[str, Any], *, announ
             digest = await relay_secrets_digest(ctx, shard)
             members = await fleet_state.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
             owners = fleet_state.specs_of(members)
-            for obj in builders.reconcile_objects(shard, owners, digest):
+            for obj in builders.reconcile_objects(shard, owners, digest, ctx.neighbours):
                 await ctx.kube.apply(obj)
             for group in builders.retired_children(shard):
                 if await ctx.kube.get(*group[0][:2], shard.namespace, group[0][2]) is not None:
                     for api_version, kind, name in group:
                         await ctx.kube.delete(api_version, kind, shard.namespace, name)
-            await fleet_state.set_credentials(ctx.kube, shard.namespace, shard.fleet, shard.name, url, owners)
+            spark = ctx.neighbours.spark_for(shard.namespace, shard.fleet)
+            await fleet_state.set_credentials(
+                ctx.kube, shard.namespace, shard.fleet, shard.name, url, owners, spark
+            )
             public = builders.strip_credentials(url)
             founder = fleet_state.founder(members)
 
@@ -292,7 +295,15 @@ async def drain(ctx: fleet_state.Context, body: Mapping[str, Any]) -> None:
         left, _ = await fleet_state.update_shard_map(
             ctx.kube, shard.namespace, shard.fleet, change, [o for o in owners if o.name != shard.name]
         )
-        await fleet_state.set_credentials(ctx.kube, shard.namespace, shard.fleet, shard.name, None, [])
+        await fleet_state.set_credentials(
+            ctx.kube,
+            shard.namespace,
+            shard.fleet,
+            shard.name,
+            None,
+            [],
+            ctx.neighbours.spark_for(shard.namespace, shard.fleet),
+        )
     notify(body, "LeftFleet", f"left fleet {shard.fleet}" + ("" if left else "; it was the last shard"))
     await _delete_children(ctx, shard)
 

@@ -65,6 +65,37 @@ class ImageDefaults:
     redis: str = DEFAULT_REDIS_IMAGE
 
 
+# The labels of the operator's Pods as the chart sets them (its selector without the release).
+DEFAULT_OPERATOR_LABELS: tuple[tuple[str, str], ...] = (
+    ("app.kubernetes.io/name", "relayfleet"),
+    ("app.kubernetes.io/component", "operator"),
+)
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    """Who outside a shard's namespace may reach its Redis, and where the Spark jobs run
+    (the operator's configuration, from the chart): the Redis NetworkPolicy admits the
+    operator's Pods of `operator_namespace` only (None: the shard's own namespace), and the
+    Spark jobs' Pods of `spark_namespace` for the fleets in `spark_fleets` (namespace, fleet),
+    whose credentials Secret the operator copies there."""
+
+    operator_namespace: str | None = None
+    operator_labels: tuple[tuple[str, str], ...] = DEFAULT_OPERATOR_LABELS
+    spark_namespace: str | None = None
+    spark_fleets: frozenset[tuple[str, str]] = frozenset()
+
+    def spark_for(self, namespace: str, fleet: str) -> str | None:
+        """The Spark jobs' namespace when they serve this fleet, else None."""
+        if self.spark_namespace and (namespace, fleet) in self.spark_fleets:
+            return self.spark_namespace
+        return None
+
+
+# no Spark, the operator in the shard's own namespace: the narrowest peers (builders' default)
+DEFAULT_NEIGHBOURS = Neighbours()
+
+
 @dataclass(frozen=True)
 class ManagedRedis:
     image: str = DEFAULT_REDIS_IMAGE

@@ -14,6 +14,7 @@ import pytest
 import redis
 from relayfleet_operator import builders
 from relayfleet_operator.spec import (
+    DEFAULT_NEIGHBOURS,
     DEFAULTABLE_LIMITS,
     QUOTA_ENV,
     RESERVED_RELAY_ENV,
@@ -22,6 +23,7 @@ from relayfleet_operator.spec import (
     ImageDefaults,
     LimitDefaults,
     ManagedRedis,
+    Neighbours,
     ShardSpec,
     SpecError,
     parse_shard,
@@ -628,3 +630,111 @@ def test_the_operators_limit_defaults_fill_only_the_keys_a_shard_leaves_out() ->
 def test_limit_defaults_refuse_what_spec_limits_would_not_hold(raw: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         LimitDefaults.parse(raw)
+
+
+# --- who may reach Redis -------------------------------------------------------------------------
+
+BACKED_UP = parse_shard(shard_body("r", redis={"managed": {"replicas": 1}}, backup={}))
+NEIGHBOURS = Neighbours(
+    operator_namespace="ops",
+    operator_labels=(
+        ("app.kubernetes.io/component", "operator"),
+        ("app.kubernetes.io/instance", "rf"),
+        ("app.kubernetes.io/name", "relayfleet"),
+    ),
+    spark_namespace="ops-rf-spark",
+    spark_fleets=frozenset({(REPLICATED.namespace, REPLICATED.fleet)}),
+)
+
+
+def peers_of(policy: dict[str, Any]) -> list[dict[str, Any]]:
+    peers: list[dict[str, Any]] = policy["spec"]["ingress"][0]["from"]
+    return peers
+
+
+def test_no_redis_peer_admits_pods_of_any_namespace_by_labels_alone() -> None:
+    """A9: the operator's peer was `namespaceSelector: {}` with its two labels, so a Pod of ANY
+    namespace carrying them reached every shard's Redis. Each peer is now either of the shard's
+    own namespace (no namespaceSelector) or names one namespace by kubernetes.io/metadata.name
+    (the API server sets it, nobody can relabel a namespace into it)."""
+    for neighbours in (DEFAULT_NEIGHBOURS, NEIGHBOURS):
+        for policy in (
+            builders.redis_network_policy(REPLICATED, neighbours),
+            builders.sentinel_network_policy(REPLICATED, neighbours),
+        ):
+            for peer in peers_of(policy):
+                assert set(peer) <= {"podSelector", "namespaceSelector"}, peer
+                assert peer["podSelector"]["matchLabels"], peer  # never every Pod
+                if "namespaceSelector" in peer:
+                    assert peer["namespaceSelector"] == {
+                        "matchLabels": {"kubernetes.io/metadata.name": peer_ns(peer)}
+                    }, peer
+                    assert peer_ns(peer) in (REPLICATED.namespace, "ops", "ops-rf-spark")
+
+
+def peer_ns(peer: dict[str, Any]) -> str:
+    ns: str = peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+    return ns
+
+
+def test_the_operator_is_admitted_from_its_namespace_with_its_release_labels() -> None:
+    peers = peers_of(builders.redis_network_policy(REPLICATED, NEIGHBOURS))
+    operator = [
+        p for p in peers if p["podSelector"]["matchLabels"].get(builders.LABEL_COMPONENT) == "operator"
+    ]
+    assert operator == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
+            "podSelector": {"matchLabels": dict(NEIGHBOURS.operator_labels)},
+        }
+    ]
+    # without a configured namespace, the operator is looked for in the shard's own
+    (default,) = [
+        p
+        for p in peers_of(builders.redis_network_policy(REPLICATED))
+        if p["podSelector"]["matchLabels"].get(builders.LABEL_COMPONENT) == "operator"
+    ]
+    assert peer_ns(default) == REPLICATED.namespace
+
+
+def test_spark_pods_are_admitted_from_the_spark_namespace_for_their_fleet_only() -> None:
+    spark = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops-rf-spark"}},
+        "podSelector": {
+            "matchLabels": {"relayfleet.dev/fleet": REPLICATED.fleet, "relayfleet.dev/redis-client": "true"}
+        },
+    }
+    assert spark in peers_of(builders.redis_network_policy(REPLICATED, NEIGHBOURS))
+    assert spark in peers_of(builders.sentinel_network_policy(REPLICATED, NEIGHBOURS))
+    # another fleet, or the same fleet name in another namespace: no Spark peer
+    other = Neighbours(
+        spark_namespace="ops-rf-spark", spark_fleets=frozenset({("elsewhere", REPLICATED.fleet)})
+    )
+    assert all(
+        "ops-rf-spark" not in json.dumps(p)
+        for p in peers_of(builders.redis_network_policy(REPLICATED, other))
+    )
+    # the same-namespace redis clients (the backup job) must carry the fleet's label too
+    (local,) = [
+        p
+        for p in peers_of(builders.redis_network_policy(REPLICATED))
+        if "namespaceSelector" not in p and builders.LABEL_REDIS_CLIENT in p["podSelector"]["matchLabels"]
+    ]
+    assert local["podSelector"]["matchLabels"][builders.LABEL_FLEET] == REPLICATED.fleet
+    backup_pod = builders.backup_cronjob(BACKED_UP)["spec"]["jobTemplate"]["spec"]["template"]["metadata"]
+    assert (
+        local["podSelector"]["matchLabels"].items()
+        <= {
+            **backup_pod["labels"],
+            builders.LABEL_FLEET: REPLICATED.fleet,
+        }.items()
+    )
+
+
+def test_spark_credentials_copy_names_its_source_and_has_no_owner() -> None:
+    copy = builders.spark_credentials_secret("ops-rf-spark", "ops", "main", {"a": "cmVkaXM6Ly8="})
+    meta = copy["metadata"]
+    assert (meta["name"], meta["namespace"]) == ("relayfleet-main-credentials", "ops-rf-spark")
+    assert meta["annotations"] == {builders.SOURCE_NAMESPACE_ANNOTATION: "ops"}
+    assert "ownerReferences" not in meta  # owner references cannot cross namespaces
+    assert copy["data"] == {"a": "cmVkaXM6Ly8="}

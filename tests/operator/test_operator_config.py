@@ -16,7 +16,13 @@ import pytest
 from relayfleet_operator import handlers
 from relayfleet_operator.config import OPERATOR_ENV, OperatorSettings
 from relayfleet_operator.kube import Kube
-from relayfleet_operator.spec import DEFAULT_IMAGE, DEFAULTABLE_LIMITS, ImageDefaults, LimitDefaults
+from relayfleet_operator.spec import (
+    DEFAULT_IMAGE,
+    DEFAULTABLE_LIMITS,
+    ImageDefaults,
+    LimitDefaults,
+    Neighbours,
+)
 
 from relay.settings import ConfigError
 
@@ -82,6 +88,19 @@ def run_module(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
             " (char 0)",
         ),
         (
+            {"RELAYFLEET_OPERATOR_POD_LABELS": "app.kubernetes.io/name"},
+            "relayfleet operator: RELAYFLEET_OPERATOR_POD_LABELS must be a list K=V,... of labels, got"
+            " 'app.kubernetes.io/name'",
+        ),
+        (
+            {"RELAYFLEET_OPERATOR_SPARK_FLEETS": "relay/main"},
+            "relayfleet operator: RELAYFLEET_OPERATOR_SPARK_FLEETS needs RELAYFLEET_OPERATOR_SPARK_NAMESPACE",
+        ),
+        (
+            {"RELAYFLEET_OPERATOR_SPARK_NAMESPACE": "spark", "RELAYFLEET_OPERATOR_SPARK_FLEETS": "main"},
+            "relayfleet operator: RELAYFLEET_OPERATOR_SPARK_FLEETS must be a list NS/FLEET,..., got 'main'",
+        ),
+        (
             {"RELAY_LOG_LEVEL": "loud"},
             "relayfleet operator: RELAY_LOG_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL,"
             " got 'loud'",
@@ -138,6 +157,10 @@ def test_from_env_reads_every_variable_and_the_defaults_are_plain(
         "RELAYFLEET_OPERATOR_DEFAULT_RELAY_LIMITS",
         '{"clientRateMessages": 0, "shardReserveFraction": 0.25, "trustedProxies": ["10.1.2.3"]}',
     )
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_POD_NAMESPACE", "ops")
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_POD_LABELS", "app.kubernetes.io/name=relayfleet,a=b")
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_SPARK_NAMESPACE", "ops-spark")
+    monkeypatch.setenv("RELAYFLEET_OPERATOR_SPARK_FLEETS", "ops/main,ops/two")
     got = OperatorSettings.from_env()
     assert got == OperatorSettings(
         namespace="old-name",
@@ -149,6 +172,12 @@ def test_from_env_reads_every_variable_and_the_defaults_are_plain(
         images=ImageDefaults(relay="registry.test/relay:7", redis="registry.test/redis@sha256:" + "0" * 64),
         limit_defaults=LimitDefaults(
             (("clientRateMessages", 0), ("shardReserveFraction", 0.25), ("trustedProxies", ("10.1.2.3/32",)))
+        ),
+        neighbours=Neighbours(
+            operator_namespace="ops",
+            operator_labels=(("a", "b"), ("app.kubernetes.io/name", "relayfleet")),
+            spark_namespace="ops-spark",
+            spark_fleets=frozenset({("ops", "main"), ("ops", "two")}),
         ),
         crds_dir=tmp_path,
         kubeconfig="/k/one",

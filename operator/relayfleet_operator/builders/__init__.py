@@ -80,7 +80,12 @@ from relayfleet_operator.builders.pdbs import redis_pdb, relay_pdb, sentinel_pdb
 from relayfleet_operator.builders.rbac import relay_role, relay_role_binding, relay_service_account
 from relayfleet_operator.builders.rebalances import join_rebalance, join_rebalance_name
 from relayfleet_operator.builders.redis_conf import redis_auth_conf, redis_conf
-from relayfleet_operator.builders.secrets import credentials_secret, redis_password_secret
+from relayfleet_operator.builders.secrets import (
+    SOURCE_NAMESPACE_ANNOTATION,
+    credentials_secret,
+    redis_password_secret,
+    spark_credentials_secret,
+)
 from relayfleet_operator.builders.services import (
     fleet_service,
     redis_headless_service,
@@ -130,6 +135,7 @@ __all__ = [
     "SENTINEL_FAILOVER_TIMEOUT_MS",
     "SENTINEL_PORT",
     "SENTINEL_QUORUM",
+    "SOURCE_NAMESPACE_ANNOTATION",
     "Ref",
     "backup_claim",
     "backup_cronjob",
@@ -194,5 +200,6 @@ __all__ = [
     "shard_children",
     "shard_map_configmap",
     "shard_map_from_configmap",
+    "spark_credentials_secret",
     "strip_credentials",
 ]

@@ -21,20 +21,22 @@ from relayfleet_operator.builders.services import (
 )
 from relayfleet_operator.builders.statefulsets import redis_statefulset, sentinel_statefulset
 from relayfleet_operator.spec import (
+    DEFAULT_NEIGHBOURS,
     ExternalRedis,
     ManagedRedis,
+    Neighbours,
     ShardSpec,
 )
 
 
-def redis_ha_objects(shard: ShardSpec) -> list[Obj]:
+def redis_ha_objects(shard: ShardSpec, neighbours: Neighbours = DEFAULT_NEIGHBOURS) -> list[Obj]:
     """The extra objects of a shard with replicas (none without)."""
     if not managed_spec(shard).sentinel:
         return []
     return [
         redis_ha_config_map(shard),
         sentinel_service(shard),
-        sentinel_network_policy(shard),
+        sentinel_network_policy(shard, neighbours),
         redis_pdb(shard),
         sentinel_pdb(shard),
         sentinel_statefulset(shard),
@@ -71,27 +73,37 @@ def retired_children(shard: ShardSpec) -> list[list[Ref]]:
     return out
 
 
-def shard_children(shard: ShardSpec, secrets_digest: str | None = None) -> list[Obj]:
+def shard_children(
+    shard: ShardSpec, secrets_digest: str | None = None, neighbours: Neighbours = DEFAULT_NEIGHBOURS
+) -> list[Obj]:
     """Every object owned by one shard, in apply order (the password Secret excepted: it is
-    created once by the handler, never re-applied)."""
+    created once by the handler, never re-applied); `neighbours` for the NetworkPolicies."""
     objs = [relay_service(shard), relay_pdb(shard), relay_deployment(shard, secrets_digest)]
     if isinstance(shard.redis, ExternalRedis):
         return objs
     return [
         redis_config_map(shard),
         redis_headless_service(shard),
-        redis_network_policy(shard),
-        *redis_ha_objects(shard),
+        redis_network_policy(shard, neighbours),
+        *redis_ha_objects(shard, neighbours),
         redis_statefulset(shard),
         *backup_objects(shard),
         *objs,
     ]
 
 
-def reconcile_objects(shard: ShardSpec, owners: Sequence[ShardSpec], secrets_digest: str | None) -> list[Obj]:
+def reconcile_objects(
+    shard: ShardSpec,
+    owners: Sequence[ShardSpec],
+    secrets_digest: str | None,
+    neighbours: Neighbours = DEFAULT_NEIGHBOURS,
+) -> list[Obj]:
     """What one reconcile applies, in order: the fleet's objects first, so the ServiceAccount
     the relay Deployment runs as exists before it (else its ReplicaSet meets FailedCreate)."""
-    return [*fleet_objects(shard.namespace, shard.fleet, owners), *shard_children(shard, secrets_digest)]
+    return [
+        *fleet_objects(shard.namespace, shard.fleet, owners),
+        *shard_children(shard, secrets_digest, neighbours),
+    ]
 
 
 def fleet_objects(namespace: str, fleet: str, owners: Sequence[ShardSpec]) -> list[Obj]:
