@@ -87,6 +87,10 @@ def delete_namespace(env: Env) -> None:
         for name in env.kubectl("get", kind, "-o", "name", check=False).stdout.split():
             env.kubectl("patch", name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False)
     env.cluster.kubectl("delete", "namespace", env.namespace, "--wait=false", check=False)
+    # helm uninstall deletes the Spark namespace it made; this is for a release that failed
+    env.cluster.kubectl(
+        "delete", "namespace", env.spark_namespace, "--wait=false", "--ignore-not-found", check=False
+    )
 
 
 def helm_install_args(env: Env, verb: str, chart: Path, *extra: str) -> list[str]:

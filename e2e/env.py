@@ -47,6 +47,15 @@ class Env:
     ) -> subprocess.CompletedProcess[str]:
         return self.cluster.kubectl("-n", self.namespace, *args, check=check, input=input, timeout=timeout)
 
+    @property
+    def spark_namespace(self) -> str:
+        """The chart's default Spark namespace for this release: <namespace>-<fullname>-spark."""
+        return f"{self.namespace}-{RELEASE}-spark"
+
+    def spark(self) -> Env:
+        """The same cluster, in the Spark jobs' namespace (CronJobs, driver and executor Pods)."""
+        return Env(self.cluster, self.spark_namespace, self.workdir / "spark")
+
     def get(self, *what: str) -> dict[str, Any] | None:
         proc = self.kubectl("get", *what, "-o", "json", check=False)
         if proc.returncode != 0:
@@ -170,6 +179,9 @@ class Env:
                         (out / f"{pname}.{c['name']}{previous.replace('--', '.')}.log").write_text(
                             done.stdout
                         )
+        if not self.namespace.endswith("-spark"):
+            with contextlib.suppress(Exception):
+                self.spark().save_diagnostics()
         nodes = self.cluster.kubectl("describe", "nodes", check=False)
         (out / "nodes.txt").write_text(nodes.stdout + nodes.stderr)
         return out

@@ -1,6 +1,7 @@
 """The chart's Spark CronJobs run for real: a Job made from the CronJob (`kubectl create job
 --from=cronjob/...`) whose Pod is the driver (`spark-submit --master k8s://... --deploy-mode
-client`), executors as Pods of the Spark image it creates with the chart's RBAC.
+client`), executors as Pods of the Spark image it creates with the chart's RBAC, all in the
+chart's Spark namespace (Pod Security "restricted" enforced there).
 
 `JobRun` follows one such Job: every executor Pod seen while it ran, its time, its log. Retention
 is checked as tests/test_spark_retention.py checks it: old messages seeded straight into each
@@ -39,14 +40,21 @@ class JobRun:
     seconds: float = 0.0
     executors: set[str] = field(default_factory=set)
     executor_nodes: set[str] = field(default_factory=set)
+    # each executor Pod's spec as the API admitted it (its securityContext is checked)
+    executor_specs: dict[str, dict[str, Any]] = field(default_factory=dict)
     log: str = ""
     _done: threading.Event = field(default_factory=threading.Event)
     _watch: threading.Thread | None = None
 
+    spark: Env = field(init=False)  # the Spark namespace, where the Job and its Pods run
+
+    def __post_init__(self) -> None:
+        self.spark = self.env.spark()
+
     def start(self) -> JobRun:
         self.name = f"e2e-{self.job}-{int(time.time())}"
         self.started = time.monotonic()
-        self.env.kubectl("create", "job", f"--from=cronjob/{RELEASE}-{self.job}-{FLEET}", self.name)
+        self.spark.kubectl("create", "job", f"--from=cronjob/{RELEASE}-{self.job}-{FLEET}", self.name)
         self._watch = threading.Thread(target=self._watch_executors, name=f"watch-{self.name}", daemon=True)
         self._watch.start()
         return self
@@ -55,6 +63,7 @@ class JobRun:
         # Executors live for seconds: list them every half second while the Job runs.
         while not self._done.is_set():
             for pod in executor_pods(self.env, self.name):
+                self.executor_specs.setdefault(pod["metadata"]["name"], pod["spec"])
                 self.executors.add(pod["metadata"]["name"])
                 if pod["spec"].get("nodeName"):
                     self.executor_nodes.add(pod["spec"]["nodeName"])
@@ -62,17 +71,17 @@ class JobRun:
 
     def finished(self) -> bool:
         """True once the Job succeeded; a failed Job fails the test with the driver's log."""
-        obj = self.env.get("job", self.name)
+        obj = self.spark.get("job", self.name)
         status = (obj or {}).get("status") or {}
         if status.get("failed"):
             self._stop()
-            logs = self.env.kubectl("logs", f"job/{self.name}", "--tail=60", check=False)
+            logs = self.spark.kubectl("logs", f"job/{self.name}", "--tail=60", check=False)
             raise AssertionError(f"job {self.name} failed: {logs.stdout}{logs.stderr}")
         if not status.get("succeeded"):
             return False
         self.seconds = round(time.monotonic() - self.started, 1)
         self._stop()
-        self.log = self.env.kubectl("logs", f"job/{self.name}", check=False).stdout
+        self.log = self.spark.kubectl("logs", f"job/{self.name}", check=False).stdout
         return True
 
     def _stop(self) -> None:
@@ -93,11 +102,13 @@ class JobRun:
 
 def executor_pods(env: Env, job_name: str) -> list[dict[str, Any]]:
     """The executor Pods of the Job `job_name`: those its driver Pods own (Spark sets the driver
-    Pod as their owner; their names come from the driver Pod's UID, unique per run)."""
-    drivers = {p["metadata"]["name"] for p in env.pods(f"batch.kubernetes.io/job-name={job_name}")}
+    Pod as their owner; their names come from the driver Pod's UID, unique per run), in the
+    Spark namespace."""
+    spark = env.spark()
+    drivers = {p["metadata"]["name"] for p in spark.pods(f"batch.kubernetes.io/job-name={job_name}")}
     return [
         p
-        for p in env.pods(EXECUTOR_SELECTOR)
+        for p in spark.pods(EXECUTOR_SELECTOR)
         if any(
             o.get("kind") == "Pod" and o.get("name") in drivers
             for o in p["metadata"].get("ownerReferences") or ()

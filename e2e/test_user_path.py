@@ -58,7 +58,9 @@ def test_chart_installs_and_operator_becomes_available(e2e: Env) -> None:
 
     STATE["t_install"] = time.monotonic()
     wait_for("operator available", available, timeout=120)
-    crons = e2e.kubectl("get", "cronjob", "-o", "name").stdout.split()
+    # the CronJobs live in the Spark namespace, none in the release's (issue 36, A7)
+    assert not e2e.kubectl("get", "cronjob", "-o", "name").stdout.split()
+    crons = e2e.spark().kubectl("get", "cronjob", "-o", "name").stdout.split()
     assert f"cronjob.batch/{RELEASE}-retention-{FLEET}" in crons
     assert f"cronjob.batch/{RELEASE}-rebalance-{FLEET}" in crons
 
@@ -187,6 +189,9 @@ def test_retention_and_rebalance_cronjobs_run_with_executor_pods(e2e: Env) -> No
         TIMINGS[f"{run.job} job"] = run.seconds
         print(f"{run.job}: {run.seconds} s, executor pods seen {sorted(run.executors)}")
         assert len(run.executors) >= 2, (run.job, run.executors)
+        # admitted where Pod Security "restricted" is enforced, with the pod template's context
+        for name, spec in run.executor_specs.items():
+            assert restricted(spec), (name, spec.get("securityContext"), spec["containers"])
         wait_for(f"{run.job} executors gone", partial(no_executors, e2e, run.name), timeout=120)
 
     # Exactly the messages past max-age, and the queue they emptied (idle past max-age too).
@@ -200,6 +205,23 @@ def test_retention_and_rebalance_cronjobs_run_with_executor_pods(e2e: Env) -> No
         n = planted.old_per_queue
         assert after[f"{name}/mixed"] == {"seqs": [n + 1, n + 2], "exists": True}, after
     STATE["retention"] = {"removed": planted.expected_removed, "rows": rows}
+
+
+def restricted(spec: dict[str, Any]) -> bool:
+    """What Pod Security "restricted" asks of a Pod (the fields the pod template sets)."""
+    pod = spec.get("securityContext") or {}
+    for c in spec["containers"]:
+        ctx = c.get("securityContext") or {}
+        if ctx.get("allowPrivilegeEscalation") is not False or "ALL" not in (
+            ctx.get("capabilities") or {}
+        ).get("drop", []):
+            return False
+        if not (ctx.get("runAsNonRoot") or pod.get("runAsNonRoot")):
+            return False
+        seccomp = (ctx.get("seccompProfile") or pod.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            return False
+    return True
 
 
 def test_metrics_are_served(e2e: Env) -> None:

@@ -201,7 +201,7 @@ def test_only_the_fleets_own_parts_may_reach_shard_redis() -> None:
         (("app.kubernetes.io/component", "relay"), ("relayfleet.dev/fleet", "main")),
         (("app.kubernetes.io/component", "redis"), ("relayfleet.dev/fleet", "main")),
         (("app.kubernetes.io/component", "sentinel"), ("relayfleet.dev/fleet", "main")),
-        (("relayfleet.dev/redis-client", "true"),),
+        (("relayfleet.dev/fleet", "main"), ("relayfleet.dev/redis-client", "true")),
         (("app.kubernetes.io/component", "operator"), ("app.kubernetes.io/name", "relayfleet")),
     }
     replicated = parse_shard(shard_body("r", redis={"managed": {"replicas": 2, "minReplicas": 1}}))
@@ -221,6 +221,12 @@ def test_only_the_fleets_own_parts_may_reach_shard_redis() -> None:
                     assert rule["ports"] == [{"protocol": "TCP", "port": port}]
                     for peer in rule["from"]:
                         assert "ipBlock" not in peer
+                        # a peer beyond the shard's namespace names ONE namespace (issue 36, A9:
+                        # `namespaceSelector: {}` admitted the operator's labels from any)
+                        if "namespaceSelector" in peer:
+                            assert peer["namespaceSelector"] == {
+                                "matchLabels": {"kubernetes.io/metadata.name": shard.namespace}
+                            }, peer
                         labels = tuple(sorted(peer["podSelector"]["matchLabels"].items()))
                         assert labels in allowed, peer
     # the fleet peers select the fleet's own pods: a Sentinel and a Redis pod carry those labels

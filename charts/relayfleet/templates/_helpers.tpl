@@ -46,6 +46,29 @@ app.kubernetes.io/component: operator
 {{- default (printf "%s-spark" (include "relayfleet.fullname" .)) .Values.spark.serviceAccount.name -}}
 {{- end -}}
 
+{{/* Whether any Spark CronJob renders (and with it the Spark namespace and its RBAC). */}}
+{{- define "relayfleet.spark.enabled" -}}
+{{- if and .Values.spark.fleets (or .Values.spark.retention.enabled .Values.spark.rebalance.enabled) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The Spark jobs' own namespace: never the release's, where the operator's and Redis'
+Secrets, ServiceAccounts and claims live (docs/spark.md, "Namespaces and rights"). */}}
+{{- define "relayfleet.spark.namespace" -}}
+{{- $name := default (printf "%s-%s-spark" .Release.Namespace (include "relayfleet.fullname" .)) .Values.spark.namespace.name -}}
+{{- if gt (len $name) 63 -}}
+{{- fail (printf "the Spark namespace %q is longer than 63 characters: set spark.namespace.name" $name) -}}
+{{- end -}}
+{{- if or (eq $name .Release.Namespace) (eq $name (include "relayfleet.watchNamespace" .)) -}}
+{{- fail "spark.namespace.name must not be the release's or the watched namespace: the Spark jobs get a namespace of their own" -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+
+{{/* Where the fleets the Spark jobs serve live (their shard maps, RelayShards, RelayRebalances). */}}
+{{- define "relayfleet.spark.fleetNamespace" -}}
+{{- include "relayfleet.watchNamespace" . -}}
+{{- end -}}
+
 {{- define "relayfleet.watchNamespace" -}}
 {{- default .Release.Namespace .Values.operator.watchNamespace -}}
 {{- end -}}
