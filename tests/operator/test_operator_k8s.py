@@ -216,8 +216,14 @@ def test_chart_passes_server_side_dry_run(kube_apiserver: KubeCluster, apiserver
         "template", "relayfleet", str(ROOT / "charts" / "relayfleet"), "--namespace", apiserver_ns
     )
     docs = [d for d in yaml.safe_load_all(rendered) if d]
-    assert {d["kind"] for d in docs} >= {"Deployment", "CronJob", "Role", "ServiceAccount"}
-    proc = kube_apiserver.kubectl("apply", "--dry-run=server", "-f", "-", input=rendered, check=False)
+    assert {d["kind"] for d in docs} >= {"Deployment", "CronJob", "Role", "ServiceAccount", "Namespace"}
+    # a dry run creates nothing: the Spark namespace's objects need it to exist already
+    (spark_ns,) = [d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"]
+    kube_apiserver.kubectl("create", "namespace", spark_ns)
+    try:
+        proc = kube_apiserver.kubectl("apply", "--dry-run=server", "-f", "-", input=rendered, check=False)
+    finally:
+        kube_apiserver.kubectl("delete", "namespace", spark_ns, "--wait=false", check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("(server dry run)") == len(docs)
     # The CRDs as the chart ships them go through the same check.

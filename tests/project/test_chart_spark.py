@@ -123,7 +123,9 @@ def test_the_spark_role_lets_spark_clean_up_its_services() -> None:
     (role,) = [
         d
         for d in render(include_crds=False)
-        if d["kind"] == "Role" and d["metadata"]["name"] == "relayfleet-spark"
+        if d["kind"] == "Role"
+        and d["metadata"]["name"] == "relayfleet-spark"
+        and d["metadata"]["namespace"].endswith("-spark")  # its own namespace, where Spark runs
     ]
     verbs = {
         v
