@@ -1,4 +1,4 @@
-"""Issue 36, A7-A9 on the real node: what the Spark jobs' ServiceAccount may do, whether the
+"""Least privilege on the real node: what the Spark jobs' ServiceAccount may do, whether the
 executors' Pod template passes Pod Security "restricted" where it is enforced, and whom the
 operator's Redis NetworkPolicy admits.
 

@@ -58,7 +58,7 @@ def test_chart_installs_and_operator_becomes_available(e2e: Env) -> None:
 
     STATE["t_install"] = time.monotonic()
     wait_for("operator available", available, timeout=120)
-    # the CronJobs live in the Spark namespace, none in the release's (issue 36, A7)
+    # the CronJobs live in the Spark namespace, none in the release's
     assert not e2e.kubectl("get", "cronjob", "-o", "name").stdout.split()
     crons = e2e.spark().kubectl("get", "cronjob", "-o", "name").stdout.split()
     assert f"cronjob.batch/{RELEASE}-retention-{FLEET}" in crons

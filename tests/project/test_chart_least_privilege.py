@@ -1,4 +1,4 @@
-"""Issue 36, A7-A9 as the chart renders them (helm template), and on a real API server.
+"""Least privilege as the chart renders it (helm template), and on a real API server.
 
 A7: the Spark jobs run in a namespace of their own; their ServiceAccount holds no right on
 Pods, claims, Secrets or ServiceAccounts of the release namespace (only the shard maps by
