@@ -81,8 +81,15 @@ def test_spark_account_has_no_pod_claim_secret_or_account_rights_in_the_release_
     assert set(rules) == {NS, SPARK_NS}
     for rule in rules[NS]:
         assert not set(rule["resources"]) & DANGEROUS, rule
-        assert "*" not in rule["verbs"] and "*" not in rule["apiGroups"], rule
-    granted = {(g, r, v) for rule in rules[NS] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+        assert "*" not in rule["verbs"], rule
+        assert "*" not in rule["apiGroups"], rule
+    granted = {
+        (g, r, v)
+        for rule in rules[NS]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
     assert granted == {
         ("", "configmaps", "get"),
         ("relayfleet.dev", "relayshards", "get"),
@@ -115,7 +122,9 @@ def test_the_operator_may_only_keep_the_credentials_copy_in_the_spark_namespace(
     env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["RELAYFLEET_OPERATOR_SPARK_NAMESPACE"]["value"] == SPARK_NS
     assert env["RELAYFLEET_OPERATOR_SPARK_FLEETS"]["value"] == f"{NS}/default,{NS}/main"
-    assert env["RELAYFLEET_OPERATOR_POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["RELAYFLEET_OPERATOR_POD_NAMESPACE"]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "metadata.namespace"}
+    }
     # the labels the NetworkPolicy will select the operator by are its Pods' own, release included
     labels = dict(kv.split("=") for kv in env["RELAYFLEET_OPERATOR_POD_LABELS"]["value"].split(","))
     assert labels["app.kubernetes.io/instance"] == "relayfleet"
@@ -154,7 +163,9 @@ def test_the_spark_namespace_value() -> None:
 
 
 def executor_template(rendered: list[dict[str, Any]]) -> dict[str, Any]:
-    (cm,) = [d for d in by_kind(rendered, "ConfigMap") if d["metadata"]["name"] == "relayfleet-spark-executor"]
+    (cm,) = [
+        d for d in by_kind(rendered, "ConfigMap") if d["metadata"]["name"] == "relayfleet-spark-executor"
+    ]
     assert cm["metadata"]["namespace"] == SPARK_NS
     pod: dict[str, Any] = yaml.safe_load(cm["data"]["executor-pod.yaml"])
     return pod
@@ -255,11 +266,16 @@ def test_rbac_and_pod_security_on_the_api_server(kube_apiserver: KubeCluster, ap
         assert "forbidden" in proc.stderr.lower(), proc.stderr
 
         cm = json.loads(
-            kube_apiserver.kubectl("-n", spark_ns, "get", "configmap", "relayfleet-spark-executor", "-o", "json").stdout
+            kube_apiserver.kubectl(
+                "-n", spark_ns, "get", "configmap", "relayfleet-spark-executor", "-o", "json"
+            ).stdout
         )
         executor: dict[str, Any] = yaml.safe_load(cm["data"]["executor-pod.yaml"])
         executor["metadata"] = {"name": "exec-1"}
-        executor["spec"]["containers"][0] |= {"image": "ghcr.io/relayfleet/relayfleet-spark:x", "command": ["true"]}
+        executor["spec"]["containers"][0] |= {
+            "image": "ghcr.io/relayfleet/relayfleet-spark:x",
+            "command": ["true"],
+        }
         made = kube_apiserver.kubectl(
             "-n", spark_ns, "create", "-f", "-", f"--as={user}", input=json.dumps(executor), check=False
         )
@@ -282,5 +298,7 @@ def test_rbac_and_pod_security_on_the_api_server(kube_apiserver: KubeCluster, ap
 @pytest.mark.parametrize("sets", [[], ["operator.watchAllNamespaces=true"]])
 def test_kubernetes_validate_accepts_the_new_objects(sets: list[str]) -> None:
     for d in docs(*sets):
-        if d["kind"] in ("Namespace", "Role", "RoleBinding") or d["metadata"]["name"].endswith("spark-executor"):
+        if d["kind"] in ("Namespace", "Role", "RoleBinding") or d["metadata"]["name"].endswith(
+            "spark-executor"
+        ):
             kubernetes_validate.validate(d, K8S_VERSION, strict=True)
