@@ -349,6 +349,46 @@ def test_operator_creates_children_and_reports_status(kwok_fleet: KwokFleet) -> 
     assert f'relayfleet_operator_shard_map_epoch{{fleet="main",namespace="{ns}"}}' in text
 
 
+def test_spark_namespace_gets_the_credentials_copy_and_a_redis_peer(kwok_fleet: KwokFleet) -> None:
+    """What the chart tells the operator about the Spark jobs: their namespace holds a copy of
+    the fleet's credentials Secret, kept equal to it (a shard leaving removes its key), and the
+    managed shards' Redis NetworkPolicy admits the fleet's Pods of that namespace."""
+    fleet, ns = kwok_fleet, kwok_fleet.ns
+    spark_ns = f"{ns}-spark"
+    fleet.cluster.kubectl("create", "namespace", spark_ns)
+    try:
+        fleet.redis("a")
+        fleet.operator.start(
+            RELAYFLEET_OPERATOR_POD_NAMESPACE=ns,
+            RELAYFLEET_OPERATOR_SPARK_NAMESPACE=spark_ns,
+            RELAYFLEET_OPERATOR_SPARK_FLEETS=f"{ns}/main",
+        )
+        fleet.apply(fleet.external("a"), shard("b"))
+
+        def copied(keys: set[str]) -> dict[str, Any] | None:
+            source = fleet.get("secret", "relayfleet-main-credentials")
+            copy = get(fleet.cluster, spark_ns, "secret", "relayfleet-main-credentials")
+            if not (source and copy) or set(copy.get("data") or {}) != keys:
+                return None
+            return copy if copy["data"] == source["data"] else None
+
+        copy = wait_for("the credentials copy with a and b", partial(copied, {"a", "b"}), timeout=120)
+        assert copy["metadata"]["annotations"]["relayfleet.dev/source-namespace"] == ns
+        assert "ownerReferences" not in copy["metadata"]
+        policy = wait_for("b's Redis NetworkPolicy", lambda: fleet.get("networkpolicy", "relayfleet-b-redis"))
+        peers = policy["spec"]["ingress"][0]["from"]
+        assert {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": spark_ns}},
+            "podSelector": {
+                "matchLabels": {"relayfleet.dev/fleet": "main", "relayfleet.dev/redis-client": "true"}
+            },
+        } in peers
+        fleet.cluster.kubectl("-n", ns, "delete", "rshard", "b", "--wait=false")
+        wait_for("b's key gone from the copy", partial(copied, {"a"}), timeout=180)
+    finally:
+        fleet.cluster.kubectl("delete", "namespace", spark_ns, "--wait=false", check=False)
+
+
 def test_auto_rebalance_gives_a_new_shard_its_share(kwok_fleet: KwokFleet) -> None:
     fleet = kwok_fleet
     fleet.redis("a", "b")
