@@ -31,7 +31,8 @@ def operator_container(*sets: str) -> dict[str, Any]:
 
 
 def env_of(container: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container["env"]}
+    """Each variable's value; one from the downward API (valueFrom) as its field path."""
+    return {e["name"]: e.get("value") or e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
 
 
 def test_the_operator_takes_the_shards_default_images_from_the_values() -> None:

@@ -43,8 +43,11 @@ def by_kind(rendered: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in rendered if d["kind"] == kind]
 
 
-def rules_of(rendered: list[dict[str, Any]], sa_ns: str, sa: str) -> dict[str, list[dict[str, Any]]]:
-    """Per namespace, the rules every RoleBinding of the rendered chart gives that ServiceAccount."""
+def rules_of(
+    rendered: list[dict[str, Any]], sa_ns: str, sa: str, cluster_wide: bool = False
+) -> dict[str, list[dict[str, Any]]]:
+    """Per namespace, the rules every RoleBinding of the rendered chart gives that ServiceAccount
+    (and, unless `cluster_wide`, that no ClusterRoleBinding names it)."""
     roles = {(r["metadata"].get("namespace"), r["metadata"]["name"]): r for r in by_kind(rendered, "Role")}
     out: dict[str, list[dict[str, Any]]] = {}
     for rb in by_kind(rendered, "RoleBinding"):
@@ -52,7 +55,9 @@ def rules_of(rendered: list[dict[str, Any]], sa_ns: str, sa: str) -> dict[str, l
             ns = rb["metadata"]["namespace"]
             out.setdefault(ns, []).extend(roles[(ns, rb["roleRef"]["name"])]["rules"])
     for crb in by_kind(rendered, "ClusterRoleBinding"):
-        assert {"kind": "ServiceAccount", "name": sa, "namespace": sa_ns} not in crb["subjects"], crb
+        assert (
+            cluster_wide or {"kind": "ServiceAccount", "name": sa, "namespace": sa_ns} not in crb["subjects"]
+        ), crb
     return out
 
 
@@ -108,7 +113,7 @@ def test_spark_account_has_no_pod_claim_secret_or_account_rights_in_the_release_
 
 def test_the_operator_may_only_keep_the_credentials_copy_in_the_spark_namespace() -> None:
     rendered = docs("spark.fleets={default,main}")
-    rules = rules_of(rendered, NS, "relayfleet-operator")
+    rules = rules_of(rendered, NS, "relayfleet-operator", cluster_wide=True)
     assert rules[SPARK_NS] == [
         {
             "apiGroups": [""],
@@ -132,7 +137,7 @@ def test_the_operator_may_only_keep_the_credentials_copy_in_the_spark_namespace(
     # Spark off: no namespace, no rights there, no Spark settings for the operator
     off = docs("spark.retention.enabled=false", "spark.rebalance.enabled=false")
     assert not by_kind(off, "Namespace")
-    assert SPARK_NS not in rules_of(off, NS, "relayfleet-operator")
+    assert SPARK_NS not in rules_of(off, NS, "relayfleet-operator", cluster_wide=True)
     (dep,) = [d for d in by_kind(off, "Deployment") if d["metadata"]["name"] == "relayfleet-operator"]
     names = {e["name"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert "RELAYFLEET_OPERATOR_SPARK_NAMESPACE" not in names
