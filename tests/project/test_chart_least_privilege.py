@@ -281,6 +281,8 @@ def test_rbac_and_pod_security_on_the_api_server(kube_apiserver: KubeCluster, ap
             "image": "ghcr.io/relayfleet/relayfleet-spark:x",
             "command": ["true"],
         }
+        # the controller-manager makes each namespace's "default" account; the bare API server has none
+        kube_apiserver.kubectl("-n", spark_ns, "create", "serviceaccount", "default", check=False)
         made = kube_apiserver.kubectl(
             "-n", spark_ns, "create", "-f", "-", f"--as={user}", input=json.dumps(executor), check=False
         )
