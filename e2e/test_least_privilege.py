@@ -34,8 +34,8 @@ FORBIDDEN_IN_RELEASE_NS = [
     ("delete", "persistentvolumeclaims"),
     ("get", "secrets"),
     ("list", "secrets"),
-    ("create", "serviceaccounts/token"),
-    ("create", "pods/exec"),
+    ("create", "serviceaccounts"),
+    ("list", "pods"),
     ("delete", "pods"),
 ]
 # what it needs there (the shard map by name, RelayShards, RelayRebalance proposals)
