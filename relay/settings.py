@@ -119,6 +119,11 @@ RELAY_ENV: tuple[EnvVar, ...] = (
         "a DIDComm connection and its key registrations expire after this long without its activity",
     ),
     EnvVar(
+        "RELAY_DIDCOMM_SWEEP_INTERVAL_S",
+        "600",
+        "expired DIDComm records are removed from Redis at most this long after expiry (0: only on writes)",
+    ),
+    EnvVar(
         "RELAY_DIDCOMM_MAX_CONNECTIONS_PER_CLIENT",
         "100",
         "new DIDComm connections one client (source address) may open per hour, per relay (0: off)",
@@ -301,6 +306,9 @@ class Settings:
     didcomm_max_keys_per_connection: int = 100
     didcomm_idle_expiry_s: float = 30 * 86400.0
     didcomm_max_connections_per_client: int = 100
+    # How often the fleet sweeps each shard's expired DIDComm records (relay/didcomm/sweep.py;
+    # 0: only the mediator's writes to a slot sweep it).
+    didcomm_sweep_interval_s: float = 600.0
     # Per-client quota across recipients (relay/api/quota.py, docs/api.md "Client quota"): a
     # token bucket per client of this many messages and payload bytes, refilled over the window.
     client_rate_messages: int = 10_000
@@ -331,6 +339,9 @@ class Settings:
             ),
             "didcomm_max_connections_per_client": max(
                 0, env_int("RELAY_DIDCOMM_MAX_CONNECTIONS_PER_CLIENT", d.didcomm_max_connections_per_client)
+            ),
+            "didcomm_sweep_interval_s": max(
+                0.0, env_float("RELAY_DIDCOMM_SWEEP_INTERVAL_S", d.didcomm_sweep_interval_s)
             ),
             "enqueue_tokens": enqueue_tokens_from_env(),
             "push_webhook": env_secret("RELAY_PUSH_WEBHOOK"),

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import math
 import weakref
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
@@ -28,6 +28,7 @@ from relay.didcomm.mediator import HANDLED_TYPES, Caller, ForwardRefused, Mediat
 from relay.didcomm.mediator_pickup import message_id
 from relay.didcomm.messages import MediatorError
 from relay.didcomm.records import QUEUE_CHANNEL, Connection
+from relay.didcomm.sweep import RecordSweep
 from relay.service import Unavailable
 
 log = logging.getLogger("relay.didcomm")
@@ -38,6 +39,7 @@ routes = web.RouteTableDef()
 MEDIATOR = web.AppKey("relayfleet_didcomm_mediator", Mediator)
 SOCKETS = web.AppKey("relayfleet_didcomm_sockets", weakref.WeakSet[web.WebSocketResponse])
 CLIENTS = web.AppKey("relayfleet_didcomm_clients", ClientQuota)
+SWEEP = web.AppKey("relayfleet_didcomm_sweep", RecordSweep)
 CONTENT_TYPES = ("application/didcomm-envelope-enc", "application/ssi-agent-wire", "application/json")
 REPLY_TYPE = "application/didcomm-envelope-enc"
 HEARTBEAT_S = 20.0
@@ -282,6 +284,14 @@ def load_identity(seed_file: str, public_url: str) -> dk.Identity:
     return dk.Identity.from_seed(seed, public_url)
 
 
+async def _sweeping(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.get_running_loop().create_task(app[SWEEP].run())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 async def _close_all(app: web.Application) -> None:
     sockets: weakref.WeakSet[web.WebSocketResponse] = app[SOCKETS]
     for ws in list(sockets):
@@ -317,3 +327,6 @@ def setup(app: web.Application) -> None:
         s.didcomm_idle_expiry_s,
         s.didcomm_max_connections_per_client,
     )
+    if s.didcomm_sweep_interval_s > 0:  # expired records leave Redis without a write to their slot
+        app[SWEEP] = RecordSweep(c.service.fleet, s.didcomm_sweep_interval_s)
+        app.cleanup_ctx.append(_sweeping)

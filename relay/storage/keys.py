@@ -27,6 +27,10 @@ SHARD_SEQ_FLOOR = f"{PREFIX}:seq-floor"
 # Which relay process reads this shard's slot statistics for the metrics (a lease, so a
 # fleet of N relays sweeps each shard once, not N times).
 SHARD_STATS_LEASE = f"{PREFIX}:stats-lease"
+# Which relay process sweeps this shard's expired DIDComm records this round
+# (relay/didcomm/sweep.py; a lease shorter than a round, so a fleet sweeps each shard once a
+# round, not once per relay, and a holder that died is replaced the next round).
+SHARD_DIDCOMM_SWEEP_LEASE = f"{PREFIX}:didcomm-sweep-lease"
 # Pub/sub channel on a migration's source shard: "the shard map moved slots off this shard,
 # reload it". Every relay's wakeup subscriber listens, so long-polls on queues that have no
 # Redis state yet (never written: not in any slot index, so no per-queue wakeup reaches

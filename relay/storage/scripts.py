@@ -83,6 +83,8 @@ DC_GET = _load("dc_get", _PRELUDE)
 DC_SET = _load("dc_set", _PRELUDE)
 DC_CLAIM = _load("dc_claim", _PRELUDE)
 DC_LIST = _load("dc_list", _PRELUDE)
+# Their periodic idle-expiry sweep over a batch of slots (relay/didcomm/sweep.py).
+DC_EXPIRE = _load("dc_expire", _PRELUDE)
 
 # The slots' load statistics in batches (relay.shard_health through a relay's bulk lane,
 # relay.storage.maintenance through script_runner).
@@ -103,6 +105,7 @@ ALL: tuple[Script, ...] = (
     DC_SET,
     DC_CLAIM,
     DC_LIST,
+    DC_EXPIRE,
     SLOT_SWEEP,
 )
 

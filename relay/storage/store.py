@@ -785,3 +785,15 @@ class ShardStore:
         """False when adding would pass `cap` (nothing added)."""
         reply = await self._records(scripts.DC_LIST, slot, (field, "add" if add else "remove", cap, *members))
         return bool(reply[0] == b"ok")
+
+    async def record_expire(self, slots: Sequence[int], now_ms: int, budget: int) -> tuple[int, int, int]:
+        """dc_expire.lua over these slots, on the bulk lane (the hot lane's batches never carry
+        it): (records removed, position from 1 of the slot to call again from or 0 when all
+        are done, fenced slots skipped). At most `budget` records removed."""
+        keys = tuple(k for s in slots for k in (K.slot_state(s), K.slot_didcomm(s), K.slot_didcomm_idle(s)))
+        reply = await self._bulk.call(scripts.DC_EXPIRE, keys, (now_ms, budget))
+        return int(reply[1]), int(reply[2]), int(reply[3])
+
+    async def take_lease(self, key: str, holder: str, ms: int) -> bool:
+        """SET key holder NX PX ms over the bulk lane: True when this call took the lease."""
+        return await self._bulk.submit(encode("SET", key, holder, "NX", "PX", ms)) is not None

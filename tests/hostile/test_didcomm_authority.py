@@ -164,9 +164,13 @@ async def test_a_squatted_key_is_held_until_expiry_and_forwards_stay_encrypted(t
 
 async def test_keys_and_connections_are_capped_and_records_expire(tmp_path: Path) -> None:
     """5,000 keys over 5 connections: 100 a connection registered, the rest refused; a sixth
-    connection from the same client in the hour refused 429; everything expires when idle."""
+    connection from the same client in the hour refused 429; everything expires when idle, and
+    the periodic sweep (every second here) removes it from Redis with no write to its slots."""
     relay = relay_with(
-        tmp_path, relay_didcomm_idle_expiry_s="4", relay_didcomm_max_connections_per_client="5"
+        tmp_path,
+        relay_didcomm_idle_expiry_s="4",
+        relay_didcomm_max_connections_per_client="5",
+        relay_didcomm_sweep_interval_s="1",
     )
     try:
         async with aiohttp.ClientSession() as http:
@@ -184,7 +188,8 @@ async def test_keys_and_connections_are_capped_and_records_expire(tmp_path: Path
                 await agents[5].connect()
             status, body, headers = await exchange_answer(http, relay, agents[5])
             r = redis_client.Redis.from_url(relay.redis.url)
-            fields_before = sum(r.hlen(k) for k in r.scan_iter("rf:{*}:didcomm"))
+            fields_before, idle_before = record_fields(r)
+            expires = time.monotonic() + 4.0
             await asyncio.sleep(4.5)
             # expired: every connection unknown, every key unregistered (a forward finds no one)
             codes = []
@@ -194,7 +199,13 @@ async def test_keys_and_connections_are_capped_and_records_expire(tmp_path: Path
             routing = dk.verkey_from(agents[0].grant["routing_keys"][0])
             fwd = forward_envelope(routing, keys[0], inner_message(keys[0], "late"))
             forward_status = (await agents[0].post(fwd))[0]
-            fields_after = sum(r.hlen(k) for k in r.scan_iter("rf:{*}:didcomm"))
+            # gone from Redis within two sweep intervals of the expiry (docs/protocols.md, "Limits")
+            for _ in range(int((expires + 2.5 - time.monotonic()) / 0.1)):
+                if record_fields(r) == (0, 0):
+                    break
+                await asyncio.sleep(0.1)
+            fields_after, idle_after = record_fields(r)
+            removed_after_s = round(time.monotonic() - expires, 1)
         report(
             "didcomm_records",
             keys_asked=len(results),
@@ -204,7 +215,13 @@ async def test_keys_and_connections_are_capped_and_records_expire(tmp_path: Path
             sixth_connection=status,
             record_fields_before_expiry=fields_before,
             record_fields_after_expiry=fields_after,
+            idle_members_before_expiry=idle_before,
+            idle_members_after_expiry=idle_after,
+            removed_seconds_after_expiry=removed_after_s,
         )
+        assert fields_before == 510  # 500 registrations, 5 connections, their 5 keylists
+        assert idle_before == 505  # a registration or a connection each
+        assert (fields_after, idle_after) == (0, 0)
         assert results.count("success") == 500
         assert results.count("server_error") == 4500
         assert status == 429
@@ -214,6 +231,13 @@ async def test_keys_and_connections_are_capped_and_records_expire(tmp_path: Path
         assert forward_status == 404
     finally:
         stop_all(relay)
+
+
+def record_fields(r: redis_client.Redis) -> tuple[int, int]:
+    """Fields of every slot's DIDComm records hash and members of every idle-expiry zset."""
+    fields = sum(r.hlen(k) for k in r.scan_iter("rf:{*}:didcomm"))
+    members = sum(r.zcard(k) for k in r.scan_iter("rf:{*}:didcomm-idle"))
+    return fields, members
 
 
 async def exchange_answer(

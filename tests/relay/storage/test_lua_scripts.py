@@ -488,6 +488,30 @@ def test_didcomm_records_expire_when_idle(r: redis.Redis) -> None:
     assert r.zscore(K.slot_didcomm_idle(SLOT), "c:old") == t + idle
 
 
+def test_didcomm_expire_sweeps_a_batch_of_slots_within_its_budget(r: redis.Redis) -> None:
+    """dc_expire removes expired records (with their keylist / lease) across a batch of slots,
+    at most `budget` a call, answers where to resume, skips a fenced slot and keeps live ones."""
+    t, idle = 1_000_000, 500
+    slots = (SLOT, SLOT + 1, SLOT + 2)
+    dc = {s: (K.slot_state(s), K.slot_didcomm(s), K.slot_didcomm_idle(s)) for s in slots}
+    for s in slots:
+        pairs = [x for i in range(5) for x in (f"c:a{i}", "{}", f"r:a{i}", "k")]
+        run(r, scripts.DC_SET, dc[s], (t, idle, len(pairs) // 2, *pairs))
+    run(r, scripts.DC_SET, dc[SLOT + 2], (t, 2 * idle, 1, "c:live", "{}"))  # expires later
+    r.set(K.slot_state(SLOT + 1), "migrating")
+    keys = [k for s in slots for k in dc[s]]
+    assert list(run(r, scripts.DC_EXPIRE, keys, (t + idle, 3))) == [b"ok", 3, 1, 0]  # budget spent in slot 1
+    assert list(run(r, scripts.DC_EXPIRE, keys, (t + idle, 3))) == [b"ok", 3, 3, 1]  # resume in slot 3
+    assert list(run(r, scripts.DC_EXPIRE, keys[6:], (t + idle, 3))) == [b"ok", 3, 1, 0]
+    assert list(run(r, scripts.DC_EXPIRE, keys[6:], (t + idle, 3))) == [b"ok", 1, 0, 0]
+    assert r.hlen(K.slot_didcomm(SLOT)) == 0
+    assert not r.exists(K.slot_didcomm_idle(SLOT))
+    assert r.hlen(K.slot_didcomm(SLOT + 1)) == 10  # migrating: the copy's, swept where it lands
+    assert r.hkeys(K.slot_didcomm(SLOT + 2)) == [b"c:live"]
+    assert r.zrange(K.slot_didcomm_idle(SLOT + 2), 0, -1) == [b"c:live"]
+    assert list(run(r, scripts.DC_EXPIRE, keys, (t + idle, 3))) == [b"ok", 0, 0, 1]
+
+
 def test_slot_state_compare_and_set(r: redis.Redis) -> None:
     st = (K.slot_state(SLOT),)
     assert list(run(r, scripts.SLOT_STATE, st, ("migrating", ""))) == [1, b""]
