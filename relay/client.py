@@ -271,8 +271,9 @@ class RelayClient:
 
     async def channels(self, recipient: Key | None = None) -> dict[str, Any]:
         """The recipient's channels and what each holds (signed): {"channels": [{"channel",
-        "message_count", "total_bytes"}, ...], "message_count", "total_bytes"}; the default
-        channel ("") first."""
+        "message_count", "total_bytes", "mediated"}, ...], "message_count", "total_bytes"}; the
+        default channel ("") first. An entry with "mediated" true is the DIDComm mediator's queue
+        of the key: counted in the totals and the recipient's quotas, not readable here."""
         r = recipient or self._me()
         _, doc = await self.request("GET", self._path(r, "channels", {}), sign=True)
         return doc

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from relay.api import pickup
 from relay.didcomm.messages import PREFIXES
+from relay.storage.keys import MEDIATOR_CHANNEL, b64
 
 routes = web.RouteTableDef()
 
@@ -221,9 +222,19 @@ SCHEMAS: dict[str, Any] = {
                     "type": "object",
                     "required": ["channel", "message_count", "total_bytes"],
                     "properties": {
-                        "channel": {"type": "string", "pattern": CHANNEL_PATTERN},
+                        "channel": {
+                            "type": "string",
+                            "description": "a channel of the HTTP API, or (mediated) the DIDComm mediator's",
+                            "anyOf": [{"pattern": CHANNEL_PATTERN}, {"const": b64(MEDIATOR_CHANNEL)}],
+                        },
                         "message_count": {"type": "integer", "minimum": 0},
                         "total_bytes": {"type": "integer", "minimum": 0},
+                        "mediated": {
+                            "type": "boolean",
+                            "description": "the DIDComm mediator's queue of this key (forwards to it):"
+                            " counted in the recipient's quotas and totals, read only by DIDComm Pickup"
+                            " (the HTTP API refuses its channel, 400 bad_channel)",
+                        },
                     },
                 },
             },

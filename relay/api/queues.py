@@ -12,6 +12,7 @@ from aiohttp import web
 from relay.api import bulk, params, quota
 from relay.api.context import ctx
 from relay.api.errors import ApiError, bad_request, json_response
+from relay.storage.keys import MEDIATOR_CHANNEL
 from relay.storage.store import EnqueueOutcome, EnqueueRequest, Message, ReadResult
 
 routes = web.RouteTableDef()
@@ -216,7 +217,9 @@ async def status(request: web.Request) -> web.Response:
 @routes.get("/v1/queues/{recipient}/channels")
 async def channels(request: web.Request) -> web.Response:
     """The recipient's channels (the default one, "", first) and what each holds: signed like
-    every queue read. Creates no Redis state for an unknown recipient."""
+    every queue read. Creates no Redis state for an unknown recipient. The DIDComm mediator's
+    queue of the key (forwards to it, when a connection registered it) is listed too, marked
+    "mediated": it counts against the recipient's quotas, but only Pickup reads it."""
     c = ctx(request)
     recipient = params.recipient_key(request.match_info["recipient"])
     await c.auth.verify(request, recipient)
@@ -224,7 +227,12 @@ async def channels(request: web.Request) -> web.Response:
     return json_response(
         {
             "channels": [
-                {"channel": params.b64encode(ch), "message_count": st.count, "total_bytes": st.bytes}
+                {
+                    "channel": params.b64encode(ch),
+                    "message_count": st.count,
+                    "total_bytes": st.bytes,
+                    "mediated": ch == MEDIATOR_CHANNEL,
+                }
                 for ch, st in found
             ],
             "message_count": sum(st.count for _, st in found),

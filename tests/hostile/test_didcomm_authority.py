@@ -17,9 +17,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 import redis as redis_client
+from nacl.signing import SigningKey
 
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import EnvelopeError, pack, parse, unpack
+from relay.protocol import authorization, canonical
 from relay.storage import keys as K
 from tests.hostile.didcomm_attacker import didcomm_relay, stop_all
 from tests.hostile.harness import Relay, report
@@ -106,6 +108,70 @@ async def test_mediated_messages_live_where_the_http_api_cannot_name_them(signed
         async with http.post(url, data=b"x") as resp:
             assert resp.status == 400
             assert (await resp.json())["code"] == "bad_channel"
+
+
+def signed_headers(sk: SigningKey, method: str, path: str) -> dict[str, str]:
+    """The contract's signature of a bodiless request, by hand (no client)."""
+    ts, nonce = str(int(time.time())), b64(os.urandom(16))
+    sig = sk.sign(canonical(method, path, ts, nonce, b"")).signature
+    return {"Authorization": authorization(bytes(sk.verify_key), ts, nonce, sig)}
+
+
+async def test_the_mediated_queue_of_a_key_is_one_of_its_channels_listed_and_marked(tmp_path: Path) -> None:
+    """Forwards to a key registered at the mediator store in the mediator's queue of that key,
+    which the per-recipient quotas count as one of the key's non-default channels (one of
+    RELAY_RECIPIENT_MAX_CHANNELS, its messages and bytes in the key's totals): the owner's
+    signed listing shows it marked "mediated", and the HTTP API cannot read it."""
+    relay = didcomm_relay(tmp_path, {"RELAY_RECIPIENT_MAX_CHANNELS": "1"}, args=("--auth", "ed25519"))
+    owner = SigningKey(os.urandom(32))
+    key = bytes(owner.verify_key)
+    path = f"/v1/queues/{b64(key)}/channels"
+    try:
+        async with aiohttp.ClientSession() as http:
+            agent = Agent(relay.url, http)
+            await agent.connect()
+            await agent.mediate()
+            assert (await agent.register(key))["updated"][0]["result"] == "success"
+            routing = dk.verkey_from(agent.grant["routing_keys"][0])
+            for i in range(3):
+                inner = inner_message(key, f"mediated {i}")
+                assert (await agent.post(forward_envelope(routing, key, inner)))[0] == 202
+            mediated_bytes = int(
+                redis_client.Redis.from_url(relay.redis.url).hget(
+                    K.queue_keys(key, K.MEDIATOR_CHANNEL).meta, "bytes"
+                )
+                or 0
+            )
+            async with http.get(relay.url + path, headers=signed_headers(owner, "GET", path)) as resp:
+                assert resp.status == 200
+                listing = await resp.json()
+            # the owner's own non-default channel: the cap of one is taken by the mediated queue
+            async with http.post(
+                f"{relay.url}/v1/queues/{b64(key)}/messages?channel=Y2hhdA", data=b"x"
+            ) as resp:
+                chat = (resp.status, (await resp.json())["code"])
+            read = f"/v1/queues/{b64(key)}/messages?channel={b64(K.MEDIATOR_CHANNEL)}"
+            async with http.get(relay.url + read, headers=signed_headers(owner, "GET", read)) as resp:
+                unread = (resp.status, (await resp.json())["code"])
+        report("didcomm_mediated_channel", listed=len(listing["channels"]), mediated_messages=3, chat=chat[0])
+        assert listing == {
+            "channels": [
+                {"channel": "", "message_count": 0, "total_bytes": 0, "mediated": False},
+                {
+                    "channel": b64(K.MEDIATOR_CHANNEL),
+                    "message_count": 3,
+                    "total_bytes": mediated_bytes,
+                    "mediated": True,
+                },
+            ],
+            "message_count": 3,
+            "total_bytes": mediated_bytes,
+        }
+        assert chat == (507, "too_many_channels")
+        assert unread == (400, "bad_channel")
+        relay.assert_log_clean()
+    finally:
+        stop_all(relay)
 
 
 def relay_with(tmp_path: Path, **env: str) -> Relay:

@@ -165,7 +165,8 @@ def test_recipient_caps_across_channels_refunds_and_the_signed_listing(signed_re
     listed = [(b"", 2), (b"A", 3), (b"B", 3), (b"C", 2)]  # the default channel first
     assert doc == {
         "channels": [
-            {"channel": b64encode(ch), "message_count": n, "total_bytes": 10 * n} for ch, n in listed
+            {"channel": b64encode(ch), "message_count": n, "total_bytes": 10 * n, "mediated": False}
+            for ch, n in listed
         ],
         "message_count": 10,
         "total_bytes": 100,
@@ -193,7 +194,7 @@ def test_recipient_caps_across_channels_refunds_and_the_signed_listing(signed_re
     assert (status, doc) == (
         200,
         {
-            "channels": [{"channel": "", "message_count": 0, "total_bytes": 0}],
+            "channels": [{"channel": "", "message_count": 0, "total_bytes": 0, "mediated": False}],
             "message_count": 0,
             "total_bytes": 0,
         },

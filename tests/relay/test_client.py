@@ -52,8 +52,8 @@ async def test_channels_lists_what_the_recipient_holds(relay: RunningRelay) -> N
         await me.enqueue(me.public_key, b"de")
         assert await me.channels() == {
             "channels": [
-                {"channel": "", "message_count": 1, "total_bytes": 2},
-                {"channel": b64encode(b"chat"), "message_count": 1, "total_bytes": 3},
+                {"channel": "", "message_count": 1, "total_bytes": 2, "mediated": False},
+                {"channel": b64encode(b"chat"), "message_count": 1, "total_bytes": 3, "mediated": False},
             ],
             "message_count": 2,
             "total_bytes": 5,
