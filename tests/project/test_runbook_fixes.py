@@ -40,7 +40,7 @@ MAIN = "import sys; from relay.cli import main; sys.exit(main())"
 # it is added here
 KNOWN = {
     "redis-check-aof --fix <dir>/appendonlydir/appendonly.aof.manifest",
-    "kubectl -n <ns> create job --from=cronjob/<release>-retention-<fleet> retention-now",
+    "kubectl -n <spark ns> create job --from=cronjob/<release>-retention-<fleet> retention-now",
     "relayfleet plan --shard-map-configmap <ns>/relayfleet-<fleet>-shardmap --rebalance-yaml rebalance.yaml",
     "kubectl -n <ns> apply -f rebalance.yaml",
     "redis-cli -u <url> BGREWRITEAOF",
@@ -131,8 +131,11 @@ def fleet(kube_apiserver: KubeCluster, tmp_path: Path) -> Iterator[Fleet]:
     install_crds(kube_apiserver)
     namespace = f"runbook-{uuid.uuid4().hex[:6]}"
     kube_apiserver.kubectl("create", "namespace", namespace)
-    for name in (f"{RELEASE}-retention-{FLEET}", "relayfleet-a-backup"):
-        kube_apiserver.kubectl("apply", "-f", "-", input=cronjob(name, namespace))
+    # the Spark CronJobs live in the chart's Spark namespace, the backup CronJob beside its shard
+    spark_namespace = f"{namespace}-{RELEASE}-spark"
+    kube_apiserver.kubectl("create", "namespace", spark_namespace)
+    kube_apiserver.kubectl("apply", "-f", "-", input=cronjob(f"{RELEASE}-retention-{FLEET}", spark_namespace))
+    kube_apiserver.kubectl("apply", "-f", "-", input=cronjob("relayfleet-a-backup", namespace))
     shards = {n: LocalRedis(binary=DEBIAN_REDIS, dir=str(tmp_path / n)).start() for n in ("a", "b")}
     relay: RelayProc | None = None
     try:
@@ -158,6 +161,7 @@ def fleet(kube_apiserver: KubeCluster, tmp_path: Path) -> Iterator[Fleet]:
         for s in shards.values():
             s.stop()
         kube_apiserver.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        kube_apiserver.kubectl("delete", "namespace", spark_namespace, "--wait=false", check=False)
 
 
 async def _enqueue(relay: RelayProc, recipients: list[bytes], body: bytes) -> None:
@@ -184,6 +188,7 @@ def test_every_fix_runs_as_written(fleet: Fleet, tmp_path: Path) -> None:
     aof = LocalRedis(binary=DEBIAN_REDIS, dir=str(tmp_path / "aof")).start()
     values = {
         "<ns>": fleet.namespace,
+        "<spark ns>": f"{fleet.namespace}-{RELEASE}-spark",
         "<fleet>": FLEET,
         "<release>": RELEASE,
         "<shard>": "a",
@@ -243,8 +248,9 @@ def test_every_fix_runs_as_written(fleet: Fleet, tmp_path: Path) -> None:
     assert asyncio.run(_read(fleet.relay, stuck)) == [b64(b"held on a")]  # the relay follows
 
     # RelayfleetShardMemoryHigh: retention now, and a plan written as a RelayRebalance, applied
-    run("kubectl -n <ns> create job --from=cronjob/<release>-retention-<fleet> retention-now")
-    assert fleet.cluster.kubectl("-n", fleet.namespace, "get", "job", "retention-now").returncode == 0
+    run("kubectl -n <spark ns> create job --from=cronjob/<release>-retention-<fleet> retention-now")
+    spark_ns = f"{fleet.namespace}-{RELEASE}-spark"
+    assert fleet.cluster.kubectl("-n", spark_ns, "get", "job", "retention-now").returncode == 0
     plan = next(c for c in fix_commands() if c.startswith("relayfleet plan"))
     run(plan)
     manifest = yaml.safe_load((tmp_path / "rebalance.yaml").read_text())
