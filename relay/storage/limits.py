@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A recipient-wide limit left at this follows the per-queue one (twice it).
+FOLLOW_QUEUE = -1
+
 
 @dataclass(frozen=True, slots=True)
 class QueueLimits:
@@ -24,16 +27,26 @@ class QueueLimits:
     # deadline grows by as much)
     wait_timeout_ms: int = 1000
     # Per recipient across all its channels (docs/api.md, "Per-recipient quotas"; 0: no limit).
-    # The defaults of the relay's settings are twice the per-queue ones, so a recipient using
-    # only its default channel meets its queue's limits first.
+    # Left at FOLLOW_QUEUE they are twice the per-queue ones (as the relay's settings), so a
+    # recipient using only its default channel meets its queue's limits first, and raising a
+    # queue limit (a seeding tool, a benchmark) raises the recipient's with it.
     recipient_max_channels: int = 16  # non-default channels registered at once
-    recipient_max_messages: int = 20000
-    recipient_max_bytes: int = 512 * 1024 * 1024
-    recipient_rate_count: int = 1000  # messages per rate_window_ms
+    recipient_max_messages: int = -1
+    recipient_max_bytes: int = -1
+    recipient_rate_count: int = -1  # messages per rate_window_ms
     # Shard reserve: within this fraction of a shard's maxmemory, a message that takes its
     # queue past shard_reserve_queue_bytes is refused (507 storage_reserve; 0: no reserve).
     shard_reserve_fraction: float = 0.1
     shard_reserve_queue_bytes: int = 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name, queue_value in (
+            ("recipient_max_messages", self.max_messages),
+            ("recipient_max_bytes", self.max_bytes),
+            ("recipient_rate_count", self.rate_count),
+        ):
+            if getattr(self, name) == FOLLOW_QUEUE:
+                object.__setattr__(self, name, 2 * queue_value)  # frozen: set once, here
 
     @property
     def recipient_limited(self) -> bool:
