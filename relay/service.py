@@ -277,10 +277,16 @@ class QueueService:
         A non-default channel's message is first admitted by its recipient's home shard
         (the recipient-wide quotas, docs/design-decisions.md "Per-recipient quotas"): one more
         round trip, in a task. The default channel's enqueue checks them itself, in its one call."""
-        if req.channel and self._recipient_limited:
+        if self.admits_first(req.channel):
             self._spawn(self._admit_then_enqueue(sink, req))
             return
         self._enqueue_now(sink, req)
+
+    def admits_first(self, channel: bytes) -> bool:
+        """Whether an enqueue to `channel` takes its recipient's admit round trip (in a task)
+        before its enqueue call: a caller that pipelines requests waits for its outcome before
+        starting the next one (relay/http/fastpath.py), or a later enqueue would run first."""
+        return bool(channel) and self._recipient_limited
 
     def _enqueue_now(self, sink: OutcomeSink, req: EnqueueRequest) -> None:
         ts = req.now_ms or now_ms()  # every attempt of this enqueue stores the same time

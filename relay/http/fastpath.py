@@ -14,7 +14,13 @@ QueueService.enqueue_into (the request's answer slot is the outcome sink, called
 reply is read) and answered from there; a read runs in a task, and a long-poll is answered
 from the wakeup that carries its messages, inside the processing of the enqueue's reply
 (Waiter.expect). Answers go out in request order under pipelining; the requests after a
-read wait until it is answered, as on aiohttp's path.
+read wait until it is answered, as on aiohttp's path. A read also starts only once every
+enqueue before it on the connection is answered (stored): reads go over another Redis
+connection than enqueues (the shard's bulk lane), so nothing else keeps a pipelined read
+from overtaking them. The same holds behind an enqueue that takes its recipient's admit
+round trip first (a non-default channel, QueueService.admits_first): a later request could
+otherwise run before it. Pipelined default-channel enqueues stay in flight together (one
+connection to their shard keeps their order).
 
 Anything else — another route, a malformed or unusual request, a body that would
 claim memory — is not its business: at that request's boundary (once the answers
@@ -430,8 +436,9 @@ class FastConnection(asyncio.Protocol):
         self._write_paused = False  # the transport is above its write high-water mark
         self._held = 0  # request bytes buffered here, as counted by the memory guard
         self._drained: asyncio.Future[None] | None = None  # a streamed answer waiting to write
-        # a read in progress: the requests after it wait, as on aiohttp's path, so that none
-        # of them (an enqueue to the same queue) runs before it
+        # the answer the next request waits for, as on aiohttp's path: a read in progress (no
+        # enqueue after it runs first), an enqueue owed before a read (the read would overtake
+        # it: another Redis connection), or one admitted first (see QueueService.admits_first)
         self._blocked_by: _Answer | None = None
         # the per-client quota's view of the peer: its address, and the client it is (None:
         # a trusted proxy, whose requests each name their client)
@@ -654,6 +661,11 @@ class FastConnection(asyncio.Protocol):
             if head is None:
                 self._hand_off_soon()
                 return
+            if head.read is not None and self._answers:
+                # enqueues before it are still owed: it waits (unparsed, parsed again) until
+                # they are answered, or its read could reach Redis before them
+                self._blocked_by = self._answers[-1]
+                continue
             self._requests += 1
             start = time.perf_counter()
             body_start = end + 4
@@ -779,6 +791,10 @@ class FastConnection(asyncio.Protocol):
         try:
             # the aiohttp handler's steps, in its order (relay/api/queues.py enqueue)
             recipient, channel = self._queue_of(head)
+            if endpoint.service.admits_first(channel):
+                # answered after an admit round trip: the next request waits for it (as on
+                # aiohttp's path), or it could be stored or read before this one is stored
+                self._blocked_by = answer
             key = head.key
             idempotency_key = "" if key is None else params.idempotency_value(key.decode())
             endpoint.auth.verify_enqueue_header(_text(head.authorization), ROUTE)

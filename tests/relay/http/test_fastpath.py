@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -25,7 +27,7 @@ from relay.http.fastpath import FAST_ENDPOINT, FastConnection, header_fields
 from relay.http.serving import GuardedRequestHandler, GuardedServer
 from relay.protocol import b64encode, keypair, sign_headers
 from relay.service import QueueService
-from relay.storage.store import QueueLimits, ReadResult
+from relay.storage.store import QueueLimits, ReadResult, ShardStore
 from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 
@@ -655,4 +657,73 @@ async def test_signed_reads_as_aiohttp_does(redis_server: LocalRedis, relay_fact
         answers, _ = await exchange(relay, requests, 4)
         outcomes.append([(a.status, re.sub(rb'"epoch":"[0-9a-f]+"', b"E", a.body)) for a in answers])
     assert [status for status, _ in outcomes[0]] == [200, 401, 401, 401]
+    assert outcomes[0] == outcomes[1]
+
+
+async def test_pipelined_read_waits_for_the_enqueues_before_it(
+    redis_server: LocalRedis, relay_factory: RelayFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read pipelined behind enqueues starts only once they are answered: reads go over the
+    shard's bulk lane, another Redis connection than the enqueues' (a slow enqueue, here held
+    back 0.3 s before it is written, would otherwise be overtaken: the read found nothing)."""
+    relay = await relay_factory(redis_server.url)
+    original = ShardStore.enqueue_to
+
+    def slow_enqueue_to(self: ShardStore, *args: Any, **kwargs: Any) -> bytes:
+        asyncio.get_running_loop().call_later(0.3, partial(original, self, *args, **kwargs))
+        return b""
+
+    monkeypatch.setattr(ShardStore, "enqueue_to", slow_enqueue_to)
+    r = os.urandom(32)
+    requests = seeded(2)(r) + read_request(r) + enqueue_request(r, b"after") + read_request(r, "?fromSeq=3")
+    answers, _ = await exchange(relay, requests, 5)
+    assert [a.status for a in answers] == [201, 201, 200, 201, 200]
+    assert [m["payload"] for m in json.loads(answers[2].body)["messages"]] == ["bTA", "bTE"]
+    assert [m["payload"] for m in json.loads(answers[4].body)["messages"]] == ["YWZ0ZXI"]
+
+
+async def test_requests_wait_for_an_admitted_enqueue_as_aiohttp_does(
+    redis_server: LocalRedis, relay_factory: RelayFactory
+) -> None:
+    """A non-default channel's enqueue takes its recipient's admit round trip first: the
+    requests pipelined behind it start once it is answered, as on aiohttp's path (a default
+    channel's enqueue behind it would take the recipient's one message a window first)."""
+    limits = QueueLimits(recipient_rate_count=1, rate_window_ms=60_000)
+    fast = await relay_factory(redis_server.url, http_fastpath=True, limits=limits)
+    slow = await relay_factory(redis_server.url, http_fastpath=False, limits=limits)
+    channel = "?channel=" + b64encode(b"ch")
+    outcomes = []
+    for relay in (fast, slow):
+        r = os.urandom(32)
+        requests = enqueue_request(r, b"first", query=channel) + enqueue_request(r, b"second")
+        answers, _ = await exchange(relay, requests + read_request(r, channel), 3)
+        outcomes.append(
+            [(a.status, re.sub(rb'"(epoch|receivedAt)":"[^"]+"', b"X", a.comparable()[2])) for a in answers]
+        )
+    assert [status for status, _ in outcomes[0]] == [201, 429, 200]
+    assert b"recipient_rate_limited" in outcomes[0][1][1]
+    assert outcomes[0] == outcomes[1]
+
+
+async def test_enqueue_then_client_quota_handoff_then_read(
+    redis_server: LocalRedis, relay_factory: RelayFactory
+) -> None:
+    """An enqueue over the per-client quota is handed to aiohttp (which answers the 429) only
+        once the answers owed before it are written (the fast path never answers that 429 itself):
+    the read behind it sees the stored message."""
+    quota = {"client_rate_messages": 1, "client_rate_window_ms": 60_000}
+    fast = await relay_factory(redis_server.url, http_fastpath=True, **quota)
+    slow = await relay_factory(redis_server.url, http_fastpath=False, **quota)
+    channel = "?channel=" + b64encode(b"ch")
+    outcomes = []
+    for relay in (fast, slow):
+        r = os.urandom(32)
+        requests = enqueue_request(r, b"kept", query=channel) + enqueue_request(r, b"over", query=channel)
+        answers, _ = await exchange(relay, requests + read_request(r, channel), 3)
+        outcomes.append(
+            [(a.status, re.sub(rb'"(epoch|receivedAt)":"[^"]+"', b"X", a.comparable()[2])) for a in answers]
+        )
+    assert [status for status, _ in outcomes[0]] == [201, 429, 200]
+    assert b"client_rate_limited" in outcomes[0][1][1]
+    assert b'"payload":"a2VwdA"' in outcomes[0][2][1]
     assert outcomes[0] == outcomes[1]
