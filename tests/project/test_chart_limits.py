@@ -67,7 +67,9 @@ def _operator_env(tmp_path: Path, values: dict[str, Any] | None) -> dict[str, st
         for d in yaml.safe_load_all(helm(*args))
         if d and d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-operator")
     )
-    return {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    # (downward-API variables carry valueFrom, not value)
+    env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
+    return {e["name"]: e["value"] for e in env if "value" in e}
 
 
 @needs_helm

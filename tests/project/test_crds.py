@@ -324,11 +324,15 @@ def test_rendered_chart_contents() -> None:
         i = args.index(f"local:///app/spark_jobs/{job}.py")
         assert args[i + 1 : i + 3] == [
             "--shard-map-configmap",
-            "$(POD_NAMESPACE)/relayfleet-default-shardmap",
+            "relay/relayfleet-default-shardmap",  # the fleets' namespace: the jobs run in Spark's
         ]
+        assert cj["metadata"]["namespace"] != "relay"
     spark_role = next(r for r in by_kind["Role"] if r["metadata"]["name"] == "relayfleet-spark")
     assert any("pods" in r["resources"] and "create" in r["verbs"] for r in spark_role["rules"])
     # Observability stays off unless asked for.
     assert not ({"ServiceMonitor", "PrometheusRule"} & set(by_kind))
-    # (the one ConfigMap is the operator's CRD files, not a dashboard)
-    assert [c["metadata"]["name"] for c in by_kind["ConfigMap"]] == ["relayfleet-crds"]
+    # (the ConfigMaps are the operator's CRD files and the Spark executors' Pod template, not a dashboard)
+    assert sorted(c["metadata"]["name"] for c in by_kind["ConfigMap"]) == [
+        "relayfleet-crds",
+        "relayfleet-spark-executor",
+    ]
