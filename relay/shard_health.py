@@ -41,6 +41,7 @@ from redis.exceptions import RedisError
 
 from relay import metrics
 from relay.api.context import CTX
+from relay.fleet.rounds import every
 from relay.fleet.routing import ShardRouter
 from relay.storage import keys as K
 from relay.storage.maintenance import SweepMismatch
@@ -149,14 +150,7 @@ class ShardHealth:
         self.first_round = asyncio.Event()  # set once a tick completed (tests wait on it)
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a bad round must never end the loop
-                log.warning("shard health round failed: %s", type(exc).__name__)
-            await asyncio.sleep(self.health_s)
+        await every(self.health_s, self.tick, "shard health")
 
     async def tick(self) -> None:
         now = time.monotonic()
@@ -280,14 +274,7 @@ class ReserveWatch:
         self.interval_s = interval_s
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a bad round must never end the loop
-                log.warning("shard reserve round failed: %s", type(exc).__name__)
-            await asyncio.sleep(self.interval_s)
+        await every(self.interval_s, self.tick, "shard reserve")
 
     async def tick(self) -> None:
         await asyncio.gather(*(self._probe(store) for store in list(self.fleet.stores.values())))

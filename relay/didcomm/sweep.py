@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from relay import metrics
+from relay.fleet.rounds import every
 from relay.fleet.routing import ShardRouter
 from relay.storage import keys as K
 from relay.storage.store import ShardStore, StoreRejected, StoreUnavailable
@@ -75,14 +76,7 @@ class RecordSweep:
         self.swept = 0  # shard sweeps this relay ran (it held the lease)
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a bad round must never end the loop
-                log.warning("DIDComm record sweep round failed: %s", type(exc).__name__)
+        await every(self.interval_s, self.tick, "DIDComm record sweep", wait_first=True)
 
     async def tick(self) -> None:
         stores = dict(self.fleet.stores)
