@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import hdrs, web
 from yarl import URL
 
-from relay import busy_poll, metrics, push, shard_health
+from relay import metrics, push, shard_health
 from relay.api import didcomm, fanout, health, inbox, live, openapi, pickup, queues
 from relay.api.auth import Authenticator
 from relay.api.context import CTX, Context
@@ -30,7 +30,6 @@ from relay.http.serving import FAST_PROTOCOL, make_runner, raise_nofile_limit
 from relay.metrics import RouteSeries
 from relay.service import QueueService
 from relay.settings import Settings
-from relay.storage.pipeline import batched_awaited
 
 log = logging.getLogger("relay.app")
 
@@ -208,9 +207,6 @@ async def serve(
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
     logsafe.install()
     nofile = raise_nofile_limit()
-    busy_poll.install(
-        asyncio.get_running_loop(), settings.busy_poll_us, settings.busy_poll_share, batched_awaited
-    )
     fleet = await start_fleet(shard_map, settings, source)
     app = build_app(settings, fleet)
     if settings.auth == "none":

@@ -148,13 +148,15 @@ def _operator_epilog() -> str:
 
 
 def _relay_epilog() -> str:
-    from relay.settings import DEPRECATED_ENV, RELAY_ENV
+    from relay.settings import DEPRECATED_ENV, RELAY_ENV, REMOVED_ENV
 
     width = max(len(v.name) for v in RELAY_ENV)
     lines = ["environment (no flag; read once at start):"]
     lines += [f"  {v.name:<{width}}  {v.help} [default {v.default}]" for v in RELAY_ENV]
     lines.append("deprecated names (still read, with a warning in the log):")
     lines += [f"  {old} -> {new}" for old, new in DEPRECATED_ENV.items()]
+    lines.append("removed names (ignored, with a warning in the log; docs/upgrade.md):")
+    lines += [f"  {name}: {why}" for name, why in REMOVED_ENV.items()]
     return "\n".join(lines)
 
 

@@ -95,18 +95,6 @@ LIVE_CONNECTIONS = Gauge("relayfleet_live_connections", "Open live WebSocket con
 LIVE_FRAMES = LoopCounter(
     "relayfleet_live_frames_total", "Live WebSocket message frames written", ["sent_by"], registry=REGISTRY
 )  # sent_by: wakeup (from the wakeup that carried the message), task (the socket's stream task)
-BUSY_POLL_SECONDS = LoopCounter(
-    "relayfleet_busy_poll_seconds_total",
-    "Time the event loop polled without sleeping after I/O (relay/busy_poll.py)",
-    [],
-    registry=REGISTRY,
-).labels()
-BUSY_POLL_WINDOWS = LoopCounter(
-    "relayfleet_busy_poll_windows_total",
-    "Busy-poll windows, by what ended them",
-    ["ended_by"],
-    registry=REGISTRY,
-)  # ended_by: window (no I/O for its length), store (a batched store call awaited), budget
 LIVE_DROPPED = Counter(
     "relayfleet_live_dropped_total",
     "Live WebSocket clients dropped because their socket accepted nothing for RELAY_LIVE_SEND_TIMEOUT_S",

@@ -102,12 +102,6 @@ RELAY_ENV: tuple[EnvVar, ...] = (
         "10000",
         "net allocations between young garbage-collector passes (CPython's default: 700)",
     ),
-    EnvVar(
-        "RELAY_BUSY_POLL_US",
-        "0",
-        "after I/O, poll for the next this long rather than sleep (0: off; docs/configuration.md)",
-    ),
-    EnvVar("RELAY_BUSY_POLL_SHARE", "0.5", "busy-polling takes at most this share of one core"),
     EnvVar("RELAY_SHUTDOWN_DELAY_SECONDS", "0", "keep serving this long after SIGTERM before draining"),
     EnvVar("RELAY_DIDCOMM_REDELIVER_S", "10", "a Pickup delivery not acknowledged goes out again after"),
     EnvVar(
@@ -156,6 +150,22 @@ _OLD_NAMES: dict[str, tuple[str, ...]] = {}
 for _old, _new in DEPRECATED_ENV.items():
     _OLD_NAMES[_new] = (*_OLD_NAMES.get(_new, ()), _old)
 _warned: set[str] = set()
+
+# Variables of removed features -> what replaced them (docs/upgrade.md): ignored, with a warning
+# in the log. Refusing them would crash-loop a rolling upgrade over a tuning knob that changes
+# no guarantee; ignoring them silently would hide that the pod spec asks for something gone.
+REMOVED_ENV: dict[str, str] = {
+    "RELAY_BUSY_POLL_US": "busy-polling was removed; the loop sleeps between events",
+    "RELAY_BUSY_POLL_SHARE": "busy-polling was removed; the loop sleeps between events",
+}
+
+
+def warn_removed_env() -> None:
+    """One log line per removed variable still set (its name only, never its value)."""
+    for name, why in REMOVED_ENV.items():
+        if name in os.environ and name not in _warned:
+            _warned.add(name)
+            log.warning("%s is ignored: %s (docs/upgrade.md)", name, why)
 
 
 def env_value(name: str) -> str | None:
@@ -287,10 +297,6 @@ class Settings:
     max_rss_mb: int = 0
     # Young garbage-collector passes every this many net allocations (relay/gc_tuning.py).
     gc_young_threshold: int = 10_000
-    # After I/O the loop polls for the next event this long (µs) rather than sleep, within a
-    # share of one core (relay/busy_poll.py); 0 (the default): off, it costs CPU.
-    busy_poll_us: int = 0
-    busy_poll_share: float = 0.5
     fleet: str = "default"
     shutdown_delay_s: float = 0.0  # keep serving after SIGTERM (endpoints catch up), then drain
     credentials_dir: str | None = None  # RELAY_REDIS_CREDENTIALS_DIR: full shard URLs, one file each
@@ -325,6 +331,7 @@ class Settings:
     def from_env(cls, **flags: Any) -> Settings:
         """Settings from the environment (read here, once), `flags` (the CLI's) taking precedence."""
         d = cls()
+        warn_removed_env()
         values: dict[str, Any] = {
             "fleet": env_value("RELAY_FLEET") or d.fleet,
             "didcomm_seed_file": env_value("RELAY_DIDCOMM_SEED_FILE"),  # also flags of `relay`
@@ -364,8 +371,6 @@ class Settings:
             "max_rss_mb": env_int("RELAY_MAX_RSS_MB", d.max_rss_mb),
             "shutdown_delay_s": max(0.0, env_float("RELAY_SHUTDOWN_DELAY_SECONDS", d.shutdown_delay_s)),
             "gc_young_threshold": max(1, env_int("RELAY_GC_YOUNG_THRESHOLD", d.gc_young_threshold)),
-            "busy_poll_us": min(100_000, max(0, env_int("RELAY_BUSY_POLL_US", d.busy_poll_us))),
-            "busy_poll_share": min(1.0, max(0.0, env_float("RELAY_BUSY_POLL_SHARE", d.busy_poll_share))),
             "client_rate_messages": max(0, env_int("RELAY_CLIENT_RATE_MESSAGES", d.client_rate_messages)),
             "client_rate_bytes": max(0, env_int("RELAY_CLIENT_RATE_BYTES", d.client_rate_bytes)),
             "client_rate_window_ms": max(1, env_int("RELAY_CLIENT_RATE_WINDOW_MS", d.client_rate_window_ms)),

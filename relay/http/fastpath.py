@@ -49,7 +49,7 @@ from typing import NamedTuple, cast
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
 
-from relay import busy_poll, metrics
+from relay import metrics
 from relay.api import bulk, params
 from relay.api.context import Context
 from relay.api.errors import ApiError, error_response, overloaded
@@ -619,8 +619,6 @@ class FastConnection(asyncio.Protocol):
 
     # -- reading ------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
-        if busy_poll.active is not None:
-            busy_poll.active.event()
         if self._handing_off:  # read before the pause took hold: aiohttp's too
             self._buf += data
             return

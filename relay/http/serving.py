@@ -32,7 +32,7 @@ from aiohttp import StreamReader, web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http import HttpVersion11, RawRequestMessage
 
-from relay import busy_poll, metrics
+from relay import metrics
 from relay.api.errors import error_response
 from relay.http.parse_errors import describe_parse_error
 from relay.settings import Settings
@@ -167,8 +167,6 @@ class GuardedRequestHandler(web.RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if busy_poll.active is not None:
-            busy_poll.active.event()
         super().data_received(data)
         # Bytes of a new request on an idle connection, headers not complete yet: arm.
         # While a request is handled, or with a timer running, nothing to do: the usual

@@ -19,7 +19,6 @@ import hiredis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from relay import busy_poll
 from relay.fleet.sharding import is_sentinel_url
 from relay.storage import sentinel
 from relay.storage.boot import mark_boot
@@ -199,17 +198,12 @@ def _with_wait(
 
 
 class _Batch:
-    __slots__ = ("batched", "deadline", "items", "may_reload", "pos", "retry")
+    __slots__ = ("deadline", "items", "may_reload", "pos", "retry")
 
-    def __init__(self, items: list[_Item], may_reload: bool, lone: bool = False) -> None:
+    def __init__(self, items: list[_Item], may_reload: bool) -> None:
         self.items = items
         self.pos = 0
         self.may_reload = may_reload
-        # While a batched call is awaited the loop does not busy-poll (batched_awaited): under
-        # load Redis and the clients keep the CPU (relay/busy_poll.py). Not a lone command
-        # written on an idle connection (ScriptBatcher.write_now, the wake's enqueue): the loop
-        # may busy-poll for its reply.
-        self.batched = not lone
         self.retry: list[_Item] = []
         self.deadline = 0.0  # loop time by which its replies must have come (_Resp.send)
 
@@ -233,11 +227,8 @@ class _Resp(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
-        _waiting[self] = self.waiting
 
     def data_received(self, data: bytes) -> None:
-        if busy_poll.active is not None:
-            busy_poll.active.event()
         self.reader.feed(data)
         waiting = self.waiting
         while True:
@@ -332,7 +323,6 @@ class _Resp(asyncio.Protocol):
 
     def _fail_all(self, reason: str, failover: bool = False) -> None:
         self.lost = True
-        _waiting.pop(self, None)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -346,22 +336,6 @@ class _Resp(asyncio.Protocol):
                 _fail(batch.retry, StoreUnavailable(reason))
             batch.retry = []
             self.owner._batch_done(batch)
-
-
-# The batches each open Redis connection of this process awaits (all on the relay's one loop),
-# by connection: what batched_awaited reads.
-_waiting: dict[_Resp, deque[_Batch]] = {}
-
-
-def batched_awaited() -> bool:
-    """Whether a batched call is awaited on any connection: the relay's loop does not busy-poll
-    then (relay/busy_poll.py). Read from the batches waiting, so it cannot drift from them;
-    asked at every turn of a busy-poll window, so empty deques are skipped in C (filter)."""
-    for waiting in filter(None, _waiting.values()):
-        for batch in waiting:
-            if batch.batched:
-                return True
-    return False
 
 
 # A connection with no batch answered for this long is idle: submit_to(at_once=True) sends at once.
@@ -493,7 +467,7 @@ class ScriptBatcher:
         conn = self._conn
         assert conn is not None
         self._inflight += 1
-        conn.track(_Batch([(command, sink)], may_reload=True, lone=True), len(command))
+        conn.track(_Batch([(command, sink)], may_reload=True), len(command))
 
     async def close(self) -> None:
         self._closed = True

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from relay import busy_poll
 from relay.fleet.sharding import is_sentinel_url
 from relay.storage import keys as K
 from relay.storage import sentinel
@@ -510,8 +509,6 @@ class WakeupHub:
             if data == b"":
                 raise ConnectionError("closed by server")
             if data:
-                if busy_poll.active is not None:
-                    busy_poll.active.event()
                 last_data = now
                 for msg in conn.received(data):
                     self._dispatch(msg)

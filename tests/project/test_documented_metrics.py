@@ -86,12 +86,6 @@ MOVED_BY: dict[str, str] = {
         "tests/project/test_observability.py::test_wakeup_reconnects_total_counts_a_real_reconnect"
     ),
     "relayfleet_http_held_bytes": FLOW_CONTROL,
-    "relayfleet_busy_poll_seconds_total": (
-        "tests/relay/test_busy_poll.py::test_the_relay_process_polls_after_requests_and_sleeps_when_idle"
-    ),
-    "relayfleet_busy_poll_windows_total": (
-        "tests/relay/test_busy_poll.py::test_the_relay_process_polls_after_requests_and_sleeps_when_idle"
-    ),
     "relayfleet_live_frames_total": (
         "tests/relay/api/test_live_woken.py::test_frames_from_the_wakeup_have_the_next_seqs_and_are_acked_as_usual"
     ),

@@ -14,7 +14,7 @@ import pytest
 from relayfleet_testing.localredis import LocalRedis
 
 from relay import cli
-from relay.settings import DEPRECATED_ENV, RELAY_ENV, Settings
+from relay.settings import DEPRECATED_ENV, RELAY_ENV, REMOVED_ENV, Settings
 from tests.support.in_process_relay import RelayFactory
 
 
@@ -48,7 +48,7 @@ def test_relay_help_lists_every_variable() -> None:
         assert f"env {flag_env}" in out.stdout
     for var in RELAY_ENV:
         assert var.name in out.stdout
-    for old in DEPRECATED_ENV:
+    for old in (*DEPRECATED_ENV, *REMOVED_ENV):
         assert old in out.stdout
     assert "default 8080" in out.stdout
 
@@ -108,6 +108,24 @@ def test_deprecated_names_still_work_with_a_log_line(
     assert "RELAYFLEET_SHARD_HEALTH_INTERVAL is deprecated: set RELAY_SHARD_HEALTH_INTERVAL_S" in caplog.text
     monkeypatch.setenv("RELAY_SHARD_HEALTH_INTERVAL_S", "9")  # the new name wins
     assert Settings.from_env().shard_health_interval_s == 9.0
+
+
+def test_removed_names_are_ignored_with_a_log_line_naming_them(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import relay.settings
+
+    monkeypatch.setattr(relay.settings, "_warned", set())
+    monkeypatch.setenv("RELAY_BUSY_POLL_US", "not-a-number-s3cret")  # not parsed: it is gone
+    monkeypatch.setenv("RELAY_BUSY_POLL_SHARE", "1")
+    with caplog.at_level(logging.WARNING, logger="relay.settings"):
+        s = Settings.from_env()
+        Settings.from_env()  # once per process, not per read
+    assert not hasattr(s, "busy_poll_us")
+    lines = [r.getMessage() for r in caplog.records]
+    assert sorted(m.split(" ")[0] for m in lines) == ["RELAY_BUSY_POLL_SHARE", "RELAY_BUSY_POLL_US"]
+    assert all("is ignored: busy-polling was removed" in m for m in lines)
+    assert "s3cret" not in caplog.text  # the name, never the value
 
 
 def test_operator_namespace_new_and_old_name(monkeypatch: pytest.MonkeyPatch) -> None:
