@@ -9,7 +9,9 @@ nginx worker) moves its time from one term to the other instead of vanishing.
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -91,6 +93,7 @@ class ForeignLoad:
     def __init__(self, pids: Iterable[int]) -> None:
         self._pids = list(pids)
         self._start = self._reading()
+        self._wall = time.monotonic()
 
     def _reading(self) -> tuple[float, float]:
         return machine_busy_seconds(), own_seconds() + total_cpu_seconds(self._pids)
@@ -99,3 +102,10 @@ class ForeignLoad:
         """Foreign CPU seconds since construction (≥ 0; /proc counts 10 ms ticks)."""
         busy, ours = self._reading()
         return max(0.0, (busy - self._start[0]) - (ours - self._start[1]))
+
+    def cores(self) -> float:
+        """The foreign CPU since construction as cores kept busy on average: over this window's
+        own wall time, not the load generator's (its run is shorter than the window around it,
+        and a busy machine's neighbours filled the difference, reading as more cores than exist)."""
+        elapsed = time.monotonic() - self._wall
+        return self.seconds() / elapsed if elapsed > 0 else math.nan

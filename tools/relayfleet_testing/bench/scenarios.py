@@ -211,7 +211,7 @@ async def enqueue(
     meter = await CpuMeter.open(target, redis)
     foreign = ForeignLoad([c.pid for c in target.children] + ([redis.child.pid] if redis else []))
     res = await wrk.run(run.procs, target.urls(), scripts_, connections, threads, run.seconds, "wrk")
-    foreign_s = foreign.seconds()
+    foreign_cores = foreign.cores()
     cpu = await meter.close(max(0, res.requests - res.errors))
     target.check_alive()
     note = "no request completed within the run" if res.requests == 0 else ""
@@ -229,7 +229,7 @@ async def enqueue(
             "p99_ms": res.p99_ms,
             "errors": float(res.errors),
             **cpu.values(),
-            "foreign_cores": foreign_s / res.seconds if res.seconds > 0 else math.nan,
+            "foreign_cores": foreign_cores,
         },
         note,
     )
