@@ -23,7 +23,7 @@ $(VENV)/.base: pyproject.toml tools/pyproject.toml
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base pyproject.toml tools/pyproject.toml
-	$(VENV)/bin/pip install -q -e '.[dev]' -e 'tools[dev]'
+	$(VENV)/bin/pip install -q -e '.[dev]' -e tools
 	touch $@
 
 venv: $(VENV)/.base

@@ -232,7 +232,7 @@ PRODUCT_COMMANDS = {
 }
 # relayfleet-testing's commands, named in --help (and in the one-line hint) even when absent
 TOOL_COMMANDS = {
-    "bench": "side-by-side benchmarks: [--quick]",
+    "bench": "side-by-side benchmarks: [--quick] [--baseline DIR]",
     "dev": "local Redis shard(s) + relay, with a short demo",
     "demo": "the short demo against a running relay",
 }

@@ -1,7 +1,8 @@
 """Side-by-side benchmarks: the relay against redis-benchmark, an aiohttp ceiling and nginx + nchan.
 
-Entry point: :func:`main` (``relayfleet bench [--quick]`` / ``python -m relayfleet_testing.bench``).
-CPU per enqueue across source trees: ``python -m relayfleet_testing.bench.cpu`` (bench/cpu.py).
+Entry point: :func:`main` (``relayfleet bench [--quick] [--baseline DIR]`` /
+``python -m relayfleet_testing.bench``); ``--baseline`` puts an older checkout's relay beside this
+one's in the same rounds (before / after in one run).
 """
 
 from __future__ import annotations

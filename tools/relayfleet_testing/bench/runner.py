@@ -1,4 +1,4 @@
-"""`relayfleet bench [--quick]`: which scenarios run against which targets, in what order.
+"""`relayfleet bench [--quick] [--baseline DIR]`: which scenarios run against which targets, in what order.
 
 Servers are started here and stopped by pid in a ``finally`` (also on Ctrl-C /
 SIGTERM); a target that fails to start or dies is recorded as skipped and the
@@ -24,11 +24,11 @@ from types import FrameType
 from typing import TypeVar
 
 import uvloop
-from relayfleet_testing.bench import profile, report, scenarios, targets, wake
+from relayfleet_testing.bench import report, scenarios, targets, wake
 from relayfleet_testing.bench.procs import GROUP_NICE_ENV, BenchError, Procs, group_nice, raise_nofile_limit
 from relayfleet_testing.bench.results import Results, Row, counts, size_label
 from relayfleet_testing.bench.scenarios import Run
-from relayfleet_testing.bench.targets import RedisServer, Target
+from relayfleet_testing.bench.targets import BASELINE, RedisServer, Target
 
 from relay import cli
 
@@ -75,7 +75,9 @@ class Plan:
     wake_waiters: list[int] = field(default_factory=lambda: [1000, 10000])
     wake_probes: int = 1000
     phases: tuple[str, ...] = ("throughput", "head-to-head", "wake")
-    profile_dir: Path | None = None
+    # an older checkout's relay, run beside this one's as `baseline-1p` in every relay-1p step and
+    # in the same alternating rounds (before / after in one run)
+    baseline: Path | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -178,6 +180,8 @@ class Bench:
                 await self.ceiling(n)
             for n in plan.relay_processes:
                 await self.relay(redis, n)
+            if plan.baseline is not None:
+                await self.relay(redis, 1, plan.baseline)
         if "head-to-head" in plan.phases:
             await self.head_to_head(redis)
         if "wake" in plan.phases:
@@ -247,14 +251,16 @@ class Bench:
             return
 
         async def rounds() -> None:
-            relay = await targets.start_relay(self.procs, redis.url, 1)
+            relays = [await targets.start_relay(self.procs, redis.url, 1)]
             try:
+                if plan.baseline is not None:
+                    relays.append(await self.start_baseline(redis, plan.baseline))
                 for n in range(plan.head_to_head_rounds):
                     for size in plan.sizes:
                         # a fresh nginx per run: nchan's shared memory holds every message
                         mem, red = await targets.start_nchan(self.procs, redis.url)
                         try:
-                            for t in (red, relay) if n % 2 == 0 else (relay, red):
+                            for t in turn_order([red, *relays], n):
                                 row = await scenarios.enqueue(self.run, t, size, plan.connections, redis)
                                 row.scenario = "head_to_head"
                                 row.params["round"] = n + 1
@@ -263,25 +269,29 @@ class Bench:
                         finally:
                             self.stop(mem)
             finally:
-                self.stop(relay)
+                for relay in relays:
+                    self.stop(relay)
 
         await self.attempt("head_to_head", "relay-1p", rounds)
 
     async def wake_head_to_head(self, redis: RedisServer) -> None:
-        """relay-1p and nchan-redis wake runs in alternation (bench/wake.py), `wake_rounds` times,
-        who goes first switching every round; each run on a freshly started server."""
+        """relay-1p and nchan-redis (and baseline-1p) wake runs in alternation (bench/wake.py),
+        `wake_rounds` times, who goes first changing every round; each run on a freshly started
+        server."""
         plan = self.plan
+        names = ["nchan-redis", "relay-1p"] + ([f"{BASELINE}-1p"] if plan.baseline is not None else [])
         for n in range(plan.wake_rounds):
             for mode in wake.MODES:
                 for waiters in plan.wake_waiters:
-                    order = ("nchan-redis", "relay-1p") if n % 2 == 0 else ("relay-1p", "nchan-redis")
-                    for name in order:
+                    for name in turn_order(names, n):
                         step = partial(self.wake, name, mode, waiters, n + 1, redis)
                         await self.attempt("wake", name, step)
 
     async def wake(self, name: str, mode: str, waiters: int, round_: int, redis: RedisServer) -> None:
         if name == "relay-1p":
             t = await targets.start_relay(self.procs, redis.url, 1)
+        elif name == f"{BASELINE}-1p" and self.plan.baseline is not None:
+            t = await self.start_baseline(redis, self.plan.baseline)
         else:
             t = (await targets.start_nchan(self.procs, redis.url))[1]
         try:
@@ -328,21 +338,29 @@ class Bench:
 
         await self.attempt("start", f"aiohttp-{processes}p", throughput)
         if f"aiohttp-{processes}p" in plan.longpoll_targets:
-            await self.attempt("start", f"aiohttp-{processes}p", partial(self.latency, "aiohttp", processes))
+            start = partial(targets.start_ceiling, self.procs, processes)
+            await self.attempt("start", f"aiohttp-{processes}p", partial(self.latency, start))
 
-    async def relay(self, redis: RedisServer, processes: int) -> None:
+    async def start_baseline(self, redis: RedisServer, tree: Path) -> Target:
+        return await targets.start_relay(self.procs, redis.url, 1, tree, BASELINE)
+
+    async def relay(self, redis: RedisServer, processes: int, tree: Path | None = None) -> None:
+        """The relay's throughput steps, then its latency on a fresh process; ``tree``: the
+        baseline checkout's relay instead of this one's (one process)."""
         plan = self.plan
+        name = f"{BASELINE if tree else 'relay'}-{processes}p"
+        longpoll = f"relay-{processes}p" in plan.longpoll_targets
+
+        async def start() -> Target:
+            if tree is not None:
+                return await self.start_baseline(redis, tree)
+            return await targets.start_relay(self.procs, redis.url, processes)
 
         async def throughput() -> None:
-            t = await targets.start_relay(self.procs, redis.url, processes)
+            t = await start()
             try:
                 for size in plan.sizes:
-                    profiling = plan.profile_dir is not None and processes == 1 and size == 256
-                    await self.attempt(
-                        "enqueue",
-                        t.name,
-                        partial(self.enqueue, t, size, with_profile=profiling),
-                    )
+                    await self.attempt("enqueue", t.name, partial(self.enqueue, t, size))
                     await redis.flushall()
                 if t.name in plan.sweep_targets:
                     for c in plan.sweep_connections:
@@ -356,48 +374,30 @@ class Bench:
             finally:
                 self.stop(t)
 
-        await self.attempt("start", f"relay-{processes}p", throughput)
-        if f"relay-{processes}p" in plan.longpoll_targets:
-            await self.attempt(
-                "start", f"relay-{processes}p", partial(self.latency, "relay", processes, redis)
-            )
+        await self.attempt("start", name, throughput)
+        if longpoll:
+            await self.attempt("start", name, partial(self.latency, start))
             await redis.flushall()
 
-    async def latency(self, kind: str, processes: int, redis: RedisServer | None = None) -> None:
+    async def latency(self, start: Callable[[], Awaitable[Target]]) -> None:
         """Long-poll and live latency on a process of its own, started fresh.
 
         Fresh, so RSS per idle poll starts from a clean heap; its own, because thousands of
         abandoned long-polls may linger in the server until their wait expires and must not
         disturb a later throughput run.
         """
-        if kind == "relay":
-            assert redis is not None
-            t = await targets.start_relay(self.procs, redis.url, processes)
-        else:
-            t = await targets.start_ceiling(self.procs, processes)
+        t = await start()
         try:
             await self.attempt("longpoll", t.name, partial(self.longpoll, t))
-            if kind == "relay":
+            if t.kind == "relay":
                 await self.attempt("live", t.name, partial(self.live, t))
         finally:
             self.stop(t)
 
     # -- steps ----------------------------------------------------------------------------
 
-    async def enqueue(self, t: Target, size: int, connections: int = 0, with_profile: bool = False) -> None:
-        conns = connections or self.plan.connections
-        if with_profile and self.plan.profile_dir is not None:
-            async with profile.recording(
-                self.procs,
-                t.children[0].pid,
-                self.plan.profile_dir,
-                "relay-enqueue-256B",
-                self.plan.seconds + self.plan.warmup,
-            ) as prof:
-                row = await scenarios.enqueue(self.run, t, size, conns, self.redis)
-            self.plan.notes.append(prof.summary())
-        else:
-            row = await scenarios.enqueue(self.run, t, size, conns, self.redis)
+    async def enqueue(self, t: Target, size: int, connections: int = 0) -> None:
+        row = await scenarios.enqueue(self.run, t, size, connections or self.plan.connections, self.redis)
         self.record(row)
 
     async def longpoll(self, t: Target) -> None:
@@ -468,12 +468,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--no-aof", action="store_true", help="run Redis without AOF (default: appendfsync everysec)"
     )
     p.add_argument(
-        "--profile",
+        "--baseline",
         type=Path,
         metavar="DIR",
-        help="record a py-spy profile of relay-1p during the 256 B enqueue run into DIR",
+        help="also run the relay of the checkout in DIR (a folder holding relay/, e.g. made by "
+        "`git worktree add DIR REV`) as baseline-1p, beside relay-1p in every step and round",
     )
     return p.parse_args(argv)
+
+
+def turn_order(subjects: list[T], n: int) -> list[T]:
+    """Round ``n``'s order: rotated by one each round, so every subject goes first in turn (with
+    two subjects: who goes first switches every round)."""
+    k = n % len(subjects)
+    return subjects[k:] + subjects[:k]
 
 
 PHASES = ("throughput", "head-to-head", "wake")
@@ -514,12 +522,15 @@ def main(argv: list[str]) -> int:
         plan.head_to_head_rounds = plan.wake_rounds = max(1, args.rounds)
     if args.only:
         plan.phases = args.only
-    if args.profile is not None:
-        if shutil.which("py-spy") is None and not Path(sys.executable).with_name("py-spy").exists():
-            print("relayfleet bench: --profile needs py-spy (pip install py-spy)", file=sys.stderr)
+    if args.baseline is not None:
+        try:
+            plan.baseline = targets.relay_tree(args.baseline)
+        except BenchError as exc:
+            print(f"relayfleet bench: --baseline: {exc}", file=sys.stderr)
             return 2
-        plan.profile_dir = args.profile.resolve()
-        plan.profile_dir.mkdir(parents=True, exist_ok=True)
+        plan.notes.append(
+            f"{BASELINE}-1p: the relay of {plan.baseline} ({report.tree_commit(plan.baseline)})."
+        )
     nofile = raise_nofile_limit()
     if max(plan.idle_levels) + 1000 > nofile:
         plan.notes.append(f"open-files limit {nofile}: idle long-polls capped")

@@ -150,30 +150,6 @@ class RedisServer:
         finally:
             await client.aclose()
 
-    async def command_stats(self, reset: bool = True) -> dict[str, tuple[int, float]]:
-        """Redis's own count and µs per command since the last reset (INFO commandstats:
-        commands a script runs are counted under their own names), then reset them."""
-        client = aioredis.Redis(port=self.port)
-        try:
-            info = await client.info("commandstats")
-            if reset:
-                await client.config_resetstat()
-        finally:
-            await client.aclose()
-        return {
-            name.removeprefix("cmdstat_"): (int(v["calls"]), float(v["usec"]))
-            for name, v in info.items()
-            if isinstance(v, dict)
-        }
-
-    async def info_memory_mib(self) -> float:
-        client = aioredis.Redis(port=self.port)
-        try:
-            info = await client.info("memory")
-        finally:
-            await client.aclose()
-        return float(info["used_memory"]) / (1 << 20)
-
 
 class CpuMeter:
     """The CPU a server and its Redis spend over one window of a run (cputime.CpuWindow).
@@ -313,13 +289,30 @@ def nchan_conf() -> Path:
 BENCH_RELAY_ENV = {"RELAY_CLIENT_RATE_MESSAGES": str(1 << 40), "RELAY_CLIENT_RATE_BYTES": str(1 << 60)}
 
 
-async def start_relay(procs: Procs, redis_url: str, processes: int) -> Target:
-    target = Target(f"relay-{processes}p", "relay", [])
+# The relay of an older checkout, measured beside this one's (`relayfleet bench --baseline DIR`).
+BASELINE = "baseline"
+
+
+def relay_tree(path: Path) -> Path:
+    """A checkout to run a relay from: a folder holding the ``relay`` package; BenchError if not."""
+    tree = path.expanduser().resolve()
+    if not (tree / "relay" / "__init__.py").is_file():
+        raise BenchError(f"{tree} holds no relay package (relay/__init__.py)")
+    return tree
+
+
+async def start_relay(
+    procs: Procs, redis_url: str, processes: int, tree: Path = REPO, name: str = "relay"
+) -> Target:
+    """``processes`` relay processes run from ``tree``: ``python -m`` puts the working directory
+    first on sys.path, so the tree's own relay package is the one imported (the interpreter and
+    its installed dependencies are the same for every tree)."""
+    target = Target(f"{name}-{processes}p", "relay", [])
     for _ in range(processes):
         port = free_port()
         argv = [relay_python(), "-m", "relay", "--host", "127.0.0.1", "--port", str(port)]
         argv += ["--redis-url", redis_url, "--auth", "none"]
-        child = procs.start("relay", argv, env=BENCH_RELAY_ENV, cwd=REPO)
+        child = procs.start(name, argv, env=BENCH_RELAY_ENV, cwd=tree)
         target.ports.append(port)
         target.children.append(child)
     for port, child in zip(target.ports, target.children, strict=True):
