@@ -218,11 +218,6 @@ def close_transport(transport: asyncio.Transport | None, reset: bool) -> None:
     transport.close()
 
 
-async def open_many(host: str, port: int, n: int, concurrency: int = 100) -> list[Conn]:
-    """Open n connections, at most ``concurrency`` handshakes at once (listen backlogs are small)."""
-    return await gather_bounded(n, lambda: Conn.open(host, port), concurrency)
-
-
 async def gather_bounded(n: int, make: Callable[[], Awaitable[T]], concurrency: int = 100) -> list[T]:
     """``make()`` n times, at most ``concurrency`` at once; the results in order. A failure is
     raised once every call has ended, so none is still running (opening) after it."""

@@ -371,75 +371,6 @@ def _read_ack(res: Results) -> list[str]:
     return [*lines, ""]
 
 
-def _longpoll(res: Results) -> list[str]:
-    rows = res.select("longpoll")
-    if not rows:
-        return []
-    lines = ["### Long-poll wake latency and memory per idle long-poll", ""]
-    lines.append(
-        "Sequential probes on one server process while N other long-polls sit idle on it (each on its "
-        "own queue). wake = enqueue answered → waiting reader answered (0 when the reader was answered "
-        "first); e2e = enqueue sent → reader answered. RSS/poll = (RSS with N idle - RSS before) ÷ N, "
-        "RSS with N idle sampled once the server reports all N waiting (the aiohttp ceiling: after 1 s)."
-    )
-    lines.append("")
-    lines += _table(
-        [
-            "target",
-            "idle polls",
-            "probes",
-            "wake p50 ms",
-            "wake p99 ms",
-            "wake p999 ms",
-            "e2e p50 ms",
-            "e2e p99 ms",
-            "reader first",
-            "RSS MiB",
-            "RSS/poll KiB",
-        ],
-        (
-            [
-                r.target,
-                _num(float(_int(r, "idle"))),
-                _num(r.values.get("probes")),
-                _ms(r.values.get("p50_ms")),
-                _ms(r.values.get("p99_ms")),
-                _ms(r.values.get("p999_ms")),
-                _ms(r.values.get("e2e_p50_ms")),
-                _ms(r.values.get("e2e_p99_ms")),
-                _num(r.values.get("reader_first")),
-                _num(r.values.get("rss_kib", math.nan) / 1024, 1),
-                _num(r.values.get("rss_per_poll_kib"), 1),
-            ]
-            for r in rows
-        ),
-    )
-    return [*lines, ""]
-
-
-def _live(res: Results) -> list[str]:
-    rows = res.select("live")
-    if not rows:
-        return []
-    lines = ["### Live WebSocket delivery", ""]
-    lines.append("Enqueue answered → frame received on an open WebSocket for that queue (client acks each).")
-    lines.append("")
-    lines += _table(
-        ["target", "probes", "p50 ms", "p99 ms", "p999 ms"],
-        (
-            [
-                r.target,
-                _num(r.values.get("probes")),
-                _ms(r.values.get("p50_ms")),
-                _ms(r.values.get("p99_ms")),
-                _ms(r.values.get("p999_ms")),
-            ]
-            for r in rows
-        ),
-    )
-    return [*lines, ""]
-
-
 def _fanout(res: Results) -> list[str]:
     rows = res.select("fanout")
     if not rows:
@@ -687,6 +618,7 @@ def _wake_head_to_head(res: Results) -> list[str]:
                     _ms(r.values.get("p99_ms")),
                     _num(r.values.get("server_cpu_us")),
                     _num(r.values.get("redis_cpu_us")),
+                    _num(r.values.get("rss_per_waiter_kib"), 1),
                 ]
             )
     lines = ["### Wake head to head with nginx + nchan", ""]
@@ -700,13 +632,25 @@ def _wake_head_to_head(res: Results) -> list[str]:
         f"{rounds} alternating rounds (each run on a freshly started server); parity = the relay's "
         f"median at most {TARGET_WAKE_VS_NCHAN:.1f} x nchan's. CPU µs/wake = utime + stime over the "
         "measured wakes ÷ the wakes, of the server's processes and, apart, of its redis-server "
-        f"(10 ms clock ticks: ±{_num(10_000 / probes) if probes else '-'} µs per wake)."
+        f"(10 ms clock ticks: ±{_num(10_000 / probes) if probes else '-'} µs per wake). RSS per "
+        "waiter = (the server's RSS with all N parked - its RSS fresh, after one enqueue) ÷ N "
+        "(nginx: its worker)."
     )
     lines.append("")
     lines += _table(["target", "goal", "measured (relay / nchan)", "per round", "verdict"], verdicts)
     lines += ["", f"{met} of {measured} measured wake targets met.", ""]
     lines += _table(
-        ["mode", "waiters", "round", "target", "p50 ms", "p99 ms", "CPU µs/wake", "its Redis CPU µs/wake"],
+        [
+            "mode",
+            "waiters",
+            "round",
+            "target",
+            "p50 ms",
+            "p99 ms",
+            "CPU µs/wake",
+            "its Redis CPU µs/wake",
+            "RSS KiB/waiter",
+        ],
         detail,
     )
     return [*lines, ""]
@@ -786,8 +730,6 @@ def render(
         _enqueue_cpu(res, main_conns),
         _ratios(res, main_conns),
         _read_ack(res),
-        _longpoll(res),
-        _live(res),
         _fanout(res),
         _skips(res),
     ):

@@ -57,13 +57,9 @@ class Plan:
     ceiling_processes: list[int]
     relay_processes: list[int]
     nchan_mem: bool
-    idle_levels: list[int]
-    probes: int
-    live_probes: int
     read_ack_batches: list[int]
     read_ack_total: int
     fanout_sizes: list[int]
-    longpoll_targets: list[str]
     aof: bool = True
     # the head-to-head verdict: relay-1p and nchan-redis enqueue runs alternated this many times per size
     head_to_head_rounds: int = 3
@@ -95,13 +91,9 @@ def make_plan(quick: bool) -> Plan:
             ceiling_processes=[1],
             relay_processes=[1],
             nchan_mem=False,
-            idle_levels=[1, 1000],
-            probes=100,
-            live_probes=50,
             read_ack_batches=[100],
             read_ack_total=20000,
             fanout_sizes=[256],
-            longpoll_targets=["relay-1p", "nchan-redis"],
             head_to_head_rounds=2,
             wake_rounds=2,
             wake_waiters=[1000],
@@ -118,13 +110,9 @@ def make_plan(quick: bool) -> Plan:
         ceiling_processes=[1, 2],
         relay_processes=[1, 2],
         nchan_mem=True,
-        idle_levels=[1, 1000, 10000],
-        probes=1000,
-        live_probes=300,
         read_ack_batches=[10, 100, 1000],
         read_ack_total=50000,
         fanout_sizes=[256, 4096],
-        longpoll_targets=["aiohttp-1p", "nchan-mem", "nchan-redis", "relay-1p"],
     )
 
 
@@ -200,25 +188,6 @@ class Bench:
                 self.stop(mem)
 
         await self.attempt("calibration", "nginx", calibration)
-        for kind in ("nchan-mem", "nchan-redis"):
-            live = kind == "nchan-mem" and plan.nchan_mem
-            if kind not in plan.longpoll_targets and not live:
-                continue
-
-            # a fresh nginx per storage, so RSS per idle poll starts from a clean worker
-            async def latency(kind: str = kind, live: bool = live) -> None:
-                mem, red = await targets.start_nchan(self.procs, redis.url)
-                t = mem if kind == "nchan-mem" else red
-                try:
-                    if kind in plan.longpoll_targets:
-                        await self.attempt("longpoll", kind, partial(self.longpoll, t))
-                    if live:
-                        await self.attempt("live", kind, partial(self.live, t))
-                finally:
-                    self.stop(t)
-                    await redis.flushall()
-
-            await self.attempt("longpoll", kind, latency)
         for size in plan.sizes:
             # a fresh nginx per size: nchan's shared memory holds every message of the previous run
             async def one_size(size: int = size) -> None:
@@ -337,27 +306,21 @@ class Bench:
                 self.stop(t)
 
         await self.attempt("start", f"aiohttp-{processes}p", throughput)
-        if f"aiohttp-{processes}p" in plan.longpoll_targets:
-            start = partial(targets.start_ceiling, self.procs, processes)
-            await self.attempt("start", f"aiohttp-{processes}p", partial(self.latency, start))
 
     async def start_baseline(self, redis: RedisServer, tree: Path) -> Target:
         return await targets.start_relay(self.procs, redis.url, 1, tree, BASELINE)
 
     async def relay(self, redis: RedisServer, processes: int, tree: Path | None = None) -> None:
-        """The relay's throughput steps, then its latency on a fresh process; ``tree``: the
-        baseline checkout's relay instead of this one's (one process)."""
+        """The relay's throughput steps; ``tree``: the baseline checkout's relay instead of this
+        one's (one process)."""
         plan = self.plan
         name = f"{BASELINE if tree else 'relay'}-{processes}p"
-        longpoll = f"relay-{processes}p" in plan.longpoll_targets
-
-        async def start() -> Target:
-            if tree is not None:
-                return await self.start_baseline(redis, tree)
-            return await targets.start_relay(self.procs, redis.url, processes)
 
         async def throughput() -> None:
-            t = await start()
+            if tree is not None:
+                t = await self.start_baseline(redis, tree)
+            else:
+                t = await targets.start_relay(self.procs, redis.url, processes)
             try:
                 for size in plan.sizes:
                     await self.attempt("enqueue", t.name, partial(self.enqueue, t, size))
@@ -375,44 +338,12 @@ class Bench:
                 self.stop(t)
 
         await self.attempt("start", name, throughput)
-        if longpoll:
-            await self.attempt("start", name, partial(self.latency, start))
-            await redis.flushall()
-
-    async def latency(self, start: Callable[[], Awaitable[Target]]) -> None:
-        """Long-poll and live latency on a process of its own, started fresh.
-
-        Fresh, so RSS per idle poll starts from a clean heap; its own, because thousands of
-        abandoned long-polls may linger in the server until their wait expires and must not
-        disturb a later throughput run.
-        """
-        t = await start()
-        try:
-            await self.attempt("longpoll", t.name, partial(self.longpoll, t))
-            if t.kind == "relay":
-                await self.attempt("live", t.name, partial(self.live, t))
-        finally:
-            self.stop(t)
 
     # -- steps ----------------------------------------------------------------------------
 
     async def enqueue(self, t: Target, size: int, connections: int = 0) -> None:
         row = await scenarios.enqueue(self.run, t, size, connections or self.plan.connections, self.redis)
         self.record(row)
-
-    async def longpoll(self, t: Target) -> None:
-        # the server must start fresh for RSS per poll to mean anything: restart nginx-based
-        # targets is the caller's job; relay/aiohttp processes start fresh in their group
-        for row in await scenarios.longpoll(t, self.plan.idle_levels, self.plan.probes):
-            self.record(row)
-
-    async def live(self, t: Target) -> None:
-        outcome = await scenarios.live(t, self.plan.live_probes)
-        if isinstance(outcome, str):
-            self.results.skip("live", t.name, outcome)
-            self.log(f"SKIP live / {t.name}: {outcome}")
-        else:
-            self.record(outcome)
 
     async def read_ack(self, t: Target, redis: RedisServer, batch: int) -> None:
         try:
@@ -446,7 +377,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--rounds",
         type=int,
         metavar="N",
-        help="alternating rounds of the enqueue and wake head to heads (default 3; --quick: 2)",
+        help="alternating rounds of the enqueue and wake head to heads (default 3; --quick: 2, "
+        "with --baseline 3)",
     )
     p.add_argument(
         "--only",
@@ -520,6 +452,9 @@ def main(argv: list[str]) -> int:
         plan.wake_waiters = args.wake_waiters
     if args.rounds is not None:
         plan.head_to_head_rounds = plan.wake_rounds = max(1, args.rounds)
+    elif args.baseline is not None:
+        # three subjects take turns going first: three rounds give each the first turn once
+        plan.head_to_head_rounds = plan.wake_rounds = max(3, plan.head_to_head_rounds)
     if args.only:
         plan.phases = args.only
     if args.baseline is not None:
@@ -532,9 +467,6 @@ def main(argv: list[str]) -> int:
             f"{BASELINE}-1p: the relay of {plan.baseline} ({report.tree_commit(plan.baseline)})."
         )
     nofile = raise_nofile_limit()
-    if max(plan.idle_levels) + 1000 > nofile:
-        plan.notes.append(f"open-files limit {nofile}: idle long-polls capped")
-        plan.idle_levels = [n for n in plan.idle_levels if n + 1000 <= nofile]
     if max(plan.wake_waiters) + 1000 > nofile:
         plan.notes.append(f"open-files limit {nofile}: wake waiters capped")
         plan.wake_waiters = [n for n in plan.wake_waiters if n + 1000 <= nofile]

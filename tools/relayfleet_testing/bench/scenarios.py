@@ -1,15 +1,15 @@
-"""The measurements: each function runs one scenario against one target and returns a Row.
+"""The measurements of the throughput phase: each function runs one scenario against one
+target and returns a Row (the wake phase's are in bench/wake.py).
 
-Throughput scenarios drive wrk; latency, read+ack and idle long-polls use the own
-generator (relayfleet_testing.bench.loadgen). A scenario never starts or stops servers: the
-runner owns their lifetimes.
+Throughput scenarios drive wrk; calibration and read+ack use the own generator
+(relayfleet_testing.bench.loadgen). A scenario never starts or stops servers: the runner owns
+their lifetimes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import csv
 import io
 import math
@@ -19,14 +19,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
 import orjson
 import redis.asyncio as aioredis
-from relayfleet_testing.bench import wake, wrk
+from relayfleet_testing.bench import wrk
 from relayfleet_testing.bench.cputime import ForeignLoad
-from relayfleet_testing.bench.loadgen import Conn, HttpError, Response, build_request, closed_loop, open_many
+from relayfleet_testing.bench.loadgen import Conn, HttpError, build_request, closed_loop
 from relayfleet_testing.bench.procs import BenchError, Procs, wait_exit
-from relayfleet_testing.bench.results import Row, percentile
+from relayfleet_testing.bench.results import Row
 from relayfleet_testing.bench.targets import CpuMeter, RedisServer, Target
 
 from relay.storage import keys as K
@@ -363,204 +362,6 @@ async def read_ack(
         {"batch": batch, "size": size, "conns": connections, "queues": n_queues},
         {"rate": delivered[0] / elapsed, "req_rate": requests[0] / elapsed, "messages": float(expected)},
     )
-
-
-# -- long-poll wake latency and idle long-poll memory ------------------------------------------
-
-
-class IdlePolls:
-    """Thousands of parked long-polls, each on its own recipient, re-armed when they time out."""
-
-    def __init__(self, target: Target) -> None:
-        self.target = target
-        self.conns: list[Conn] = []
-        self.early: int = 0  # answers that were not a plain timeout (errors, refusals)
-        self._tasks: list[asyncio.Task[None]] = []
-
-    async def grow(self, n: int) -> None:
-        if n <= len(self.conns):
-            return
-        new = await open_many(self.target.host, self.target.ports[0], n - len(self.conns))
-        self.conns.extend(new)
-        self._tasks.extend(asyncio.create_task(self._hold(c)) for c in new)
-
-    async def _hold(self, conn: Conn) -> None:
-        path = self.target.poll_path(recipient(), LONGPOLL_WAIT_S)
-        with contextlib.suppress(HttpError, OSError):
-            while True:
-                resp = await conn.request("GET", path)
-                if resp.status not in (200, 304, 408):
-                    self.early += 1
-                    await asyncio.sleep(1.0)
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for conn in self.conns:
-            conn.close(reset=True)  # RST: 10,000 closes must not leave 10,000 TIME_WAIT ports
-        self.conns.clear()
-        self._tasks.clear()
-
-
-def _delivered(target: Target, resp: Response) -> bool:
-    if resp.status != 200:
-        return False
-    if target.kind in ("relay", "aiohttp"):
-        return b'"seq"' in resp.body
-    return len(resp.body) > 0
-
-
-async def wake_probes(target: Target, probes: int, size: int, settle_s: float) -> dict[str, float]:
-    """Sequential probes: a reader parks on a fresh queue, a writer enqueues, both answers timed."""
-    reader = await Conn.open(target.host, target.ports[0])
-    writer = await Conn.open(target.host, target.ports[0])
-    payload = filler(size)
-    after_ack: list[float] = []
-    end_to_end: list[float] = []
-    reader_first = 0
-    missed = 0
-    try:
-        for _ in range(probes):
-            r = recipient()
-            poll = await reader.start("GET", target.poll_path(r, 10))
-            await asyncio.sleep(settle_s)  # let the server park the waiter before the write
-            sent = time.perf_counter()
-            enq = await writer.request(
-                "POST", target.enqueue_path(r), payload, (("Content-Type", "application/octet-stream"),)
-            )
-            if not 200 <= enq.status < 300:
-                raise BenchError(f"{target.name}: enqueue answered {enq.status}: {enq.body[:200]!r}")
-            got = await asyncio.wait_for(poll, 15)
-            if not _delivered(target, got):
-                missed += 1
-                continue
-            if got.done < enq.done:
-                reader_first += 1
-            after_ack.append(max(0.0, got.done - enq.done) * 1000)
-            end_to_end.append((got.done - sent) * 1000)
-    finally:
-        reader.close()
-        writer.close()
-    after_ack.sort()
-    end_to_end.sort()
-    return {
-        "p50_ms": percentile(after_ack, 50),
-        "p99_ms": percentile(after_ack, 99),
-        "p999_ms": percentile(after_ack, 99.9),
-        "e2e_p50_ms": percentile(end_to_end, 50),
-        "e2e_p99_ms": percentile(end_to_end, 99),
-        "e2e_p999_ms": percentile(end_to_end, 99.9),
-        "reader_first": float(reader_first),
-        "missed": float(missed),
-        "probes": float(len(after_ack)),
-    }
-
-
-async def parked(target: Target, n: int) -> None:
-    """Until the server holds all `n` idle polls parked: RSS per idle poll is sampled then, not
-    after a fixed sleep, which at 10,000 caught a slower server with a quarter of them still
-    being set up (RSS still rising). The relay and nchan say how many wait (the wake phase's
-    wake.wait_registered); the aiohttp ceiling cannot, so it gets the fixed sleep."""
-    if target.kind == "aiohttp":
-        await asyncio.sleep(1.0 if n >= 1000 else 0.2)
-    else:
-        await wake.wait_registered(target, "longpoll", n)
-
-
-async def longpoll(target: Target, idle_levels: list[int], probes: int, size: int = 256) -> list[Row]:
-    """Wake latency with N idle long-polls parked on the same process, and RSS per idle poll.
-
-    Expects a freshly started target: RSS is measured against the value after a warm-up.
-    """
-    rows: list[Row] = []
-    idle = IdlePolls(target)
-    settle = 0.002
-    try:
-        await wake_probes(target, 20, size, settle)  # warm-up: imports, first allocations
-        await parked(target, 0)  # and the first count asked for (/metrics rendered once) before RSS
-        base_rss = target.rss_kib()
-        for n in idle_levels:
-            await idle.grow(n)
-            await parked(target, n)
-            target.check_alive()
-            rss = target.rss_kib()
-            values = await wake_probes(target, probes, size, settle)
-            values["rss_kib"] = float(rss)
-            values["rss_per_poll_kib"] = (rss - base_rss) / n if n else math.nan
-            values["idle_errors"] = float(idle.early)
-            rows.append(Row("longpoll", target.name, {"idle": n, "size": size}, values))
-    finally:
-        await idle.close()
-    return rows
-
-
-# -- live WebSocket delivery ----------------------------------------------------------------
-
-
-async def live(target: Target, probes: int, size: int = 256) -> Row | str:
-    """Enqueue answered → frame received on a live WebSocket; a string says why it was skipped."""
-    r = recipient()
-    path = target.live_path(r)
-    if path is None:
-        return "no WebSocket endpoint"
-    payload = filler(size)
-    writer = await Conn.open(target.host, target.ports[0])
-    after_ack: list[float] = []
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-    try:
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            try:
-                ws = await session.ws_connect(f"http://127.0.0.1:{target.ports[0]}{path}")
-            except aiohttp.WSServerHandshakeError as exc:
-                return f"WebSocket handshake answered {exc.status}"
-            async with ws:
-                if target.kind == "relay":
-                    first = await asyncio.wait_for(ws.receive_json(), 5)
-                    if first.get("type") != "empty":
-                        raise BenchError(f"live: expected an 'empty' frame first, got {first.get('type')!r}")
-                for _ in range(probes):
-                    # the receiver runs while the enqueue is in flight: the frame may beat the answer
-                    frame_task = asyncio.create_task(_next_frame(ws, target.kind == "relay"))
-                    enq = await writer.request("POST", target.enqueue_path(r), payload, tuple(OCTET.items()))
-                    if not 200 <= enq.status < 300:
-                        frame_task.cancel()
-                        raise BenchError(f"{target.name}: enqueue answered {enq.status}")
-                    got, seq = await asyncio.wait_for(frame_task, 5)
-                    after_ack.append(max(0.0, got - enq.done) * 1000)
-                    if seq is not None:
-                        await ws.send_str(orjson.dumps({"type": "ack", "upToSeq": seq}).decode())
-                    await asyncio.sleep(0.002)
-    finally:
-        writer.close()
-    after_ack.sort()
-    return Row(
-        "live",
-        target.name,
-        {"size": size},
-        {
-            "p50_ms": percentile(after_ack, 50),
-            "p99_ms": percentile(after_ack, 99),
-            "p999_ms": percentile(after_ack, 99.9),
-            "probes": float(len(after_ack)),
-        },
-    )
-
-
-async def _next_frame(ws: aiohttp.ClientWebSocketResponse, relay_frames: bool) -> tuple[float, int | None]:
-    """Arrival time of the next message frame (and its seq for relay frames)."""
-    while True:
-        msg = await ws.receive()
-        got = time.perf_counter()
-        if msg.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
-            raise BenchError(f"live: the server sent {msg.type.name} ({msg.extra or ''})")
-        if not relay_frames:
-            return got, None
-        frame = orjson.loads(msg.data)
-        if frame.get("type") == "message":
-            return got, int(frame["seq"])
-        if frame.get("type") == "error":
-            raise BenchError(f"live: error frame {frame.get('code')}: {frame.get('error')}")
 
 
 def have_redis_benchmark() -> bool:

@@ -78,8 +78,6 @@ class Target:
         return f"/v1/queues/{b64(recipient)}/messages"
 
     def poll_path(self, recipient: bytes, wait_s: int) -> str:
-        if self.kind == "nchan-mem":
-            return f"/sub/{recipient.hex()}"
         if self.kind == "nchan-redis":
             return f"/rsub/{recipient.hex()}"
         return f"/v1/queues/{b64(recipient)}/messages?wait={wait_s}"
@@ -87,8 +85,6 @@ class Target:
     def live_path(self, recipient: bytes) -> str | None:
         if self.kind == "relay":
             return f"/v1/queues/{b64(recipient)}/live"
-        if self.kind == "nchan-mem":
-            return f"/ws/{recipient.hex()}"
         if self.kind == "nchan-redis":
             return f"/rws/{recipient.hex()}"  # added when rendering the shared config
         return None

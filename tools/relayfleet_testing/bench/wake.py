@@ -12,6 +12,10 @@ worker) and of its redis-server over the measured probes alone (not the set-up, 
 warm-up probes), gaps and idle waiters' upkeep included, ÷ the measured wakes
 (targets.CpuMeter, as the enqueue's CPU per message).
 
+Memory per idle waiter: the server's RSS once all N are parked, less its RSS before the first
+opened (freshly started, after one enqueue and one look at its waiter count, so the enqueue
+path's and the count's first allocations are not charged to the waiters), ÷ N.
+
 Each waiter keeps its server's contract: a woken relay long-poll polls again from the
 answer's ``nextSeq`` (docs/api.md), a nchan long-poll from the answer's Etag and
 Last-Modified; a relay live socket acks each message. The probe goes to a waiter parked
@@ -248,6 +252,7 @@ async def run(
 ) -> Row:
     """Park ``waiters`` waiters on ``target``, then ``warmup`` + ``probes`` sequential wakes;
     the CPU ``target`` and ``redis`` spend per measured wake (Redis's NaN without ``redis``)."""
+    base_rss = await _warm_rss(target, recipients(), body)
     started = time.perf_counter()
     parked: list[_Waiter] = []
 
@@ -264,6 +269,7 @@ async def run(
             raise BenchError(f"{target.name}: opening {waiters} {mode} waiters failed: {exc}") from None
         await wait_registered(target, mode, waiters)
         setup_s = time.perf_counter() - started
+        rss = target.rss_kib()
         writer = await Conn.open(target.host, target.ports[0])
         order = [parked[i % len(parked)] for i in range(warmup + probes)]  # round-robin
         await _wakes(target, writer, order[:warmup], body, gap_s)
@@ -291,9 +297,26 @@ async def run(
             "probes": float(len(sent_to_woken)),
             "unexpected": float(sum(w.unexpected for w in parked)),
             "setup_s": setup_s,
+            "rss_kib": float(rss),
+            "rss_per_waiter_kib": (rss - base_rss) / waiters,
             **cpu.values(),  # server_cpu_us, redis_cpu_us, cpu_us: per measured wake
         },
     )
+
+
+async def _warm_rss(target: Target, recipient: bytes, body: bytes) -> int:
+    """The fresh server's RSS after one enqueue (to a queue nobody waits on) and one look at
+    its waiter count: what the waiters' RSS is measured from."""
+    conn = await Conn.open(target.host, target.ports[0])
+    try:
+        raw = build_request("POST", target.enqueue_path(recipient), conn.host, body, OCTET)
+        answer = await conn.request_raw(raw)
+        if not 200 <= answer.status < 300:
+            raise BenchError(f"{target.name}: enqueue answered {answer.status}: {answer.body[:200]!r}")
+        await waiting(target, "longpoll", conn)
+    finally:
+        conn.close()
+    return target.rss_kib()
 
 
 async def _close(parked: list[_Waiter]) -> None:
