@@ -34,7 +34,7 @@ _URLSAFE = bytes.maketrans(b"+/", b"-_")
 
 def b64decode(text: str) -> bytes:
     """Unpadded base64url; ValueError for anything else."""
-    if not _B64URL.match(text):
+    if not _B64URL.fullmatch(text):  # not .match: `$` also matches before a final newline
         raise ValueError("not base64url without padding")
     return b64decode_alphabet(text.encode("ascii"))  # the regex made it ASCII of that alphabet
 

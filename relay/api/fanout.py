@@ -27,7 +27,28 @@ routes = web.RouteTableDef()
 ROUTE = "/v1/messages"
 
 MAX_RECIPIENTS = 1000
-_MESSAGE_ID = re.compile(r"^[\x20-\x7e]{1,128}$")
+_MESSAGE_ID = re.compile(params.PRINTABLE_128)
+# the body fanout() takes, described for relay/api/openapi.py from the same bounds; an entry of
+# recipients that is not a key is not refused as a whole: it gets its own 400 result
+BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["recipients", "payload"],
+    "properties": {
+        "recipients": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": MAX_RECIPIENTS,
+            "items": {"description": f"a recipient ({params.RECIPIENT.description}); else its result is 400"},
+        },
+        "channel": {"type": ["string", "null"], "pattern": params.CHANNEL.pattern},
+        "payload": {"type": "string", "minLength": 2, "pattern": params.B64URL},
+        "messageId": {
+            "type": ["string", "null"],
+            "pattern": params.printable(0, 128),
+            "description": "1-128 printable characters; empty or null: none",
+        },
+    },
+}
 
 
 def _payload(text: Any, cap: int) -> bytes:
@@ -100,7 +121,7 @@ async def fanout(request: web.Request) -> web.Response:
     message_id = doc.get("messageId", "")
     if message_id is None:
         message_id = ""
-    if not isinstance(message_id, str) or (message_id and not _MESSAGE_ID.match(message_id)):
+    if not isinstance(message_id, str) or (message_id and not _MESSAGE_ID.fullmatch(message_id)):
         raise bad_request("messageId must be 1-128 printable ASCII characters", "bad_message_id")
     _check_fanout(len(recipients), doc.get("payload"), c.settings.max_fanout_bytes)
     payload = _payload(doc.get("payload"), cap)

@@ -25,10 +25,24 @@ from relay.storage.store import EnqueueRequest
 routes = web.RouteTableDef()
 APPEND_ROUTE = "/v1/inbox/append"
 
-HEADER = "X-Inbox-ID"
+HEADER = params.INBOX_ID.name
 _DOMAIN = b"relayfleet/inbox/v1\x00"  # keeps inbox queues apart from every other use of sha256
-_INBOX_ID = re.compile(r"^[\x21-\x7e]{1,512}$")
-_MESSAGE_ID = re.compile(r"^[\x20-\x7e]{1,128}$")
+_MESSAGE_ID = re.compile(params.PRINTABLE_128)
+_X = params.B64
+# the body append() takes, described for relay/api/openapi.py from the same patterns
+APPEND_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["messageId", "ciphertext"],
+    "properties": {
+        "messageId": {"type": "string", "pattern": params.PRINTABLE_128},
+        "ciphertext": {
+            "type": "string",
+            "minLength": 2,
+            "pattern": f"^(?:{_X}{{4}})*(?:{_X}{{2}}(?:==)?|{_X}{{3}}=?)?$",
+            "description": "base64url (correct padding tolerated)",
+        },
+    },
+}
 
 
 def inbox_recipient(inbox_id: str) -> bytes:
@@ -40,8 +54,8 @@ def _inbox(request: web.Request) -> bytes:
     raw = request.headers.get(HEADER)
     if raw is None:
         raise bad_request(f"the {HEADER} header is required", "bad_inbox_id")
-    if not _INBOX_ID.match(raw):
-        raise bad_request(f"{HEADER} must be 1-512 visible ASCII characters", "bad_inbox_id")
+    if not params.INBOX_ID.regex.fullmatch(raw):
+        raise bad_request(params.INBOX_ID.error, params.INBOX_ID.code)
     return inbox_recipient(raw)
 
 
@@ -77,7 +91,7 @@ async def append(request: web.Request) -> web.Response:
     if not isinstance(doc, dict):
         raise bad_request('body must be {"messageId": "...", "ciphertext": "<base64url>"}')
     message_id = doc.get("messageId")
-    if not isinstance(message_id, str) or not _MESSAGE_ID.match(message_id):
+    if not isinstance(message_id, str) or not _MESSAGE_ID.fullmatch(message_id):
         raise bad_request("messageId must be 1-128 printable ASCII characters", "bad_message_id")
     payload = _ciphertext(doc.get("ciphertext"), cap)
     if limiter is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,9 +20,129 @@ from relay.protocol import b64decode_alphabet
 from relay.protocol import b64encode as b64encode
 from relay.settings import Settings
 
-_PRINTABLE = re.compile(r"^[\x20-\x7e]{1,128}$")
 RECIPIENT_BYTES = 32
 MAX_CHANNEL_BYTES = 64
+MAX_SEQ = 2**63 - 1  # a stream id's first part: no seq is ever above it
+B64 = "[A-Za-z0-9_-]"  # one base64url character
+
+
+def b64url_pattern(min_bytes: int, max_bytes: int) -> str:
+    """The texts b64decode turns into min_bytes..max_bytes bytes (both equal, or 0..max): 4
+    characters per 3 bytes, the last group 2 or 3 characters (never 1)."""
+    if min_bytes == max_bytes:
+        return f"^{B64}{{{-(-4 * max_bytes // 3)}}}$"
+    if min_bytes != 0:
+        raise ValueError("a byte range starts at 0 or is one length")
+    groups, rest = divmod(max_bytes, 3)
+    last = {0: "", 1: f"(?:{B64}{{2}})?", 2: f"(?:{B64}{{2,3}})?"}[rest]
+    return f"^(?:(?:{B64}{{4}}){{0,{groups - 1}}}(?:{B64}{{2,3}})?|(?:{B64}{{4}}){{{groups}}}{last})$"
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """One request parameter, declared once. Its parser below checks a value against `pattern`
+    (the value's whole grammar as sent, in the regex syntax Python and JSON Schema share) and
+    refuses it with 400 `code` and `error`; relay/api/openapi.py describes the parameter from
+    these same fields, so the document and the parser cannot disagree."""
+
+    name: str
+    where: str  # "path", "query" or "header"
+    pattern: str
+    error: str
+    code: str = "bad_request"
+    description: str = ""
+    required: bool = False
+    # matched with fullmatch: Python's `$` also matches before a final newline, JSON Schema's does not
+    regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "regex", re.compile(self.pattern))
+
+    def openapi(self) -> dict[str, Any]:
+        refused = f"; otherwise 400 {self.code}: {self.error}"
+        return {
+            "name": self.name,
+            "in": self.where,
+            "required": self.required,
+            "description": self.description + refused,
+            "schema": {"type": "string", "pattern": self.pattern},
+        }
+
+
+def _digits(minimum: int) -> str:
+    """`[0-9]+` of a value >= minimum (0 or 1), or empty (a query value "" is the default)."""
+    return {0: "^[0-9]*$", 1: "^(?:0*[1-9][0-9]*)?$"}[minimum]
+
+
+def printable(least: int, most: int, first: int = 0x20) -> str:
+    """least..most ASCII characters from `first` (space: printable; 0x21: visible) to `~`."""
+    return f"^[\\x{first:02x}-\\x7e]{{{least},{most}}}$"
+
+
+PRINTABLE_128 = printable(1, 128)  # Idempotency-Key; a fan-out's or inbox append's messageId
+B64URL = f"^(?:{B64}{{4}})*(?:{B64}{{2,3}})?$"  # what b64decode takes, of any length
+RECIPIENT = Param(
+    "recipient",
+    "path",
+    b64url_pattern(RECIPIENT_BYTES, RECIPIENT_BYTES),
+    "recipientKey must be base64url (no padding) of exactly 32 bytes",
+    "bad_recipient",
+    "the queue owner's Ed25519 public key, base64url without padding (32 bytes)",
+    required=True,
+)
+CHANNEL = Param(
+    "channel",
+    "query",
+    b64url_pattern(0, MAX_CHANNEL_BYTES),
+    "channel must be base64url (no padding) of at most 64 bytes",
+    "bad_channel",
+    "base64url of 0-64 bytes; absent or empty is the default channel",
+)
+FROM_SEQ = Param(
+    "fromSeq",
+    "query",
+    _digits(0),
+    "fromSeq must be an integer >= 0 (digits only)",
+    description="first seq wanted, an integer (absent or empty: the oldest held);"
+    f" above {MAX_SEQ} is clamped",
+)
+LIMIT = Param(
+    "limit",
+    "query",
+    _digits(1),
+    "limit must be an integer >= 1 (digits only)",
+    description=f"at most this many messages, an integer (absent or empty: {Settings.default_limit});"
+    f" above {Settings.max_limit} is clamped to {Settings.max_limit}",
+)
+WAIT = Param(
+    "wait",
+    "query",
+    r"^(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)?$",
+    "wait must be a number of seconds >= 0 (digits and a decimal point only)",
+    description="long-poll seconds when nothing is there (fractions allowed; absent or empty: 0);"
+    f" above {Settings.max_wait_s:g} is clamped to {Settings.max_wait_s:g}",
+)
+IDEMPOTENCY_KEY = Param(
+    "Idempotency-Key",
+    "header",
+    PRINTABLE_128,
+    "Idempotency-Key must be 1-128 printable ASCII characters",
+    "bad_idempotency_key",
+    "the same key with the same payload again answers the first seq (200, duplicate)",
+)
+INBOX_ID = Param(
+    "X-Inbox-ID",
+    "header",
+    printable(1, 512, 0x21),
+    "X-Inbox-ID must be 1-512 visible ASCII characters",
+    "bad_inbox_id",
+    "opaque inbox capability (never logged; hashed before use)",
+    required=True,
+)
+# the parsers below run on the hot path: the bound methods, looked up once
+_FROM_SEQ, _LIMIT, _WAIT, _IDEMPOTENCY_KEY = (
+    p.regex.fullmatch for p in (FROM_SEQ, LIMIT, WAIT, IDEMPOTENCY_KEY)
+)
 
 
 def recipient_key(text: str) -> bytes:
@@ -42,12 +164,12 @@ def recipient_key_matched(segment: bytes) -> bytes:
 
 
 def _bad_recipient() -> ApiError:
-    return bad_request("recipientKey must be base64url (no padding) of exactly 32 bytes", "bad_recipient")
+    return bad_request(RECIPIENT.error, RECIPIENT.code)
 
 
 def _recipient_of(raw: bytes) -> bytes:
     if len(raw) != RECIPIENT_BYTES:
-        raise bad_request(f"recipientKey must be exactly 32 bytes, got {len(raw)}", "bad_recipient")
+        raise bad_request(f"recipientKey must be exactly 32 bytes, got {len(raw)}", RECIPIENT.code)
     return raw
 
 
@@ -63,32 +185,19 @@ def channel_value(text: str) -> bytes:
     try:
         raw = b64decode(text)
     except ValueError:
-        raise bad_request(
-            "channel must be base64url (no padding) of at most 64 bytes", "bad_channel"
-        ) from None
+        raise bad_request(CHANNEL.error, CHANNEL.code) from None
     if len(raw) > MAX_CHANNEL_BYTES:
-        raise bad_request(f"channel must be at most 64 bytes, got {len(raw)}", "bad_channel")
+        raise bad_request(f"channel must be at most 64 bytes, got {len(raw)}", CHANNEL.code)
     return raw
 
 
-_DIGITS = re.compile(r"^[0-9]+$")
-_SECONDS_TEXT = re.compile(r"^(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)$")
-MAX_SEQ = 2**63 - 1  # a stream id's first part: no seq is ever above it
-
-
-def int_value(raw: str | None, name: str, minimum: int, maximum: int) -> int | None:
-    """A query integer: `[0-9]+` only (no sign, space or underscore), clamped to `maximum`.
-
-    Digits past 19 are clamped without int(), which refuses over 4300 digits (a 500)."""
-    if raw is None or raw == "":
-        return None
-    if not _DIGITS.match(raw):
-        raise bad_request(f"{name} must be an integer >= {minimum} (digits only)")
+def _int_value(raw: str, match: Callable[[str], object], param: Param, maximum: int) -> int:
+    """A query integer `param` matched (digits only: no sign, space or underscore), clamped to
+    `maximum`. Digits past 19 are clamped without int(), which refuses over 4300 digits (a 500)."""
+    if not match(raw):
+        raise bad_request(param.error, param.code)
     digits = raw.lstrip("0") or "0"
-    value = maximum if len(digits) > 19 else min(int(digits), maximum)
-    if value < minimum:
-        raise bad_request(f"{name} must be an integer >= {minimum} (digits only)")
-    return value
+    return maximum if len(digits) > 19 else min(int(digits), maximum)
 
 
 def from_seq(request: web.Request) -> int | None:
@@ -96,7 +205,7 @@ def from_seq(request: web.Request) -> int | None:
 
 
 def from_seq_value(raw: str | None) -> int | None:
-    return int_value(raw, "fromSeq", 0, MAX_SEQ)
+    return _int_value(raw, _FROM_SEQ, FROM_SEQ, MAX_SEQ) if raw else None
 
 
 def limit(request: web.Request, settings: Settings) -> int:
@@ -104,8 +213,7 @@ def limit(request: web.Request, settings: Settings) -> int:
 
 
 def limit_value(raw: str | None, settings: Settings) -> int:
-    value = int_value(raw, "limit", 1, settings.max_limit)
-    return settings.default_limit if value is None else value
+    return _int_value(raw, _LIMIT, LIMIT, settings.max_limit) if raw else settings.default_limit
 
 
 def wait(request: web.Request, settings: Settings) -> float:
@@ -113,11 +221,11 @@ def wait(request: web.Request, settings: Settings) -> float:
 
 
 def wait_value(raw: str | None, settings: Settings) -> float:
-    """Seconds, fractions allowed (`[0-9]+(.[0-9]*)?`), clamped to the maximum wait."""
-    if raw is None or raw == "":
+    """Seconds, fractions allowed, clamped to the maximum wait (docs/api.md: 60 s)."""
+    if not raw:
         return 0.0
-    if not _SECONDS_TEXT.match(raw):
-        raise bad_request("wait must be a number of seconds >= 0 (digits and a decimal point only)")
+    if not _WAIT(raw):
+        raise bad_request(WAIT.error, WAIT.code)
     return min(float(raw), settings.max_wait_s)  # a huge value is inf, clamped like any other
 
 
@@ -129,9 +237,19 @@ def idempotency_value(raw: str | None) -> str:
     """The Idempotency-Key header's value checked (absent: ""), whatever the transport."""
     if raw is None:
         return ""
-    if not _PRINTABLE.match(raw):
-        raise bad_request("Idempotency-Key must be 1-128 printable ASCII characters", "bad_idempotency_key")
+    if not _IDEMPOTENCY_KEY(raw):
+        raise bad_request(IDEMPOTENCY_KEY.error, IDEMPOTENCY_KEY.code)
     return raw
+
+
+def json_int(value: Any) -> int | None:
+    """A JSON body's integer, or None: 5 and 5.0 are the same JSON number (and both integers to
+    JSON Schema, so to the OpenAPI document); true and 5.5 are not integers."""
+    if type(value) is int:
+        return value
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return None
 
 
 async def payload(request: web.Request, cap: int) -> bytes:

@@ -32,6 +32,39 @@ NAMES = ("status-request", "delivery-request", "messages-received", "live-delive
 MAX_BODY = 1 << 20
 MAX_IDS = 10_000
 _DID_KEY = "did:key:"
+DID_KEY_PATTERN = "^did:key:z6Mk[1-9A-HJ-NP-Za-km-z]{44}$"  # multicodec ed25519-pub + 32 bytes, base58
+# the body pickup() takes, described for relay/api/openapi.py from the same names and bounds;
+# each message type reads its own field (checked only there), ~transport and others are ignored
+_NEEDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "delivery-request": ("limit", {"type": "integer", "minimum": 1}),
+    "messages-received": (
+        "message_id_list",
+        {"type": "array", "maxItems": MAX_IDS, "items": {"type": "string"}},
+    ),
+    "live-delivery-change": ("live_delivery", {"type": "boolean"}),
+}
+BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["@type"],
+    "properties": {
+        "@id": {"type": ["string", "null"]},
+        "@type": {"enum": [f"{prefix}{PROTOCOL}{name}" for prefix in PREFIXES for name in NAMES]},
+        "recipient_key": {
+            "type": "string",
+            "description": "the queue: base64url of the 32-byte key, or an Ed25519 did:key"
+            " (absent: the key of the Authorization header)",
+            "anyOf": [{"pattern": params.RECIPIENT.pattern}, {"pattern": DID_KEY_PATTERN}],
+        },
+        "~thread": {"description": "its thid, when a string, threads the reply"},
+    },
+    "allOf": [
+        {
+            "if": {"properties": {"@type": {"enum": [f"{prefix}{PROTOCOL}{name}" for prefix in PREFIXES]}}},
+            "then": {"required": [field], "properties": {field: schema}},
+        }
+        for name, (field, schema) in _NEEDS.items()
+    ],
+}
 
 
 class PickupError(Exception):
@@ -140,8 +173,8 @@ def _status_doc(msg: PickupMessage, st: StatusResult, live: bool) -> dict[str, A
 
 
 def _limit(doc: dict[str, Any], cap: int) -> int:
-    limit = doc.get("limit")
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+    limit = params.json_int(doc.get("limit"))
+    if limit is None or limit < 1:
         raise PickupError("delivery-request needs limit, an integer >= 1")
     return min(limit, cap)
 

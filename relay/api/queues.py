@@ -160,22 +160,45 @@ async def drain(request: web.Request) -> web.StreamResponse:
     return await read_response(request, result, None, drained=True)
 
 
+MAX_ACK_SEQS = 10_000
+_SEQ = {"type": "integer", "maximum": params.MAX_SEQ}
+# the ack body parse_ack takes, described for relay/api/openapi.py from the same bounds: one of
+# the two fields, never both (other fields are ignored)
+ACK_BODY: dict[str, Any] = {
+    "type": "object",
+    "oneOf": [
+        {"required": ["upToSeq"], "not": {"required": ["seqs"]}},
+        {"required": ["seqs"], "not": {"required": ["upToSeq"]}},
+    ],
+    "properties": {
+        "upToSeq": {**_SEQ, "minimum": 0, "description": "deletes every seq <= upToSeq"},
+        "seqs": {"type": "array", "maxItems": MAX_ACK_SEQS, "items": {**_SEQ, "minimum": 1}},
+    },
+}
+
+
 def parse_ack(doc: Any) -> tuple[int | None, list[int] | None]:
     if not isinstance(doc, dict) or (("upToSeq" in doc) == ("seqs" in doc)):
         raise bad_request('ack body must be {"upToSeq": N} or {"seqs": [N, ...]}')
     if "upToSeq" in doc:
-        n = doc["upToSeq"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n >= 2**63:
+        n = params.json_int(doc["upToSeq"])
+        if n is None or not 0 <= n <= params.MAX_SEQ:
             raise bad_request("upToSeq must be an integer >= 0")
         return n, None
     seqs = doc["seqs"]
-    if (
-        not isinstance(seqs, list)
-        or len(seqs) > 10000
-        or not all(isinstance(s, int) and not isinstance(s, bool) and 1 <= s < 2**63 for s in seqs)
-    ):
-        raise bad_request("seqs must be a list of at most 10000 integers >= 1")
-    return None, sorted(set(seqs))
+    if not isinstance(seqs, list) or len(seqs) > MAX_ACK_SEQS:
+        raise _bad_seqs()
+    found = set()
+    for s in seqs:
+        n = params.json_int(s)
+        if n is None or not 1 <= n <= params.MAX_SEQ:
+            raise _bad_seqs()
+        found.add(n)
+    return None, sorted(found)
+
+
+def _bad_seqs() -> ApiError:
+    return bad_request(f"seqs must be a list of at most {MAX_ACK_SEQS} integers >= 1")
 
 
 @routes.post("/v1/queues/{recipient}/ack")
