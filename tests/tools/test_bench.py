@@ -326,7 +326,9 @@ def test_report_shows_ratios_and_skips() -> None:
     text = report.render(
         _results(), "quick", "relayfleet bench --quick", {"CPU": "test"}, "now", 12.0, 64, ["n"]
     )
-    assert "| relay-1p | 256 B | 9,000 | 0.03 | - | 0.45 (aiohttp-1p) | 0.60 |" in text
+    # msg/s ÷ nchan-redis, ÷ the aiohttp ceiling; no enqueue.lua limit measured
+    assert "| relay-1p | 256 B | 64 | 9,000 | 1.00 / 5.00 | - | - | - | 0.60 | 0.45 | - |" in text
+    assert "| redis XADD | 256 B | 64 | 300,000 | - / - | - | - | - | - | - | - |" in text
     assert "- live / relay-1p: WebSocket handshake answered 404" in text
 
 
@@ -477,7 +479,7 @@ def test_report_enqueue_head_to_head_table() -> None:
     res = _vs_nchan_results(80.0, 100.0)
     res.add(Row("enqueue", "relay-1p", {"size": 65536, "conns": 64}, {"rate": 3000.0, "cpu_us": 500.0}))
     text = report.render(res, "full", "relayfleet bench", {}, "now", 1.0, 64, [])
-    assert text.index("### Enqueue head to head with nginx + nchan") < text.index("### Enqueue throughput")
+    assert text.index("### Enqueue head to head with nginx + nchan") < text.index("### Enqueue\n")
     goal = "≥ 1.0 x by median"
     assert (
         f"| enqueue 256 B: relay-1p / nchan-redis msg/s | {goal} | 1.10 (11,000 / 10,000 msg/s) | - | met |"
@@ -494,8 +496,9 @@ def test_report_enqueue_head_to_head_table() -> None:
     assert "3 of 4 measured enqueue targets met." in text
     assert "### Before / after" not in text  # no baseline in this run
     # the split per target and size, and Redis's own cost per enqueue.lua call
-    assert "| relay-1p | 4 KiB | 64 | 9,000 | 50.0 | 30.0 | 80.0 |" in text
-    assert "| redis enqueue.lua | 256 B | 64 | 9,000 | - | 31.5 | 31.5 |" in text
+    assert "| relay-1p | 4 KiB | 64 | 9,000 | - / - | 50.0 | 30.0 | 80.0 | 0.90 | - | - |" in text
+    assert "| relay-1p | 256 B | 64 | 11,000 | - / - | 50.0 | 30.0 | 80.0 | 1.10 | - | 1.22 |" in text
+    assert "| redis enqueue.lua | 256 B | 64 | 9,000 | - / - | - | 31.5 | 31.5 | - | - | - |" in text
     worse = report.render(_vs_nchan_results(120.0, 100.0), "full", "relayfleet bench", {}, "now", 1.0, 64, [])
     assert "CPU per message | ≤ 1.0 x by median | 1.20 (120.0 / 100.0 µs) | - | missed |" in worse
     assert "one run per side and size" in worse
@@ -693,11 +696,12 @@ def test_report_wake_verdict_is_parity_by_median() -> None:
 def test_report_wake_table_shows_cpu_per_wake_of_each_side_and_its_redis() -> None:
     res = _wake_results()
     text = report.render(res, "full", "relayfleet bench", {}, "now", 1.0, 64, [])
-    header = "| mode | waiters | round | target | p50 ms | p99 ms | CPU µs/wake | its Redis CPU µs/wake "
+    header = "| mode | waiters | target | p50 ms | p99 ms | CPU µs/wake | its Redis CPU µs/wake "
     assert f"{header}| RSS KiB/waiter |" in text
-    # round 2: relay 300 x 1.2 + 1 and 40 x 1.2 + 1, nchan 300 x 1.0 + 1 and 40 x 1.0 + 1, nchan first
-    rows = "| long-poll | 1,000 | 2 | nchan-redis | 1.00 | 2.00 | 301 | 41 | 10.0 |\n"
-    rows += "| long-poll | 1,000 | 2 | relay-1p | 1.20 | 2.40 | 361 | 49 | 12.0 |"
+    # each target's medians of the three rounds: the relay's CPU 240, 361, 272 and its Redis's
+    # 32, 49, 38 µs; nchan 300 + n and 40 + n
+    rows = "| long-poll | 1,000 | nchan-redis | 1.00 | 2.00 | 301 | 41 | 10.0 |\n"
+    rows += "| long-poll | 1,000 | relay-1p | 0.90 | 1.80 | 272 | 38 | 9.0 |"
     assert rows in text
     assert "(10 ms clock ticks: ±10 µs per wake)." in text
     # the verdicts stay on p50 / p99 alone: the same as without any CPU figure
@@ -705,7 +709,7 @@ def test_report_wake_table_shows_cpu_per_wake_of_each_side_and_its_redis() -> No
         del r.values["server_cpu_us"], r.values["redis_cpu_us"]
     bare = report.render(res, "full", "relayfleet bench", {}, "now", 1.0, 64, [])
     assert "| 0.90 (0.90 / 1.00 ms) | 0.80, 1.20, 0.90 | met |" in bare
-    assert "| long-poll | 1,000 | 2 | relay-1p | 1.20 | 2.40 | - | - | 12.0 |" in bare
+    assert "| long-poll | 1,000 | relay-1p | 0.90 | 1.80 | - | - | 9.0 |" in bare
 
 
 async def test_the_wake_set_up_waits_for_quiet_at_most_quiet_max_s(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -176,168 +176,69 @@ def _calibration(res: Results) -> list[str]:
 
 
 def _enqueue(res: Results, main_conns: int) -> list[str]:
-    rows = res.select("enqueue") + res.select("limit")
-    if not rows:
+    """Every enqueue run and redis-benchmark limit in one table: rate, latency, CPU per message
+    (server and Redis), and a relay's msg/s as ratios to the peer, the ceiling and the limits."""
+    runs = res.select("enqueue")
+    limits = res.select("limit")
+    if not runs and not limits:
         return []
-    sizes = sorted({_int(r, "size") for r in rows})
-    targets = _unique(r.target for r in rows if _int(r, "conns") == main_conns)
-    lines = ["### Enqueue throughput", ""]
-    lines.append(
-        f"Messages stored per second (2xx answers only), {main_conns} connections, one wrk thread per "
-        "server process; p50 / p99 request latency in ms under that load. `redis XADD` and "
-        "`redis enqueue.lua` are redis-benchmark (pipelined 16 deep), not HTTP."
-    )
-    lines.append("")
-    header = (
-        ["target"]
-        + [f"{size_label(s)} msg/s" for s in sizes]
-        + [f"{size_label(s)} p50/p99 ms" for s in sizes]
-    )
-    body = []
-    for t in targets:
-        cells = [t]
-        lat = []
-        for s in sizes:
-            row = next(
-                (
-                    r
-                    for r in rows
-                    if r.target == t and _int(r, "size") == s and _int(r, "conns") == main_conns
-                ),
-                None,
-            )
-            if row is None:
-                cells.append("-")
-                lat.append("-")
-                continue
-            err = row.values.get("errors", 0.0)
-            cells.append(_num(row.values.get("rate")) + (f" ({_num(err)} err)" if err else ""))
-            lat.append(f"{_ms(row.values.get('p50_ms'))} / {_ms(row.values.get('p99_ms'))}")
-        body.append(cells + lat)
-    lines += _table(header, body)
-    other = [r for r in res.select("enqueue") if _int(r, "conns") != main_conns]
-    if other:
-        lines += ["", "Connection count sweep (256 B unless shown):", ""]
-        lines += _table(
-            ["target", "size", "connections", "msg/s", "p50 ms", "p99 ms"],
-            (
-                [
-                    r.target,
-                    size_label(_int(r, "size")),
-                    str(r.params["conns"]),
-                    _num(r.values.get("rate")),
-                    _ms(r.values.get("p50_ms")),
-                    _ms(r.values.get("p99_ms")),
-                ]
-                for r in sorted(other, key=lambda r: (r.target, _int(r, "conns")))
-            ),
-        )
-    return [*lines, ""]
 
+    def ratios(r: Row) -> list[str]:
+        if not r.target.startswith(("relay-", f"{BASELINE}-")):
+            return ["-", "-", "-"]
+        size, conns, rate = _int(r, "size"), _int(r, "conns"), r.values.get("rate")
+        ceiling = f"aiohttp-{r.target.rsplit('-', 1)[-1]}"  # as many processes
+        if res.find("enqueue", ceiling, size=size, conns=conns) is None:
+            ceiling = "aiohttp-1p"
+        return [
+            _ratio(rate, res.value("enqueue", PEER, "rate", size=size, conns=conns)),
+            _ratio(rate, res.value("enqueue", ceiling, "rate", size=size, conns=conns)),
+            _ratio(rate, res.value("limit", "redis enqueue.lua", "rate", size=size)),
+        ]
 
-def _ratios(res: Results, main_conns: int) -> list[str]:
-    relays = _unique(
-        r.target for r in res.select("enqueue") if r.target.startswith(("relay-", f"{BASELINE}-"))
-    )
-    if not relays:
-        return []
-    sizes = sorted({_int(r, "size") for r in res.select("enqueue")})
-    lines = ["### Ratios (enqueue)", ""]
-    lines.append(
-        "relay / limit = relay msg/s ÷ redis XADD; relay / script limit = ÷ redis running the relay's "
-        "enqueue.lua; relay / aiohttp = ÷ the empty-handler ceiling with as many processes (1p falls "
-        "back to aiohttp-1p); relay / nchan-redis = ÷ nginx + nchan with Redis storage."
-    )
-    lines.append("")
-    body = []
-    for t in relays:
-        procs = t.split("-")[-1]
-        for s in sizes:
-            rate = res.value("enqueue", t, "rate", size=s, conns=main_conns)
-            ceiling = res.value("enqueue", f"aiohttp-{procs}", "rate", size=s, conns=main_conns)
-            ceiling_name = f"aiohttp-{procs}"
-            if ceiling is None:
-                ceiling = res.value("enqueue", "aiohttp-1p", "rate", size=s, conns=main_conns)
-                ceiling_name = "aiohttp-1p"
-            body.append(
-                [
-                    t,
-                    size_label(s),
-                    _num(rate),
-                    _ratio(rate, res.value("limit", "redis XADD", "rate", size=s)),
-                    _ratio(rate, res.value("limit", "redis enqueue.lua", "rate", size=s)),
-                    f"{_ratio(rate, ceiling)} ({ceiling_name})",
-                    _ratio(rate, res.value("enqueue", "nchan-redis", "rate", size=s, conns=main_conns)),
-                ]
-            )
-    lines += _table(
-        [
-            "relay",
-            "size",
-            "msg/s",
-            "relay / limit",
-            "relay / script limit",
-            "relay / aiohttp",
-            "relay / nchan-redis",
-        ],
-        body,
-    )
-    return [*lines, ""]
-
-
-def _enqueue_cpu(res: Results, main_conns: int) -> list[str]:
-    rows = [r for r in res.select("enqueue") if "cpu_us" in r.values or "server_cpu_us" in r.values]
-    limits = [r for r in res.select("limit") if "redis_cpu_us" in r.values]
-    if not rows and not limits:
-        return []
-    lines = ["### Enqueue CPU per stored message", ""]
-    lines.append(
-        "utime + stime over the measured wrk run only (not its warm-up) ÷ the 2xx answers of that run. "
-        "server = the relay process(es) / nginx master + worker / the aiohttp ceiling; Redis = the one "
-        "redis-server all targets share (with its AOF fsync thread and rewrite forks), flushed and its "
-        "AOF rewritten before each run, with any fork a run started waited for before its window "
-        "closes. Read from /proc (clock ticks of 10 ms: ±0.01 s per window). `redis XADD` / "
-        "`redis enqueue.lua` rows: Redis CPU per command under redis-benchmark."
-    )
-    lines.append("")
-    body = [
-        [
+    def row(r: Row) -> list[str]:
+        err = r.values.get("errors", 0.0)
+        return [
             r.target,
             size_label(_int(r, "size")),
             str(r.params["conns"]),
-            _num(r.values.get("rate")),
-            _num(r.values.get("server_cpu_us"), 1),
+            _num(r.values.get("rate")) + (f" ({_num(err)} err)" if err else ""),
+            f"{_ms(r.values.get('p50_ms'))} / {_ms(r.values.get('p99_ms'))}",
+            _num(r.values.get("server_cpu_us"), 1) if r.scenario == "enqueue" else "-",
             _num(r.values.get("redis_cpu_us"), 1),
-            _num(r.values.get("cpu_us"), 1),
+            _num(r.values.get("cpu_us", r.values.get("redis_cpu_us", math.nan)), 1),
+            *ratios(r),
         ]
-        # the main connection count first (the runs the other tables show), then the sweep
-        for r in sorted(
-            rows, key=lambda r: (_int(r, "conns") != main_conns, _int(r, "size"), _int(r, "conns"))
-        )
-    ]
-    body += [
-        [
-            r.target,
-            size_label(_int(r, "size")),
-            str(r.params["conns"]),
-            _num(r.values.get("rate")),
-            "-",
-            _num(r.values.get("redis_cpu_us"), 1),
-            _num(r.values.get("redis_cpu_us"), 1),
-        ]
-        for r in limits
-    ]
+
+    # the main connection count first (the runs the head to heads compare), then the sweep
+    ordered = sorted(runs, key=lambda r: (_int(r, "conns") != main_conns, _int(r, "size"), _int(r, "conns")))
+    lines = ["### Enqueue", ""]
+    lines.append(
+        "Messages stored per second (2xx answers), wrk with one thread per server process; p50 / p99 "
+        "request latency under that load. CPU per message = utime + stime over the measured run ÷ "
+        "its 2xx answers, of the server (relay process(es); nginx master + worker; the aiohttp "
+        "ceiling) and of the redis-server every target shares (AOF fsync thread and rewrite forks "
+        "included; flushed and its AOF rewritten before each run). `redis XADD` / `redis "
+        "enqueue.lua` are redis-benchmark pipelined 16 deep (no HTTP), with Redis's CPU per command. "
+        "÷ columns: a relay's msg/s divided by nchan-redis's, by the aiohttp empty handler's (as "
+        "many processes) and by Redis running the relay's enqueue script."
+    )
+    lines.append("")
     lines += _table(
         [
             "target",
             "size",
-            "connections",
+            "conns",
             "msg/s",
-            "server CPU µs/msg",
-            "Redis CPU µs/msg",
+            "p50 / p99 ms",
+            "server µs/msg",
+            "Redis µs/msg",
             "total µs/msg",
+            "÷ nchan-redis",
+            "÷ aiohttp",
+            "÷ enqueue.lua",
         ],
-        body,
+        [row(r) for r in ordered + limits],
     )
     return [*lines, ""]
 
@@ -607,20 +508,21 @@ def _wake_head_to_head(res: Results) -> list[str]:
                 if ok is not None:
                     measured += 1
                     met += ok
-        for r in sorted((r for t in (PEER, *RELAYS) for r in _wake_runs(res, t, mode, waiters)), key=_round):
-            detail.append(
-                [
-                    WAKE_MODE_LABELS.get(mode, mode),
-                    _num(float(waiters)),
-                    str(_round(r)),
-                    r.target,
-                    _ms(r.values.get("p50_ms")),
-                    _ms(r.values.get("p99_ms")),
-                    _num(r.values.get("server_cpu_us")),
-                    _num(r.values.get("redis_cpu_us")),
-                    _num(r.values.get("rss_per_waiter_kib"), 1),
-                ]
-            )
+        for target in (PEER, *RELAYS):
+            runs = _wake_runs(res, target, mode, waiters)
+            if runs:
+                detail.append(
+                    [
+                        WAKE_MODE_LABELS.get(mode, mode),
+                        _num(float(waiters)),
+                        target,
+                        _ms(_median(runs, "p50_ms")),
+                        _ms(_median(runs, "p99_ms")),
+                        _num(_median(runs, "server_cpu_us")),
+                        _num(_median(runs, "redis_cpu_us")),
+                        _num(_median(runs, "rss_per_waiter_kib"), 1),
+                    ]
+                )
     lines = ["### Wake head to head with nginx + nchan", ""]
     lines.append(
         "The relay (one process) against nginx + nchan with Redis storage (one nginx worker), same "
@@ -634,7 +536,7 @@ def _wake_head_to_head(res: Results) -> list[str]:
         "measured wakes ÷ the wakes, of the server's processes and, apart, of its redis-server "
         f"(10 ms clock ticks: ±{_num(10_000 / probes) if probes else '-'} µs per wake). RSS per "
         "waiter = (the server's RSS with all N parked - its RSS fresh, after one enqueue) ÷ N "
-        "(nginx: its worker)."
+        "(nginx: its worker). The last table: each target's medians of the rounds."
     )
     lines.append("")
     lines += _table(["target", "goal", "measured (relay / nchan)", "per round", "verdict"], verdicts)
@@ -643,7 +545,6 @@ def _wake_head_to_head(res: Results) -> list[str]:
         [
             "mode",
             "waiters",
-            "round",
             "target",
             "p50 ms",
             "p99 ms",
@@ -727,8 +628,6 @@ def render(
         _before_after(res, main_conns),
         _calibration(res),
         _enqueue(res, main_conns),
-        _enqueue_cpu(res, main_conns),
-        _ratios(res, main_conns),
         _read_ack(res),
         _fanout(res),
         _skips(res),
