@@ -473,6 +473,7 @@ def main(argv: list[str]) -> int:
     command = "relayfleet bench" + (" " + shlex.join(argv) if argv else "")
     started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     load_before = report.loadavg()
+    facts = report.machine_facts(REPO)  # before the run: the commit measured, not one made meanwhile
     workdir = Path(tempfile.mkdtemp(prefix="relayfleet-bench-"))
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     bench: Bench | None = None
@@ -500,7 +501,6 @@ def main(argv: list[str]) -> int:
         _group_nice_note(bench.procs),
         *plan.notes,
     ]
-    facts = report.machine_facts(REPO)
     text = report.render(bench.results, plan.mode, command, facts, started, elapsed, plan.connections, notes)
     if args.json is not None:
         args.json.write_text(json.dumps(bench.results.to_json(), indent=1))
