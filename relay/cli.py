@@ -11,14 +11,15 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any, NoReturn, Protocol
+from typing import NoReturn
 
 from relay import gc_tuning
+from relay import settings as declared
+from relay.envconfig import EnvHelpParser, add_flag, epilog, flag_help, resolve_flags
 from relay.fleet.sharding import ShardMapError, is_sentinel_url, parse_sentinel_url
-from relay.helpfmt import EnvHelpParser
-from relay.settings import ConfigError, Settings, env_value, parse_env
+from relay.settings import ConfigError, Settings
 from relay.storage.connection import RedisURLError
 
 
@@ -29,102 +30,22 @@ class _Parser(EnvHelpParser):  # every flag: its env and default
         self.exit(2, f"{self.prog}: {message}\n")
 
 
-class _AddsArguments(Protocol):
-    """A parser or one of its groups (argparse names no public type for both)."""
-
-    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action: ...
-
-
-@dataclass(frozen=True, slots=True)
-class _EnvFlag:
-    """A flag whose value, when not given, comes from `env` (parsed by `parse`), else `default`."""
-
-    dest: str
-    env: str
-    default: object
-    parse: Callable[[str], object]
-    kind: str
-
-
-def _flag(
-    parser: argparse.ArgumentParser,
-    *names: str,
-    env: str,
-    default: object,
-    help: str,
-    parse: Callable[[str], object] = str,
-    kind: str = "a string",
-    to: _AddsArguments | None = None,
-    **kw: Any,
-) -> None:
-    """An option whose help names its environment variable and default; the value is resolved
-    after parsing (so a bad env value of another subcommand never matters)."""
-    shown = "none" if default is None else default
-    action = (to or parser).add_argument(
-        *names, default=None, help=f"{help} [env {env}; default {shown}]", **kw
-    )
-    flags = list(parser.get_default("env_flags") or [])
-    flags.append(_EnvFlag(action.dest, env, default, parse, kind))
-    parser.set_defaults(env_flags=flags)
-
-
-def _choice(*allowed: str) -> Callable[[str], str]:
-    def parse(raw: str) -> str:
-        if raw not in allowed:
-            raise ValueError(raw)
-        return raw
-
-    return parse
-
-
-def _port(raw: str) -> int:
-    value = int(raw)
-    if not 0 < value < 65536:
-        raise ValueError(raw)
-    return value
-
-
-def _resolve_env(args: argparse.Namespace) -> None:
-    """Fill every flag not given on the command line from its variable (ConfigError if bad)."""
-    for f in getattr(args, "env_flags", None) or []:
-        given = getattr(args, f.dest)
-        if given is not None:
-            try:  # flags are parsed by the same rule as their variable
-                setattr(args, f.dest, f.parse(given) if isinstance(given, str) else given)
-            except ValueError:
-                raise ConfigError(f"--{f.dest.replace('_', '-')} must be {f.kind}, got {given!r}") from None
-            continue
-        setattr(args, f.dest, parse_env(f.env, f.default, f.parse, f.kind))
-
-
 def _add_relay_args(p: argparse.ArgumentParser) -> None:
-    _flag(p, "--host", env="RELAY_HOST", default="127.0.0.1", help="address to listen on")
-    _flag(p, "--port", env="RELAY_PORT", default=8080, parse=_port, kind="a port number", help="HTTP port")
+    add_flag(p, declared.HOST)
+    add_flag(p, declared.PORT)
     src = p.add_mutually_exclusive_group()
-    _flag(p, "--redis-url", env="RELAY_REDIS_URL", default=None, to=src,
-          help="one shard: redis://, rediss://?ssl_ca_certs=...&ssl_certfile=... or unix://")  # fmt: skip
-    _flag(p, "--shard-map", env="RELAY_SHARD_MAP", default=None, to=src, metavar="FILE",
-          help="shard map JSON file, reloaded when it changes")  # fmt: skip
-    _flag(p, "--shard-map-configmap", env="RELAY_SHARD_MAP_CONFIGMAP", default=None, to=src,
-          metavar="NS/NAME", help="shard map ConfigMap, watched")  # fmt: skip
-    _flag(p, "--auth", env="RELAY_AUTH", default="ed25519", parse=_choice("ed25519", "none"),
-          kind="ed25519 or none", help="request authentication (none: local development only)")  # fmt: skip
-    _log_level(p)
-    _flag(p, "--didcomm-seed-file", env="RELAY_DIDCOMM_SEED_FILE", default=None, metavar="FILE",
-          help="turn the DIDComm mediator on: its 32-byte seed (raw, hex or base64; a Secret mount, "
-          "the same for the whole fleet)")  # fmt: skip
-    _flag(p, "--public-url", env="RELAY_PUBLIC_URL", default=None, metavar="URL",
-          help="the URL agents reach the fleet at, for the mediator's invitation and DID "
-          "(none: http://HOST:PORT)")  # fmt: skip
+    for where in (declared.REDIS_URL, declared.SHARD_MAP, declared.SHARD_MAP_CONFIGMAP):
+        add_flag(p, where, to=src)
+    for setting in (declared.AUTH, declared.LOG_LEVEL, declared.DIDCOMM_SEED_FILE, declared.PUBLIC_URL):
+        add_flag(p, setting)
 
 
 def _add_map_args(p: argparse.ArgumentParser) -> None:
-    """Where the shard map is, as `relay` reads it: a file, or the ConfigMap the relays watch."""
+    """Where the shard map is, as `relay` reads it: a file, or the ConfigMap the relays watch
+    (one of them is required)."""
     src = p.add_mutually_exclusive_group()
-    _flag(p, "--shard-map", env="RELAY_SHARD_MAP", default=None, to=src, metavar="FILE",
-          help="shard map JSON file (one of these two is required)")  # fmt: skip
-    _flag(p, "--shard-map-configmap", env="RELAY_SHARD_MAP_CONFIGMAP", default=None, to=src,
-          metavar="NS/NAME", help="shard map ConfigMap (Kubernetes; KUBECONFIG or in-cluster)")  # fmt: skip
+    add_flag(p, declared.SHARD_MAP, to=src)
+    add_flag(p, declared.SHARD_MAP_CONFIGMAP, to=src)
 
 
 def _configmap_name(value: str) -> tuple[str, str]:
@@ -135,29 +56,27 @@ def _configmap_name(value: str) -> tuple[str, str]:
 
 
 def _log_level(p: argparse.ArgumentParser) -> None:
-    levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-    _flag(p, "--log-level", env="RELAY_LOG_LEVEL", default="INFO", kind="one of " + ", ".join(levels),
-          parse=lambda raw: _choice(*levels)(raw.upper()), help="log level")  # fmt: skip
+    add_flag(p, declared.LOG_LEVEL)
 
 
 def _operator_epilog() -> str:
-    # the operator owns its variables (and reads them once, in OperatorSettings.from_env)
+    # the operator declares its settings (and reads them once, in OperatorSettings.from_env)
     from relayfleet_operator.config import env_help
 
     return env_help()
 
 
-def _relay_epilog() -> str:
-    from relay.settings import DEPRECATED_ENV, RELAY_ENV, REMOVED_ENV
+def _add_operator_args(p: argparse.ArgumentParser) -> None:
+    # the same flags as `python -m relayfleet_operator`, from the operator's declarations
+    from relayfleet_operator.config import add_arguments
 
-    width = max(len(v.name) for v in RELAY_ENV)
-    lines = ["environment (no flag; read once at start):"]
-    lines += [f"  {v.name:<{width}}  {v.help} [default {v.default}]" for v in RELAY_ENV]
-    lines.append("deprecated names (still read, with a warning in the log):")
-    lines += [f"  {old} -> {new}" for old, new in DEPRECATED_ENV.items()]
-    lines.append("removed names (ignored, with a warning in the log; docs/upgrade.md):")
-    lines += [f"  {name}: {why}" for name, why in REMOVED_ENV.items()]
-    return "\n".join(lines)
+    add_arguments(p)
+
+
+def _relay_epilog() -> str:
+    return epilog(
+        "environment (no flag; read once at start):", declared.RELAY_ENV_ONLY, removed=declared.REMOVED_ENV
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,18 +100,11 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, EnvHelpParser]]
     # the relayfleet distribution's own entry point (pyproject.toml), listed where it always was
     sub.add_parser("plan", help=PRODUCT_COMMANDS["plan"])
     sub.add_parser("keygen", help="print a new Ed25519 key pair")
-    op = sub.add_parser("operator", help="run the kopf operator", epilog=_operator_epilog())
-    scope = op.add_mutually_exclusive_group()
-    _flag(op, "--namespace", env="RELAYFLEET_OPERATOR_NAMESPACE", default=None, to=scope,
-          help="watch this namespace only")  # fmt: skip
-    scope.add_argument(
-        "--all-namespaces", action="store_true", help="watch all namespaces [no env; default off]"
-    )
-    _log_level(op)
+    _add_operator_args(sub.add_parser("operator", help="run the kopf operator", epilog=_operator_epilog()))
     sub.add_parser("backup", help="snapshot a shard's Redis into a backup directory (see backup --help)")
     sub.add_parser("restore", help="restore a shard from a backup, with new epochs (see restore --help)")
     top = sub.add_parser("top", help="live figures of a fleet from its relays' /metrics")
-    top.add_argument("urls", nargs="*", help="relay base URLs [env RELAY_URL; default http://127.0.0.1:8080]")
+    top.add_argument("urls", nargs="*", help=flag_help(declared.URL, "relay base URLs"))
     top.add_argument("--once", action="store_true", help="print one screen and exit [no env; default off]")
     # --kube: find the relays through the Kubernetes API instead of URLs (see relay/top_kube.py)
     top.add_argument(
@@ -202,7 +114,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, EnvHelpParser]]
     )
     top.add_argument("--namespace", help="with --kube: namespace [no env; default: the kubeconfig's]")
     top.add_argument("--fleet", help="with --kube: only this fleet [no env; default: all]")
-    _flag(top, "--kubeconfig", env="KUBECONFIG", default=None, help="with --kube: kubeconfig file")
+    add_flag(top, declared.KUBECONFIG)
     top.add_argument(
         "--direct",
         action="store_true",
@@ -232,7 +144,7 @@ PRODUCT_COMMANDS = {
 }
 # relayfleet-testing's commands, named in --help (and in the one-line hint) even when absent
 TOOL_COMMANDS = {
-    "bench": "side-by-side benchmarks: [--quick] [--baseline DIR]",
+    "bench": "side-by-side benchmarks: [--quick]",
     "dev": "local Redis shard(s) + relay, with a short demo",
     "demo": "the short demo against a running relay",
 }
@@ -270,9 +182,7 @@ def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return _Parser(prog=prog, description=description)
 
 
-env_flag = _flag
-port_number = _port
-one_of = _choice
+env_flag = add_flag
 log_level_flag = _log_level
 
 
@@ -281,7 +191,7 @@ def parse_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argpa
     does for the built-in commands; a bad value exits 2 with one line."""
     args = parser.parse_args(argv)
     try:
-        _resolve_env(args)
+        resolve_flags(args)
     except ConfigError as exc:
         parser.exit(2, f"relayfleet: {exc}\n")
     _log_setup(args)
@@ -333,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
         return 2
     try:
-        _resolve_env(args)
+        resolve_flags(args)
     except ConfigError as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return 2
@@ -385,7 +295,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from relay.top import top_main
 
         if not args.kube:
-            urls = args.urls or [env_value("RELAY_URL") or "http://127.0.0.1:8080"]
+            urls = args.urls or [declared.URL.read()]
             return int(top_main(urls, once=args.once))
         from relay.top_kube import KubeConfigError, KubeDiscoveryError, KubeRelays, default_namespace
 

@@ -1,304 +1,331 @@
-"""Relay configuration: one dataclass, read once from flags and the environment.
+"""Relay configuration: every setting declared once (relay.envconfig.Setting), read once.
 
-`Settings.from_env()` is the only place the relay reads its environment (docs/api.md, "Command line"):
-every variable is listed in RELAY_ENV (shown by `relayfleet relay --help`), a bad value is
-a ConfigError naming the variable (the CLI exits 2 with one line), and the names replaced
+`Settings.from_env()` is the only place the relay reads its environment (docs/api.md, "Command
+line"): it reads every setting of RELAY_SETTINGS that fills a field. The same declarations give the
+flags (relay/cli.py), `relayfleet relay --help` and docs/configuration.md (`make docs`); a bad
+value is a ConfigError naming the variable (the CLI exits 2 with one line), and the names replaced
 by the prefix policy (docs/design-decisions.md) still work, with a warning in the log.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import logging
-import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-from relay.storage.limits import QueueLimits
+from relay.envconfig import (
+    BOOL,
+    DEPRECATED_ENV,
+    FLOAT,
+    INT,
+    PORT_NUMBER,
+    REMOVED_ENV,
+    TEXT,
+    BadItem,
+    ConfigError,
+    Kind,
+    Setting,
+    choice,
+    env_secret,
+    env_value,
+    warn_removed_env,
+)
+from relay.storage.limits import FOLLOW_QUEUE, QueueLimits
 
-T = TypeVar("T")
-log = logging.getLogger("relay.settings")
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message is one line naming the variable, never a secret."""
-
-
-@dataclass(frozen=True, slots=True)
-class EnvVar:
-    name: str
-    default: str  # as shown in --help
-    help: str
-
+__all__ = [
+    "BY_ENV",
+    "DEPRECATED_ENV",
+    "RELAY_SETTINGS",
+    "REMOVED_ENV",
+    "ConfigError",
+    "Settings",
+    "env_secret",
+    "env_value",
+]
 
 _LIMITS = QueueLimits()
-
-# Every variable the relay process reads, for --help and docs (flags list their own).
-RELAY_ENV: tuple[EnvVar, ...] = (
-    EnvVar("RELAY_FLEET", "default", "fleet name (metrics, a single --redis-url map)"),
-    EnvVar("RELAY_ENQUEUE_TOKENS", "none", "bearer tokens for enqueue (comma/newline separated)"),
-    EnvVar("RELAY_ENQUEUE_TOKENS_FILE", "none", "file holding RELAY_ENQUEUE_TOKENS (a mounted Secret; wins)"),
-    EnvVar("RELAY_PUSH_WEBHOOK", "none", "http(s) URL notified on enqueue to an offline recipient"),
-    EnvVar("RELAY_PUSH_WEBHOOK_FILE", "none", "file holding RELAY_PUSH_WEBHOOK (a mounted Secret; wins)"),
-    EnvVar("RELAY_REDIS_CREDENTIALS_DIR", "none", "one file per shard holding its full Redis URL"),
-    EnvVar("RELAY_MAX_PAYLOAD", "5242880", "largest message payload, bytes"),
-    EnvVar("RELAY_MAX_WAITERS", "20000", "concurrent long-polls before 503"),
-    EnvVar("RELAY_RATE_LIMIT", "500", "enqueues per queue per window"),
-    EnvVar("RELAY_RATE_WINDOW_MS", "5000", "rate-limit window, ms"),
-    EnvVar("RELAY_QUEUE_MAX_MESSAGES", "10000", "messages per queue"),
-    EnvVar("RELAY_QUEUE_MAX_BYTES", "268435456", "payload bytes per queue"),
-    EnvVar(
-        "RELAY_RECIPIENT_MAX_CHANNELS",
-        str(_LIMITS.recipient_max_channels),
-        "non-default channels one recipient may hold messages in (0: no cap)",
-    ),
-    EnvVar(
-        "RELAY_RECIPIENT_MAX_MESSAGES",
-        "2 x RELAY_QUEUE_MAX_MESSAGES",
-        "messages held per recipient across its channels (0: no cap)",
-    ),
-    EnvVar(
-        "RELAY_RECIPIENT_MAX_BYTES",
-        "2 x RELAY_QUEUE_MAX_BYTES",
-        "payload bytes held per recipient across its channels (0: no cap)",
-    ),
-    EnvVar(
-        "RELAY_RECIPIENT_RATE_LIMIT",
-        "2 x RELAY_RATE_LIMIT",
-        "enqueues per recipient per RELAY_RATE_WINDOW_MS across its channels (0: no limit)",
-    ),
-    EnvVar(
-        "RELAY_SHARD_RESERVE_FRACTION",
-        str(_LIMITS.shard_reserve_fraction),
-        "within this share of a shard's maxmemory only small queues store (0: no reserve)",
-    ),
-    EnvVar(
-        "RELAY_SHARD_RESERVE_QUEUE_BYTES",
-        str(_LIMITS.shard_reserve_queue_bytes),
-        "in a shard's reserve, a message taking its queue past this is 507 storage_reserve",
-    ),
-    EnvVar("RELAY_RETENTION_SECONDS", "604800", "how long an unacknowledged message is kept"),
-    EnvVar("RELAY_MAX_RESPONSE_BYTES", "8388608", "payload bytes per read/drain/live batch"),
-    EnvVar("RELAY_REDIS_WRITE_TIMEOUT_S", str(_LIMITS.write_timeout_s), "enqueue/ack/status reply deadline"),
-    EnvVar("RELAY_REDIS_READ_TIMEOUT_S", str(_LIMITS.read_timeout_s), "reply deadline of read/drain"),
-    EnvVar(
-        "RELAY_WAIT_TIMEOUT_MS",
-        str(_LIMITS.wait_timeout_ms),
-        "minReplicas shards: WAIT timeout before a write is 503 replication_timeout",
-    ),
-    EnvVar("RELAY_LIVE_SEND_TIMEOUT_S", "30", "drop a live client whose socket accepts nothing this long"),
-    EnvVar("RELAY_BODY_TIMEOUT_S", "30", "a request body must arrive within this long"),
-    EnvVar("RELAY_HEADER_TIMEOUT_S", "10", "request headers must arrive within this long"),
-    EnvVar("RELAY_KEEPALIVE_TIMEOUT_S", "75", "idle keep-alive connections close after this long"),
-    EnvVar("RELAY_HTTP_FASTPATH", "1", "serve clean enqueues without aiohttp's request machinery (0: off)"),
-    EnvVar("RELAY_MAX_CONNECTIONS", "0", "open client connections (0: open-files limit - 128)"),
-    EnvVar("RELAY_MAX_FANOUT_BYTES", "33554432", "fan-out recipients x payload bytes"),
-    EnvVar("RELAY_MAX_RSS_MB", "0", "refuse new work above this RSS (0: the cgroup limit, if any)"),
-    EnvVar("RELAY_SHARD_HEALTH_INTERVAL_S", "5", "shard INFO probe period, s"),
-    EnvVar("RELAY_SHARD_STATS_INTERVAL_S", "30", "slot statistics period, s"),
-    EnvVar(
-        "RELAY_GC_YOUNG_THRESHOLD",
-        "10000",
-        "net allocations between young garbage-collector passes (CPython's default: 700)",
-    ),
-    EnvVar("RELAY_SHUTDOWN_DELAY_SECONDS", "0", "keep serving this long after SIGTERM before draining"),
-    EnvVar("RELAY_DIDCOMM_REDELIVER_S", "10", "a Pickup delivery not acknowledged goes out again after"),
-    EnvVar(
-        "RELAY_DIDCOMM_MAX_KEYS_PER_CONNECTION", "100", "keys one DIDComm connection may register (0: no cap)"
-    ),
-    EnvVar(
-        "RELAY_DIDCOMM_IDLE_EXPIRY_S",
-        "2592000",
-        "a DIDComm connection and its key registrations expire after this long without its activity",
-    ),
-    EnvVar(
-        "RELAY_DIDCOMM_SWEEP_INTERVAL_S",
-        "600",
-        "expired DIDComm records are removed from Redis at most this long after expiry (0: only on writes)",
-    ),
-    EnvVar(
-        "RELAY_DIDCOMM_MAX_CONNECTIONS_PER_CLIENT",
-        "100",
-        "new DIDComm connections one client (source address) may open per hour, per relay (0: off)",
-    ),
-    EnvVar(
-        "RELAY_CLIENT_RATE_MESSAGES",
-        "10000",
-        "messages one client may store per RELAY_CLIENT_RATE_WINDOW_MS, all recipients together (0: off)",
-    ),
-    EnvVar(
-        "RELAY_CLIENT_RATE_BYTES",
-        str(32 << 20),
-        "payload bytes one client may store per RELAY_CLIENT_RATE_WINDOW_MS (0: off)",
-    ),
-    EnvVar("RELAY_CLIENT_RATE_WINDOW_MS", "5000", "per-client quota window (token bucket refill), ms"),
-    EnvVar(
-        "RELAY_TRUSTED_PROXIES",
-        "none",
-        "CIDRs of proxies whose X-Forwarded-For names the client (comma separated; behind an ingress)",
-    ),
-)
-
-# Old name -> new name (prefix policy, docs/design-decisions.md): read with a warning.
-DEPRECATED_ENV: dict[str, str] = {
-    "RELAYFLEET_SHARD_HEALTH_INTERVAL": "RELAY_SHARD_HEALTH_INTERVAL_S",
-    "RELAYFLEET_SHARD_STATS_INTERVAL": "RELAY_SHARD_STATS_INTERVAL_S",
-    "RELAY_OPERATOR_NAMESPACE": "RELAYFLEET_OPERATOR_NAMESPACE",
-}
-_OLD_NAMES: dict[str, tuple[str, ...]] = {}
-for _old, _new in DEPRECATED_ENV.items():
-    _OLD_NAMES[_new] = (*_OLD_NAMES.get(_new, ()), _old)
-_warned: set[str] = set()
-
-# Variables of removed features -> what replaced them (docs/upgrade.md): ignored, with a warning
-# in the log. Refusing them would crash-loop a rolling upgrade over a tuning knob that changes
-# no guarantee; ignoring them silently would hide that the pod spec asks for something gone.
-REMOVED_ENV: dict[str, str] = {
-    "RELAY_BUSY_POLL_US": "busy-polling was removed; the loop sleeps between events",
-    "RELAY_BUSY_POLL_SHARE": "busy-polling was removed; the loop sleeps between events",
-}
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def warn_removed_env() -> None:
-    """One log line per removed variable still set (its name only, never its value)."""
-    for name, why in REMOVED_ENV.items():
-        if name in os.environ and name not in _warned:
-            _warned.add(name)
-            log.warning("%s is ignored: %s (docs/upgrade.md)", name, why)
-
-
-def env_value(name: str) -> str | None:
-    """The variable's value (empty counts as unset), or a deprecated name's, with a log line."""
-    raw = os.environ.get(name)
-    if raw:
-        return raw
-    for old in _OLD_NAMES.get(name, ()):
-        raw = os.environ.get(old)
-        if raw:
-            if old not in _warned:
-                _warned.add(old)
-                # a log line, not a Python warning: deprecation must never fail a start-up
-                log.warning("%s is deprecated: set %s instead (the old name still works)", old, name)
-            return raw
-    return None
-
-
-def parse_env(name: str, default: T, parse: Callable[[str], T], kind: str) -> T:
-    raw = env_value(name)
-    if raw is None:
-        return default
-    try:
-        return parse(raw)
-    except ValueError:
-        shown = raw if len(raw) <= 40 else raw[:40] + "..."
-        raise ConfigError(f"{name} must be {kind}, got {shown!r}") from None
-
-
-def env_secret(name: str) -> str | None:
-    """A secret from NAME_FILE (a mounted Secret; wins) or NAME. The error names the variable
-    and the path, never the content."""
-    path = os.environ.get(f"{name}_FILE")
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                return f.read().strip() or None
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise ConfigError(f"{name}_FILE {path}: {reason}") from None
-    value = os.environ.get(name)
-    return (value.strip() or None) if value else None
-
-
-def enqueue_tokens_from_env() -> tuple[str, ...]:
-    """RELAY_ENQUEUE_TOKENS(_FILE): tokens separated by commas or newlines."""
-    raw = env_secret("RELAY_ENQUEUE_TOKENS") or ""
+def _tokens(raw: str) -> tuple[str, ...]:
+    """Tokens separated by commas or newlines."""
     return tuple(t.strip() for t in raw.replace("\n", ",").split(",") if t.strip())
 
 
-def _float(raw: str) -> float:
-    value = float(raw)
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(raw)
-    return value
+def _cidrs(raw: str) -> tuple[str, ...]:
+    """CIDRs (or single addresses), comma or space separated; each checked."""
+    out: list[str] = []
+    for item in raw.replace(",", " ").split():
+        try:
+            out.append(str(ipaddress.ip_network(item, strict=False)))
+        except ValueError:
+            raise BadItem(item) from None
+    return tuple(out)
 
 
-def env_float(name: str, default: float) -> float:
-    return parse_env(name, default, _float, "a number")
+TOKENS: Kind[tuple[str, ...]] = Kind(_tokens, "a list of tokens", show=lambda v: ",".join(v) or "none")
+CIDRS: Kind[tuple[str, ...]] = Kind(_cidrs, "a list of CIDRs", show=lambda v: ",".join(v) or "none")
+OPTIONAL: Kind[str | None] = Kind(str, "a string")
+
+# fmt: off
+# -- shared by every relayfleet command that takes them (relay, migrate, top, operator, tools) --
+LOG_LEVEL = Setting(
+    "RELAY_LOG_LEVEL", choice(*LOG_LEVELS, upper=True), "INFO", "log level", flag="--log-level",
+    metavar="LEVEL",
+)
+URL = Setting("RELAY_URL", TEXT, "http://127.0.0.1:8080", "the relay's base URL", flag="--url")
+KUBECONFIG = Setting(
+    "KUBECONFIG", OPTIONAL, None,
+    "kubeconfig file (the operator: a list's first file; else in-cluster, else ~/.kube/config)",
+    flag="--kubeconfig",
+)
+SHARD_MAP = Setting(
+    "RELAY_SHARD_MAP", OPTIONAL, None, "shard map JSON file (a relay reloads it when it changes)",
+    flag="--shard-map", metavar="FILE",
+)
+SHARD_MAP_CONFIGMAP = Setting(
+    "RELAY_SHARD_MAP_CONFIGMAP", OPTIONAL, None,
+    "shard map ConfigMap, watched (Kubernetes: KUBECONFIG or in-cluster)",
+    flag="--shard-map-configmap", metavar="NS/NAME",
+)
+
+# -- the relay process: flags (and their variables) -------------------------------------------
+HOST = Setting("RELAY_HOST", TEXT, "127.0.0.1", "address to listen on", flag="--host")
+PORT = Setting(
+    "RELAY_PORT", PORT_NUMBER, 8080, "HTTP port", flag="--port",
+    lo=1, hi=65535, refuse="must be a port number, got '{value}'",
+)
+REDIS_URL = Setting(
+    "RELAY_REDIS_URL", OPTIONAL, None,
+    "one shard's Redis: redis://, rediss://?ssl_ca_certs=...&ssl_certfile=..., unix:// or redis+sentinel://",
+    flag="--redis-url",
+)
+AUTH = Setting(
+    "RELAY_AUTH", choice("ed25519", "none"), "ed25519",
+    "request authentication (none: local development only)",
+    flag="--auth",
+)
+DIDCOMM_SEED_FILE = Setting(
+    "RELAY_DIDCOMM_SEED_FILE", OPTIONAL, None,
+    "turn the DIDComm mediator on: its 32-byte seed (raw, hex or base64; a Secret mount, the same "
+    "for the whole fleet)",
+    flag="--didcomm-seed-file", metavar="FILE", field="didcomm_seed_file",
+)
+PUBLIC_URL = Setting(
+    "RELAY_PUBLIC_URL", OPTIONAL, None,
+    "the URL agents reach the fleet at, for the mediator's invitation and DID (none: http://HOST:PORT)",
+    flag="--public-url", metavar="URL", field="public_url",
+)
+
+# -- the relay process: environment only ------------------------------------------------------
+_F, _C = "limits.", "2 x "
+RELAY_ENV_ONLY: tuple[Setting[Any], ...] = (
+    Setting("RELAY_FLEET", TEXT, "default", "fleet name (metrics, a single --redis-url map)", field="fleet"),
+    Setting(
+        "RELAY_ENQUEUE_TOKENS", TOKENS, (), "bearer tokens for enqueue (comma/newline separated)",
+        secret=True, field="enqueue_tokens",
+    ),
+    Setting(
+        "RELAY_PUSH_WEBHOOK", OPTIONAL, None, "http(s) URL notified on enqueue to an offline recipient",
+        secret=True, field="push_webhook",
+    ),
+    Setting(
+        "RELAY_REDIS_CREDENTIALS_DIR", OPTIONAL, None, "one file per shard holding its full Redis URL",
+        field="credentials_dir",
+    ),
+    Setting("RELAY_MAX_PAYLOAD", INT, 5_242_880, "largest message payload, bytes",
+            field="max_payload", limit_key="maxPayloadBytes"),
+    Setting("RELAY_MAX_WAITERS", INT, 20_000, "concurrent long-polls before 503", field="max_waiters"),
+    Setting("RELAY_RATE_LIMIT", INT, _LIMITS.rate_count, "enqueues per queue per window",
+            field=_F + "rate_count", limit_key="rateLimitMessages"),
+    Setting("RELAY_RATE_WINDOW_MS", INT, _LIMITS.rate_window_ms, "rate-limit window, ms",
+            field=_F + "rate_window_ms", limit_key="rateLimitWindowSeconds", limit_scale=1000),
+    Setting("RELAY_QUEUE_MAX_MESSAGES", INT, _LIMITS.max_messages, "messages per queue",
+            field=_F + "max_messages", limit_key="maxQueueMessages"),
+    Setting("RELAY_QUEUE_MAX_BYTES", INT, _LIMITS.max_bytes, "payload bytes per queue",
+            field=_F + "max_bytes", limit_key="maxQueueBytes"),
+    # the per-client quota (relay/api/quota.py)
+    Setting(
+        "RELAY_CLIENT_RATE_MESSAGES", INT, 10_000,
+        "messages one client may store per RELAY_CLIENT_RATE_WINDOW_MS, all recipients together (0: off)",
+        lo=0, field="client_rate_messages", limit_key="clientRateMessages",
+    ),
+    Setting(
+        "RELAY_CLIENT_RATE_BYTES", INT, 32 << 20,
+        "payload bytes one client may store per RELAY_CLIENT_RATE_WINDOW_MS (0: off)", lo=0,
+        field="client_rate_bytes", limit_key="clientRateBytes",
+    ),
+    Setting(
+        "RELAY_CLIENT_RATE_WINDOW_MS", INT, 5000, "per-client quota window (token bucket refill), ms", lo=1,
+        field="client_rate_window_ms", limit_key="clientRateWindowMs",
+    ),
+    Setting(
+        "RELAY_RECIPIENT_MAX_CHANNELS", INT, _LIMITS.recipient_max_channels,
+        "non-default channels one recipient may hold messages in (0: no cap)", lo=0,
+        field=_F + "recipient_max_channels", limit_key="recipientMaxChannels",
+    ),
+    # the recipient-wide three follow their per-queue limit (twice it) unless set, so raising a
+    # queue's limit (a benchmark, one busy queue) raises its recipient's with it
+    Setting(
+        "RELAY_RECIPIENT_MAX_MESSAGES", INT, FOLLOW_QUEUE,
+        "messages held per recipient across its channels (0: no cap)", lo=0,
+        shown=_C + "RELAY_QUEUE_MAX_MESSAGES", field=_F + "recipient_max_messages",
+        limit_key="recipientMaxMessages",
+    ),
+    Setting(
+        "RELAY_RECIPIENT_MAX_BYTES", INT, FOLLOW_QUEUE,
+        "payload bytes held per recipient across its channels (0: no cap)", lo=0,
+        shown=_C + "RELAY_QUEUE_MAX_BYTES", field=_F + "recipient_max_bytes", limit_key="recipientMaxBytes",
+    ),
+    Setting(
+        "RELAY_RECIPIENT_RATE_LIMIT", INT, FOLLOW_QUEUE,
+        "enqueues per recipient per RELAY_RATE_WINDOW_MS across its channels (0: no limit)", lo=0,
+        shown=_C + "RELAY_RATE_LIMIT", field=_F + "recipient_rate_count", limit_key="recipientRateLimit",
+    ),
+    Setting(
+        "RELAY_SHARD_RESERVE_FRACTION", FLOAT, _LIMITS.shard_reserve_fraction,
+        "within this share of a shard's maxmemory only small queues store (0: no reserve)", lo=0.0, hi=0.9,
+        field=_F + "shard_reserve_fraction", limit_key="shardReserveFraction",
+    ),
+    Setting(
+        "RELAY_SHARD_RESERVE_QUEUE_BYTES", INT, _LIMITS.shard_reserve_queue_bytes,
+        "in a shard's reserve, a message taking its queue past this is 507 storage_reserve", lo=0,
+        field=_F + "shard_reserve_queue_bytes", limit_key="shardReserveQueueBytes",
+    ),
+    Setting("RELAY_RETENTION_SECONDS", INT, _LIMITS.retention_ms // 1000,
+            "how long an unacknowledged message is kept", field=_F + "retention_s"),
+    Setting("RELAY_MAX_RESPONSE_BYTES", INT, _LIMITS.max_response_bytes,
+            "payload bytes per read/drain/live batch", lo=1, field=_F + "max_response_bytes"),
+    Setting("RELAY_REDIS_WRITE_TIMEOUT_S", FLOAT, _LIMITS.write_timeout_s,
+            "enqueue/ack/status reply deadline", lo=0.05, field=_F + "write_timeout_s"),
+    Setting("RELAY_REDIS_READ_TIMEOUT_S", FLOAT, _LIMITS.read_timeout_s, "reply deadline of read/drain",
+            lo=0.05, field=_F + "read_timeout_s"),
+    # at least 1: WAIT 0 would mean "wait forever"
+    Setting(
+        "RELAY_WAIT_TIMEOUT_MS", INT, _LIMITS.wait_timeout_ms,
+        "minReplicas shards: WAIT timeout before a write is 503 replication_timeout", lo=1,
+        field=_F + "wait_timeout_ms",
+    ),
+    Setting("RELAY_LIVE_SEND_TIMEOUT_S", FLOAT, 30.0,
+            "drop a live client whose socket accepts nothing this long", lo=0.1, field="live_send_timeout_s"),
+    Setting("RELAY_BODY_TIMEOUT_S", FLOAT, 30.0, "a request body must arrive within this long",
+            field="body_timeout_s"),
+    Setting("RELAY_HEADER_TIMEOUT_S", FLOAT, 10.0, "request headers must arrive within this long",
+            field="header_timeout_s"),
+    Setting("RELAY_KEEPALIVE_TIMEOUT_S", FLOAT, 75.0, "idle keep-alive connections close after this long",
+            field="keepalive_timeout_s"),
+    Setting("RELAY_HTTP_FASTPATH", BOOL, True,
+            "serve clean enqueues without aiohttp's request machinery (0: off)", field="http_fastpath"),
+    Setting("RELAY_MAX_CONNECTIONS", INT, 0, "open client connections (0: open-files limit - 128)",
+            field="max_connections"),
+    Setting("RELAY_MAX_FANOUT_BYTES", INT, 32 << 20, "fan-out recipients x payload bytes",
+            field="max_fanout_bytes"),
+    Setting("RELAY_MAX_RSS_MB", INT, 0, "refuse new work above this RSS (0: the cgroup limit, if any)",
+            field="max_rss_mb"),
+    Setting("RELAY_SHARD_HEALTH_INTERVAL_S", FLOAT, 5.0, "shard INFO probe period, s", lo=0.2,
+            field="shard_health_interval_s"),
+    Setting("RELAY_SHARD_STATS_INTERVAL_S", FLOAT, 30.0, "slot statistics period, s", lo=0.2,
+            field="shard_stats_interval_s"),
+    Setting(
+        "RELAY_GC_YOUNG_THRESHOLD", INT, 10_000,
+        "net allocations between young garbage-collector passes (CPython's default: 700)", lo=1,
+        field="gc_young_threshold",
+    ),
+    Setting("RELAY_SHUTDOWN_DELAY_SECONDS", FLOAT, 0.0,
+            "keep serving this long after SIGTERM before draining", lo=0.0, field="shutdown_delay_s"),
+    Setting("RELAY_DIDCOMM_REDELIVER_S", FLOAT, 10.0,
+            "a Pickup delivery not acknowledged goes out again after", lo=0.0, field="didcomm_redeliver_s"),
+    Setting(
+        "RELAY_DIDCOMM_MAX_KEYS_PER_CONNECTION", INT, 100,
+        "keys one DIDComm connection may register (0: no cap)", lo=0,
+        field="didcomm_max_keys_per_connection", limit_key="didcommMaxKeysPerConnection",
+    ),
+    Setting(
+        "RELAY_DIDCOMM_IDLE_EXPIRY_S", FLOAT, 30 * 86400.0,
+        "a DIDComm connection and its key registrations expire after this long without its activity",
+        lo=0.001, field="didcomm_idle_expiry_s", limit_key="didcommIdleExpirySeconds",
+    ),
+    Setting(
+        "RELAY_DIDCOMM_SWEEP_INTERVAL_S", FLOAT, 600.0,
+        "expired DIDComm records are removed from Redis at most this long after expiry (0: only on writes)",
+        lo=0.0, field="didcomm_sweep_interval_s",
+    ),
+    Setting(
+        "RELAY_DIDCOMM_MAX_CONNECTIONS_PER_CLIENT", INT, 100,
+        "new DIDComm connections one client (source address) may open per hour, per relay (0: off)", lo=0,
+        field="didcomm_max_connections_per_client", limit_key="didcommMaxConnectionsPerClient",
+    ),
+    Setting(
+        "RELAY_TRUSTED_PROXIES", CIDRS, (),
+        "CIDRs of proxies whose X-Forwarded-For names the client (comma separated; behind an ingress)",
+        field="trusted_proxies", limit_key="trustedProxies",
+    ),
+)
+RELAY_FLAGS: tuple[Setting[Any], ...] = (
+    HOST, PORT, REDIS_URL, SHARD_MAP, SHARD_MAP_CONFIGMAP, AUTH, LOG_LEVEL, DIDCOMM_SEED_FILE, PUBLIC_URL,
+)
+# fmt: on
+# Everything `relayfleet relay` reads: its flags' variables and the environment-only ones.
+RELAY_SETTINGS: tuple[Setting[Any], ...] = (*RELAY_FLAGS, *RELAY_ENV_ONLY)
+# The other commands' own (`top`, `demo`): the relay process does not read them.
+COMMAND_SETTINGS: tuple[Setting[Any], ...] = (URL, KUBECONFIG)
+BY_ENV: dict[str, Setting[Any]] = {s.env: s for s in RELAY_SETTINGS}
+_BY_FIELD: dict[str, Setting[Any]] = {s.field: s for s in RELAY_SETTINGS if s.field}
 
 
-def env_int(name: str, default: int) -> int:
-    return parse_env(name, default, int, "an integer")
-
-
-_BOOLS = {
-    "1": True,
-    "true": True,
-    "yes": True,
-    "on": True,
-    "0": False,
-    "false": False,
-    "no": False,
-    "off": False,
-}
-
-
-def _bool(raw: str) -> bool:
-    value = _BOOLS.get(raw.strip().lower())
-    if value is None:
-        raise ValueError(raw)
-    return value
-
-
-def env_bool(name: str, default: bool) -> bool:
-    return parse_env(name, default, _bool, "one of 1/0, true/false, yes/no, on/off")
+def _d(name: str) -> Any:
+    """The declared default of the Settings field `name` (the dataclass repeats no value)."""
+    return _BY_FIELD[name].default
 
 
 @dataclass(frozen=True)
 class Settings:
-    host: str = "127.0.0.1"
-    port: int = 8080
+    host: str = HOST.default
+    port: int = PORT.default
     redis_url: str | None = None
     shard_map_configmap: str | None = None  # "namespace/name"
-    auth: str = "ed25519"  # or "none" (local development only)
+    auth: str = AUTH.default  # or "none" (local development only)
     enqueue_tokens: tuple[str, ...] = ()
-    max_payload: int = 5_242_880
+    max_payload: int = _d("max_payload")
     limits: QueueLimits = field(default_factory=QueueLimits)
+    # not settings: fixed by the API contract (docs/api.md)
     max_limit: int = 1000
     default_limit: int = 100
     max_wait_s: float = 60.0
-    max_waiters: int = 20_000
+    max_waiters: int = _d("max_waiters")
     request_deadline_s: float = 5.0  # internal retries (migrating slot, moved) stop here
     auth_skew_s: int = 300
     push_webhook: str | None = None
     shutdown_grace_s: float = 10.0
     live_queue_max: int = 256  # unacked frames in flight per WebSocket before we stop reading ahead
     # A live client whose socket accepts nothing for this long is dropped (its frames held in memory).
-    live_send_timeout_s: float = 30.0
+    live_send_timeout_s: float = _d("live_send_timeout_s")
     # A body must arrive within this long, or a slow sender (slowloris) holds a handler forever.
-    body_timeout_s: float = 30.0
+    body_timeout_s: float = _d("body_timeout_s")
     # Shard health (INFO) every this many seconds; slot statistics at most this often, after a scrape.
-    shard_health_interval_s: float = 5.0
-    shard_stats_interval_s: float = 30.0
+    shard_health_interval_s: float = _d("shard_health_interval_s")
+    shard_stats_interval_s: float = _d("shard_stats_interval_s")
 
     # Hostile clients (docs/api.md, "Hostile traffic"): see docs/reliability.md.
     # Complete request headers within this long of connecting (or of a new request's first byte).
-    header_timeout_s: float = 10.0
+    header_timeout_s: float = _d("header_timeout_s")
     # An idle keep-alive connection closes after this long.
-    keepalive_timeout_s: float = 75.0
+    keepalive_timeout_s: float = _d("keepalive_timeout_s")
     # Clean enqueues served by relay/http/fastpath.py, everything else by aiohttp (off: all by aiohttp).
-    http_fastpath: bool = True
+    http_fastpath: bool = _d("http_fastpath")
     # Open client connections at once; 0: the open-files limit minus a reserve of 128.
-    max_connections: int = 0
+    max_connections: int = _d("max_connections")
     # Fan-out: recipients x payload bytes at most this, else 413 fanout_too_large.
-    max_fanout_bytes: int = 32 << 20
+    max_fanout_bytes: int = _d("max_fanout_bytes")
     # Memory guard: refuse new work (503 overloaded) before RSS passes this many MiB;
     # 0: the cgroup's memory limit when there is one, else no guard.
-    max_rss_mb: int = 0
+    max_rss_mb: int = _d("max_rss_mb")
     # Young garbage-collector passes every this many net allocations (relay/gc_tuning.py).
-    gc_young_threshold: int = 10_000
-    fleet: str = "default"
-    shutdown_delay_s: float = 0.0  # keep serving after SIGTERM (endpoints catch up), then drain
+    gc_young_threshold: int = _d("gc_young_threshold")
+    fleet: str = _d("fleet")
+    shutdown_delay_s: float = _d(
+        "shutdown_delay_s"
+    )  # keep serving after SIGTERM (endpoints catch up), then drain
     credentials_dir: str | None = None  # RELAY_REDIS_CREDENTIALS_DIR: full shard URLs, one file each
     # The DIDComm mediator (relay/didcomm): off unless a seed file is given (a Secret mount; the
     # same seed on every relay of a fleet makes them one mediator). The public URL is what
@@ -307,19 +334,19 @@ class Settings:
     public_url: str | None = None
     # A message a Pickup delivery handed out is offered again only after this long without
     # its messages-received (an agent that died before acking gets it back then).
-    didcomm_redeliver_s: float = 10.0
+    didcomm_redeliver_s: float = _d("didcomm_redeliver_s")
     # The mediator's record limits (relay/didcomm/records.py, docs/protocols.md "Limits").
-    didcomm_max_keys_per_connection: int = 100
-    didcomm_idle_expiry_s: float = 30 * 86400.0
-    didcomm_max_connections_per_client: int = 100
+    didcomm_max_keys_per_connection: int = _d("didcomm_max_keys_per_connection")
+    didcomm_idle_expiry_s: float = _d("didcomm_idle_expiry_s")
+    didcomm_max_connections_per_client: int = _d("didcomm_max_connections_per_client")
     # How often the fleet sweeps each shard's expired DIDComm records (relay/didcomm/sweep.py;
     # 0: only the mediator's writes to a slot sweep it).
-    didcomm_sweep_interval_s: float = 600.0
+    didcomm_sweep_interval_s: float = _d("didcomm_sweep_interval_s")
     # Per-client quota across recipients (relay/api/quota.py, docs/api.md "Client quota"): a
     # token bucket per client of this many messages and payload bytes, refilled over the window.
-    client_rate_messages: int = 10_000
-    client_rate_bytes: int = 32 << 20
-    client_rate_window_ms: int = 5000
+    client_rate_messages: int = _d("client_rate_messages")
+    client_rate_bytes: int = _d("client_rate_bytes")
+    client_rate_window_ms: int = _d("client_rate_window_ms")
     # X-Forwarded-For is believed only from a TCP peer in one of these networks (CIDR text).
     trusted_proxies: tuple[str, ...] = ()
 
@@ -329,97 +356,19 @@ class Settings:
 
     @classmethod
     def from_env(cls, **flags: Any) -> Settings:
-        """Settings from the environment (read here, once), `flags` (the CLI's) taking precedence."""
-        d = cls()
+        """Settings from the environment (read here, once: every declared setting with a field),
+        `flags` (the CLI's) taking precedence."""
         warn_removed_env()
-        values: dict[str, Any] = {
-            "fleet": env_value("RELAY_FLEET") or d.fleet,
-            "didcomm_seed_file": env_value("RELAY_DIDCOMM_SEED_FILE"),  # also flags of `relay`
-            "public_url": env_value("RELAY_PUBLIC_URL"),
-            "credentials_dir": env_value("RELAY_REDIS_CREDENTIALS_DIR"),
-            "didcomm_redeliver_s": max(0.0, env_float("RELAY_DIDCOMM_REDELIVER_S", d.didcomm_redeliver_s)),
-            "didcomm_max_keys_per_connection": max(
-                0, env_int("RELAY_DIDCOMM_MAX_KEYS_PER_CONNECTION", d.didcomm_max_keys_per_connection)
-            ),
-            "didcomm_idle_expiry_s": max(
-                0.001, env_float("RELAY_DIDCOMM_IDLE_EXPIRY_S", d.didcomm_idle_expiry_s)
-            ),
-            "didcomm_max_connections_per_client": max(
-                0, env_int("RELAY_DIDCOMM_MAX_CONNECTIONS_PER_CLIENT", d.didcomm_max_connections_per_client)
-            ),
-            "didcomm_sweep_interval_s": max(
-                0.0, env_float("RELAY_DIDCOMM_SWEEP_INTERVAL_S", d.didcomm_sweep_interval_s)
-            ),
-            "enqueue_tokens": enqueue_tokens_from_env(),
-            "push_webhook": env_secret("RELAY_PUSH_WEBHOOK"),
-            "max_payload": env_int("RELAY_MAX_PAYLOAD", d.max_payload),
-            "max_waiters": env_int("RELAY_MAX_WAITERS", d.max_waiters),
-            "limits": limits_from_env(),
-            "live_send_timeout_s": max(0.1, env_float("RELAY_LIVE_SEND_TIMEOUT_S", d.live_send_timeout_s)),
-            "body_timeout_s": env_float("RELAY_BODY_TIMEOUT_S", d.body_timeout_s),
-            "shard_health_interval_s": max(
-                0.2, env_float("RELAY_SHARD_HEALTH_INTERVAL_S", d.shard_health_interval_s)
-            ),
-            "shard_stats_interval_s": max(
-                0.2, env_float("RELAY_SHARD_STATS_INTERVAL_S", d.shard_stats_interval_s)
-            ),
-            "header_timeout_s": env_float("RELAY_HEADER_TIMEOUT_S", d.header_timeout_s),
-            "keepalive_timeout_s": env_float("RELAY_KEEPALIVE_TIMEOUT_S", d.keepalive_timeout_s),
-            "http_fastpath": env_bool("RELAY_HTTP_FASTPATH", d.http_fastpath),
-            "max_connections": env_int("RELAY_MAX_CONNECTIONS", d.max_connections),
-            "max_fanout_bytes": env_int("RELAY_MAX_FANOUT_BYTES", d.max_fanout_bytes),
-            "max_rss_mb": env_int("RELAY_MAX_RSS_MB", d.max_rss_mb),
-            "shutdown_delay_s": max(0.0, env_float("RELAY_SHUTDOWN_DELAY_SECONDS", d.shutdown_delay_s)),
-            "gc_young_threshold": max(1, env_int("RELAY_GC_YOUNG_THRESHOLD", d.gc_young_threshold)),
-            "client_rate_messages": max(0, env_int("RELAY_CLIENT_RATE_MESSAGES", d.client_rate_messages)),
-            "client_rate_bytes": max(0, env_int("RELAY_CLIENT_RATE_BYTES", d.client_rate_bytes)),
-            "client_rate_window_ms": max(1, env_int("RELAY_CLIENT_RATE_WINDOW_MS", d.client_rate_window_ms)),
-            "trusted_proxies": trusted_proxies_from_env(),
-        }
+        values: dict[str, Any] = {}
+        limits: dict[str, Any] = {}
+        for s in RELAY_SETTINGS:
+            if s.field is None or s.field in flags:
+                continue
+            if s.field.startswith(_F):
+                limits[s.field.removeprefix(_F)] = s.read()
+            else:
+                values[s.field] = s.read()
+        limits["retention_ms"] = limits.pop("retention_s") * 1000
+        values["limits"] = QueueLimits(**limits)
         values.update(flags)
         return cls(**values)
-
-
-def trusted_proxies_from_env() -> tuple[str, ...]:
-    """RELAY_TRUSTED_PROXIES: CIDRs (or single addresses), comma or space separated; each checked."""
-    raw = env_value("RELAY_TRUSTED_PROXIES") or ""
-    out: list[str] = []
-    for item in raw.replace(",", " ").split():
-        try:
-            out.append(str(ipaddress.ip_network(item, strict=False)))
-        except ValueError:
-            shown = item if len(item) <= 40 else item[:40] + "..."
-            raise ConfigError(f"RELAY_TRUSTED_PROXIES must be a list of CIDRs, got {shown!r}") from None
-    return tuple(out)
-
-
-def limits_from_env() -> QueueLimits:
-    d = QueueLimits()
-    rate_count = env_int("RELAY_RATE_LIMIT", d.rate_count)
-    max_messages = env_int("RELAY_QUEUE_MAX_MESSAGES", d.max_messages)
-    max_bytes = env_int("RELAY_QUEUE_MAX_BYTES", d.max_bytes)
-    return QueueLimits(
-        rate_count=rate_count,
-        rate_window_ms=env_int("RELAY_RATE_WINDOW_MS", d.rate_window_ms),
-        max_messages=max_messages,
-        max_bytes=max_bytes,
-        # recipient-wide: twice the per-queue values unless set, so raising a queue's limit
-        # (a benchmark, one busy queue) raises its recipient's with it
-        recipient_max_channels=max(0, env_int("RELAY_RECIPIENT_MAX_CHANNELS", d.recipient_max_channels)),
-        recipient_max_messages=max(0, env_int("RELAY_RECIPIENT_MAX_MESSAGES", 2 * max_messages)),
-        recipient_max_bytes=max(0, env_int("RELAY_RECIPIENT_MAX_BYTES", 2 * max_bytes)),
-        recipient_rate_count=max(0, env_int("RELAY_RECIPIENT_RATE_LIMIT", 2 * rate_count)),
-        shard_reserve_fraction=min(
-            0.9, max(0.0, env_float("RELAY_SHARD_RESERVE_FRACTION", d.shard_reserve_fraction))
-        ),
-        shard_reserve_queue_bytes=max(
-            0, env_int("RELAY_SHARD_RESERVE_QUEUE_BYTES", d.shard_reserve_queue_bytes)
-        ),
-        retention_ms=env_int("RELAY_RETENTION_SECONDS", d.retention_ms // 1000) * 1000,
-        max_response_bytes=max(1, env_int("RELAY_MAX_RESPONSE_BYTES", d.max_response_bytes)),
-        write_timeout_s=max(0.05, env_float("RELAY_REDIS_WRITE_TIMEOUT_S", d.write_timeout_s)),
-        read_timeout_s=max(0.05, env_float("RELAY_REDIS_READ_TIMEOUT_S", d.read_timeout_s)),
-        # minReplicas shards only: WAIT's timeout (ms) before a write is answered 503
-        # replication_timeout; at least 1 (WAIT 0 would mean "wait forever")
-        wait_timeout_ms=max(1, env_int("RELAY_WAIT_TIMEOUT_MS", d.wait_timeout_ms)),
-    )

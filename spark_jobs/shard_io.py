@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from relay.envconfig import EnvHelpParser
 from relay.fleet import credentials
 from relay.fleet.contract import shard_map_from_configmap_data
 from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
-from relay.helpfmt import EnvHelpParser
 from relay.storage.maintenance import ShardMaintenance
 
 GROUP = "relayfleet.dev"
@@ -35,7 +35,7 @@ class JobError(Exception):
 
 class ArgParser(EnvHelpParser):
     """argparse whose errors become UsageError, so the caller prints one line; --help names
-    every flag's variable and default (relay/helpfmt.py)."""
+    every flag's variable and default (relay/envconfig.py)."""
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)

@@ -9,15 +9,14 @@ starts; `--help` lists every variable with its default.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import logging
 import sys
 from pathlib import Path
 
-from relay.settings import ConfigError
-from relayfleet_operator.config import OperatorSettings, configure_logging, env_help
+from relay.envconfig import ConfigError, EnvHelpParser, resolve_flags
+from relayfleet_operator.config import OperatorSettings, add_arguments, configure_logging, env_help
 
 OPERATOR_EXTRA = frozenset({"kopf", "kubernetes", "yaml"})  # pyproject's [operator] extra
 IN_CLUSTER_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -111,26 +110,19 @@ def run(namespace: str | None, all_namespaces: bool, settings: OperatorSettings 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m relayfleet_operator` (same flags as `relayfleet operator`)."""
-    parser = argparse.ArgumentParser(
+    parser = EnvHelpParser(
         prog="relayfleet-operator",
         description="The relayfleet Kubernetes operator (RelayShard, RelayRebalance).",
         epilog=env_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    scope = parser.add_mutually_exclusive_group()
-    scope.add_argument(
-        "--namespace",
-        default=None,
-        help="watch this namespace only [env RELAYFLEET_OPERATOR_NAMESPACE; default none]",
-    )
-    scope.add_argument(
-        "--all-namespaces", action="store_true", help="watch every namespace [no env; default off]"
-    )
+    add_arguments(parser)
     args = parser.parse_args(argv)
     try:
+        resolve_flags(args)
         settings = OperatorSettings.from_env()
     except ConfigError as exc:
         print(f"relayfleet operator: {exc}", file=sys.stderr)
         return 2
     namespace = args.namespace or (None if args.all_namespaces else settings.namespace)
-    return run(namespace, args.all_namespaces, dataclasses.replace(settings, namespace=namespace))
+    settings = dataclasses.replace(settings, namespace=namespace, log_level=args.log_level)
+    return run(namespace, args.all_namespaces, settings)

@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay.settings import RELAY_SETTINGS
+
 GROUP = "relayfleet.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -147,23 +149,24 @@ class Limits:
     trusted_proxies: tuple[str, ...] = ()
 
 
+# The spec.limits keys with a CRD default: typed fields of Limits (the API server fills them in).
+CRD_DEFAULTED_LIMITS: tuple[str, ...] = (
+    "maxPayloadBytes",
+    "rateLimitMessages",
+    "rateLimitWindowSeconds",
+    "maxQueueMessages",
+    "maxQueueBytes",
+)
 # spec.limits keys of the quotas -> the relay's environment variable (the value as given;
-# 0 turns a limit off). crds/relayshards.yaml declares each with its range.
+# 0 turns a limit off), from the relay's own declarations (relay/settings.py: each setting names
+# its spec.limits key), so a limit cannot be added on one side only. crds/relayshards.yaml
+# declares each with its range (tests/project/test_chart_limits.py holds the three together).
 QUOTA_ENV: dict[str, str] = {
-    "clientRateMessages": "RELAY_CLIENT_RATE_MESSAGES",
-    "clientRateBytes": "RELAY_CLIENT_RATE_BYTES",
-    "clientRateWindowMs": "RELAY_CLIENT_RATE_WINDOW_MS",
-    "recipientMaxChannels": "RELAY_RECIPIENT_MAX_CHANNELS",
-    "recipientMaxMessages": "RELAY_RECIPIENT_MAX_MESSAGES",
-    "recipientMaxBytes": "RELAY_RECIPIENT_MAX_BYTES",
-    "recipientRateLimit": "RELAY_RECIPIENT_RATE_LIMIT",
-    "shardReserveFraction": "RELAY_SHARD_RESERVE_FRACTION",
-    "shardReserveQueueBytes": "RELAY_SHARD_RESERVE_QUEUE_BYTES",
-    "didcommMaxKeysPerConnection": "RELAY_DIDCOMM_MAX_KEYS_PER_CONNECTION",
-    "didcommIdleExpirySeconds": "RELAY_DIDCOMM_IDLE_EXPIRY_S",
-    "didcommMaxConnectionsPerClient": "RELAY_DIDCOMM_MAX_CONNECTIONS_PER_CLIENT",
+    s.limit_key: s.env
+    for s in RELAY_SETTINGS
+    if s.limit_key and s.limit_key not in CRD_DEFAULTED_LIMITS and s.limit_key != "trustedProxies"
 }
-TRUSTED_PROXIES_ENV = "RELAY_TRUSTED_PROXIES"  # from spec.limits.trustedProxies, comma-joined
+TRUSTED_PROXIES_ENV = next(s.env for s in RELAY_SETTINGS if s.limit_key == "trustedProxies")  # comma-joined
 # The spec.limits keys without a CRD default, so the ones a fleet-wide default can fill: the API
 # server writes the other five into every RelayShard, where no operator default could reach them.
 DEFAULTABLE_LIMITS: tuple[str, ...] = (*QUOTA_ENV, "trustedProxies")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
@@ -18,9 +17,10 @@ from redis.exceptions import RedisError
 from relay.backup.errors import BackupError
 from relay.backup.restoring import restore
 from relay.backup.taking import backup
+from relay.envconfig import ConfigError, EnvHelpParser, add_flag, resolve_flags
 from relay.fleet.sharding import ShardMapError
-from relay.helpfmt import EnvHelpParser
 from relay.progress import ProgressReporter
+from relay.settings import REDIS_URL
 from relay.storage.connection import RedisConnectError, RedisURLError
 from relay.storage.snapshot import SnapshotError
 
@@ -52,13 +52,18 @@ class _Parser(EnvHelpParser):  # every flag: its env and default
 
 def _url_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--redis-url",
-        default=os.environ.get("RELAY_REDIS_URL") or None,
-        help="redis://, rediss:// or redis+sentinel:// URL (env RELAY_REDIS_URL)",
-    )
+    add_flag(p, REDIS_URL, to=src)
     src.add_argument("--redis-url-file", metavar="FILE", help="a file holding the URL (credentials Secret)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def _parse(p: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    args = p.parse_args(argv)
+    try:
+        resolve_flags(args)  # --redis-url, else RELAY_REDIS_URL
+    except ConfigError as exc:
+        p.error(str(exc))
+    return args
 
 
 def backup_main(argv: Sequence[str]) -> int:
@@ -70,7 +75,7 @@ def backup_main(argv: Sequence[str]) -> int:
     p.add_argument("--shard", required=True, help="the shard's name (names the backup folder)")
     p.add_argument("--to", required=True, type=Path, metavar="DIR", help="backup directory (a mounted claim)")
     p.add_argument("--keep", type=int, default=24, help="backups to keep (default 24)")
-    args = p.parse_args(argv)
+    args = _parse(p, argv)
     if args.keep < 1:
         p.error("--keep must be at least 1")
     progress = ProgressReporter("backup", args.quiet, byte_phases=BYTE_PHASES)
@@ -108,7 +113,7 @@ def restore_main(argv: Sequence[str]) -> int:
     p.add_argument(
         "--advertise-host", help="the address the target Redis reaches this process at (default: found out)"
     )
-    args = p.parse_args(argv)
+    args = _parse(p, argv)
     if args.seq_jump is not None and args.seq_jump < 1:
         p.error("--seq-jump must be at least 1")
     progress = ProgressReporter("restore", args.quiet, byte_phases=BYTE_PHASES)

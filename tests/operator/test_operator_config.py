@@ -14,7 +14,7 @@ from typing import Any
 import kopf
 import pytest
 from relayfleet_operator import handlers
-from relayfleet_operator.config import OPERATOR_ENV, OperatorSettings
+from relayfleet_operator.config import OPERATOR_SETTINGS, OperatorSettings
 from relayfleet_operator.kube import Kube
 from relayfleet_operator.spec import (
     DEFAULT_IMAGE,
@@ -118,10 +118,10 @@ def test_help_names_every_variable_with_its_default() -> None:
     out = run_module("-h")
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    for var in OPERATOR_ENV:
-        line = next((ln for ln in text.splitlines() if ln.split()[:1] == [var.name]), None)
-        assert line is not None, f"{var.name} missing from --help"
-        assert f"[default {var.default}]" in line, line
+    for var in OPERATOR_SETTINGS:
+        line = next((ln for ln in text.splitlines() if ln.split()[:1] == [var.env]), None)
+        assert line is not None, f"{var.env} missing from --help"
+        assert f"[default {var.shown_default}]" in line, line
     # the images of shards that name none: the chart sets both, without it this release's own
     for name, image in [
         ("RELAYFLEET_OPERATOR_DEFAULT_RELAY_IMAGE", DEFAULT_IMAGE),
@@ -138,8 +138,8 @@ def test_help_names_every_variable_with_its_default() -> None:
 def test_from_env_reads_every_variable_and_the_defaults_are_plain(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    for var in OPERATOR_ENV:
-        monkeypatch.delenv(var.name, raising=False)
+    for var in OPERATOR_SETTINGS:
+        monkeypatch.delenv(var.env, raising=False)
     monkeypatch.delenv("RELAY_OPERATOR_NAMESPACE", raising=False)
     assert OperatorSettings.from_env() == OperatorSettings()
     monkeypatch.setenv("RELAYFLEET_OPERATOR_RESYNC_SECONDS", "7.5")

@@ -12,7 +12,7 @@ import pytest
 from relayfleet_operator import builders
 from relayfleet_operator.spec import RESERVED_RELAY_ENV, parse_shard
 
-from relay.settings import enqueue_tokens_from_env, env_secret
+from relay.settings import BY_ENV, env_secret
 from tests.support.chart import crd, schema_of
 from tests.support.shard_specs import FULL_RELAY, shard_body
 
@@ -121,9 +121,9 @@ def test_env_secret_prefers_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
     tokens = tmp_path / "tokens"
     tokens.write_text("alpha\nbeta, gamma\n\n")
     monkeypatch.setenv("RELAY_ENQUEUE_TOKENS", "inline")
-    assert enqueue_tokens_from_env() == ("inline",)
+    assert BY_ENV["RELAY_ENQUEUE_TOKENS"].read() == ("inline",)
     monkeypatch.setenv("RELAY_ENQUEUE_TOKENS_FILE", str(tokens))
-    assert enqueue_tokens_from_env() == ("alpha", "beta", "gamma")
+    assert BY_ENV["RELAY_ENQUEUE_TOKENS"].read() == ("alpha", "beta", "gamma")
     hook = tmp_path / "hook"
     hook.write_text("https://push.example/x?key=secret\n")
     monkeypatch.setenv("RELAY_PUSH_WEBHOOK_FILE", str(hook))

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from relayfleet_operator.config import OPERATOR_ENV
+from relayfleet_operator.config import OPERATOR_SETTINGS
 from relayfleet_operator.spec import DEFAULT_IMAGE, DEFAULT_REDIS_IMAGE
 
 from tests.support.chart import needs_helm, render
@@ -55,7 +55,7 @@ def test_the_operator_takes_the_shards_default_images_from_the_values() -> None:
 
 
 def test_every_variable_the_chart_sets_is_one_the_operator_reads_and_its_help_names() -> None:
-    names = {v.name for v in OPERATOR_ENV}
+    names = {v.env for v in OPERATOR_SETTINGS}
     assert set(env_of(operator_container())) <= names
     assert set(env_of(operator_container("operator.manageCRDs=true"))) <= names
 

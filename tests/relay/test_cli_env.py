@@ -14,7 +14,8 @@ import pytest
 from relayfleet_testing.localredis import LocalRedis
 
 from relay import cli
-from relay.settings import DEPRECATED_ENV, RELAY_ENV, REMOVED_ENV, Settings
+from relay.envconfig import resolve_flags
+from relay.settings import DEPRECATED_ENV, RELAY_SETTINGS, REMOVED_ENV, Settings
 from tests.support.in_process_relay import RelayFactory
 
 
@@ -46,10 +47,14 @@ def test_relay_help_lists_every_variable() -> None:
     assert out.returncode == 0
     for flag_env in ("RELAY_HOST", "RELAY_PORT", "RELAY_REDIS_URL", "RELAY_AUTH", "RELAY_LOG_LEVEL"):
         assert f"env {flag_env}" in out.stdout
-    for var in RELAY_ENV:
-        assert var.name in out.stdout
-    for old in (*DEPRECATED_ENV, *REMOVED_ENV):
-        assert old in out.stdout
+    for var in RELAY_SETTINGS:
+        for name in var.names:
+            assert name in out.stdout
+    relay_names = {v.env for v in RELAY_SETTINGS}
+    for old, new in DEPRECATED_ENV.items():
+        assert (f"{old} -> {new}" in out.stdout) == (new in relay_names)
+    for removed in REMOVED_ENV:
+        assert removed in out.stdout
     assert "default 8080" in out.stdout
 
 
@@ -99,9 +104,9 @@ def test_settings_read_the_environment_only_in_from_env(monkeypatch: pytest.Monk
 def test_deprecated_names_still_work_with_a_log_line(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import relay.settings
+    import relay.envconfig
 
-    monkeypatch.setattr(relay.settings, "_warned", set())
+    monkeypatch.setattr(relay.envconfig, "_warned", set())
     monkeypatch.setenv("RELAYFLEET_SHARD_HEALTH_INTERVAL", "7")
     with caplog.at_level(logging.WARNING, logger="relay.settings"):
         assert Settings.from_env().shard_health_interval_s == 7.0
@@ -113,9 +118,9 @@ def test_deprecated_names_still_work_with_a_log_line(
 def test_removed_names_are_ignored_with_a_log_line_naming_them(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import relay.settings
+    import relay.envconfig
 
-    monkeypatch.setattr(relay.settings, "_warned", set())
+    monkeypatch.setattr(relay.envconfig, "_warned", set())
     monkeypatch.setenv("RELAY_BUSY_POLL_US", "not-a-number-s3cret")  # not parsed: it is gone
     monkeypatch.setenv("RELAY_BUSY_POLL_SHARE", "1")
     with caplog.at_level(logging.WARNING, logger="relay.settings"):
@@ -133,11 +138,11 @@ def test_operator_namespace_new_and_old_name(monkeypatch: pytest.MonkeyPatch) ->
     assert "env RELAYFLEET_OPERATOR_NAMESPACE" in " ".join(shown.stdout.split())
     monkeypatch.setenv("RELAY_OPERATOR_NAMESPACE", "old")
     args = cli.build_parser().parse_args(["operator"])
-    cli._resolve_env(args)
+    resolve_flags(args)
     assert args.namespace == "old"
     monkeypatch.setenv("RELAYFLEET_OPERATOR_NAMESPACE", "new")
     args = cli.build_parser().parse_args(["operator"])
-    cli._resolve_env(args)
+    resolve_flags(args)
     assert args.namespace == "new"
 
 
@@ -190,3 +195,20 @@ async def test_relay_reads_shard_credentials_from_the_dir_settings_name(
             assert await c.enqueue(os.urandom(32), b"x") == (1, False)
     finally:
         server.stop()
+
+
+def test_operator_and_other_help_screens_name_every_variable_they_read() -> None:
+    from relayfleet_operator.config import OPERATOR_SETTINGS
+
+    from relay.settings import COMMAND_SETTINGS
+
+    out = run_cli("operator", "--help")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for var in OPERATOR_SETTINGS:
+        assert any(ln.split()[:1] == [var.env] and f"[default {var.shown_default}]" in ln for ln in lines), (
+            var.env
+        )
+    top = " ".join(run_cli("top", "--help").stdout.split())
+    for var in COMMAND_SETTINGS:
+        assert f"env {var.env}; default {var.shown_default}" in top, var.env

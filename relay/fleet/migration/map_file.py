@@ -1,4 +1,4 @@
-"""The shard map as a file (`relayfleet migrate --shard-map FILE`, the relays' RELAYFLEET_SHARD_MAP):
+"""The shard map as a file (`relayfleet migrate --shard-map FILE`, the relays' RELAY_SHARD_MAP):
 written atomically by rename, and published under an flock so that two migrations on one host
 cannot both write the same epoch."""
 

@@ -19,7 +19,7 @@ from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
 from relay.api.quota import ClientQuota, address_key, parse_address
-from relay.settings import ConfigError, Settings, trusted_proxies_from_env
+from relay.settings import BY_ENV, ConfigError, Settings
 from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 
@@ -275,7 +275,7 @@ def test_addresses_and_settings() -> None:
 
 def test_trusted_proxies_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RELAY_TRUSTED_PROXIES", "10.0.0.0/8, 2001:db8::/32 192.168.1.7")
-    assert trusted_proxies_from_env() == ("10.0.0.0/8", "2001:db8::/32", "192.168.1.7/32")
+    assert BY_ENV["RELAY_TRUSTED_PROXIES"].read() == ("10.0.0.0/8", "2001:db8::/32", "192.168.1.7/32")
     monkeypatch.setenv("RELAY_TRUSTED_PROXIES", "10.0.0.0/8,bogus")
     with pytest.raises(ConfigError, match="RELAY_TRUSTED_PROXIES"):
-        trusted_proxies_from_env()
+        BY_ENV["RELAY_TRUSTED_PROXIES"].read()

@@ -12,18 +12,17 @@ import sys
 import aiohttp
 
 from relay import cli
+from relay import settings as declared
 
 
 def dev_main(argv: list[str]) -> int:
     p = cli.command_parser("relayfleet dev", "Local Redis shard(s) + relay, with a short demo.")
-    cli.env_flag(p, "--port", env="RELAY_PORT", default=8080, parse=cli.port_number, kind="a port number",
-                 help="HTTP port")  # fmt: skip
+    cli.env_flag(p, declared.PORT)
     p.add_argument("--shards", type=int, default=1, help="local shards to start [no env; default 1]")
     p.add_argument("--redis-port", type=int, default=0, metavar="FIRST",
                    help="Redis ports FIRST, FIRST+1, ... [no env; default: free ports]")  # fmt: skip
     p.add_argument("--no-demo", action="store_true", help="skip the demo [no env; default off]")
-    cli.env_flag(p, "--auth", env="RELAY_AUTH", default="ed25519", parse=cli.one_of("ed25519", "none"),
-                 kind="ed25519 or none", help="request authentication")  # fmt: skip
+    cli.env_flag(p, declared.AUTH)
     cli.log_level_flag(p)
     args = cli.parse_command(p, argv)
     from relayfleet_testing.devfleet.fleet import run_dev
@@ -37,7 +36,7 @@ def demo_main(argv: list[str]) -> int:
     p = cli.command_parser(
         "relayfleet demo", "The short demo (two recipients, one long-polls) against a running relay."
     )
-    cli.env_flag(p, "--url", env="RELAY_URL", default="http://127.0.0.1:8080", help="the relay's base URL")
+    cli.env_flag(p, declared.URL)
     cli.log_level_flag(p)
     args = cli.parse_command(p, argv)
     from relayfleet_testing.devfleet.demo import run_demo
