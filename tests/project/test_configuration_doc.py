@@ -1,7 +1,9 @@
 """docs/configuration.md is generated from the settings' declarations (`make docs`) and checked
-here, and every relay or operator variable named anywhere (docs, the chart, the CRDs, the code's
-strings) is one that is declared: a name cannot drift (RELAYFLEET_SHARD_MAP was once written
-where the variable is RELAY_SHARD_MAP)."""
+here; every relay or operator variable named anywhere (docs, the chart, the CRDs, the code's
+strings) is one that is declared, so a name cannot drift (RELAYFLEET_SHARD_MAP was once written
+where the variable is RELAY_SHARD_MAP); and the defaults and mappings the other pages repeat
+(docs/api.md's table, "`VARIABLE` (default)" in prose, docs/operator.md's spec.limits table) are
+the declared ones."""
 
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ from types import ModuleType
 
 import pytest
 from relayfleet_operator.config import OPERATOR_SETTINGS
+from relayfleet_operator.spec import DEFAULTABLE_LIMITS
 
 from relay.envconfig import DEPRECATED_ENV, REMOVED_ENV
 from relay.settings import COMMAND_SETTINGS, RELAY_SETTINGS
+from relay.storage.limits import QueueLimits
 from tests.support.chart import ROOT
 
 SCRIPT = ROOT / "hack" / "configuration_doc.py"
@@ -115,3 +119,75 @@ def test_every_variable_named_anywhere_is_declared() -> None:
     assert {"RELAY_SHARD_MAP", "RELAYFLEET_OPERATOR_DEFAULT_RELAY_LIMITS"} <= set(found)  # the scan works
     unknown = {name: sorted(where) for name, where in found.items() if name not in known}
     assert unknown == {}, "variables named but never declared (a typo, or a setting to declare)"
+
+
+# -- defaults written in prose and tables elsewhere in the docs -------------------------------------
+
+QUANTITY = re.compile(r"(\d+(?:\.\d+)?)\s*(bytes|MiB|KiB|days|ms|s)?\b")
+UNITS = {"": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "days": 86400, "ms": 0.001, "s": 1}
+
+
+def _quantities(text: str) -> list[float]:
+    """The numbers of `text` in bytes or seconds ("32 MiB", "5 s", "7 days")."""
+    text = re.sub(r"`[^`]*`", "", text)  # variables and code are not quantities
+    return [float(n) * UNITS[u] for n, u in QUANTITY.findall(text)]
+
+
+def effective_default(env: str) -> float:
+    """The default a relay or operator setting has, in bytes or seconds (a derived one as derived)."""
+    s = next(s for s in (*RELAY_SETTINGS, *OPERATOR_SETTINGS) if s.env == env)
+    field = s.field or ""
+    if field == "limits.retention_s":
+        value: float = QueueLimits().retention_ms / 1000
+    elif field.startswith("limits."):
+        value = getattr(QueueLimits(), field.removeprefix("limits."))
+    else:
+        value = s.default
+    return value / 1000 if env.endswith("_MS") else value
+
+
+def api_defaults_table() -> list[tuple[str, list[str]]]:
+    """docs/api.md's defaults: (the default cell, its variables) per row that names some."""
+    page = (ROOT / "docs" / "api.md").read_text()
+    section = page.split("### Defaults", 1)[1].split("\n### ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[2].startswith("`RELAY_"):
+            rows.append((cells[1], re.findall(r"`(RELAY_[A-Z0-9_]+)`", cells[2])))
+    return rows
+
+
+def test_the_api_pages_defaults_are_the_declared_ones() -> None:
+    rows = api_defaults_table()
+    assert len(rows) >= 12
+    checked = 0
+    for cell, names in rows:
+        for name, value in zip(names, _quantities(cell), strict=False):
+            assert value == pytest.approx(effective_default(name)), (name, cell)
+            checked += 1
+    assert checked >= 15
+
+
+def test_defaults_named_in_prose_are_the_declared_ones() -> None:
+    """`VARIABLE` (N unit ...) anywhere in the docs: N is the declared default."""
+    pattern = re.compile(
+        r"(twice )?`\$?((?:RELAY|RELAYFLEET_OPERATOR)_[A-Z0-9_]+)` \((\d[\d.]*(?: (?:MiB|KiB|s|days))?)"
+    )
+    found = 0
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for twice, name, quantity in pattern.findall(page.read_text()):
+            (value,) = _quantities(quantity)
+            expected = effective_default(name) * (2 if twice else 1)
+            assert value == pytest.approx(expected), (page.name, name, quantity)
+            found += 1
+    assert found >= 10
+
+
+def test_operator_pages_limits_table_is_the_declared_mapping() -> None:
+    """docs/operator.md's `spec.limits` key → relay variable table: the quota keys, as the relay's
+    declarations map them (relay/settings.py, each setting's limit_key)."""
+    page = (ROOT / "docs" / "operator.md").read_text()
+    section = page.split("| `spec.limits` key | relay variable |", 1)[1].split("\n\n", 1)[0]
+    rows = dict(re.findall(r"^\| `(\w+)`[^|]*\| `(RELAY_[A-Z0-9_]+)`", section, flags=re.M))
+    assert rows == {s.limit_key: s.env for s in RELAY_SETTINGS if s.limit_key in DEFAULTABLE_LIMITS}
