@@ -98,7 +98,7 @@ PORT = Setting(
 REDIS_URL = Setting(
     "RELAY_REDIS_URL", OPTIONAL, None,
     "one shard's Redis: redis://, rediss://?ssl_ca_certs=...&ssl_certfile=..., unix:// or redis+sentinel://",
-    flag="--redis-url",
+    flag="--redis-url", metavar="URL",
 )
 AUTH = Setting(
     "RELAY_AUTH", choice("ed25519", "none"), "ed25519",

@@ -114,6 +114,15 @@ def test_bad_value_exits_2_with_one_line_naming_the_variable(env: dict[str, str]
     assert out.stdout == ""
 
 
+def test_a_flag_wins_over_its_variable_and_is_checked_by_the_same_rule() -> None:
+    # both entry points take the operator's flags from the same declarations (config.add_arguments)
+    out = run_module("--namespace", "x", "--log-level", "loud", env={"RELAY_LOG_LEVEL": "DEBUG"})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == (
+        "relayfleet operator: --log-level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'loud'"
+    )
+
+
 def test_help_names_every_variable_with_its_default() -> None:
     out = run_module("-h")
     assert out.returncode == 0, out.stderr
