@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from relay import metrics
 from relay.fleet.routing import Route, ShardRouter
@@ -26,28 +26,11 @@ from relay.storage.store import (
     StoreUnavailable,
     enqueue_outcome,
 )
-from relay.storage.wakeups import Prepare, Waiter
+from relay.storage.wakeups import Waiter
 
 T = TypeVar("T")
 
 OnStored = Callable[[bytes, bytes, int, int], None]  # recipient, channel, seq, subscribers
-# A long-poll's answerer for messages a wakeup carried, called as the wakeup arrives
-# (Waiter.expect); True when it answered (wrote) them, False when its task will
-EarlyAnswer = Callable[[ReadResult], bool]
-
-
-class OutcomeSink(Protocol):
-    """Where an enqueue's outcome goes: the part of asyncio.Future it uses. The HTTP fast
-    path passes its answer slot (no Future, no done-callback hop through the loop); it
-    must not raise, as it runs while Redis's reply is read."""
-
-    def done(self) -> bool: ...
-
-    def set_result(self, result: EnqueueOutcome, /) -> None: ...
-
-    def set_exception(self, exception: BaseException, /) -> None: ...
-
-    def cancel(self) -> bool: ...
 
 
 class Unavailable(Exception):
@@ -93,7 +76,7 @@ class QueueService:
         self.on_stored: OnStored | None = None
         self.closing = False
         self._waiters = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._reconciled: dict[bytes, float] = {}  # recipient -> last reconciliation (monotonic)
 
     # -- plumbing ------------------------------------------------------------
@@ -103,12 +86,15 @@ class QueueService:
         channel: bytes,
         op: Callable[[Route], Awaitable[T]],
         idempotent: bool = True,
+        route: Route | None = None,
     ) -> T:
-        """Run `op` on the queue's shard, retrying MOVED and fenced slots (and, on a
-        Sentinel-managed shard, a failover) within the deadline. `idempotent`: `op` may be
-        repeated after a failure that left unknown whether it ran."""
+        """Run `op` on the queue's shard (`route`, when the caller routed already), retrying
+        MOVED and fenced slots (and, on a Sentinel-managed shard, a failover) within the
+        deadline. `idempotent`: `op` may be repeated after a failure that left unknown
+        whether it ran."""
         deadline = asyncio.get_running_loop().time() + self.settings.request_deadline_s
-        route = self.fleet.route(recipient, channel)
+        if route is None:
+            route = self.fleet.route(recipient, channel)
         try:
             return await op(route)
         except (SlotMoved, SlotMigrating, StoreUnavailable) as exc:
@@ -174,18 +160,16 @@ class QueueService:
         self,
         recipient: bytes,
         channel: bytes,
+        route: Route,
         wait_s: float,
-        fetch: Callable[[], Awaitable[ReadResult]],
+        fetch: Callable[[Route], Awaitable[ReadResult]],
         read_at: tuple[int | None, int] | None = None,
-        early: EarlyAnswer | None = None,
-        prepare: Prepare | None = None,
     ) -> ReadResult:
-        """Long-poll: register, read, and only then wait (no lost-wakeup window).
+        """Long-poll on the queue at `route`: register, read, and only then wait (no
+        lost-wakeup window).
 
         `read_at` (fromSeq, limit) of a read: a wakeup that carries the messages following
-        the last read is answered from them, without reading them back (Waiter.take); with
-        `early`, they are handed to it as the wakeup arrives (Waiter.expect), and this
-        returns the same result once its task resumes."""
+        the last read is answered from them, without reading them back (Waiter.take)."""
         if self._waiters >= self.settings.max_waiters:
             raise TooManyWaiters()
         loop = asyncio.get_running_loop()
@@ -194,22 +178,25 @@ class QueueService:
         _WAITERS.inc()
         try:
             while True:
-                route = self.fleet.route(recipient, channel)
                 with route.hub.waiting(route.keys.wake) as waiter:
                     await waiter.ready(min(1.0, max(0.0, deadline - loop.time())))
                     while True:
                         waiter.forget()  # this read sees whatever woke us so far
-                        result = await fetch()
+                        result = await fetch(route)
                         remaining = deadline - loop.time()
                         if result.messages or remaining <= 0 or self.closing:
                             if result.messages and waiter.woken_at_ms is not None:
                                 _WAKEUP_SECONDS.observe(max(0, now_ms() - waiter.woken_at_ms) / 1000)
                             return result
-                        carried = await self._carried(waiter, result, deadline, read_at, early, prepare)
+                        carried = await self._carried(waiter, result, deadline, read_at)
                         if carried is not None:
                             return carried
-                        if self.fleet.route(recipient, channel).hub is not route.hub:
-                            break  # the queue moved: re-register on its new shard
+                        # a new shard map wakes every waiter (ShardRouter.reload): the queue
+                        # may live elsewhere now, and its waiter must register there
+                        moved = self.fleet.route(recipient, channel)
+                        if moved.hub is not route.hub:
+                            route = moved
+                            break
         finally:
             self._waiters -= 1
             _WAITERS.dec()
@@ -220,33 +207,17 @@ class QueueService:
         last: ReadResult,
         deadline: float,
         read_at: tuple[int | None, int] | None,
-        early: EarlyAnswer | None = None,
-        prepare: Prepare | None = None,
     ) -> ReadResult | None:
         """Wait after the empty read `last`; the answer when wakeups carried the messages that
         follow it, None when the queue must be read again (woken otherwise, or timed out)."""
         loop = asyncio.get_running_loop()
         budget = self.settings.limits.max_response_bytes
         while True:
-            if early is not None and read_at is not None:
-                waiter.expect(
-                    partial(_answer_early, early, last.epoch),
-                    last.epoch,
-                    last.last_seq,
-                    read_at[0],
-                    read_at[1],
-                    budget,
-                    prepare,
-                )
             woken = await waiter.wait(deadline - loop.time())
             got: list[Message] | None
-            if waiter.taken is not None:  # answered as the wakeup arrived
-                got = waiter.taken
-                waiter.taken = None
-            elif not woken or read_at is None or self.closing:
+            if not woken or read_at is None or self.closing:
                 return None
-            else:
-                got = waiter.take(last.epoch, last.last_seq, read_at[0], read_at[1], budget)
+            got = waiter.take(last.epoch, last.last_seq, read_at[0], read_at[1], budget)
             if got is None:
                 return None
             if got:
@@ -256,8 +227,8 @@ class QueueService:
             # woken by nothing new (a notice, a message the read already saw): wait on
 
     # -- operations ------------------------------------------------------------
-    def enqueue(self, req: EnqueueRequest) -> asyncio.Future[EnqueueOutcome]:
-        """Send an enqueue; the returned future (await it) gets its outcome.
+    def enqueue(self, req: EnqueueRequest) -> Awaitable[EnqueueOutcome]:
+        """Send an enqueue; await the result for its outcome.
 
         The bookkeeping of a stored message (metrics, `on_stored`) runs as Redis's reply
         is read, so it happens even when the awaiting handler was cancelled because its
@@ -266,70 +237,59 @@ class QueueService:
         attempt whose reply was lost (reply timeout, connection cut: Redis may have stored
         it) is resent with its token until Redis says what it did (_Enqueue.resolve), so a
         stored message is never answered 5xx and never stored twice by the relay.
-        """
-        done: asyncio.Future[EnqueueOutcome] = asyncio.get_running_loop().create_future()
-        self.enqueue_into(done, req)
-        return done
-
-    def enqueue_into(self, sink: OutcomeSink, req: EnqueueRequest) -> None:
-        """`enqueue`, its outcome handed to `sink` (see OutcomeSink) instead of a new future.
 
         A non-default channel's message is first admitted by its recipient's home shard
         (the recipient-wide quotas, docs/design-decisions.md "Per-recipient quotas"): one more
-        round trip, in a task. The default channel's enqueue checks them itself, in its one call."""
+        round trip, in a task of its own (its refund is owed even when the caller leaves).
+        The default channel's enqueue checks them itself, in its one call."""
         if self.admits_first(req.channel):
-            self._spawn(self._admit_then_enqueue(sink, req))
-            return
-        self._enqueue_now(sink, req)
+            return asyncio.shield(self._spawn(self._admit_then_enqueue(req)))
+        return self._enqueue_now(req)
 
     def admits_first(self, channel: bytes) -> bool:
-        """Whether an enqueue to `channel` takes its recipient's admit round trip (in a task)
-        before its enqueue call: a caller that pipelines requests waits for its outcome before
-        starting the next one (relay/http/fastpath.py), or a later enqueue would run first."""
+        """Whether an enqueue to `channel` takes its recipient's admit round trip before its
+        enqueue call: a caller that pipelines requests waits for its outcome before starting
+        the next one (relay/http/fastpath.py), or a later enqueue would run first."""
         return bool(channel) and self._recipient_limited
 
-    def _enqueue_now(self, sink: OutcomeSink, req: EnqueueRequest) -> None:
+    def _enqueue_now(self, req: EnqueueRequest) -> asyncio.Future[EnqueueOutcome]:
+        done: asyncio.Future[EnqueueOutcome] = asyncio.get_running_loop().create_future()
         ts = req.now_ms or now_ms()  # every attempt of this enqueue stores the same time
         route = self.fleet.route(req.recipient, req.channel)
         # the job (the reply's sink) is built once the enqueue is written: not in the wake's path
-        route.store.enqueue_to(None, route.keys, req, ts, make_sink=partial(self._job, sink, req, ts, route))
+        route.store.enqueue_to(None, route.keys, req, ts, make_sink=partial(self._job, done, req, ts, route))
         if len(req.payload) <= CARRY_LOCAL_BYTES:
-            # while Redis stores it, this process's long-polls on the queue ready their answers
+            # while Redis stores it, this process's live sockets on the queue ready their frames
             route.hub.prepare(route.keys.wake, ts, req)
+        return done
 
-    def _job(self, sink: OutcomeSink, req: EnqueueRequest, ts: int, route: Route, token: bytes) -> _Enqueue:
-        """The first attempt of an enqueue, as its ReplySink (enqueue_into)."""
+    def _job(
+        self, done: asyncio.Future[EnqueueOutcome], req: EnqueueRequest, ts: int, route: Route, token: bytes
+    ) -> _Enqueue:
+        """The first attempt of an enqueue, as its ReplySink (_enqueue_now)."""
         sent_at = asyncio.get_running_loop().time()
-        job = _Enqueue(self, sink, req, ts, route, sent_at + self.settings.request_deadline_s, sent_at)
+        job = _Enqueue(self, done, req, ts, route, sent_at + self.settings.request_deadline_s, sent_at)
         job.token = token
         return job
 
-    async def _admit_then_enqueue(self, sink: OutcomeSink, req: EnqueueRequest) -> None:
+    async def _admit_then_enqueue(self, req: EnqueueRequest) -> EnqueueOutcome:
         """Admit a non-default channel's message on its recipient's home shard, then enqueue it
-        (refunded when the channel's shard refuses it). A refusal for a held cap or the channel
-        cap first reconciles the record with the queues (at most once a second per recipient
-        and relay) and asks again: the counters may be high, never low."""
+        (refunded when the channel's shard refuses it; a failure may have stored it: no
+        refund, the counters stay high until reconciled). A refusal for a held cap or the
+        channel cap first reconciles the record with the queues (at most once a second per
+        recipient and relay) and asks again: the counters may be high, never low."""
         ts = req.now_ms or now_ms()
         recipient = req.recipient
-        try:
+        verdict = await self._admit(req, ts)
+        if verdict.kind == "full" and self._may_reconcile(recipient) and await self.reconcile(recipient):
             verdict = await self._admit(req, ts)
-            if verdict.kind == "full" and self._may_reconcile(recipient) and await self.reconcile(recipient):
-                verdict = await self._admit(req, ts)
-        except BaseException as exc:
-            if not sink.done():
-                if isinstance(exc, asyncio.CancelledError):
-                    sink.cancel()
-                else:
-                    sink.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
         if verdict.kind != "stored":
             self._stored(req, verdict)
-            if not sink.done():
-                sink.set_result(verdict)
-            return
-        self._enqueue_now(_Refunding(self, sink, req, ts), req._replace(now_ms=ts))
+            return verdict
+        outcome = await self._enqueue_now(req._replace(now_ms=ts))
+        if outcome.kind != "stored":
+            await self._refund(recipient, 1, len(req.payload), ts)
+        return outcome
 
     def _admit(self, req: EnqueueRequest, ts: int) -> Awaitable[EnqueueOutcome]:
         size = len(req.payload)
@@ -419,19 +379,17 @@ class QueueService:
         from_seq: int | None,
         limit: int,
         wait_s: float,
-        early: EarlyAnswer | None = None,
-        prepare: Prepare | None = None,
     ) -> ReadResult:
-        """Read, waiting up to `wait_s` for messages; `early`, `prepare`: see `_wait_for`
-        and Waiter.expect."""
+        """Read, waiting up to `wait_s` for messages (routed once: the wait and each read)."""
 
-        async def fetch() -> ReadResult:
-            return await self.call(recipient, channel, lambda r: r.store.read(r.keys, from_seq, limit))
+        def fetch(route: Route) -> Awaitable[ReadResult]:
+            return self.call(recipient, channel, lambda r: r.store.read(r.keys, from_seq, limit), route=route)
 
+        route = self.fleet.route(recipient, channel)
         result = await (
-            self._wait_for(recipient, channel, wait_s, fetch, (from_seq, limit), early, prepare)
+            self._wait_for(recipient, channel, route, wait_s, fetch, (from_seq, limit))
             if wait_s > 0
-            else fetch()
+            else fetch(route)
         )
         _count("delivered", result)
         return result
@@ -441,11 +399,14 @@ class QueueService:
         _count("delivered", result)
 
     async def drain(self, recipient: bytes, channel: bytes, limit: int, wait_s: float) -> ReadResult:
-        async def fetch() -> ReadResult:
+        def fetch(route: Route) -> Awaitable[ReadResult]:
             # a drain that may have run must not be repeated: its messages are gone
-            return await self.call(recipient, channel, lambda r: r.store.drain(r.keys, limit), False)
+            return self.call(recipient, channel, lambda r: r.store.drain(r.keys, limit), False, route)
 
-        result = await (self._wait_for(recipient, channel, wait_s, fetch) if wait_s > 0 else fetch())
+        route = self.fleet.route(recipient, channel)
+        result = await (
+            self._wait_for(recipient, channel, route, wait_s, fetch) if wait_s > 0 else fetch(route)
+        )
         if result.messages and channel and self._recipient_limited:
             await self._refund(
                 recipient, len(result.messages), sum([len(m.payload) for m in result.messages])
@@ -478,10 +439,11 @@ class QueueService:
         """Tell every live connection to this queue, fleet-wide, that `token` is the newest."""
         await self.call(recipient, channel, lambda r: r.store.publish_notice(r.keys.wake, token))
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._tasks.discard)
+        return task
 
 
 _ENQUEUE_ROUTE = "/v1/queues/{recipient}/messages"
@@ -492,37 +454,6 @@ _QUOTA_REASON = {
     "recipient bytes": "recipient_bytes",
     "reserve": "shard_reserve",
 }
-
-
-class _Refunding:
-    """The OutcomeSink of an admitted non-default enqueue: hands the outcome on, and gives the
-    admit back to the recipient's record when the channel's shard did not store the message
-    (a failure may have stored it: no refund, the counters stay high until reconciled)."""
-
-    __slots__ = ("req", "service", "sink", "ts")
-
-    def __init__(self, service: QueueService, sink: OutcomeSink, req: EnqueueRequest, ts: int) -> None:
-        self.service = service
-        self.sink = sink
-        self.req = req
-        self.ts = ts
-
-    def done(self) -> bool:
-        return False  # the refund is owed even when the handler's sink was cancelled
-
-    def set_result(self, result: EnqueueOutcome, /) -> None:
-        if result.kind != "stored":
-            req = self.req
-            self.service._spawn(self.service._refund(req.recipient, 1, len(req.payload), self.ts))
-        if not self.sink.done():
-            self.sink.set_result(result)
-
-    def set_exception(self, exception: BaseException, /) -> None:
-        if not self.sink.done():
-            self.sink.set_exception(exception)
-
-    def cancel(self) -> bool:
-        return self.sink.cancel()
 
 
 class _Enqueue:
@@ -536,7 +467,7 @@ class _Enqueue:
     def __init__(
         self,
         service: QueueService,
-        outcome: OutcomeSink,
+        outcome: asyncio.Future[EnqueueOutcome],
         req: EnqueueRequest,
         ts: int,
         route: Route,
@@ -665,10 +596,6 @@ class _Enqueue:
 # ones they read back: a waiter that cannot use it would pin it until its next read).
 CARRY_LOCAL_BYTES = 64 * 1024
 _RESOLVE_MARGIN_S = 1.0  # clock skew between relays and Redis's view of the rate window
-
-
-def _answer_early(early: EarlyAnswer, epoch: str, got: list[Message]) -> bool:
-    return early(ReadResult(got, epoch, got[-1].seq))
 
 
 def _count(op: str, result: ReadResult) -> None:

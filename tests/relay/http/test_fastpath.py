@@ -5,7 +5,6 @@ a differential check that it answers exactly as the aiohttp path (RELAY_HTTP_FAS
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
 import re
@@ -21,12 +20,10 @@ import redis
 from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
-from relay.api import bulk
 from relay.app import begin_shutdown
-from relay.http.fastpath import FAST_ENDPOINT, FastConnection, header_fields
+from relay.http.fastpath import FastConnection
 from relay.http.serving import GuardedRequestHandler, GuardedServer
 from relay.protocol import b64encode, keypair, sign_headers
-from relay.service import QueueService
 from relay.storage.store import QueueLimits, ReadResult, ShardStore
 from tests.support.in_process_relay import RelayFactory, RunningRelay
 
@@ -210,70 +207,6 @@ async def test_handoff_mid_keepalive(relay: RunningRelay) -> None:
         assert (second.status, second.body) == (201, b'{"seq":2,"duplicate":false}')
     finally:
         writer.close()
-
-
-def test_header_fields_of_clean_header_lines_only() -> None:
-    block = b"\r\nHost: relay\r\ncontent-length: 12\r\nAuthorization: Bearer t\r\nIdempotency-Key: k"
-    assert header_fields(block) == (b"k", b"Bearer t", 12)
-    assert header_fields(b"\r\nHost: relay\r\nConnection: keep-alive\r\nContent-Length: 0") == (None, None, 0)
-    assert header_fields(b"\r\nHost: relay") == (None, None, None)  # no length: a read's, not an enqueue's
-    for bad in (
-        b"\r\nContent-Length: 1",  # no Host
-        b"\r\nContent-Length: 1\r\ncontent-length: 1",  # twice
-        b"\r\nContent-Length: 1\r\nConnection: close",
-        b"\r\nContent-Length: 1\r\nExpect: 100-continue",
-        b"\r\nContent-Length: -1",
-        b"\r\nContent-Length: 1\r\nBad Header: x",
-        b"\r\nContent-Length: 1" + b"\r\nX-A: b" * 63,  # 64 lines
-    ):
-        assert header_fields(bad) is None, bad
-
-
-async def test_header_lines_table_is_bounded_and_keeps_no_idempotency_keys(relay: RunningRelay) -> None:
-    # heads are parsed once per distinct header lines: a client varying them every request
-    # never grows the table past its bound, and neither Idempotency-Keys (unique) nor long
-    # header lines are kept
-    blocks = relay.app[FAST_ENDPOINT].header_blocks
-    r = os.urandom(32)
-    keyed = b"".join(enqueue_request(r, b"k%d" % i, extra=f"Idempotency-Key: k{i}\r\n") for i in range(5))
-    answers, _ = await exchange(relay, keyed, 5)
-    assert [a.status for a in answers] == [201] * 5
-    assert blocks == {}
-    varied = b"".join(enqueue_request(os.urandom(32), b"v", extra=f"X-Trace: {i}\r\n") for i in range(600))
-    answers, _ = await exchange(relay, varied, 600)
-    assert [a.status for a in answers] == [201] * 600
-    assert 0 < len(blocks) <= 512
-    blocks.clear()
-    long_lines = enqueue_request(os.urandom(32), b"l", extra=f"X-Padding: {'p' * 1100}\r\n")
-    answers, _ = await exchange(relay, long_lines, 1)
-    assert answers[0].status == 201
-    assert blocks == {}  # served, not kept
-
-
-async def test_queues_table_is_bounded_and_keeps_valid_queues_only(relay: RunningRelay) -> None:
-    # a request line's queue is decoded once and kept for the next request naming it (a
-    # long-poll's enqueue): a wrong one is refused every time and never kept, and a client
-    # naming a new queue every request never grows the table past its bound
-    queues = relay.app[FAST_ENDPOINT].queues
-    queues.clear()
-    r = os.urandom(32)
-    channel = b64encode(b"c" * 64)
-    wrong = [b"x" * 31, b"y" * 33]
-    raw = enqueue_request(r, b"one", query=f"?channel={channel}") + read_request(r, f"?channel={channel}")
-    raw += b"".join(enqueue_request(w) for w in wrong + wrong)
-    raw += enqueue_request(r, b"two", query="?channel=" + b64encode(b"c" * 65))
-    answers, _ = await exchange(relay, raw, 7)
-    assert answers[0].status == 201
-    assert answers[1].status == 200
-    assert b'"payload":"b25l"' in answers[1].body
-    assert [a.status for a in answers[2:]] == [400] * 5
-    codes = [b'"code":"bad_recipient"'] * 4 + [b'"code":"bad_channel"']
-    assert all(code in a.body for a, code in zip(answers[2:], codes, strict=True))
-    assert list(queues.values()) == [(r, b"c" * 64)]
-    varied = b"".join(enqueue_request(os.urandom(32), b"v") for _ in range(1100))
-    answers, _ = await exchange(relay, varied, 1100)
-    assert [a.status for a in answers] == [201] * 1100
-    assert 0 < len(queues) <= 1024
 
 
 async def test_pipelined_requests_answered_in_order(relay: RunningRelay) -> None:
@@ -507,69 +440,29 @@ async def test_long_poll_woken_on_the_fast_path(relay: RunningRelay) -> None:
         writer.close()
 
 
-async def test_long_poll_answer_made_ready_while_redis_stores(
+async def test_woken_long_poll_answered_from_the_carried_message(
     relay: RunningRelay, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    made: list[int] = []
-    original = bulk.from_template
+    # the enqueue's wakeup carries the message to this process's long-poll, which returns it
+    # from its task (one read of Redis: the one before it waited), then the enqueue is answered
+    reads: list[int | None] = []
+    read = ShardStore.read
 
-    def from_template(seq: int, template: tuple[bytes, bytes]) -> bytes:
-        made.append(seq)
-        return original(seq, template)
+    async def counted(store: ShardStore, keys: Any, from_seq: int | None, limit: int) -> ReadResult:
+        reads.append(from_seq)
+        return await read(store, keys, from_seq, limit)
 
-    monkeypatch.setattr(bulk, "from_template", from_template)
+    monkeypatch.setattr(ShardStore, "read", counted)
     r = os.urandom(32)
     reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
     try:
         writer.write(read_request(r, "?wait=5"))
         assert await wait_until(lambda: waiters() == 1)
-        answers, _ = await exchange(relay, enqueue_request(r, b"ready"))
-        assert answers[0].status == 201
-        got = await read_answer(reader)
-        assert b'"seq":1,"payload":"%s"' % b64encode(b"ready").encode() in got.body
-        assert made == [1]  # the answer was the one prepared while Redis stored the message
-    finally:
-        writer.close()
-
-
-async def test_woken_long_poll_answered_first_then_the_enqueue_at_once(
-    relay: RunningRelay, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # the long-poll's answer is written from Redis's reply to the enqueue; the enqueue's own
-    # answer right after it, before the long-poll's task resumes (not a loop turn later)
-    events: list[str] = []
-    flush, read = FastConnection.flush, QueueService.read
-
-    def flushing(conn: FastConnection) -> None:
-        ready = list(itertools.takewhile(lambda a: a.data is not None, conn._answers))
-        flush(conn)
-        events.extend(f"{a.series.method} answered" for a in ready)
-
-    async def reading(service: QueueService, *args: Any, **kwargs: Any) -> ReadResult:
-        result = await read(service, *args, **kwargs)
-        events.append("long-poll task resumed")
-        return result
-
-    monkeypatch.setattr(FastConnection, "flush", flushing)
-    monkeypatch.setattr(QueueService, "read", reading)
-    r = os.urandom(32)
-    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
-    try:
-        writer.write(read_request(r, "?wait=5"))
-        route = relay.fleet.route(r, b"")
-
-        def parked() -> bool:  # read, and waiting for a wakeup to answer from (Waiter.expect)
-            channel = route.hub._channels.get(route.keys.wake)
-            return channel is not None and any(w._expect is not None for w in channel.waiters)
-
-        assert await wait_until(parked)
-        events.clear()
         answers, _ = await exchange(relay, enqueue_request(r, b"first"))
         assert answers[0].status == 201
         got = await read_answer(reader)
         assert b'"seq":1,"payload":"%s"' % b64encode(b"first").encode() in got.body
-        assert await wait_until(lambda: len(events) == 3)
-        assert events == ["GET answered", "POST answered", "long-poll task resumed"]
+        assert reads == [None]
     finally:
         writer.close()
 
