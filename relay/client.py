@@ -17,6 +17,7 @@ import aiohttp
 import orjson
 
 from relay.protocol import KeyPair, b64decode, b64encode, key_bytes, public_key_of, sign_headers
+from relay.retrying import READY_POLL, RELAY_ASKED, retrying
 
 T = TypeVar("T")
 
@@ -196,16 +197,18 @@ class RelayClient:
     async def _retrying(self, attempt: Callable[[], Awaitable[T]]) -> T:
         """Run `attempt`; on 429/503 sleep what the relay asked and try again, `retries` times.
         A connection failure is RelayUnreachable (not retried: the request may have been done)."""
-        for left in range(self.retries, -1, -1):
-            try:
-                return await attempt()
-            except RateLimited as exc:
-                if left == 0 or exc.retry_after > self.max_retry_wait:
-                    raise
-                await asyncio.sleep(exc.retry_after)
-            except aiohttp.ClientConnectionError as exc:
-                raise RelayUnreachable(self.base_url, str(exc) or type(exc).__name__) from exc
-        raise AssertionError("unreachable")
+
+        def asked(exc: BaseException) -> bool:
+            return isinstance(exc, RateLimited) and exc.retry_after <= self.max_retry_wait
+
+        def as_asked(exc: BaseException, _: int) -> float:
+            assert isinstance(exc, RateLimited)
+            return exc.retry_after
+
+        try:
+            return await retrying(RELAY_ASKED, asked, attempts=self.retries + 1, wait=as_asked)(attempt)
+        except aiohttp.ClientConnectionError as exc:
+            raise RelayUnreachable(self.base_url, str(exc) or type(exc).__name__) from exc
 
     async def enqueue(
         self, recipient: Key, payload: bytes, channel: bytes = b"", idempotency_key: str | None = None
@@ -437,13 +440,17 @@ async def wait_ready(base_url: str, timeout: float = 20.0) -> None:
     """Poll /readyz until the relay answers 200."""
     deadline = asyncio.get_running_loop().time() + timeout
     async with aiohttp.ClientSession() as s:
-        while True:
-            try:
-                async with s.get(base_url.rstrip("/") + "/readyz") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"relay at {base_url} not ready after {timeout}s")
-            await asyncio.sleep(0.05)
+
+        async def ready() -> None:
+            async with s.get(base_url.rstrip("/") + "/readyz") as r:
+                if r.status != 200:
+                    raise _NotReady
+
+        try:
+            await retrying(READY_POLL, (aiohttp.ClientError, _NotReady), deadline=deadline)(ready)
+        except (aiohttp.ClientError, _NotReady):
+            raise TimeoutError(f"relay at {base_url} not ready after {timeout}s") from None
+
+
+class _NotReady(Exception):
+    """/readyz answered, not 200 yet."""

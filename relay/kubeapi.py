@@ -8,10 +8,11 @@ docs/design-decisions.md says why this one. What this module adds to it:
 - where the cluster is: an explicit kubeconfig, else the pod's service account, else
   $KUBECONFIG or ~/.kube/config (as kubectl);
 - retries with backoff on transient errors — 429 (waiting Retry-After, at most
-  `MAX_RETRY_AFTER_S`), 500/502/503/504 and connection errors — for every verb: the blocking
-  client through urllib3's Retry, the asyncio one through `retrying` (its own retry covers
-  only idempotent verbs; our writes are server-side apply, merge patches, replaces
-  carrying a resourceVersion and creates whose repeat answers 409);
+  `MAX_RETRY_AFTER_S`), 500/502/503/504 and connection errors — for every verb, by the
+  project's policy `relay.retrying.KUBE_API`: the blocking client through urllib3's Retry
+  (configured from it), the asyncio one through `retrying` (its own retry covers only
+  idempotent verbs; our writes are server-side apply, merge patches, replaces carrying a
+  resourceVersion and creates whose repeat answers 409);
 - lists read page by page (`limit` / `continue`): `list_all`.
 
 The package comes with the [operator] extra; `load_configuration` says so when it is missing.
@@ -19,16 +20,14 @@ The package comes with the [operator] extra; `load_configuration` says so when i
 
 from __future__ import annotations
 
-import asyncio
 import os
-import random
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from relay import retrying as policies
+from relay.retrying import KUBE_API
+
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
-ATTEMPTS = 6  # the first try and five retries: about 6 s of backoff, or more when told to wait
-FIRST_DELAY_S = 0.2
-MAX_DELAY_S = 3.0
 MAX_RETRY_AFTER_S = 30  # a server asking for longer gets this (the caller's own retry takes over)
 PAGE = 500  # objects per list request
 
@@ -87,13 +86,15 @@ def load_configuration(kubeconfig: str | None = None, context: str | None = None
             )
     except (k8s.config.ConfigException, OSError, TypeError, ValueError) as exc:
         raise _unusable(exc) from None
+    assert KUBE_API.attempts is not None
+    assert KUBE_API.factor == 2.0  # what urllib3's backoff does
     cfg.retries = Retry(
-        total=ATTEMPTS - 1,
+        total=KUBE_API.attempts - 1,
         allowed_methods=None,  # every verb (see the module doc)
         status_forcelist=RETRY_STATUSES,
-        backoff_factor=FIRST_DELAY_S,
-        backoff_max=MAX_DELAY_S,
-        backoff_jitter=FIRST_DELAY_S / 2,
+        backoff_factor=KUBE_API.first_s,
+        backoff_max=KUBE_API.cap_s,
+        backoff_jitter=KUBE_API.jitter_s,
         respect_retry_after_header=True,
         retry_after_max=MAX_RETRY_AFTER_S,
         raise_on_status=False,  # the last answer becomes the ApiException
@@ -128,17 +129,6 @@ async def load_aio_configuration(kubeconfig: str | None = None, context: str | N
     return cfg
 
 
-def retry_delay(attempt: int, retry_after: str | None = None) -> float:
-    """Seconds to wait before retry number `attempt` (0: the first retry): the server's
-    Retry-After when it gave one (at most MAX_RETRY_AFTER_S), else exponential backoff
-    from FIRST_DELAY_S up to MAX_DELAY_S, with jitter so that clients told to back off
-    together do not come back together."""
-    if retry_after is not None and retry_after.strip().isdigit():
-        return float(min(int(retry_after), MAX_RETRY_AFTER_S))
-    base = min(MAX_DELAY_S, FIRST_DELAY_S * 2.0**attempt)
-    return base + random.uniform(0, FIRST_DELAY_S / 2)
-
-
 T = TypeVar("T")
 
 
@@ -156,18 +146,18 @@ def transient(exc: BaseException) -> tuple[bool, str | None]:
     return isinstance(exc, aiohttp.ClientConnectionError), None
 
 
+def _wait_s(exc: BaseException, retry: int) -> float:
+    """The server's Retry-After when it gave one (at most MAX_RETRY_AFTER_S), else the policy's."""
+    retry_after = transient(exc)[1]
+    if retry_after is not None and retry_after.strip().isdigit():
+        return float(min(int(retry_after), MAX_RETRY_AFTER_S))
+    return KUBE_API.wait_s(retry)
+
+
 async def retrying(call: Callable[[], Awaitable[T]]) -> T:
-    """`call()`, repeated on transient errors (see `transient`) up to ATTEMPTS times."""
-    attempt = 0
-    while True:
-        try:
-            return await call()
-        except Exception as exc:
-            worth, retry_after = transient(exc)
-            if not worth or attempt + 1 >= ATTEMPTS:
-                raise
-        await asyncio.sleep(retry_delay(attempt, retry_after))
-        attempt += 1
+    """`call()`, repeated on transient errors (see `transient`) by the KUBE_API policy."""
+    result: T = await policies.retrying(KUBE_API, lambda exc: transient(exc)[0], wait=_wait_s)(call)
+    return result
 
 
 def list_all(list_call: Callable[..., Any], *args: Any, page: int = PAGE, **kwargs: Any) -> list[Any]:

@@ -5,7 +5,8 @@ enqueue script's PUBLISH reached no subscriber) and this process holds no live
 connection for it. The webhook gets ``{"recipient", "channel", "seq"}`` as JSON,
 never the payload. Enqueue never waits for it: notifications go into a bounded
 map of pending queues (a newer seq replaces an unsent older one for the same
-queue, so a burst costs one call), drained by a few workers with bounded retries.
+queue, so a burst costs one call), drained by a few workers with bounded retries
+(relay/retrying.py, PUSH_WEBHOOK: 429, 5xx, timeouts and connection errors; a 4xx is final).
 When the map is full, new notifications are dropped and counted.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 from collections import OrderedDict
 from urllib.parse import urlsplit
 
@@ -25,15 +25,27 @@ from aiohttp import web
 from relay import metrics
 from relay.api.context import CTX, Context
 from relay.protocol import b64encode
+from relay.retrying import PUSH_WEBHOOK, Policy, retrying
 
 log = logging.getLogger("relay.push")
 
 
 MAX_PENDING = 10_000
-ATTEMPTS = 4
 WORKERS = 4
 TIMEOUT_S = 5.0
-BACKOFF_S = 0.2
+MAX_RETRY_AFTER_S = 5.0  # a webhook asking for longer is retried after this
+
+
+class _Refused(Exception):
+    """The webhook answered 4xx (not 429): final."""
+
+
+class _Failed(Exception):
+    """The webhook answered 429 or 5xx: retried, after its Retry-After if it gave one."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(retry_after_s)
+        self.retry_after_s = retry_after_s
 
 
 class PushNotifier:
@@ -42,17 +54,15 @@ class PushNotifier:
         url: str,
         *,
         max_pending: int = MAX_PENDING,
-        attempts: int = ATTEMPTS,
         workers: int = WORKERS,
         timeout_s: float = TIMEOUT_S,
-        backoff_s: float = BACKOFF_S,
+        policy: Policy = PUSH_WEBHOOK,
     ) -> None:
         self.url = url
         self.max_pending = max_pending
-        self.attempts = attempts
         self.workers = workers
         self.timeout_s = timeout_s
-        self.backoff_s = backoff_s
+        self.policy = policy
         self._pending: OrderedDict[tuple[bytes, bytes], int] = OrderedDict()
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -104,32 +114,42 @@ class PushNotifier:
             (recipient, channel), seq = self._pending.popitem(last=False)
             await self._deliver(recipient, channel, seq)
 
-    async def _deliver(self, recipient: bytes, channel: bytes, seq: int) -> None:
+    async def _post(self, body: bytes) -> None:
         assert self._session is not None
-        body = orjson.dumps({"recipient": b64encode(recipient), "channel": b64encode(channel), "seq": seq})
         headers = {"Content-Type": "application/json"}
-        for attempt in range(1, self.attempts + 1):
+        async with self._session.post(self.url, data=body, headers=headers) as resp:
+            await resp.read()
+            if 200 <= resp.status < 300:
+                return
+            if resp.status != 429 and resp.status < 500:
+                raise _Refused(resp.status)
             retry_after = 0.0
-            try:
-                async with self._session.post(self.url, data=body, headers=headers) as resp:
-                    await resp.read()
-                    if 200 <= resp.status < 300:
-                        metrics.PUSH_NOTIFICATIONS.labels("sent").inc()
-                        return
-                    if resp.status != 429 and resp.status < 500:
-                        metrics.PUSH_NOTIFICATIONS.labels("rejected").inc()
-                        log.warning("push webhook at %s refused a notification: %d", self.target, resp.status)
-                        return
-                    with contextlib.suppress(ValueError):
-                        retry_after = min(float(resp.headers.get("Retry-After", "0")), 5.0)
-            except (aiohttp.ClientError, TimeoutError, OSError):
-                pass
-            if attempt < self.attempts:
-                metrics.PUSH_NOTIFICATIONS.labels("retried").inc()
-                delay = self.backoff_s * 2 ** (attempt - 1)
-                await asyncio.sleep(max(retry_after, delay * random.uniform(0.5, 1.5)))
-        metrics.PUSH_NOTIFICATIONS.labels("failed").inc()
-        log.warning("push webhook at %s failed %d times; notification dropped", self.target, self.attempts)
+            with contextlib.suppress(ValueError):
+                retry_after = min(float(resp.headers.get("Retry-After", "0")), MAX_RETRY_AFTER_S)
+            raise _Failed(retry_after)
+
+    def _wait_s(self, exc: BaseException, retry: int) -> float:
+        asked = exc.retry_after_s if isinstance(exc, _Failed) else 0.0
+        return max(asked, self.policy.wait_s(retry))
+
+    def _retried(self, _: BaseException, __: float) -> None:
+        metrics.PUSH_NOTIFICATIONS.labels("retried").inc()
+
+    async def _deliver(self, recipient: bytes, channel: bytes, seq: int) -> None:
+        body = orjson.dumps({"recipient": b64encode(recipient), "channel": b64encode(channel), "seq": seq})
+        failures = (_Failed, aiohttp.ClientError, TimeoutError, OSError)
+        try:
+            await retrying(self.policy, failures, wait=self._wait_s, on_retry=self._retried)(self._post, body)
+        except _Refused as exc:
+            metrics.PUSH_NOTIFICATIONS.labels("rejected").inc()
+            log.warning("push webhook at %s refused a notification: %s", self.target, exc.args[0])
+        except failures:
+            metrics.PUSH_NOTIFICATIONS.labels("failed").inc()
+            log.warning(
+                "push webhook at %s failed %s times; notification dropped", self.target, self.policy.attempts
+            )
+        else:
+            metrics.PUSH_NOTIFICATIONS.labels("sent").inc()
 
 
 NOTIFIER = web.AppKey("relayfleet_push", PushNotifier)

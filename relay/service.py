@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from relay import metrics
 from relay.fleet.routing import Route, ShardRouter
+from relay.retrying import OUTCOME_UNKNOWN, SHARD_FAILOVER, SLOT_FENCED, retrying
 from relay.settings import Settings
 from relay.storage.store import (
     EnqueueOutcome,
@@ -31,6 +32,10 @@ from relay.storage.wakeups import Waiter
 T = TypeVar("T")
 
 OnStored = Callable[[bytes, bytes, int, int], None]  # recipient, channel, seq, subscribers
+
+
+class _Rerouted(Exception):
+    """MOVED, and the reloaded map routes the queue elsewhere: retried at once."""
 
 
 class Unavailable(Exception):
@@ -110,51 +115,54 @@ class QueueService:
         exc: Exception,
         idempotent: bool = True,
     ) -> T:
-        """What `call` does once an attempt on `route` failed with `exc`: retry or give up."""
-        loop = asyncio.get_running_loop()
-        delay = 0.005
-        while True:
-            if isinstance(exc, ReplicationTimeout):
-                metrics.REDIS_ERRORS.labels(route.store.name, "replication_timeout").inc()
-                raise Unavailable(
-                    "too few replicas confirmed the write; it may be stored, retry with the same "
-                    "Idempotency-Key",
-                    code="replication_timeout",
-                ) from exc
-            if isinstance(exc, StoreUnavailable):
-                if not (route.store.follows_failover and _failover_retryable(exc, idempotent)):
-                    metrics.REDIS_ERRORS.labels(route.store.name, "unavailable").inc()
-                    raise Unavailable("shard unavailable") from exc
-                metrics.RETRIES.labels("failover").inc()
-                if loop.time() + delay > deadline:
-                    metrics.REDIS_ERRORS.labels(route.store.name, "unavailable").inc()
-                    raise Unavailable("shard failing over") from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.2)  # a Sentinel failover takes ~1-3 s
-                route = self.fleet.route(recipient, channel)
-                try:
-                    return await op(route)
-                except (SlotMoved, SlotMigrating, StoreUnavailable) as again:
-                    exc = again
-                continue
-            if isinstance(exc, SlotMoved):
-                metrics.RETRIES.labels("moved").inc()
-                moved_on = await self.fleet.refresh()
-                reason = "slot moved; shard map not yet updated"
-            else:
-                metrics.RETRIES.labels("migrating").inc()
-                moved_on = False
-                reason = "slot is being migrated"
-            if not moved_on:
-                if loop.time() + delay > deadline:
-                    raise Unavailable(reason)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.1)
-            route = self.fleet.route(recipient, channel)
+        """What `call` does once an attempt on `route` failed with `exc`: retry within
+        `deadline` (relay/retrying.py: SLOT_FENCED, SHARD_FAILOVER) or answer 503."""
+        first: list[Exception] = [exc]
+
+        async def attempt() -> T:
+            nonlocal route
             try:
+                if first:
+                    raise first.pop()  # `call`'s own attempt, decided on like every later one
+                route = self.fleet.route(recipient, channel)
                 return await op(route)
-            except (SlotMoved, SlotMigrating, StoreUnavailable) as again:
-                exc = again
+            except SlotMoved as moved:
+                if await self.fleet.refresh():  # the new map routes elsewhere: go at once
+                    raise _Rerouted from moved
+                raise
+
+        def worth(err: BaseException) -> bool:
+            if isinstance(err, ReplicationTimeout):
+                return False  # the write may be stored: the sender's Idempotency-Key decides
+            if isinstance(err, StoreUnavailable):
+                return route.store.follows_failover and _failover_retryable(err, idempotent)
+            return isinstance(err, SlotMoved | SlotMigrating | _Rerouted)
+
+        def wait(err: BaseException, retry: int) -> float:
+            if isinstance(err, _Rerouted):
+                return 0.0
+            return (SHARD_FAILOVER if isinstance(err, StoreUnavailable) else SLOT_FENCED).wait_s(retry)
+
+        def counted(err: BaseException, _: float) -> None:
+            why = "failover" if isinstance(err, StoreUnavailable) else "migrating"
+            metrics.RETRIES.labels("moved" if isinstance(err, SlotMoved | _Rerouted) else why).inc()
+
+        try:
+            return await retrying(SLOT_FENCED, worth, deadline=deadline, wait=wait, on_retry=counted)(attempt)
+        except ReplicationTimeout as err:
+            metrics.REDIS_ERRORS.labels(route.store.name, "replication_timeout").inc()
+            raise Unavailable(
+                "too few replicas confirmed the write; it may be stored, retry with the same Idempotency-Key",
+                code="replication_timeout",
+            ) from err
+        except StoreUnavailable as err:
+            metrics.REDIS_ERRORS.labels(route.store.name, "unavailable").inc()
+            reason = "shard failing over" if worth(err) else "shard unavailable"
+            raise Unavailable(reason) from err
+        except (SlotMoved, _Rerouted):
+            raise Unavailable("slot moved; shard map not yet updated") from None
+        except SlotMigrating:
+            raise Unavailable("slot is being migrated") from None
 
     async def _wait_for(
         self,
@@ -560,11 +568,10 @@ class _Enqueue:
         only within the queue's rate window (enqueue.lua keeps "<seq>:<token>" there that
         long), so resends stop there (or at the request deadline); after that the outcome
         is unknown and the sender gets 503 (docs/reliability.md: use Idempotency-Key)."""
-        loop = asyncio.get_running_loop()
         window_s = self.service.settings.limits.rate_window_ms / 1000
         limit = min(self.deadline, self.sent_at + window_s - _RESOLVE_MARGIN_S)
-        delay = 0.01
-        while True:
+
+        async def resend_now() -> EnqueueOutcome:
             route = self.service.fleet.route(self.req.recipient, self.req.channel)
             try:
                 return await self.resend(route)
@@ -572,12 +579,16 @@ class _Enqueue:
                 return await self.service._retry(
                     self.req.recipient, self.req.channel, self.resend, route, limit, exc
                 )
-            except StoreUnavailable:
-                metrics.RETRIES.labels("outcome_unknown").inc()
-                if loop.time() + delay > limit:
-                    raise Unavailable("shard unavailable; the message may have been stored") from None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.25)
+
+        def counted(_: BaseException, __: float) -> None:
+            metrics.RETRIES.labels("outcome_unknown").inc()
+
+        try:
+            return await retrying(OUTCOME_UNKNOWN, StoreUnavailable, deadline=limit, on_retry=counted)(
+                resend_now
+            )
+        except StoreUnavailable:
+            raise Unavailable("shard unavailable; the message may have been stored") from None
 
     def retry(self, exc: Exception) -> Awaitable[EnqueueOutcome]:
         # repeated after an unknown outcome only under an Idempotency-Key (no double store)

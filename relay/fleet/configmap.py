@@ -21,6 +21,7 @@ The kubernetes package comes with the [operator] extra.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -36,6 +37,7 @@ from relay.fleet.contract import (
 )
 from relay.fleet.migration import MapConflict, MapPlace
 from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
+from relay.retrying import CONFIGMAP_WATCH, retrying_blocking
 
 __all__ = [
     "ConfigMapSource",
@@ -120,51 +122,71 @@ class ConfigMapSource:
         self._latest = (cm.metadata.resource_version, _parse(cm, self.where))
 
     def _watch_loop(self) -> None:
-        from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
-        backoff = 0.5
-        rv = self._latest[0] if self._latest else ""
-        while not self._stop.is_set():
-            try:
-                if not rv:
-                    cm = self._api.read_namespaced_config_map(self.name, self.namespace)
-                    rv = cm.metadata.resource_version
-                    self._offer(cm)
-                w = watch.Watch()  # type: ignore[no-untyped-call]
-                for event in w.stream(  # type: ignore[no-untyped-call]
-                    self._api.list_namespaced_config_map,
-                    self.namespace,
-                    field_selector=f"metadata.name={self.name}",
-                    resource_version=rv,
-                    timeout_seconds=self.watch_timeout_s,
-                    allow_watch_bookmarks=True,
-                ):
-                    if self._stop.is_set():
-                        w.stop()  # type: ignore[no-untyped-call]
-                        break
-                    kind, obj = event.get("type"), event.get("object")
-                    if kind == "ERROR":
-                        rv = ""  # e.g. 410 Gone: our version is too old; list again
-                        break
-                    if obj is not None and getattr(obj, "metadata", None) is not None:
-                        rv = obj.metadata.resource_version or rv
-                    if kind in ("ADDED", "MODIFIED"):
-                        self._offer(obj)
-                    elif kind == "DELETED":
-                        log.warning(
-                            "ConfigMap %s was deleted; keeping shard map epoch %s", self.where, self._epoch()
-                        )
-                backoff = 0.5
-            except (ApiException, HTTPError, OSError, ValueError) as exc:
-                rv = ""  # list again
-                if isinstance(exc, ApiException) and exc.status == 410:
-                    continue  # our version is too old for the watch: at once
+        failures = (ApiException, HTTPError, OSError, ValueError)
+
+        def gone(exc: BaseException) -> bool:
+            return isinstance(exc, ApiException) and exc.status == 410
+
+        def wait_s(exc: BaseException, retry: int) -> float:
+            # our version is too old for the watch: list again at once
+            return 0.0 if gone(exc) else CONFIGMAP_WATCH.wait_s(retry)
+
+        def failed(exc: BaseException, _: float) -> None:
+            if not gone(exc):
                 why = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else type(exc).__name__
                 log.warning("watching ConfigMap %s failed: %s", self.where, why)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
+
+        rv = [self._latest[0] if self._latest else ""]
+        while not self._stop.is_set():
+            # each watch that ends well (its timeout) starts the backoff over
+            watching = retrying_blocking(
+                CONFIGMAP_WATCH, failures, wait=wait_s, on_retry=failed, stop=self._stop
+            )
+            with contextlib.suppress(*failures):  # raised only once stopped
+                watching(self._watch_once, rv)
+
+    def _watch_once(self, rv: list[str]) -> None:
+        """List (when `rv[0]` is empty: no version to watch from), then watch until the watch
+        times out; `rv[0]` follows the versions seen, emptied by a failure (list again)."""
+        from kubernetes import watch
+
+        if self._stop.is_set():
+            return
+        try:
+            if not rv[0]:
+                cm = self._api.read_namespaced_config_map(self.name, self.namespace)
+                rv[0] = cm.metadata.resource_version
+                self._offer(cm)
+            w = watch.Watch()  # type: ignore[no-untyped-call]
+            for event in w.stream(  # type: ignore[no-untyped-call]
+                self._api.list_namespaced_config_map,
+                self.namespace,
+                field_selector=f"metadata.name={self.name}",
+                resource_version=rv[0],
+                timeout_seconds=self.watch_timeout_s,
+                allow_watch_bookmarks=True,
+            ):
+                if self._stop.is_set():
+                    w.stop()  # type: ignore[no-untyped-call]
+                    break
+                kind, obj = event.get("type"), event.get("object")
+                if kind == "ERROR":
+                    rv[0] = ""  # e.g. 410 Gone: our version is too old; list again
+                    break
+                if obj is not None and getattr(obj, "metadata", None) is not None:
+                    rv[0] = obj.metadata.resource_version or rv[0]
+                if kind in ("ADDED", "MODIFIED"):
+                    self._offer(obj)
+                elif kind == "DELETED":
+                    log.warning(
+                        "ConfigMap %s was deleted; keeping shard map epoch %s", self.where, self._epoch()
+                    )
+        except BaseException:
+            rv[0] = ""  # list again
+            raise
 
     def _epoch(self) -> str:
         return str(self._latest[1].epoch) if self._latest else "none"
@@ -241,9 +263,6 @@ def configmap_publisher(
     async def write(new_map: ShardMap, cm: Any) -> None:
         await asyncio.to_thread(write_blocking, new_map, cm)
 
-    async def backoff(attempt: int) -> None:
-        await asyncio.sleep(0.05 * (attempt + 1))
-
     async def publish(new_map: ShardMap) -> ShardMap:
         def change(old: ShardMap | None) -> ShardMap:
             if old is not None and old.epoch >= new_map.epoch and old.fleet == new_map.fleet:
@@ -253,7 +272,7 @@ def configmap_publisher(
             return new_map
 
         try:
-            await update_shard_map(MapStore(read, write), change, retries, backoff)
+            await update_shard_map(MapStore(read, write), change, retries)
         except MapWriteConflict:
             raise ShardMapError(f"writing ConfigMap {where} kept conflicting") from None
         return new_map

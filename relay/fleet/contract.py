@@ -9,8 +9,9 @@
   over their own clients;
 - `Obj`, the alias for a JSON object / Kubernetes object.
 
-Pure and stdlib-only, like `relay.fleet.sharding` below it: importing it pulls in no
-Redis client, no Kubernetes client and no server code.
+Pure, like `relay.fleet.sharding` below it: importing it pulls in no Redis client, no
+Kubernetes client and no server code (the standard library, and the retry policies of the
+leaf `relay.retrying`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map, parse_slot_range
+from relay.retrying import MAP_WRITE, retrying
 
 Obj = dict[str, Any]
 """A JSON object: a Kubernetes object, a status block, a plan document."""
@@ -131,32 +133,33 @@ MapChange = Callable[[ShardMap | None], ShardMap | None]
 
 
 async def update_shard_map(
-    store: MapStore[V],
-    change: MapChange,
-    attempts: int,
-    on_conflict: Callable[[int], Awaitable[None]] | None = None,
+    store: MapStore[V], change: MapChange, attempts: int
 ) -> tuple[ShardMap | None, bool]:
     """Apply `change` to the current map; (the map now, whether it was written).
 
     `change` returns the current map (or an equal one) for "nothing to do", None to
-    delete, or the new map. A lost race re-reads and recomputes, so two writers never
-    lose each other's update; after `attempts` lost races MapWriteConflict is raised.
+    delete, or the new map. A lost race re-reads and recomputes (after a short backoff,
+    relay/retrying.py MAP_WRITE), so two writers never lose each other's update; after
+    `attempts` lost races MapWriteConflict is raised.
     """
-    for attempt in range(attempts):
+
+    async def attempt() -> tuple[ShardMap | None, bool]:
         current, version = await store.read()
         wanted = change(current)
         if wanted is current or (wanted is not None and current is not None and wanted == current):
             return current, False
-        try:
-            if wanted is None:
-                if store.delete is None:
-                    raise PlanError("this writer cannot delete the shard map")
-                await store.delete()
-            else:
-                await store.write(wanted, version)
-        except MapWriteConflict:
-            if on_conflict is not None:
-                await on_conflict(attempt)
-            continue
+        if wanted is None:
+            if store.delete is None:
+                raise PlanError("this writer cannot delete the shard map")
+            await store.delete()
+        else:
+            await store.write(wanted, version)
         return wanted, True
-    raise MapWriteConflict(f"the shard map kept changing under us ({attempts} attempts)")
+
+    try:
+        result: tuple[ShardMap | None, bool] = await retrying(MAP_WRITE, MapWriteConflict, attempts=attempts)(
+            attempt
+        )
+    except MapWriteConflict:
+        raise MapWriteConflict(f"the shard map kept changing under us ({attempts} attempts)") from None
+    return result

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from relay.fleet.sharding import is_sentinel_url
+from relay.retrying import WAKEUP_CONNECT, retrying
 from relay.storage import keys as K
 from relay.storage import sentinel
 from relay.storage.connection import RedisConnectError, RedisTarget, open_connection
@@ -452,21 +453,18 @@ class WakeupHub:
             raise RedisConnectError("the node Sentinel named is not a primary")
         return conn
 
+    def _cannot_connect(self, exc: BaseException, _: float) -> None:
+        # RedisConnectError's text names the step and the reason, never the credentials
+        reason = str(exc) if isinstance(exc, RedisConnectError) else type(exc).__name__
+        self.last_error = reason
+        log.warning("wakeup subscriber for shard %s cannot connect: %s", self.shard, reason)
+
     async def _supervise(self) -> None:
-        backoff = 0.05
         sessions = 0
         while True:
-            try:
-                conn = await self._open(3.0)
-            except (OSError, TimeoutError) as exc:
-                # RedisConnectError's text names the step and the reason, never the credentials
-                reason = str(exc) if isinstance(exc, RedisConnectError) else type(exc).__name__
-                self.last_error = reason
-                log.warning("wakeup subscriber for shard %s cannot connect: %s", self.shard, reason)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                continue
-            backoff = 0.05
+            # until connected (its backoff starts over after each session); cancelled by stop()
+            connect = retrying(WAKEUP_CONNECT, (OSError, TimeoutError), on_retry=self._cannot_connect)
+            conn: Conn = await connect(self._open, 3.0)
             self.last_error = ""
             sessions += 1
             if sessions > 1 and self._on_reconnect is not None:

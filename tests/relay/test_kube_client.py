@@ -25,6 +25,7 @@ from kubernetes.client.exceptions import ApiException
 from relayfleet_operator.kube import Conflict, Kube, KubeError
 
 from relay import kubeapi
+from relay.retrying import KUBE_API
 from tests.support.k8s_cluster import KubeCluster
 from tests.support.operator_harness import namespace
 
@@ -158,7 +159,7 @@ def test_blocking_client_gives_up_after_its_attempts_and_does_not_retry_a_refusa
     with pytest.raises(ApiException) as err:
         core.read_namespaced_config_map("m", "ns")
     assert err.value.status == 429
-    assert server.count("GET", CM_PATH) == kubeapi.ATTEMPTS
+    assert server.count("GET", CM_PATH) == KUBE_API.attempts
     with pytest.raises(ApiException) as err:
         core.replace_namespaced_config_map(
             "m", "ns", client.V1ConfigMap(metadata=client.V1ObjectMeta(name="m"))
@@ -206,7 +207,7 @@ async def test_operator_client_gives_up_after_its_attempts_and_does_not_retry_a_
         with pytest.raises(KubeError) as err:
             await kube.get("v1", "ConfigMap", "ns", "m")
         assert err.value.status == 429
-        assert server.count("GET", CM_PATH) == kubeapi.ATTEMPTS
+        assert server.count("GET", CM_PATH) == KUBE_API.attempts
         with pytest.raises(KubeError) as err:
             await kube.delete("v1", "ConfigMap", "ns", "m")
         assert err.value.status == 403

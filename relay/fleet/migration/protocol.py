@@ -39,8 +39,12 @@ from relay.fleet.migration.publishing import CurrentMap, MapConflict, PublishMap
 from relay.fleet.migration.report import MigrationReport, Progress, ProgressFn
 from relay.fleet.migration.shard_ops import Shard, all_keys
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, is_sentinel_url
+from relay.retrying import MAP_WRITE, MIGRATION_RESUME, retrying
 
 __all__ = ["migrate_slots", "validate_request"]
+
+# A batch's map offered again this many times in all when other migrations keep publishing first.
+_PUBLISH_ATTEMPTS = 8
 
 
 @dataclass
@@ -342,19 +346,25 @@ class _Migration:
     async def publish(self, slots: Sequence[int]) -> None:
         if all(self.map.shard_for_slot(s) == self.target for s in slots):
             return
-        for attempt in range(8):
-            new_map = self.map.with_slots(slots, self.target)
-            try:
-                published = await self.publish_map(new_map)
-            except MapConflict:
-                if self.current_map is None or attempt == 7:
-                    raise
+        lost: list[MapConflict] = []
+
+        async def attempt() -> None:
+            if lost and self.current_map is not None:
                 # Another migration published meanwhile: build on its map. Our slots are
                 # ours alone (their states say so), so the two changes compose.
                 self.map = await self.current_map()
-                continue
+            new_map = self.map.with_slots(slots, self.target)
+            try:
+                published = await self.publish_map(new_map)
+            except MapConflict as exc:
+                lost.append(exc)
+                raise
             self.map = published if published is not None else new_map
-            return
+
+        def worth(exc: BaseException) -> bool:
+            return isinstance(exc, MapConflict) and self.current_map is not None
+
+        await retrying(MAP_WRITE, worth, attempts=_PUBLISH_ATTEMPTS)(attempt)
 
     async def wake(self, src: Shard, qids: Mapping[int, Sequence[str]]) -> None:
         await src.wake_moved(qids, self.map.epoch)
@@ -445,9 +455,13 @@ async def migrate_slots(
     urls = {**shard_map.shards, **(redis_urls or {})}
     if not any(is_sentinel_url(u) for u in urls.values()):
         resume_for_s = 0.0  # a plain Redis that broke is not failing over: report it at once
-    give_up_at = time.monotonic() + resume_for_s
-    resumes = 0
-    while True:
+    give_up_at = asyncio.get_running_loop().time() + resume_for_s
+    runs: list[_Migration] = []
+
+    async def attempt() -> MigrationReport:
+        nonlocal shard_map
+        if runs:
+            shard_map = runs[-1].map  # the last map it published: later batches build on it
         m = _Migration(
             shard_map,
             target,
@@ -462,15 +476,13 @@ async def migrate_slots(
             migrate_timeout_ms,
         )
         m.current_map = current_map
+        runs.append(m)
         try:
             report = await m.run(wanted)
-            report.resumes = resumes
-            return report
-        except ShardInterrupted:
-            if time.monotonic() >= give_up_at:
-                raise
-            shard_map = m.map  # the last map it published: later batches build on it
         finally:
             await m.close()
-        resumes += 1
-        await asyncio.sleep(0.5)
+        report.resumes = len(runs) - 1
+        return report
+
+    report: MigrationReport = await retrying(MIGRATION_RESUME, ShardInterrupted, deadline=give_up_at)(attempt)
+    return report

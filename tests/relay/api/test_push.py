@@ -7,6 +7,7 @@ over a real redis-server.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,7 +22,11 @@ from relay import metrics
 from relay.api.context import CTX
 from relay.protocol import b64encode, keypair
 from relay.push import NOTIFIER, PushNotifier
+from relay.retrying import PUSH_WEBHOOK
 from tests.support.in_process_relay import RelayFactory, RunningRelay
+
+FAST = dataclasses.replace(PUSH_WEBHOOK, first_s=0.01, cap_s=0.04, jitter_s=0.0)
+ATTEMPTS = PUSH_WEBHOOK.attempts or 0
 
 
 def pushes(outcome: str) -> float:
@@ -73,7 +78,7 @@ async def webhook() -> AsyncIterator[Webhook]:
 async def fast_relay(factory: RelayFactory, redis_url: str, url: str) -> RunningRelay:
     relay = await factory(redis_url, push_webhook=url)
     notifier = relay.app[NOTIFIER]
-    notifier.backoff_s = 0.01  # keep retry tests short
+    notifier.policy = FAST  # keep retry tests short
     return relay
 
 
@@ -142,19 +147,19 @@ async def test_failures_are_retried_a_bounded_number_of_times(
         assert pushes("retried") - before_retried == 2
         webhook.answers = [500] * 10  # never succeeds: gives up after the bound
         await c.enqueue(keypair()[0], b"y")
-        await webhook.wait_for(3 + relay.app[NOTIFIER].attempts)
+        await webhook.wait_for(3 + ATTEMPTS)
         await asyncio.sleep(0.1)
-        assert len(webhook.calls) == 3 + relay.app[NOTIFIER].attempts
+        assert len(webhook.calls) == 3 + ATTEMPTS
         assert pushes("failed") - before_failed == 1
         webhook.answers = [400]  # refused: not retried
         await c.enqueue(keypair()[0], b"z")
-        await webhook.wait_for(4 + relay.app[NOTIFIER].attempts)
+        await webhook.wait_for(4 + ATTEMPTS)
         await asyncio.sleep(0.1)
-        assert len(webhook.calls) == 4 + relay.app[NOTIFIER].attempts
+        assert len(webhook.calls) == 4 + ATTEMPTS
 
 
 async def test_pending_notifications_are_bounded_and_coalesced(webhook: Webhook) -> None:
-    notifier = PushNotifier(webhook.url, max_pending=3, workers=1, backoff_s=0.01)
+    notifier = PushNotifier(webhook.url, max_pending=3, workers=1, policy=FAST)
     before = pushes("dropped")
     webhook.delay_s = 0.3
     await notifier.start()
