@@ -69,7 +69,7 @@ PUSH_WEBHOOK = Policy(first_s=0.2, cap_s=1.6, attempts=4, jitter_s=0.2)
 # A request the relay answered 429/503 (relay/client.py): it waits what the relay asked.
 RELAY_ASKED = Policy(first_s=1.0, cap_s=1.0)
 # A server coming up (relay/client.py wait_ready, the tools' local servers): polled until ready.
-READY_POLL = Policy(first_s=0.05, cap_s=0.05)
+READY_POLL = Policy(first_s=0.01, cap_s=0.05)
 
 
 RetryIf = type[BaseException] | tuple[type[BaseException], ...] | Callable[[BaseException], bool]

@@ -48,7 +48,7 @@ def _modules_after_import(module: str) -> list[str]:
     return list(json.loads(out.stdout))
 
 
-@pytest.mark.parametrize("module", ["relay.client", "relay.protocol"])
+@pytest.mark.parametrize("module", ["relay.client", "relay.protocol", "relay.retrying"])
 def test_client_side_imports_nothing_server_side(module: str) -> None:
     loaded = _modules_after_import(module)
     assert module in loaded

@@ -18,6 +18,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from relay.retrying import READY_POLL, retrying_blocking
+
+
+class _NotYet(Exception):
+    """redis-server accepts connections but does not answer PING yet (loading)."""
+
 
 def redis_server_binary() -> str:
     explicit = os.environ.get("RELAY_REDIS_SERVER")
@@ -120,18 +126,19 @@ class LocalRedis:
         self.proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"redis-server exited with {self.proc.returncode}; see {self.dir}/redis.log"
-                )
-            try:
-                if self._answers():
-                    return self
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError(f"redis-server on port {self.port} did not start in {timeout}s")
+        proc = self.proc
+
+        def ready() -> None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {proc.returncode}; see {self.dir}/redis.log")
+            if not self._answers():
+                raise _NotYet
+
+        try:
+            retrying_blocking(READY_POLL, (OSError, _NotYet), deadline=time.monotonic() + timeout)(ready)
+        except (OSError, _NotYet):
+            raise RuntimeError(f"redis-server on port {self.port} did not start in {timeout}s") from None
+        return self
 
     def _answers(self) -> bool:
         with socket.create_connection(("127.0.0.1", self.port), 0.2) as raw:

@@ -18,6 +18,7 @@ from dataclasses import replace
 from relayfleet_testing.localredis import LocalRedis
 
 from relay.fleet.sharding import even_split
+from relay.retrying import READY_POLL, retrying
 
 
 def _stop(signum: int, frame: object) -> None:
@@ -42,19 +43,25 @@ async def _own_relay_ready(url: str, relay: subprocess.Popen[bytes], epoch: int,
     the child exits first."""
     import aiohttp
 
-    deadline = time.monotonic() + timeout
+    deadline = asyncio.get_running_loop().time() + timeout
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
-        while time.monotonic() < deadline:
+
+        async def ours_ready() -> None:
             if relay.poll() is not None:
                 raise RuntimeError(f"the relay exited with code {relay.returncode} (see its log above)")
-            try:
-                async with http.get(url + "/readyz") as ready, http.get(url + "/metrics") as metrics:
-                    if ready.status == 200 and _serves_epoch(await metrics.text(), epoch):
-                        return
-            except (aiohttp.ClientError, TimeoutError):
-                pass
-            await asyncio.sleep(0.1)
-    raise TimeoutError(f"relay at {url} not ready after {timeout:.0f}s")
+            async with http.get(url + "/readyz") as ready, http.get(url + "/metrics") as metrics:
+                if ready.status != 200 or not _serves_epoch(await metrics.text(), epoch):
+                    raise _NotYet
+
+        not_yet = (aiohttp.ClientError, TimeoutError, _NotYet)
+        try:
+            await retrying(READY_POLL, not_yet, deadline=deadline)(ours_ready)
+        except not_yet:
+            raise TimeoutError(f"relay at {url} not ready after {timeout:.0f}s") from None
+
+
+class _NotYet(Exception):
+    """The relay answers, not ready yet or not the one started here."""
 
 
 def _serves_epoch(metrics_text: str, epoch: int) -> bool:
