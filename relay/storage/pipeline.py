@@ -218,6 +218,7 @@ class _Resp(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self.demoted = False
+        self.node: tuple[str, int] | None = None  # (host, port) it is connected to (Sentinel shards)
         # One reply timer per connection, not per batch (arming and cancelling one per batch
         # showed on the wake path): armed for the earliest deadline of the batches waiting,
         # left armed when they are answered; when due it aborts if a waiting batch is overdue,
@@ -550,10 +551,13 @@ class ScriptBatcher:
         return self._fence_in_failover and sentinel.suspected(self._url)
 
     def _primary_changed(self, host: str, port: int) -> None:
-        """Sentinel announced a failover: leave the old primary now, not at its next error
-        (what was in flight on it may have run: answered as unknown, not as refused)."""
-        conn, self._conn = self._conn, None
-        if conn is not None and not conn.lost:
+        """A Sentinel announced a failover to (host, port): leave any other node now, not at
+        its next error (what was in flight on it may have run: answered as unknown, not as
+        refused). Heard once per Sentinel: a connection made since the first notice to a node
+        a lagging Sentinel still named moves at the next one; one on the new primary stays."""
+        conn = self._conn
+        if conn is not None and not conn.lost and conn.node != (host, port):
+            self._conn = None
             conn.abort("primary changed")
 
     async def _open(self) -> _Resp:
@@ -568,6 +572,7 @@ class ScriptBatcher:
             _, conn = await open_protocol(target, lambda: _Resp(self), self._connect_timeout)
         except RedisConnectError as exc:
             raise StoreUnavailable(str(exc)) from None
+        conn.node = (target.host, target.port)
         # a new connection often means a restarted Redis: record the run (lost-tail
         # detection, relay/storage/boot.py) before any script can run, then load them
         with _handshake(conn):

@@ -1,23 +1,28 @@
-"""Finding a Sentinel-managed shard's primary, and hearing when it changes.
+"""Finding a Sentinel-managed shard's primary, and hearing when it changes, through redis-py.
 
 A shard map entry may name a Sentinel service instead of one Redis (docs/api.md, "Shard map"; held
 as a ``redis+sentinel://`` URL, see relay/fleet/sharding.py). Everything that opens
-connections asks here where the primary is:
+connections asks here where the primary is. Every Sentinel connection is a redis-py client
+(``redis.asyncio.sentinel.Sentinel``'s, public API only):
 
 - ``ask_primary``: SENTINEL MASTER, trying each Sentinel in turn (the one that answered last
   first); a primary whose flags say s_down or o_down is not taken (as redis-py's
-  discover_master), one a Sentinel has no link to (disconnected) only when none has.
-  ``survey_primary`` asks them all at once and counts who answered (status reports: the
-  operator). Sentinels may lag a failover, so a connection also checks ROLE once open
-  (callers do: the hot path, wakeups); a demoted primary is never written to.
-- ``SentinelWatch``: one connection per process and service subscribed to
-  ``+switch-master`` on a Sentinel (re-made on the next Sentinel when it drops), so
-  connections to the old primary are closed within a second of a failover instead
-  of at their next error. One per service, shared by the store and the wakeup hub.
+  discover_master). One a Sentinel has no link to (``disconnected``), or one it is failing
+  over right now (``failover_in_progress``: the node may be a deposed but live primary), is
+  taken only when no Sentinel names another. ``survey_primary`` asks them all at once and
+  counts who answered (status reports: the operator). Sentinels may lag a failover, so a
+  connection also checks ROLE once open (callers do: the hot path, wakeups); a demoted
+  primary is never written to.
+- ``SentinelWatch``: one redis-py pub/sub connection per process, service and Sentinel,
+  subscribed to ``+switch-master`` and the down/failover events (re-made when it drops).
+  Every Sentinel's switch notice is passed on, not only the first: a connection made in
+  between to a node a lagging Sentinel still named moves at the next notice. Listeners move
+  what is not on the announced node (relay/storage/pipeline.py, wakeups.py). One watch per
+  service, shared by the store and the wakeup hub.
 - ``async_client`` / ``sync_client``: redis-py clients for the same URLs (migrator,
   maintenance, Spark): redis-py's Sentinel pool resolves on connect (the async one through
   ``ask_primary``; the blocking one with redis-py's own discovery, which checks the same
-  flags) and drops a connection that answers READONLY.
+  down flags) and drops a connection that answers READONLY.
 """
 
 from __future__ import annotations
@@ -35,10 +40,9 @@ import redis
 import redis.asyncio as aioredis
 import redis.asyncio.sentinel as aiosentinel
 import redis.sentinel
+from redis.exceptions import RedisError, ResponseError
 
 from relay.fleet.sharding import SentinelTarget, is_sentinel_url, parse_sentinel_url
-from relay.storage.connection import RedisTarget, open_connection
-from relay.storage.resp import Conn
 
 log = logging.getLogger("relay.sentinel")
 
@@ -49,86 +53,101 @@ class NoPrimary(ConnectionError):
     """No Sentinel named a primary for the service (all down, or mid-failover)."""
 
 
-async def _sentinel_connection(target: SentinelTarget, host: str, port: int, timeout: float) -> Conn:
-    """A connection to one Sentinel, logged in with the Sentinels' password (RedisConnectError
-    when it is refused or unreachable)."""
-    login = RedisTarget(host=host, port=port, password=target.sentinel_password)
-    return Conn(*await open_connection(login, timeout))
+def _sentinel_kwargs(target: SentinelTarget, timeout: float | None) -> dict[str, Any]:
+    kw: dict[str, Any] = {
+        "socket_timeout": timeout or _ASK_TIMEOUT_S,
+        "socket_connect_timeout": _ASK_TIMEOUT_S,
+    }
+    if target.sentinel_password is not None:
+        kw["password"] = target.sentinel_password
+    return kw
+
+
+def _manager(target: SentinelTarget, timeout: float | None = None) -> aiosentinel.Sentinel:
+    """redis-py's Sentinel manager for `target` (one client per Sentinel, none connected yet)."""
+    return aiosentinel.Sentinel(  # type: ignore[no-untyped-call]
+        list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target, timeout)
+    )
 
 
 _last_good: dict[tuple[tuple[str, int], ...], int] = {}  # which Sentinel answered last, per set
 
+# What one Sentinel says of the service: the primary's (host, port), whether its link to
+# it is up (no `disconnected` flag) and whether it is failing it over now; None when it
+# names no primary it sees up (down flags, not a master, or a service it does not know).
+View = tuple[tuple[str, int], bool, bool] | None
 
-async def _ask(target: SentinelTarget, host: str, port: int, timeout: float) -> Any:
-    """One Sentinel's SENTINEL MASTER reply for the service (a hiredis.ReplyError, e.g. for a
-    service it does not know, is returned, not raised); OSError or TimeoutError when it does
-    not answer in time."""
-    conn: Conn | None = None
+
+async def _ask(sentinel: aioredis.Redis, service: str, timeout: float) -> View:
+    """One Sentinel's view of `service`; RedisError (not ResponseError) / OSError /
+    TimeoutError when it does not answer in time."""
     try:
         async with asyncio.timeout(timeout):
-            conn = await _sentinel_connection(target, host, port, timeout)
-            return await conn.call("SENTINEL", "MASTER", target.service)
-    finally:
-        if conn is not None:
-            conn.close()
+            state = await sentinel.sentinel_master(service)
+    except ResponseError:
+        return None  # an answer: it does not know the service
+    return _view(state)
 
 
-def _state(reply: Any) -> dict[bytes, Any]:
-    """A SENTINEL MASTER reply's field/value pairs ({} for an error reply)."""
-    if not isinstance(reply, list):
-        return {}
-    return dict(zip(reply[::2], reply[1::2], strict=False))
+def _flag_set(state: object) -> set[str]:
+    flags = state.get("flags") if isinstance(state, dict) else None
+    if isinstance(flags, (set, frozenset)):
+        return {str(f) for f in flags}
+    return set(str(flags).split(",")) if flags else set()
 
 
-# Flags under which a Sentinel's primary must not be used (as redis-py's discover_master
-# checks them): held down, subjectively or by quorum.
-_DOWN = frozenset((b"s_down", b"o_down"))
-
-
-def _named(reply: Any) -> tuple[tuple[str, int], bool] | None:
-    """The (host, port) of the primary a SENTINEL MASTER reply describes, unless its flags
-    hold it down or call it no primary; with whether this Sentinel's link to it is up (no
-    `disconnected` flag)."""
-    state = _state(reply)
-    flags = state.get(b"flags")
-    ip, port = state.get(b"ip"), state.get(b"port")
-    if not (isinstance(flags, bytes) and isinstance(ip, bytes) and isinstance(port, bytes)):
+def _view(state: object) -> View:
+    if not isinstance(state, dict):
         return None
-    names = set(flags.split(b","))
-    if b"master" not in names or names & _DOWN or not port.isdigit():
+    flags = _flag_set(state)
+    ip, port = state.get("ip"), state.get("port")
+    if "master" not in flags or flags & {"s_down", "o_down"} or not ip or not isinstance(port, int):
         return None
-    return (ip.decode(), int(port)), b"disconnected" not in names
+    return (str(ip), port), "disconnected" not in flags, "failover_in_progress" in flags
+
+
+_UNREACHABLE = (RedisError, OSError, TimeoutError)
 
 
 async def ask_primary(target: SentinelTarget, timeout: float = _ASK_TIMEOUT_S) -> tuple[str, int]:
     """(host, port) of the service's primary as a Sentinel names it; NoPrimary when none does
     (or each that does holds it down). The Sentinels are asked in turn, the one that answered
-    last first: the first answer wins (the hot path wants it fast; a connection checks ROLE
-    afterwards anyway). A primary named by a Sentinel whose link to it is `disconnected` is
-    taken only when no Sentinel sees it connected: right after a switch every Sentinel
+    last first: the first plain answer wins (the hot path wants it fast; a connection checks
+    ROLE afterwards anyway). A primary named by a Sentinel whose link to it is `disconnected`
+    is taken only when no Sentinel sees it connected: right after a switch every Sentinel
     reports the new primary so for 0.5-1.5 s (measured here), and refusing it then would
-    add that to every failover."""
+    add that to every failover. One a Sentinel is failing over (`failover_in_progress`) is
+    taken only when no Sentinel names another node: after a spurious failover the old
+    primary is live, answers ROLE master, and is about to be demoted."""
     sentinels = target.sentinels
     start = _last_good.get(sentinels, 0)
     reasons: list[str] = []
-    unlinked: tuple[str, int] | None = None
-    for i in range(len(sentinels)):
-        idx = (start + i) % len(sentinels)
-        host, port = sentinels[idx]
-        try:
-            named = _named(await _ask(target, host, port, timeout))
-        except (OSError, TimeoutError) as exc:
-            reasons.append(f"{host}:{port} {type(exc).__name__}")
-            continue
-        if named is None:
-            reasons.append(f"{host}:{port} knows no primary it sees up")
-        elif named[1]:
-            _last_good[sentinels] = idx
-            return named[0]
-        else:
-            unlinked = unlinked or named[0]
-    if unlinked is not None:
-        return unlinked
+    unlinked: list[tuple[str, int]] = []
+    failing: list[tuple[str, int]] = []
+    manager = _manager(target, timeout)
+    try:
+        for i in range(len(sentinels)):
+            idx = (start + i) % len(sentinels)
+            host, port = sentinels[idx]
+            try:
+                view = await _ask(manager.sentinels[idx], target.service, timeout)
+            except _UNREACHABLE as exc:
+                reasons.append(f"{host}:{port} {type(exc).__name__}")
+                continue
+            if view is None:
+                reasons.append(f"{host}:{port} knows no primary it sees up")
+            elif view[2]:
+                failing.append(view[0])
+            elif view[1]:
+                _last_good[sentinels] = idx
+                return view[0]
+            else:
+                unlinked.append(view[0])
+    finally:
+        await manager.aclose()
+    others = [node for node in unlinked if node not in failing]
+    if others or unlinked or failing:
+        return (others or unlinked or failing)[0]
     raise NoPrimary(f"no Sentinel named a primary for {target.service}: {'; '.join(reasons)}")
 
 
@@ -138,20 +157,23 @@ async def survey_primary(
     """Every Sentinel asked at once: (the primary most of them name, or None; how many
     answered at all). For status reports (the operator's status.redis), where how many
     Sentinels are reachable matters and a lagging one must not decide the primary."""
-    replies = await asyncio.gather(
-        *(_ask(target, host, port, timeout) for host, port in target.sentinels), return_exceptions=True
-    )
+    manager = _manager(target, timeout)
+    try:
+        views = await asyncio.gather(
+            *(_ask(s, target.service, timeout) for s in manager.sentinels), return_exceptions=True
+        )
+    finally:
+        await manager.aclose()
     named: list[tuple[str, int]] = []
     answered = 0
-    for reply in replies:
-        if isinstance(reply, (OSError, TimeoutError)):
+    for view in views:
+        if isinstance(view, _UNREACHABLE):
             continue
-        if isinstance(reply, BaseException):
-            raise reply
-        answered += 1  # an error reply (a service it does not know) is an answer too
-        primary = _named(reply)
-        if primary is not None:
-            named.append(primary[0])
+        if isinstance(view, BaseException):
+            raise view
+        answered += 1  # naming no primary (a service it does not know) is an answer too
+        if view is not None:
+            named.append(view[0])
     if not named:
         return None, answered
     return collections.Counter(named).most_common(1)[0][0], answered
@@ -168,8 +190,9 @@ Listener = Callable[[str, int], None]
 
 
 class SentinelWatch:
-    """Calls every listener with the new primary's (host, port) on ``+switch-master``, and
-    knows whether some Sentinel currently holds the primary down (``suspect``).
+    """Calls every listener with the new primary's (host, port) on each Sentinel's
+    ``+switch-master``, and knows whether some Sentinel currently holds the primary down
+    or is failing it over (``suspect``).
 
     One subscriber per Sentinel (not one for the set): ``+sdown``/``+odown`` are published
     only by the Sentinels that see them, and the relay must hear the first one. A write
@@ -182,7 +205,7 @@ class SentinelWatch:
         self.listeners: list[Listener] = []
         self._down: set[int] = set()  # Sentinels (by index) that hold the primary down now
         self._failing: set[int] = set()  # Sentinels (by index) running a failover of it now
-        self._last: tuple[str, int] | None = None  # the last primary announced
+        self._last: tuple[str, int] | None = None  # the last primary announced (for the log)
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -194,10 +217,14 @@ class SentinelWatch:
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._run(i)) for i in range(len(self.target.sentinels))]
 
-    async def stop(self) -> None:
+    def cancel(self) -> None:
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks)
+        self.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -206,10 +233,11 @@ class SentinelWatch:
         # this Sentinel now watches the new primary (the others' state goes by their own news)
         self._down.discard(idx)
         self._failing.discard(idx)
-        if self._last == (host, port):
-            return  # every Sentinel announces the same switch
-        self._last = (host, port)
-        log.warning("Sentinel service %s failed over; new primary %s:%d", self.target.service, host, port)
+        if self._last != (host, port):
+            self._last = (host, port)
+            log.warning("Sentinel service %s failed over; new primary %s:%d", self.target.service, host, port)
+        # every Sentinel's notice, not only the first: a connection opened since then on a
+        # node another Sentinel still named is moved now (listeners leave the announced one)
         for listener in list(self.listeners):
             try:
                 listener(host, port)
@@ -218,47 +246,52 @@ class SentinelWatch:
 
     async def _run(self, idx: int) -> None:
         host, port = self.target.sentinels[idx]
+        kw = _sentinel_kwargs(self.target, None)
+        kw["socket_timeout"] = None  # a subscriber waits for news; its liveness is the PING below
         while True:
-            conn: Conn | None = None
+            client = aioredis.Redis(host=host, port=port, **kw)
             try:
-                conn = await _sentinel_connection(self.target, host, port, _ASK_TIMEOUT_S)
                 # what this Sentinel thinks now (the events only tell changes)
-                state = await conn.call("SENTINEL", "MASTER", self.target.service, idle=_ASK_TIMEOUT_S)
+                try:
+                    async with asyncio.timeout(_ASK_TIMEOUT_S):
+                        state = await client.sentinel_master(self.target.service)
+                except ResponseError:
+                    state = None  # a service it does not know (yet)
                 down, failing = _flags(state)
                 self._set_down(idx, down)
                 (self._failing.add if failing else self._failing.discard)(idx)
-                conn.send("SUBSCRIBE", *_EVENTS)
-                while True:
-                    try:
-                        data = await conn.read(5.0)
-                    except TimeoutError:
-                        conn.send("PING")  # a dead Sentinel shows as no answer
-                        data = await conn.read(2.0)
-                    if not data:
-                        raise ConnectionError("closed by the Sentinel")
-                    for msg in conn.received(data):
+                async with client.pubsub() as pubsub:
+                    async with asyncio.timeout(_ASK_TIMEOUT_S):
+                        await pubsub.subscribe(*_EVENTS)
+                    while True:
+                        msg = await pubsub.get_message(timeout=5.0)
+                        if msg is None:
+                            await pubsub.ping()  # a dead Sentinel shows as no answer
+                            msg = await pubsub.get_message(timeout=2.0)
+                            if msg is None:
+                                raise TimeoutError("the Sentinel did not answer PING")
                         self._dispatch(idx, msg)
-            except (OSError, TimeoutError):
+            except _UNREACHABLE:
                 # an unreachable Sentinel's view is unknown: not held against the primary
                 self._set_down(idx, False)
                 self._failing.discard(idx)
                 await asyncio.sleep(0.2)
             finally:
-                if conn is not None:
-                    conn.close()
+                await client.aclose()
 
     def _set_down(self, idx: int, down: bool) -> None:
         if down and idx not in self._down:
             log.warning("a Sentinel holds the primary of %s down: writes wait", self.target.service)
         (self._down.add if down else self._down.discard)(idx)
 
-    def _dispatch(self, idx: int, msg: object) -> None:
-        # ["message", "+switch-master", "<name> <old-ip> <old-port> <new-ip> <new-port>"]
-        # ["message", "+sdown", "master <name> <ip> <port>"] (also -sdown, +odown, -odown)
-        if not (isinstance(msg, list) and len(msg) == 3 and msg[0] == b"message"):
+    def _dispatch(self, idx: int, msg: dict[str, Any]) -> None:
+        # {"type": "message", "channel": b"+switch-master",
+        #  "data": b"<name> <old-ip> <old-port> <new-ip> <new-port>"}
+        # {"type": "message", "channel": b"+sdown", "data": b"master <name> <ip> <port>"} (-sdown, ...)
+        event, data = msg.get("channel"), msg.get("data")
+        if msg.get("type") != "message" or not isinstance(data, bytes):
             return
-        event = msg[1]
-        fields = msg[2].decode(errors="replace").split()
+        fields = data.decode(errors="replace").split()
         if event == b"+switch-master":
             if len(fields) == 5 and fields[0] == self.target.service and fields[4].isdigit():
                 self._notify(idx, fields[3], int(fields[4]))
@@ -287,12 +320,10 @@ _EVENTS = (
 )
 
 
-def _flags(reply: object) -> tuple[bool, bool]:
+def _flags(state: object) -> tuple[bool, bool]:
     """(held down, failover in progress) from a SENTINEL MASTER reply's flags."""
-    flags = _state(reply).get(b"flags", b"")
-    if not isinstance(flags, bytes):
-        return False, False
-    return b"s_down" in flags or b"o_down" in flags, b"failover_in_progress" in flags
+    flags = _flag_set(state)
+    return bool(flags & {"s_down", "o_down"}), "failover_in_progress" in flags
 
 
 @functools.lru_cache(maxsize=256)
@@ -320,34 +351,22 @@ def watch(url: str, listener: Listener) -> Callable[[], None]:
         w.start()
     _watches[key] = (w, n + 1)
     w.listeners.append(listener)
+    watcher = w
 
     def unsubscribe() -> None:
-        assert w is not None
         with contextlib.suppress(ValueError):
-            w.listeners.remove(listener)
-        _, count = _watches.get(key, (w, 1))
+            watcher.listeners.remove(listener)
+        _, count = _watches.get(key, (watcher, 1))
         if count <= 1:
             _watches.pop(key, None)
-            for task in w._tasks:
-                task.cancel()
-            w._tasks = []
+            watcher.cancel()
         else:
-            _watches[key] = (w, count - 1)
+            _watches[key] = (watcher, count - 1)
 
     return unsubscribe
 
 
 # -- redis-py clients for the same URLs ------------------------------------------------
-
-
-def _sentinel_kwargs(target: SentinelTarget, timeout: float | None) -> dict[str, Any]:
-    kw: dict[str, Any] = {
-        "socket_timeout": timeout or _ASK_TIMEOUT_S,
-        "socket_connect_timeout": _ASK_TIMEOUT_S,
-    }
-    if target.sentinel_password is not None:
-        kw["password"] = target.sentinel_password
-    return kw
 
 
 def _node_kwargs(target: SentinelTarget, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -359,15 +378,15 @@ def _node_kwargs(target: SentinelTarget, kwargs: dict[str, Any]) -> dict[str, An
 
 
 class _SentinelBackedClient(aioredis.Redis):
-    """A Sentinel service's primary client that also closes its connections to the
-    Sentinels (redis-py leaves them open: a ResourceWarning per short-lived client)."""
+    """A Sentinel service's primary client that also closes its Sentinel manager's clients
+    (redis-py leaves them to the caller: a ResourceWarning per short-lived client)."""
 
-    sentinel_clients: list[aioredis.Redis]
+    sentinel_manager: aiosentinel.Sentinel | None = None
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         await super().aclose(close_connection_pool)
-        for sentinel in getattr(self, "sentinel_clients", ()):
-            await sentinel.aclose()
+        if self.sentinel_manager is not None:
+            await self.sentinel_manager.aclose()
 
 
 class _Sentinels(aiosentinel.Sentinel):
@@ -395,7 +414,7 @@ def async_client(url: str, **kwargs: Any) -> aioredis.Redis:
     client: _SentinelBackedClient = manager.master_for(
         target.service, redis_class=_SentinelBackedClient, **_node_kwargs(target, kwargs)
     )
-    client.sentinel_clients = list(manager.sentinels)
+    client.sentinel_manager = manager
     return client
 
 

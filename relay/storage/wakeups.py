@@ -335,6 +335,7 @@ class WakeupHub:
         self._on_reconnect = on_reconnect
         self.last_error = ""  # why the subscriber is down (no URL, no secret)
         self._unwatch: Callable[[], None] | None = None
+        self._node: tuple[str, int] | None = None  # the primary subscribed on (Sentinel shards)
         # called when a migration announces that the map moved slots off this shard
         # (keys.SHARD_MAP_MOVED); the channel is subscribed only when someone listens
         self.on_map_moved: Callable[[], None] | None = None
@@ -425,9 +426,11 @@ class WakeupHub:
             self._writer = None
 
     def _primary_changed(self, host: str, port: int) -> None:
-        """Sentinel announced a failover: resubscribe on the new primary (the session ends,
-        the supervisor reconnects and every waiter re-reads)."""
-        self._close_writer()
+        """A Sentinel announced a failover to (host, port): unless subscribed there already,
+        resubscribe on it (the session ends, the supervisor reconnects and every waiter
+        re-reads). Heard once per Sentinel, as relay/storage/pipeline.py's connections."""
+        if self._node != (host, port):
+            self._close_writer()
 
     async def _open(self, timeout: float) -> Conn:
         """A logged-in connection to the shard's primary (found through Sentinel for a
@@ -442,6 +445,7 @@ class WakeupHub:
         except sentinel.NoPrimary as exc:
             raise RedisConnectError(str(exc)[:200]) from None
         conn = Conn(*await open_connection(target, timeout))
+        self._node = (target.host, target.port)
         try:
             async with asyncio.timeout(timeout):
                 role = await conn.call("ROLE")
