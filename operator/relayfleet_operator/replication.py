@@ -4,7 +4,7 @@
 answer (relay.storage.sentinel.survey_primary, the relay's own Sentinel client), then reads
 INFO replication from that primary (relay.storage.connection.read_info); for a shard without
 replicas it reads INFO replication from the one node. `replication_status` turns the parsed
-INFO into the RelayShard's status.redis, and is pure so tests can feed it INFO text.
+INFO into the RelayShard's status.redis, and is pure so tests can feed it a parsed INFO.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from relay.fleet.contract import Obj
 from relay.fleet.sharding import is_sentinel_url, parse_sentinel_url
 from relay.storage.connection import RedisTarget, read_info
-from relay.storage.sentinel import survey_primary
+from relay.storage.sentinel import node_url, survey_primary
 
 _TIMEOUT_S = 2.0
 # Every field status.redis may hold. The status is written with a JSON merge patch, which
@@ -28,9 +28,9 @@ def _status(now: str, **fields: Any) -> Obj:
     return {**dict.fromkeys(_FIELDS), "observedAt": now, **fields}
 
 
-def _fields(value: str) -> dict[str, str]:
-    """`ip=10.0.0.1,port=6379,state=online,offset=9,lag=0`, an INFO slaveN value."""
-    return dict(part.partition("=")[::2] for part in value.split(",") if "=" in part)
+def _fields(value: object) -> Mapping[str, object]:
+    """An INFO slaveN value as redis-py parses `ip=10.0.0.1,port=6379,state=online,offset=9,lag=0`."""
+    return value if isinstance(value, dict) else {}
 
 
 def _int(value: object) -> int | None:
@@ -45,9 +45,9 @@ def _int(value: object) -> int | None:
 
 
 def replication_status(
-    primary: str, info: Mapping[str, str], sentinels_reachable: int | None, now: str
+    primary: str, info: Mapping[str, Any], sentinels_reachable: int | None, now: str
 ) -> Obj:
-    """status.redis from the primary's INFO replication (relay.storage.resp.parse_info)."""
+    """status.redis from the primary's INFO replication, as redis-py parses it."""
     out = _status(now, primary=primary, sentinelsReachable=sentinels_reachable)
     role = info.get("role")
     if role != "master":
@@ -88,7 +88,7 @@ async def probe(url: str, now: str) -> Obj:
                 why = "no Sentinel answers" if reachable == 0 else "no Sentinel names a primary"
                 return _status(now, sentinelsReachable=reachable, message=why)
             host, port = found
-            target = RedisTarget(host=host, port=port, username=shard.username, password=shard.password)
+            target = RedisTarget.from_url(node_url(shard, host, port))
         else:
             target = RedisTarget.from_url(url)
         info = await read_info(target, "replication", _TIMEOUT_S)

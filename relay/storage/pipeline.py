@@ -1,19 +1,34 @@
-"""Coalesces concurrent script calls into pipelines on one raw Redis connection.
+"""The relay's one hand-written Redis client: the hot path's pipelined RESP connection.
 
-One awaited round trip per request caps a process near 9k req/s; sending every
-call that arrived while the previous pipeline was in flight as one batch lifts
-that ceiling (docs/architecture.md; measured in docs/benchmarks.md). The hot path speaks
-RESP itself (commands pre-encoded as bytes, replies parsed by hiredis): redis-py's
-per-command packing and wrappers cost a fifth of the CPU of an enqueue.
+Every other connection goes through redis-py (asyncio, hiredis parsing). This module stays
+hand-written because of a measurement (tools/relayfleet_testing/resp_bench.py, one run on a
+2-core machine at load average 15-17 from other work: ratios, not absolute figures; see
+docs/design-decisions.md, "One Redis stack"): 20,000 EVALSHA calls shaped like an enqueue
+(3 keys, a 256 B payload, 6 small arguments; a 3-element reply), 256 concurrent callers at
+a time over one connection, cost 18.4 us of client CPU per call through `ScriptBatcher`,
+41.5 us through redis-py's asyncio pipeline on one connection (x2.3) and 171 us through
+concurrent ``evalsha`` calls on a 4-connection pool (x9.3); reading 20,000 PUBLISHed 200 B
+wakeups cost the hand-written subscriber (`Conn`) 0.9 us per message and redis-py's
+``PubSub.get_message`` 25.9 us (x28).
+
+What is here: RESP encoding (commands pre-encoded as bytes, parts cached by callers), the
+raw connection (TCP or unix socket, TLS from redis-py's own context for the URL, AUTH,
+SELECT, PING), `Conn` (a stream read as it arrives: the wakeup subscriber, the snapshot's
+replication stream) and `ScriptBatcher`, which coalesces concurrent script calls into
+pipelines: one awaited round trip per request caps a process near 9k req/s; sending every
+call that arrived while the previous pipeline was in flight as one batch lifts that
+ceiling (docs/architecture.md). URLs are parsed by redis-py (relay/storage/connection.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import ssl
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import hiredis
 import redis.asyncio as aioredis
@@ -22,9 +37,219 @@ from redis.exceptions import RedisError
 from relay.fleet.sharding import is_sentinel_url
 from relay.storage import sentinel
 from relay.storage.boot import mark_boot
-from relay.storage.connection import RedisConnectError, RedisTarget, open_protocol
-from relay.storage.resp import Arg, bulk, bulk_str, encode
+from relay.storage.connection import RedisConnectError, RedisTarget, ssl_reason
 from relay.storage.scripts import ALL, Script
+
+# -- RESP -------------------------------------------------------------------------------
+
+Arg = bytes | str | int
+
+
+def bulk_str(value: str) -> bytes:
+    raw = value.encode()
+    return b"$%d\r\n%b\r\n" % (len(raw), raw)
+
+
+def bulk(a: Arg) -> bytes:
+    if isinstance(a, bytes):
+        return b"$%d\r\n%b\r\n" % (len(a), a)
+    if isinstance(a, str):
+        return bulk_str(a)
+    raw = b"%d" % a
+    return b"$%d\r\n%b\r\n" % (len(raw), raw)
+
+
+def encode(*args: Arg) -> bytes:
+    """One command in RESP."""
+    parts = [b"*%d\r\n" % len(args)]
+    for a in args:
+        parts.append(bulk(a))
+    return b"".join(parts)
+
+
+class Conn:
+    """A stream pair spoken to in RESP, read as it arrives: `send` a command, hand what
+    `read` returns to `received`. Replies are parsed by hiredis; a Redis error reply is
+    returned as a `hiredis.ReplyError`, never raised."""
+
+    __slots__ = ("_rd", "reader", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self._rd = hiredis.Reader()
+
+    def send(self, *args: Arg) -> None:
+        self.writer.write(encode(*args))
+
+    def received(self, data: bytes) -> list[Any]:
+        """The replies `data` completes (a reply cut across reads is kept until its end arrives)."""
+        self._rd.feed(data)
+        out: list[Any] = []
+        while (reply := self._rd.gets()) is not False:
+            out.append(reply)
+        return out
+
+    async def read(self, idle: float | None = None) -> bytes:
+        """The next bytes the server sends (b"" once it has closed the connection); TimeoutError
+        when it sends nothing for `idle` seconds. asyncio.timeout, not wait_for: Python 3.11's
+        wait_for returns the data when a cancellation lands just as the read completes, and
+        a cancelled task that goes on reading keeps its connection open."""
+        if idle is None:
+            return await self.reader.read(65536)
+        async with asyncio.timeout(idle):
+            return await self.reader.read(65536)
+
+    async def reply(self, idle: float | None = None) -> Any:
+        """The next reply; ConnectionError when the server closes the connection, TimeoutError
+        when it sends nothing for `idle` seconds."""
+        while (reply := self._rd.gets()) is False:
+            data = await self.read(idle)
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            self._rd.feed(data)
+        return reply
+
+    async def call(self, *args: Arg, idle: float | None = None) -> Any:
+        """One command and its reply (only while nothing else is in flight on the connection)."""
+        self.send(*args)
+        return await self.reply(idle)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# -- connecting -------------------------------------------------------------------------
+
+
+def login_commands(target: RedisTarget) -> list[tuple[str, bytes]]:
+    """The commands a new connection sends before its first real one, with a safe label each.
+    The PING proves the connection works end to end: with TLS 1.3 a server that refuses our
+    client certificate says so only after the client's handshake has finished."""
+    steps: list[tuple[str, bytes]] = []
+    if target.password is not None:
+        who = (target.username,) if target.username else ()
+        steps.append(("AUTH", encode("AUTH", *who, target.password)))
+    if target.db:
+        steps.append(("SELECT", encode("SELECT", target.db)))
+    steps.append(("PING", encode("PING")))
+    return steps
+
+
+async def open_connection(
+    target: RedisTarget, timeout: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A logged-in stream pair to `target`; RedisConnectError, or TimeoutError past `timeout`."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=2**16, loop=loop)
+    transport, proto = await open_protocol(
+        target, lambda: asyncio.StreamReaderProtocol(reader, loop=loop), timeout
+    )
+    return reader, asyncio.StreamWriter(transport, proto, reader, loop)
+
+
+P = TypeVar("P", bound=asyncio.BaseProtocol)
+
+
+async def _connect_tcp(
+    loop: asyncio.AbstractEventLoop, target: RedisTarget
+) -> tuple[asyncio.Transport, _Login]:
+    """create_connection to each address of `target.host` in turn, resolved here first. The
+    loop is never handed a name: uvloop's create_connection resolves it in a future that a
+    cancelled connect (our timeout, while DNS hangs) leaves behind, and its gaierror is then
+    logged as "Future exception was never retrieved". loop.getaddrinfo cancels cleanly."""
+    ctx = target.ssl_context()
+    infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+    failure: OSError = OSError(f"{target.host} has no address")
+    for family, _, proto, _, sockaddr in infos:
+        try:
+            return await loop.create_connection(
+                _Login,
+                str(sockaddr[0]),
+                target.port,
+                family=family,
+                proto=proto,
+                ssl=ctx,
+                server_hostname=target.host if ctx is not None else None,
+            )
+        except ssl.SSLError:
+            raise
+        except OSError as exc:
+            failure = exc
+    raise failure
+
+
+async def open_protocol(
+    target: RedisTarget, factory: Callable[[], P], timeout: float
+) -> tuple[asyncio.Transport, P]:
+    """Connect (TLS if the URL says so), log in, then hand the transport to a protocol made by
+    `factory`; RedisConnectError, or TimeoutError past `timeout`. The transport is never left
+    open on failure."""
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(timeout):
+        try:
+            if target.unix_path is not None:
+                transport, login = await loop.create_unix_connection(_Login, target.unix_path)
+            else:
+                transport, login = await _connect_tcp(loop, target)
+        except ssl.SSLError as exc:
+            reason = ssl_reason(exc)
+            raise RedisConnectError(f"TLS handshake with {target.address} failed: {reason}") from None
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+            raise RedisConnectError(f"cannot connect to {target.address}: {reason}") from None
+        try:
+            await login.run(target, transport)
+        except BaseException:
+            transport.abort()
+            raise
+    proto = factory()
+    transport.set_protocol(proto)
+    proto.connection_made(transport)
+    return transport, proto
+
+
+class _Login(asyncio.Protocol):
+    """Sends the login commands and checks their replies, before the real protocol takes over."""
+
+    def __init__(self) -> None:
+        self._reader = hiredis.Reader()
+        self._replies: asyncio.Queue[object] = asyncio.Queue()
+
+    def data_received(self, data: bytes) -> None:
+        self._reader.feed(data)
+        try:
+            while (reply := self._reader.gets()) is not False:
+                self._replies.put_nowait(reply)
+        except hiredis.ProtocolError:
+            self._replies.put_nowait(RedisConnectError("the server does not speak RESP"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if isinstance(exc, ssl.SSLError):
+            reason = f"TLS {ssl_reason(exc)}"
+        else:
+            reason = "the connection was closed" if exc is None else type(exc).__name__
+        self._replies.put_nowait(RedisConnectError(reason))
+
+    async def run(self, target: RedisTarget, transport: asyncio.BaseTransport) -> None:
+        steps = login_commands(target)
+        cast(asyncio.Transport, transport).write(b"".join(cmd for _, cmd in steps))
+        for label, _ in steps:
+            reply = await self._replies.get()
+            if isinstance(reply, RedisConnectError):
+                hint = ""
+                if target.tls and not target.options.get("ssl_certfile"):
+                    # a server demanding a client certificate often just resets (TLS 1.3)
+                    hint = "; if the server requires a client certificate, set ssl_certfile and ssl_keyfile"
+                raise RedisConnectError(f"{label} on {target.address}: {reply}{hint}")
+            if isinstance(reply, hiredis.ReplyError):
+                # Redis's own error text (WRONGPASS, NOAUTH, ERR DB index...) holds no secret
+                raise RedisConnectError(f"{label} on {target.address} refused: {str(reply)[:120]}")
+        if not self._replies.empty():
+            raise RedisConnectError(f"{target.address} sent replies nobody asked for")
+
+
+# -- the pipeline -----------------------------------------------------------------------
 
 
 class StoreUnavailable(Exception):

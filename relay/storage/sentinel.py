@@ -446,6 +446,12 @@ async def primary_url(url: str, timeout: float = _ASK_TIMEOUT_S) -> str:
         return url
     target = parse_sentinel_url(url)
     host, port = await ask_primary(target, timeout)
+    return node_url(target, host, port)
+
+
+def node_url(target: SentinelTarget, host: str, port: int) -> str:
+    """The redis:// URL of one node of `target`'s service (its data nodes' credentials and
+    database)."""
     auth = ""
     if target.password is not None:
         user = quote(target.username, safe="") if target.username else ""

@@ -10,7 +10,10 @@
   (and rewrites its AOF), and is promoted back (``REPLICAOF NO ONE``).
 
 Neither needs a shell on the Redis host or a Redis restart, so both work for the
-operator's managed Redis and for a Redis that only exposes its port.
+operator's managed Redis and for a Redis that only exposes its port. Commands go through
+redis-py; the replication stream itself (a SYNC's payload, the stream served to the target)
+is not a command and its reply, which redis-py does not speak: it runs on the hand-written
+connection (relay/storage/pipeline.py).
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import hiredis
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
-from relay.storage.connection import RedisTarget, open_connection
-from relay.storage.resp import Conn, encode, parse_info
+from relay.storage.connection import RedisTarget
+from relay.storage.pipeline import encode, open_connection
 
 Progress = Callable[[str, int, int | None], None]  # (phase, done bytes, total bytes or None)
 _CHUNK = 1 << 20
@@ -52,18 +57,16 @@ class SourceInfo:
     role: str
 
 
-async def _call(conn: Conn, *parts: str) -> Any:
-    """One command and its reply (only while nothing else is in flight on the connection)."""
+async def _call(client: aioredis.Redis, *parts: str) -> Any:
+    """One command through redis-py; SnapshotError (its text safe to print) when it fails."""
     try:
-        return await conn.call(*parts, idle=_IDLE_S)
-    except ConnectionError:
-        raise SnapshotError(f"the server closed the connection during {parts[0]}") from None
+        return await client.execute_command(*parts)  # type: ignore[no-untyped-call]
+    except RedisError as exc:
+        raise SnapshotError(f"{parts[0]} failed: {str(exc)[:200] or type(exc).__name__}") from None
 
 
-def _text(reply: Any) -> str:
-    if isinstance(reply, hiredis.ReplyError):
-        raise SnapshotError(f"the server refused: {reply}")
-    return reply.decode() if isinstance(reply, bytes) else str(reply)
+def _client(target: RedisTarget, timeout: float) -> aioredis.Redis:
+    return target.client(socket_timeout=_IDLE_S, socket_connect_timeout=timeout)
 
 
 async def fetch_rdb(
@@ -71,20 +74,25 @@ async def fetch_rdb(
 ) -> tuple[SourceInfo, int]:
     """Write a point-in-time RDB of `target` to `out`; returns what the source said and the
     number of bytes written."""
-    reader, writer = await open_connection(target, timeout)
-    conn = Conn(reader, writer)
+    client = _client(target, timeout)
     try:
-        info = parse_info(_text(await _call(conn, "INFO", "server")))
-        info.update(parse_info(_text(await _call(conn, "INFO", "replication"))))
-        source = SourceInfo(
-            redis_version=info.get("redis_version", "?"),
-            run_id=info.get("run_id", ""),
-            repl_offset=int(info.get("master_repl_offset", "0") or 0),
-            role=info.get("role", "?"),
-        )
-        # Only the snapshot, not the command stream after it (Redis >= 7; older ignore it).
-        with contextlib.suppress(SnapshotError):
-            _text(await _call(conn, "REPLCONF", "rdb-only", "1"))
+        info = {**await _call(client, "INFO", "server"), **await _call(client, "INFO", "replication")}
+    finally:
+        await client.aclose()
+    source = SourceInfo(
+        redis_version=str(info.get("redis_version", "?")),
+        run_id=str(info.get("run_id", "")),
+        repl_offset=int(info.get("master_repl_offset", 0) or 0),
+        role=str(info.get("role", "?")),
+    )
+    reader, writer = await open_connection(target, timeout)
+    try:
+        # Only the snapshot, not the command stream after it (Redis >= 7; older refuse it,
+        # an error reply that is read and ignored).
+        writer.write(encode("REPLCONF", "rdb-only", "1"))
+        async with asyncio.timeout(_IDLE_S):
+            if not await reader.readline():
+                raise SnapshotError("the server closed the connection during REPLCONF")
         writer.write(encode("SYNC"))
         await writer.drain()
         progress("snapshot", 0, None)
@@ -134,9 +142,9 @@ class Replica:
     by clients (which cannot write to it: READONLY, a retryable answer), and writable only
     through the replication stream this process feeds it."""
 
-    def __init__(self, link: asyncio.StreamWriter, conn: Conn):
+    def __init__(self, link: asyncio.StreamWriter, client: aioredis.Redis):
         self._link = link
-        self._conn = conn
+        self._client = client
         self.offset = 0  # bytes of replication stream sent after the snapshot
 
     async def apply(self, *parts: str | bytes | int) -> None:
@@ -149,8 +157,8 @@ class Replica:
     async def settle(self) -> None:
         """Wait until the target has executed everything `apply` sent."""
         while True:
-            info = parse_info(_text(await _call(self._conn, "INFO", "replication")))
-            if int(info.get("slave_repl_offset", "-1") or -1) >= self.offset:
+            info = await _call(self._client, "INFO", "replication")
+            if int(info.get("slave_repl_offset", -1)) >= self.offset:
                 return
             await asyncio.sleep(0.05)
 
@@ -220,37 +228,36 @@ async def load_rdb(
 
     server = await asyncio.start_server(serve, host, 0)
     port = server.sockets[0].getsockname()[1]
-    reader, writer = await open_connection(target, timeout)
-    conn = Conn(reader, writer)
+    client = _client(target, timeout)
     try:
-        _text(await _call(conn, "REPLICAOF", host, str(port)))
+        await _call(client, "REPLICAOF", host, str(port))
         async with asyncio.timeout(load_timeout):
             await served.wait()
             if failures or not links:
                 raise SnapshotError(failures[0] if failures else "the target did not ask for the snapshot")
             progress("loading", 0, None)
             while True:
-                info = parse_info(_text(await _call(conn, "INFO", "replication")))
-                loading = parse_info(_text(await _call(conn, "INFO", "persistence")))
-                if info.get("master_link_status") == "up" and loading.get("loading") == "0":
+                info = await _call(client, "INFO", "replication")
+                loading = await _call(client, "INFO", "persistence")
+                if info.get("master_link_status") == "up" and loading.get("loading") == 0:
                     break
                 await asyncio.sleep(0.1)
             progress("loaded", size, size)
             if prepare is not None:
-                replica = Replica(links[0], conn)
+                replica = Replica(links[0], client)
                 if target.db:
                     await replica.apply("SELECT", target.db)
                 await prepare(replica)
                 await replica.settle()
-        _text(await _call(conn, "REPLICAOF", "NO", "ONE"))
+        await _call(client, "REPLICAOF", "NO", "ONE")
     except BaseException:
         # Never leave the target following a primary that is about to vanish.
         with contextlib.suppress(Exception):
-            await _call(conn, "REPLICAOF", "NO", "ONE")
+            await _call(client, "REPLICAOF", "NO", "ONE")
         raise
     finally:
         finished.set()
-        writer.close()
+        await client.aclose()
         server.close()
         with contextlib.suppress(Exception):
             await server.wait_closed()

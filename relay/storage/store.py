@@ -28,9 +28,11 @@ from relay.storage.pipeline import (
     StoreRejected,
     StoreUnavailable,
     Wire,
+    bulk,
+    bulk_str,
+    encode,
     is_auth_failure,
 )
-from relay.storage.resp import bulk, bulk_str, encode
 from relay.storage.wakeups import NOTICE_PREFIX
 
 _PING = encode("PING")

@@ -27,9 +27,9 @@ from relay.fleet.sharding import is_sentinel_url
 from relay.retrying import WAKEUP_CONNECT, retrying
 from relay.storage import keys as K
 from relay.storage import sentinel
-from relay.storage.connection import RedisConnectError, RedisTarget, open_connection
+from relay.storage.connection import RedisConnectError, RedisTarget
 from relay.storage.message import Message
-from relay.storage.resp import Conn, encode
+from relay.storage.pipeline import Conn, encode, open_connection
 
 log = logging.getLogger("relay.wakeups")
 
@@ -323,7 +323,7 @@ class WakeupHub:
     ) -> None:
         self.url = url
         # a redis+sentinel:// URL names no node: its primary is looked up on every connect
-        self.target = RedisTarget.from_url(url) if not is_sentinel_url(url) else RedisTarget()
+        self.target = RedisTarget.from_url(url) if not is_sentinel_url(url) else None
         self.shard = shard
         self._channels: dict[str, _Channel] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -436,7 +436,7 @@ class WakeupHub:
         """A logged-in connection to the shard's primary (found through Sentinel for a
         redis+sentinel:// URL, then checked with ROLE: never subscribe on a node Sentinel
         has not made primary yet, or one being demoted, where the PUBLISHes do not happen)."""
-        if not is_sentinel_url(self.url):
+        if self.target is not None:
             return Conn(*await open_connection(self.target, timeout))
         if self._unwatch is None:
             self._unwatch = sentinel.watch(self.url, self._primary_changed)

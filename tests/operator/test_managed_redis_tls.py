@@ -40,9 +40,11 @@ def test_builders_mount_the_certificate_and_put_the_ca_in_the_url(tmp_path: Path
     url = builders.managed_redis_url(TLS, "p w", ca)
     assert url.startswith("rediss://:p%20w@relayfleet-t-redis.ns1.svc:6379/0?ssl_ca_data=-----BEGIN")
     target = RedisTarget.from_url(url)  # the relay reads back exactly the CA
-    assert target.tls is not None
-    assert target.tls.ca_data == ca.strip()
-    assert target.tls.check_hostname  # the certificate must name the Service
+    assert target.tls
+    assert target.options["ssl_ca_data"] == ca.strip()
+    ctx = target.ssl_context()
+    assert ctx is not None
+    assert ctx.check_hostname  # the certificate must name the Service
     with pytest.raises(ValueError, match=r"ca\.crt"):
         builders.managed_redis_url(TLS, "pw", "not a certificate")
     assert builders.strip_credentials(url).startswith("rediss://relayfleet-t-redis.ns1.svc:6379/0?ssl_ca")

@@ -1,4 +1,5 @@
-"""relay/storage/connection.py: one URL parse and one login path for the hand-written RESP clients."""
+"""relay/storage/connection.py: URLs read once, by redis-py; relay/storage/pipeline.py: the one
+hand-written connection's login path."""
 
 from __future__ import annotations
 
@@ -9,48 +10,58 @@ import ssl
 import pytest
 from relayfleet_testing.localredis import LocalRedis
 
-from relay.storage.connection import (
-    RedisConnectError,
-    RedisTarget,
-    RedisURLError,
-    TlsOptions,
-    open_connection,
-)
-from relay.storage.resp import Conn, encode
+from relay.storage.connection import RedisConnectError, RedisTarget, RedisURLError
+from relay.storage.pipeline import Conn, encode, open_connection
 
 REDIS = "/usr/bin/redis-server"
 
 
 def test_plain_url_with_credentials_and_db() -> None:
     t = RedisTarget.from_url("redis://app%40x:p%2Fw@db.example:6390/3")
-    assert (t.host, t.port, t.db, t.tls) == ("db.example", 6390, 3, None)
+    assert (t.host, t.port, t.db, t.tls) == ("db.example", 6390, 3, False)
     assert (t.username, t.password) == ("app@x", "p/w")
     assert "p/w" not in repr(t)
     assert t.address == "db.example:6390"
 
 
-def test_rediss_options_follow_redis_py_names_and_defaults() -> None:
-    assert RedisTarget.from_url("rediss://h").tls == TlsOptions()  # required + hostname checked
+def test_rediss_options_are_redis_pys() -> None:
+    plain = RedisTarget.from_url("rediss://h")
+    ctx = plain.ssl_context()  # redis-py's defaults: certificate required, hostname checked
+    assert plain.tls
+    assert ctx is not None
+    assert (ctx.verify_mode, ctx.check_hostname) == (ssl.CERT_REQUIRED, True)
     t = RedisTarget.from_url(
         "rediss://h:6380/0?ssl_ca_certs=/ca.pem&ssl_certfile=/c.pem&ssl_keyfile=/k.pem"
         "&ssl_cert_reqs=optional&ssl_check_hostname=false&socket_timeout=3"
     )
-    assert t.tls == TlsOptions("/ca.pem", None, "/c.pem", "/k.pem", "optional", False)
+    opts = {k: v for k, v in t.options.items() if k.startswith(("ssl_", "socket_"))}
+    assert opts == {
+        "ssl_ca_certs": "/ca.pem",
+        "ssl_certfile": "/c.pem",
+        "ssl_keyfile": "/k.pem",
+        "ssl_cert_reqs": "optional",
+        "ssl_check_hostname": False,
+        "socket_timeout": 3.0,
+    }
+    # a value redis-py does not read as false leaves the check on (never quietly off)
+    vague = RedisTarget.from_url("rediss://h?ssl_check_hostname=perhaps").ssl_context()
+    assert vague is not None
+    assert vague.check_hostname
     unix = RedisTarget.from_url("unix:///run/redis.sock?db=2")
-    assert unix == RedisTarget(unix_path="/run/redis.sock", db=2)
+    assert (unix.unix_path, unix.db, unix.tls) == ("/run/redis.sock", 2, False)
+    assert unix.address == "/run/redis.sock"
 
 
 @pytest.mark.parametrize(
     ("url", "problem"),
     [
-        ("http://h", "must start with"),
-        ("redis://h:notaport", "bad host or port"),
+        ("http://h", "must specify one of the following schemes"),
+        ("redis://h:notaport", "Port could not be cast"),
         ("redis://h/x", "must be a number"),
-        ("redis://h?ssl_ca_certs=/ca.pem", "needs a rediss:// URL"),
-        ("rediss://h?ssl_ca_cert=/ca.pem", "unknown Redis URL option"),
-        ("rediss://h?ssl_cert_reqs=maybe", "required, optional or none"),
-        ("rediss://h?ssl_check_hostname=perhaps", "true or false"),
-        ("rediss://h?ssl_keyfile=/k.pem", "needs ssl_certfile"),
+        ("redis://h?db=x", "Invalid value for 'db'"),
+        ("redis://h?ssl_ca_certs=/ca.pem", "ssl_ca_certs needs a rediss:// URL"),
+        ("rediss://h?ssl_ca_cert=/ca.pem", "unknown Redis URL option 'ssl_ca_cert'"),
+        ("rediss://h?ssl_cert_reqs=maybe", "Invalid SSL Certificate Requirements Flag"),
     ],
 )
 def test_bad_urls_name_the_problem_not_the_secret(url: str, problem: str) -> None:
@@ -62,6 +73,8 @@ def test_bad_urls_name_the_problem_not_the_secret(url: str, problem: str) -> Non
 def test_missing_ca_file_is_a_clear_error() -> None:
     with pytest.raises(RedisConnectError, match="does not exist"):
         RedisTarget.from_url("rediss://h?ssl_ca_certs=/nonexistent/ca.pem").ssl_context()
+    with pytest.raises(RedisConnectError, match="TLS setup failed"):
+        RedisTarget.from_url("rediss://h?ssl_keyfile=/nonexistent/k.pem").ssl_context()
 
 
 def test_no_verification_switches_hostname_check_off() -> None:

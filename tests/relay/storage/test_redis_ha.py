@@ -27,7 +27,6 @@ from relayfleet_operator.status import Observed, shard_status
 from relayfleet_testing.localredis import free_port
 
 from relay.fleet.sharding import SentinelTarget
-from relay.storage.resp import parse_info
 from tests.support.procs import stop_process
 
 DEBIAN = Path("/usr/bin")
@@ -275,12 +274,14 @@ def test_a_recovered_shard_clears_the_old_message_under_a_merge_patch(tmp_path: 
 
 
 def test_replication_status_from_info_text_and_degraded_conditions() -> None:
-    info = parse_info(
-        "# Replication\r\nrole:master\r\nconnected_slaves:2\r\n"
-        "slave0:ip=10.0.0.2,port=6379,state=online,offset=900,lag=0\r\n"
-        "slave1:ip=10.0.0.3,port=6379,state=wait_bgsave,offset=0,lag=3\r\n"
-        "master_repl_offset:1000\r\n"
-    )
+    # INFO replication as redis-py's client.info() parses it (slaveN values become dicts)
+    info = {
+        "role": "master",
+        "connected_slaves": 2,
+        "slave0": {"ip": "10.0.0.2", "port": 6379, "state": "online", "offset": 900, "lag": 0},
+        "slave1": {"ip": "10.0.0.3", "port": 6379, "state": "wait_bgsave", "offset": 0, "lag": 3},
+        "master_repl_offset": 1000,
+    }
     got = replication.replication_status("10.0.0.1:6379", info, 3, "now")
     assert got == {
         "message": None,

@@ -15,8 +15,7 @@ from relayfleet_testing.localredis import LocalRedis
 from relay.storage import keys as K
 from relay.storage import pipeline
 from relay.storage import store as store_module
-from relay.storage.pipeline import ScriptBatcher, StoreOutcomeUnknown, StoreUnavailable
-from relay.storage.resp import bulk_str
+from relay.storage.pipeline import ScriptBatcher, StoreOutcomeUnknown, StoreUnavailable, bulk_str
 from relay.storage.scripts import STATUS
 from relay.storage.store import EnqueueOutcome, EnqueueRequest, QueueLimits, ShardStore, SlotMoved
 
