@@ -33,11 +33,13 @@ from schemathesis.core.failures import FailureGroup
 from schemathesis.core.result import Err
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
+    missing_required_header,
     negative_data_rejection,
     positive_data_acceptance,
     response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
+    unsupported_method,
 )
 
 from relay.api import params
@@ -62,6 +64,7 @@ def load(doc: dict[str, Any]) -> Any:
     # the relay runs with --auth none (signatures are test_auth.py's): no Authorization is sent,
     # and a request without one is not "invalid"
     schema.config.generation.update(with_security_parameters=False)
+    schema.config.phases.coverage.generate_duplicate_query_parameters = True  # `limit=1&limit=x`
     return schema
 
 
@@ -103,6 +106,12 @@ def positive_checks(operation: Any) -> list[Any]:
 
 
 NEGATIVE_CHECKS = [not_a_server_error, negative_data_rejection]
+
+
+def coverage_checks(operation: Any) -> list[Any]:
+    """The coverage phase also sends each required header left out, and the methods a path
+    does not list (405 with Allow)."""
+    return [*positive_checks(operation), negative_data_rejection, missing_required_header, unsupported_method]
 
 
 @schemathesis.serializer("application/didcomm-envelope-enc", "application/ssi-agent-wire")
@@ -199,12 +208,7 @@ def test_boundary_values_are_accepted_or_refused_as_documented(
     operation: Any, relay_url: str, http: requests.Session
 ) -> None:
     """schemathesis' coverage phase: each parameter's edges (min, max, lengths, types) one by one."""
-    assert (
-        run_coverage(
-            SCHEMA, operation, relay_url, http, [*positive_checks(operation), negative_data_rejection]
-        )
-        > 0
-    )
+    assert run_coverage(SCHEMA, operation, relay_url, http, coverage_checks(operation)) > 0
 
 
 def test_served_document_is_the_valid_openapi_31_document(relay_url: str, http: requests.Session) -> None:
@@ -230,6 +234,49 @@ def test_every_route_is_documented_and_every_documented_path_exists() -> None:
     documented = {(method, path) for path, ops in document()["paths"].items() for method in ops}
     assert served == documented
     assert all(path.startswith(("/v1/", "/healthz", "/readyz", "/metrics")) for _, path in documented)
+
+
+DECLARED = (
+    params.CHANNEL,
+    params.FROM_SEQ,
+    params.LIMIT,
+    params.WAIT,
+    params.IDEMPOTENCY_KEY,
+    params.INBOX_ID,
+)
+NOT_A_VALUE = {"query": "!", "header": "x" * 600}  # what no declared query value or header takes
+
+
+@pytest.mark.parametrize("operation", OPERATIONS, ids=[op.label for op in OPERATIONS])
+def test_the_relay_reads_no_parameter_its_operation_leaves_out(
+    operation: Any, relay_url: str, http: requests.Session
+) -> None:
+    """The other direction of the generated checks: a declared parameter the document does not
+    list for an operation is not read there (a bad value of it is not refused)."""
+    listed = document()["paths"][operation.path][operation.method.lower()].get("parameters", [])
+    documented = {(p["in"], p["name"]) for p in listed}
+    modes = [GenerationMode.POSITIVE]
+    config = SCHEMA.config.generation_for(operation=operation, phase="coverage")
+    base = next(
+        iter(SCHEMA.iter_coverage_cases(operation, generation_modes=modes, generation_config=config)), None
+    )
+    checked = 0
+    for param in DECLARED:
+        if (param.where, param.name) in documented:
+            continue
+        query, headers = dict(base.query or {}) if base else {}, dict(base.headers or {}) if base else {}
+        (query if param.where == "query" else headers)[param.name] = NOT_A_VALUE[param.where]
+        case = operation.Case(
+            path_parameters=base.path_parameters if base else None,
+            query=query,
+            headers=headers,
+            **({"body": base.body, "media_type": base.media_type} if base and base.media_type else {}),
+        )
+        answer = send(case, relay_url, http)
+        refused = answer.status_code == 400 and answer.json().get("error") == param.error
+        assert not refused, f"{operation.label} reads {param.name}, which its document does not list"
+        checked += 1
+    assert checked > 0
 
 
 # Wrong documents, each a disagreement this document once had or could have: the run must fail.
@@ -287,9 +334,7 @@ def test_a_wrong_document_is_caught(
     operation = next(op for op in operations(schema) if op.label == label)
 
     def run_all() -> None:
-        run_coverage(
-            schema, operation, relay_url, http, [*positive_checks(operation), negative_data_rejection]
-        )
+        run_coverage(schema, operation, relay_url, http, coverage_checks(operation))
         run_generated(operation, GenerationMode.POSITIVE, relay_url, http, positive_checks(operation))
         run_generated(operation, GenerationMode.NEGATIVE, relay_url, http, NEGATIVE_CHECKS)
 
