@@ -51,6 +51,11 @@ BODY: dict[str, Any] = {
 }
 
 
+def body_cap(max_payload: int) -> int:
+    """The JSON body's bytes: the payload's base64, the recipients' and some room around them."""
+    return max_payload * 4 // 3 + MAX_RECIPIENTS * 64 + 4096
+
+
 def _payload(text: Any, cap: int) -> bytes:
     if not isinstance(text, str):
         raise bad_request("payload must be a base64url string (no padding)", "bad_payload")
@@ -106,7 +111,7 @@ async def fanout(request: web.Request) -> web.Response:
     if limiter is not None:  # a client whose quota is spent is refused before its body is read
         quota.admit_ready(limiter, request, ROUTE)
     cap = c.settings.max_payload
-    doc, _ = await params.json_body(request, cap * 4 // 3 + MAX_RECIPIENTS * 64 + 4096)
+    doc, _ = await params.json_body(request, body_cap(cap))
     if not isinstance(doc, dict):
         raise bad_request('body must be {"recipients": [...], "payload": "<base64url>", ...}')
     recipients = doc.get("recipients")

@@ -59,6 +59,11 @@ def _inbox(request: web.Request) -> bytes:
     return inbox_recipient(raw)
 
 
+def body_cap(max_payload: int) -> int:
+    """The JSON body's bytes: the ciphertext's base64 and some room around it."""
+    return max_payload * 4 // 3 + 4096
+
+
 def _ciphertext(text: Any, cap: int) -> bytes:
     if not isinstance(text, str):
         raise bad_request("ciphertext must be a base64url string", "bad_ciphertext")
@@ -87,7 +92,7 @@ async def append(request: web.Request) -> web.Response:
     if limiter is not None:  # a client whose quota is spent is refused before its body is read
         quota.admit_ready(limiter, request, APPEND_ROUTE)
     cap = c.settings.max_payload
-    doc, _ = await params.json_body(request, cap * 4 // 3 + 4096)
+    doc, _ = await params.json_body(request, body_cap(cap))
     if not isinstance(doc, dict):
         raise bad_request('body must be {"messageId": "...", "ciphertext": "<base64url>"}')
     message_id = doc.get("messageId")

@@ -246,17 +246,32 @@ SCHEMAS: dict[str, Any] = {
 }
 
 
+def _body(content: dict[str, Any], max_bytes: int, required: bool = True, what: str = "") -> dict[str, Any]:
+    """A request body and the cap its handler reads it under (x-max-bytes; RELAY_MAX_PAYLOAD at
+    its default where the cap follows it)."""
+    return {
+        "required": required,
+        "description": f"{what}at most {max_bytes} bytes; more: 413 payload_too_large",
+        "x-max-bytes": max_bytes,
+        "content": content,
+    }
+
+
+def _json_body(name: str, max_bytes: int) -> dict[str, Any]:
+    return _body({JSON: {"schema": _ref(name)}}, max_bytes)
+
+
 def _op(
     op_id: str,
     summary: str,
     responses: dict[str, Any],
     *,
     parameters: tuple[params.Param, ...] = (),
-    body: str | dict[str, Any] | None = None,
+    body: dict[str, Any] | None = None,
     security: list[dict[str, list[str]]] | None = None,
     description: str = "",
 ) -> dict[str, Any]:
-    """One operation; `body` names a JSON schema above, or is the requestBody itself."""
+    """One operation, its parameters as their parsers declare them."""
     out: dict[str, Any] = {"operationId": op_id, "summary": summary}
     if description:
         out["description"] = description
@@ -264,9 +279,7 @@ def _op(
         out["security"] = security
     if parameters:
         out["parameters"] = [p.openapi() for p in parameters]
-    if isinstance(body, str):
-        out["requestBody"] = {"required": True, "content": {JSON: {"schema": _ref(body)}}}
-    elif body is not None:
+    if body is not None:
         out["requestBody"] = body
     out["responses"] = responses
     return out
@@ -288,6 +301,8 @@ _INBOUND = (
     "the response when the message asks for ~transport.return_route all; otherwise 202."
 )
 _MAX_PAYLOAD = Settings.max_payload  # RELAY_MAX_PAYLOAD's default (docs/api.md, "Defaults")
+_OCTETS = "application/octet-stream"
+_BINARY = {"type": "string", "format": "binary"}
 
 PATHS: dict[str, Any] = {
     queues.ENQUEUE_ROUTE: {
@@ -307,19 +322,9 @@ PATHS: dict[str, Any] = {
                 "507": _E507,
             },
             parameters=(*_QUEUE, params.IDEMPOTENCY_KEY),
-            body={
-                "required": True,
-                "content": {
-                    "application/octet-stream": {
-                        "schema": {
-                            "type": "string",
-                            "format": "binary",
-                            "minLength": 1,
-                            "maxLength": _MAX_PAYLOAD,
-                        }
-                    }
-                },
-            },
+            body=_body(
+                {_OCTETS: {"schema": {**_BINARY, "minLength": 1, "maxLength": _MAX_PAYLOAD}}}, _MAX_PAYLOAD
+            ),
             security=_STORING,
         ),
         "get": _op(
@@ -348,7 +353,7 @@ PATHS: dict[str, Any] = {
                 "503": _E503,
             },
             parameters=_QUEUE,
-            body="AckRequest",
+            body=_json_body("AckRequest", queues.ACK_MAX_BODY),
             security=_SIGNED,
         )
     },
@@ -365,6 +370,9 @@ PATHS: dict[str, Any] = {
                 "503": _E503,
             },
             parameters=(*_QUEUE, params.LIMIT, params.WAIT),
+            body=_body(
+                {_OCTETS: {"schema": _BINARY}}, queues.DRAIN_MAX_BODY, False, "none needed; any is signed; "
+            ),
             security=_SIGNED,
         )
     },
@@ -423,7 +431,7 @@ PATHS: dict[str, Any] = {
                     _RETRY_AFTER,
                 ),
             },
-            body="FanoutRequest",
+            body=_json_body("FanoutRequest", fanout.body_cap(_MAX_PAYLOAD)),
             security=_STORING,
         )
     },
@@ -440,7 +448,7 @@ PATHS: dict[str, Any] = {
                 "503": _E503,
             },
             parameters=(params.CHANNEL,),
-            body="PickupRequest",
+            body=_json_body("PickupRequest", pickup.MAX_BODY),
             security=_SIGNED,
             description="The queue is the message's recipient_key or, without one, the key of the"
             " Authorization header; the signature must be by that key.",
@@ -481,10 +489,10 @@ PATHS: dict[str, Any] = {
                 "503": _E503,
                 "507": _E507,
             },
-            body={
-                "required": True,
-                "content": {t: {"schema": _ref("DidcommEnvelope")} for t in didcomm.CONTENT_TYPES},
-            },
+            body=_body(
+                {t: {"schema": _ref("DidcommEnvelope")} for t in didcomm.CONTENT_TYPES},
+                didcomm.envelope_cap(_MAX_PAYLOAD),
+            ),
             description=_INBOUND,
         )
     },
@@ -520,7 +528,7 @@ PATHS: dict[str, Any] = {
                 "507": _E507,
             },
             parameters=(params.INBOX_ID,),
-            body="InboxAppend",
+            body=_json_body("InboxAppend", inbox.body_cap(_MAX_PAYLOAD)),
             security=_STORING,
         )
     },

@@ -17,6 +17,8 @@ from relay.storage.store import EnqueueOutcome, EnqueueRequest, Message, ReadRes
 
 routes = web.RouteTableDef()
 ENQUEUE_ROUTE = "/v1/queues/{recipient}/messages"  # the route template (metrics label)
+ACK_MAX_BODY = 1 << 20
+DRAIN_MAX_BODY = 1 << 16  # a drain has no body to speak of; any is signed
 
 
 def enqueue_error(outcome: EnqueueOutcome) -> ApiError | None:
@@ -154,7 +156,7 @@ async def drain(request: web.Request) -> web.StreamResponse:
     recipient = params.recipient_key(request.match_info["recipient"])
     channel = params.channel_of(request)
     lim, wait = params.limit(request, c.settings), params.wait(request, c.settings)
-    body = await params.raw_body(request, 1 << 16)
+    body = await params.raw_body(request, DRAIN_MAX_BODY)
     await c.auth.verify(request, recipient, body)
     result = await c.service.drain(recipient, channel, lim, wait)
     return await read_response(request, result, None, drained=True)
@@ -206,7 +208,7 @@ async def ack(request: web.Request) -> web.Response:
     c = ctx(request)
     recipient = params.recipient_key(request.match_info["recipient"])
     channel = params.channel_of(request)
-    doc, raw = await params.json_body(request, 1 << 20)
+    doc, raw = await params.json_body(request, ACK_MAX_BODY)
     await c.auth.verify(request, recipient, raw)
     up_to, seqs = parse_ack(doc)
     removed = await asyncio.shield(c.service.ack(recipient, channel, up_to, seqs))

@@ -279,6 +279,31 @@ def test_the_relay_reads_no_parameter_its_operation_leaves_out(
     assert checked > 0
 
 
+WITH_BODY = [
+    (path, method, op["requestBody"])
+    for path, ops in document()["paths"].items()
+    for method, op in ops.items()
+    if "requestBody" in op
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "method", "body"), WITH_BODY, ids=[f"{m.upper()} {p}" for p, m, _ in WITH_BODY]
+)
+def test_each_body_is_read_up_to_its_documented_cap(
+    path: str, method: str, body: dict[str, Any], relay_url: str, http: requests.Session
+) -> None:
+    """x-max-bytes is the cap the handler reads the body under: one byte more is 413."""
+    cap = body["x-max-bytes"]
+    url = relay_url + path.replace("{recipient}", "A" * 43)
+    headers = {"Content-Type": next(iter(body["content"])), "X-Inbox-ID": "inbox-cap"}
+    over = http.request(method, url, data=b"{" * (cap + 1), headers=headers, timeout=30)
+    assert (over.status_code, over.json()["code"]) == (413, "payload_too_large")
+    assert f"max size ({cap} bytes)" in over.json()["error"]
+    at = http.request(method, url, data=b"{" * cap, headers=headers, timeout=30)
+    assert at.status_code != 413, at.text
+
+
 # Wrong documents, each a disagreement this document once had or could have: the run must fail.
 def _param(doc: dict[str, Any], path: str, name: str) -> dict[str, Any]:
     op = doc["paths"][path]["get"] if "get" in doc["paths"][path] else doc["paths"][path]["post"]
