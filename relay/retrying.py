@@ -55,6 +55,8 @@ SLOT_FENCED = Policy(first_s=0.005, cap_s=0.1)
 OUTCOME_UNKNOWN = Policy(first_s=0.01, cap_s=0.25)
 # A shard's wakeup subscriber connecting (relay/storage/wakeups.py): for as long as it runs.
 WAKEUP_CONNECT = Policy(first_s=0.05, cap_s=2.0)
+# A subscriber to one Sentinel's failover news (relay/storage/sentinel.py): until unwatched.
+SENTINEL_WATCH = Policy(first_s=0.2, cap_s=0.2)
 # The Kubernetes API (relay/kubeapi.py, both clients): the first try and five retries, ~6 s.
 KUBE_API = Policy(first_s=0.2, cap_s=3.0, attempts=6, jitter_s=0.1)
 # The shard-map ConfigMap watch of a relay (relay/fleet/configmap.py): until the relay stops.

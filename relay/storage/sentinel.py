@@ -43,6 +43,7 @@ import redis.sentinel
 from redis.exceptions import RedisError, ResponseError
 
 from relay.fleet.sharding import SentinelTarget, is_sentinel_url, parse_sentinel_url
+from relay.retrying import SENTINEL_WATCH, retrying
 
 log = logging.getLogger("relay.sentinel")
 
@@ -245,39 +246,45 @@ class SentinelWatch:
                 log.exception("failover listener failed")
 
     async def _run(self, idx: int) -> None:
+        """Follow Sentinel `idx` for as long as the watch runs, connecting again when it drops."""
+
+        def unknown(_exc: BaseException, _wait_s: float) -> None:
+            # an unreachable Sentinel's view is unknown: not held against the primary
+            self._set_down(idx, False)
+            self._failing.discard(idx)
+
+        follow = retrying(SENTINEL_WATCH, _UNREACHABLE, on_retry=unknown)
+        await follow(self._follow, idx)
+
+    async def _follow(self, idx: int) -> None:
+        """One session with Sentinel `idx`: its view now, then its news until it drops."""
         host, port = self.target.sentinels[idx]
         kw = _sentinel_kwargs(self.target, None)
         kw["socket_timeout"] = None  # a subscriber waits for news; its liveness is the PING below
-        while True:
-            client = aioredis.Redis(host=host, port=port, **kw)
+        client = aioredis.Redis(host=host, port=port, **kw)
+        try:
+            # what this Sentinel thinks now (the events only tell changes)
             try:
-                # what this Sentinel thinks now (the events only tell changes)
-                try:
-                    async with asyncio.timeout(_ASK_TIMEOUT_S):
-                        state = await client.sentinel_master(self.target.service)
-                except ResponseError:
-                    state = None  # a service it does not know (yet)
-                down, failing = _flags(state)
-                self._set_down(idx, down)
-                (self._failing.add if failing else self._failing.discard)(idx)
-                async with client.pubsub() as pubsub:
-                    async with asyncio.timeout(_ASK_TIMEOUT_S):
-                        await pubsub.subscribe(*_EVENTS)
-                    while True:
-                        msg = await pubsub.get_message(timeout=5.0)
+                async with asyncio.timeout(_ASK_TIMEOUT_S):
+                    state = await client.sentinel_master(self.target.service)
+            except ResponseError:
+                state = None  # a service it does not know (yet)
+            down, failing = _flags(state)
+            self._set_down(idx, down)
+            (self._failing.add if failing else self._failing.discard)(idx)
+            async with client.pubsub() as pubsub:
+                async with asyncio.timeout(_ASK_TIMEOUT_S):
+                    await pubsub.subscribe(*_EVENTS)
+                while True:
+                    msg = await pubsub.get_message(timeout=5.0)
+                    if msg is None:
+                        await pubsub.ping()  # a dead Sentinel shows as no answer
+                        msg = await pubsub.get_message(timeout=2.0)
                         if msg is None:
-                            await pubsub.ping()  # a dead Sentinel shows as no answer
-                            msg = await pubsub.get_message(timeout=2.0)
-                            if msg is None:
-                                raise TimeoutError("the Sentinel did not answer PING")
-                        self._dispatch(idx, msg)
-            except _UNREACHABLE:
-                # an unreachable Sentinel's view is unknown: not held against the primary
-                self._set_down(idx, False)
-                self._failing.discard(idx)
-                await asyncio.sleep(0.2)
-            finally:
-                await client.aclose()
+                            raise TimeoutError("the Sentinel did not answer PING")
+                    self._dispatch(idx, msg)
+        finally:
+            await client.aclose()
 
     def _set_down(self, idx: int, down: bool) -> None:
         if down and idx not in self._down:

@@ -24,6 +24,7 @@ import pytest
 import redis
 
 from relay.storage import keys as K
+from relay.storage.pipeline import ScriptBatcher, StoreUnavailable, encode
 from tests.support.faults import call, start_relay, stop_relay
 from tests.support.fleet_harness import b64
 from tests.support.sentinel_shard import ReplicatedShard, needs_sentinel
@@ -172,4 +173,67 @@ async def test_a_primary_the_sentinels_hold_down_is_not_taken(tmp_path: Path) ->
     finally:
         if node.proc is not None and node.proc.poll() is None:
             node.proc.send_signal(signal.SIGCONT)
+        await asyncio.to_thread(shard.stop)
+
+
+async def _node_port(lane: ScriptBatcher) -> int:
+    """The port of the node `lane`'s connection is on (INFO server over that connection)."""
+    info = await lane.submit(encode("INFO", "server"))
+    line = next(x for x in info.decode().splitlines() if x.startswith("tcp_port:"))
+    return int(line.split(":", 1)[1])
+
+
+async def test_a_failover_moves_both_lanes_off_the_live_old_primary_and_leaves_the_new_one(
+    tmp_path: Path,
+) -> None:
+    """SENTINEL FAILOVER: the old primary stays live (the Sentinels demote it a moment later),
+    the case where the bulk lane's reads once stayed on a deposed primary. Each Sentinel's
+    switch notice moves a connection that is not on the announced primary; a connection
+    already there is kept through the notices that follow."""
+    from relay.storage import sentinel
+
+    shard = await asyncio.to_thread(ReplicatedShard(tmp_path / "redis", replicas=1).start)
+    old, new = shard.nodes
+    url = shard.url()
+    client = sentinel.async_client(url)
+    lanes = [ScriptBatcher(client, url), ScriptBatcher(client, url, reply_bytes=1 << 20)]  # hot, bulk
+    heard: list[int] = []
+    unwatch = sentinel.watch(url, lambda host, port: heard.append(port))
+    try:
+        assert [await _node_port(lane) for lane in lanes] == [old.port, old.port]
+        with redis.Redis(port=shard.sentinels[0].port, socket_timeout=2.0) as s0:
+            assert s0.execute_command("SENTINEL", "FAILOVER", "shard-a")
+        deadline = time.monotonic() + 30
+        ports: list[int] = []
+        while time.monotonic() < deadline:
+            try:
+                ports = [await _node_port(lane) for lane in lanes]
+            except StoreUnavailable:
+                ports = []  # moving: no primary named yet, or the node named is not one yet
+            if ports == [new.port, new.port]:
+                break
+            await asyncio.sleep(0.05)
+        assert ports == [new.port, new.port], f"lanes on {ports}, primary {new.port}"
+        # every Sentinel announces the switch; those that come later keep the new connections
+        await asyncio.sleep(3.0)
+        # not only the first: a lane that reconnected in between to a node a lagging Sentinel
+        # still named is moved by a later one
+        assert len(heard) >= 2, heard
+        assert set(heard) == {new.port}
+        kept = [await lane.submit(encode("CLIENT", "ID")) for lane in lanes]
+        for lane in lanes:
+            lane._primary_changed("127.0.0.1", new.port)  # a later notice: the lane is there
+        assert [await lane.submit(encode("CLIENT", "ID")) for lane in lanes] == kept  # same connections
+        hot = lanes[0]
+        hot._primary_changed("127.0.0.1", old.port)  # a notice naming another node: it moves
+        moved = await hot.submit(encode("CLIENT", "ID"))
+        assert moved != kept[0]
+        assert await _node_port(hot) == new.port  # (the Sentinels name the new one)
+        assert old.proc is not None
+        assert old.proc.poll() is None  # live all along
+    finally:
+        unwatch()
+        for lane in lanes:
+            await lane.close()
+        await client.aclose()
         await asyncio.to_thread(shard.stop)
