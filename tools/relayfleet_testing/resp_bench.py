@@ -102,23 +102,31 @@ async def _publish(url: str, n: int) -> None:
     await proc.wait()
 
 
+async def _receive(url: str, n: int, arrived: Callable[[], Awaitable[int]]) -> float:
+    """Start the publisher, then count what `arrived` says came (messages per call) until all
+    `n` did: the CPU microseconds per message after the first arrival."""
+    pub = asyncio.ensure_future(_publish(url, n))
+    first = got = await arrived()
+    c0 = time.process_time()
+    while got < n:
+        got += await arrived()
+    cpu = time.process_time() - c0
+    await pub
+    return cpu / max(1, n - first) * 1e6
+
+
 async def _sub_hand(url: str, n: int) -> float:
     reader, writer = await open_connection(RedisTarget.from_url(url), 5.0)
     conn = Conn(reader, writer)
+
+    async def arrived() -> int:
+        replies = conn.received(await conn.read())
+        return sum(1 for msg in replies if isinstance(msg, list) and msg[0] == b"message")
+
     try:
         conn.send("SUBSCRIBE", "wake")
         await conn.reply()
-        pub = asyncio.ensure_future(_publish(url, n))
-        got, c0 = 0, 0.0
-        while got < n:
-            for msg in conn.received(await conn.read()):
-                if isinstance(msg, list) and msg[0] == b"message":
-                    if not got:
-                        c0 = time.process_time()
-                    got += 1
-        cpu = time.process_time() - c0
-        await pub
-        return cpu
+        return await _receive(url, n, arrived)
     finally:
         conn.close()
 
@@ -127,19 +135,14 @@ async def _sub_redis_py(url: str, n: int) -> float:
     client = aioredis.Redis.from_url(url)
     try:
         async with client.pubsub() as ps:
+
+            async def arrived() -> int:
+                msg = await ps.get_message(timeout=5.0)
+                return int(msg is not None and msg["type"] == "message")
+
             await ps.subscribe("wake")
             await ps.get_message(timeout=5.0)  # the subscribe confirmation
-            pub = asyncio.ensure_future(_publish(url, n))
-            got, c0 = 0, 0.0
-            while got < n:
-                msg = await ps.get_message(timeout=5.0)
-                if msg is not None and msg["type"] == "message":
-                    if not got:
-                        c0 = time.process_time()
-                    got += 1
-            cpu = time.process_time() - c0
-            await pub
-            return cpu
+            return await _receive(url, n, arrived)
     finally:
         await client.aclose()
 
@@ -172,7 +175,7 @@ async def _measure_wake(url: str, n: int, rounds: int) -> dict[str, float]:
     cpu: dict[str, list[float]] = {name: [] for name in SUBSCRIBERS}
     for _ in range(rounds):
         for name, run in SUBSCRIBERS.items():
-            cpu[name].append(await run(url, n) / (n - 1) * 1e6)
+            cpu[name].append(await run(url, n))
     return {name: statistics.median(cpu[name]) for name in SUBSCRIBERS}
 
 
