@@ -138,6 +138,7 @@ INBOX_ID = Param(
     required=True,
 )
 # the parsers below run on the hot path: the bound methods, looked up once
+PARAMS = (RECIPIENT, CHANNEL, FROM_SEQ, LIMIT, WAIT, IDEMPOTENCY_KEY, INBOX_ID)  # every one declared
 _IDEMPOTENCY_KEY = IDEMPOTENCY_KEY.regex.fullmatch
 
 

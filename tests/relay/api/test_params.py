@@ -24,8 +24,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "wait": lambda raw: params.wait_value(raw, S),
     "Idempotency-Key": params.idempotency_value,
 }
-DECLARED = {p.name: p for p in (params.RECIPIENT, params.CHANNEL, params.FROM_SEQ, params.LIMIT, params.WAIT)}
-DECLARED["Idempotency-Key"] = params.IDEMPOTENCY_KEY
+DECLARED = {p.name: p for p in params.PARAMS}  # X-Inbox-ID: matched with its regex in inbox.py
 
 
 def refusal(name: str, raw: str) -> ApiError | None:
