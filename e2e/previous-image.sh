@@ -5,7 +5,8 @@
 # usage: e2e/previous-image.sh SOCKET   (as root; SOCKET: the node's containerd socket)
 #
 # Built once from the previous release's tree (`git archive` of the commit test_upgrade.py names):
-# a wheel of it, then hack/images.sh's recipe for the relay image. The archive is cached under
+# a wheel of it, then hack/images.sh's recipe for the relay image, its dependencies resolved from
+# that wheel as that release did (RELAYFLEET_IMAGES_LOCK=none: not this tree's lock). The archive is cached under
 # ${cache_root}/cluster-images/ by that commit; later runs only import it.
 set -euo pipefail
 sock="$1"
@@ -32,7 +33,7 @@ if [[ ! -f "${archive}" ]]; then
   rf_nice "${py}" -m build --wheel --outdir "${work}/wheel" "${work}/tree" >"${work}/build.log" 2>&1 ||
     { tail -20 "${work}/build.log" >&2; die "building the ${version} wheel failed"; }
   mkdir -p "${work}/out"
-  PYTHON="${py}" rf_nice bash "${repo_root}/hack/images.sh" "${version}" "$(ls "${work}"/wheel/*.whl)" "${work}/out" relayfleet
+  RELAYFLEET_IMAGES_LOCK=none PYTHON="${py}" rf_nice bash "${repo_root}/hack/images.sh" "${version}" "$(ls "${work}"/wheel/*.whl)" "${work}/out" relayfleet
   mkdir -p "${cache_root}/cluster-images"
   mv -f "${work}/out/relayfleet-image-${version}.oci.tar" "${archive}"
   log "built in $((SECONDS - t0)) s: ${archive}"

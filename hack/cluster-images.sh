@@ -46,7 +46,7 @@ key_of() { # name: the content key of what the image is made of
   local -a inputs=(hack/images.sh hack/oci_image.py)
   case "$1" in
     relayfleet | relayfleet-spark)
-      inputs+=(relay operator spark_jobs pyproject.toml README.md Dockerfile Dockerfile.spark e2e/docker) ;;
+      inputs+=(relay operator spark_jobs pyproject.toml README.md requirements hack/lock.py Dockerfile Dockerfile.spark e2e/docker) ;;
     redis) inputs+=(Dockerfile.redis) ;;
     pause) ;; # pause.c of the pinned Kubernetes version: its tag, in the key below
   esac

@@ -31,6 +31,10 @@
 #   redis image:  the tools are there; `redis-server` answers `redis-cli ping` as uid 999
 #   pause image:  /pause runs and exits 0 on SIGTERM
 set -euo pipefail
+# --deps-keys: print each layered image's dependency-layer cache key and stop (no root needed;
+# tests/project/test_cluster_node.py checks what changes them)
+keys_only=""
+if [[ "${1-}" == --deps-keys ]]; then keys_only=1; set -- - - - relayfleet relayfleet-spark; fi
 version="$1" wheel="$2" dist="$3"
 shift 3
 wanted=("$@")
@@ -55,19 +59,32 @@ redis_server="${REDIS_SERVER:-/usr/bin/redis-server}"
 # SOURCE_DATE_EPOCH (reproducible builds): the commit's time, else the version's release time is unknown: 0
 epoch="${SOURCE_DATE_EPOCH:-$(git -C "${root}" log -1 --format=%ct 2>/dev/null || echo 0)}"
 
-[[ "$(id -u)" -eq 0 ]] || { log "needs root (debootstrap, chroot)"; exit 1; }
-for tool in debootstrap unshare chroot curl; do
-  command -v "${tool}" >/dev/null || { log "${tool} not found (apt-get install debootstrap util-linux curl)"; exit 1; }
-done
-if want relayfleet; then
-  [[ -x "${redis_server}" ]] || { log "${redis_server} not found (the relay image's smoke test needs it)"; exit 1; }
+if [[ -z "${keys_only}" ]]; then
+  [[ "$(id -u)" -eq 0 ]] || { log "needs root (debootstrap, chroot)"; exit 1; }
+  for tool in debootstrap unshare chroot curl; do
+    command -v "${tool}" >/dev/null || { log "${tool} not found (apt-get install debootstrap util-linux curl)"; exit 1; }
+  done
+  if want relayfleet; then
+    [[ -x "${redis_server}" ]] || { log "${redis_server} not found (the relay image's smoke test needs it)"; exit 1; }
+  fi
+  if { want relayfleet || want relayfleet-spark; } && [[ "${RELAYFLEET_IMAGES_LOCK:-}" != none ]]; then
+    "${py}" "${root}/hack/lock.py" --check || exit 1
+  fi
 fi
 
+# The whole build in a mount namespace of its own: the overlayfs mounts below (and anything a
+# step mounts) go away with it, whatever ends the script.
+if [[ -z "${keys_only}" && "${RELAYFLEET_IMAGES_NS-}" != "$$" ]]; then
+  RELAYFLEET_IMAGES_NS=$$ exec unshare --mount --propagation private -- "${BASH}" "${BASH_SOURCE[0]}" "${version}" "${wheel}" "${dist}" "${wanted[@]}"
+fi
 work="$(mktemp -d "${TMPDIR:-/tmp}/relayfleet-images.XXXXXX")"
 pids=()
+mounts=()
 cleanup() {
   for pid in "${pids[@]}"; do kill -KILL "${pid}" 2>/dev/null || true; done
   wait 2>/dev/null || true
+  local i
+  for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do umount "${mounts[i]}" 2>/dev/null || true; done
   rm -rf "${work}"
 }
 trap cleanup EXIT
@@ -92,16 +109,24 @@ image_argv() {
   [[ "${#argv[@]}" -gt 3 ]] || { log "no run argv for ${dir}"; exit 1; }
 }
 
+# base_dir_of ROOTFS-NAME PARENT-OR-"" PACKAGES...: where that base rootfs is cached
+base_dir_of() {
+  local name="$1" parent="$2"
+  shift 2
+  local recipe
+  recipe="$(printf '%s\n' "v1" "${suite}" "${mirror}" "${security}" "${parent}" "$@")"
+  # base_setup: a shell step before the packages go in (a user whose uid they must not pick)
+  [[ -z "${base_setup-}" ]] || recipe+=$'\n'"${base_setup}"
+  printf '%s/image-base/%s-%s\n' "${cache}" "${name}" "$(printf '%s' "${recipe}" | rf_key)"
+}
+
 # base ROOTFS-NAME PARENT-OR-"" PACKAGES...: a cached base rootfs; prints its directory.
 base() {
   local name="$1" parent="$2"
   shift 2
-  local recipe key dir
-  recipe="$(printf '%s\n' "v1" "${suite}" "${mirror}" "${security}" "${parent}" "$@")"
-  # base_setup: a shell step before the packages go in (a user whose uid they must not pick)
-  [[ -z "${base_setup-}" ]] || recipe+=$'\n'"${base_setup}"
-  key="$(printf '%s' "${recipe}" | rf_key)"
-  dir="${cache}/image-base/${name}-${key}"
+  local key dir
+  dir="$(base_dir_of "${name}" "${parent}" "$@")"
+  key="${dir##*-}"
   if [[ -d "${dir}" ]]; then
     log "base ${name}: cached (${dir})"
     printf '%s\n' "${dir}"
@@ -144,50 +169,167 @@ EOF
   printf '%s\n' "${dir}"
 }
 
-# image NAME DOCKERFILE BASE EXTRAS: the rootfs in ${work}/NAME with the venv, ready to pack.
-# pip runs inside the rootfs (its python3.11 decides environment markers: Debian's 3.11.2 needs
-# async-timeout where the release venv's newer 3.11 does not), online, with the project's pip
-# cache bind-mounted at /root/.cache/pip (so nothing of it lands in the image).
-image() {
-  local name="$1" dockerfile="$2" base_dir="$3" extras="$4"
-  local rfs="${work}/${name}"
-  cp -a "${base_dir}" "${rfs}"
-  mkdir -p "${rfs}/tmp/wheels" "${rfs}/root/.cache/pip" "${cache}/pip"
-  cp "${wheel}" "${rfs}/tmp/wheels/"
-  cp /etc/resolv.conf "${rfs}/etc/resolv.conf"
-  # pip in the rootfs trusts what the host's pip trusts (a site's TLS-intercepting proxy CA), for this step only
-  cp "${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}" "${rfs}/tmp/wheels/host-ca.pem"
+# in_root_pip DIR CMD...: in_root with the project's pip cache at /root/.cache/pip (so nothing of
+# it lands in the image), the host's resolver and CA bundle (a site's TLS-intercepting proxy) for
+# this step only, and pip's settings; SOURCE_DATE_EPOCH: the caller's ${layer_epoch}
+in_root_pip() {
+  local dir="$1"
+  shift
+  mkdir -p "${dir}/tmp/build" "${dir}/root/.cache/pip" "${cache}/pip"
+  cp /etc/resolv.conf "${dir}/etc/resolv.conf"
+  cp "${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}" "${dir}/tmp/build/host-ca.pem"
   unshare --mount --propagation private --pid --fork --kill-child -- sh -c '
     set -e; d="$1" c="$2"; shift 2
     mount -t proc proc "$d/proc"
     mount --rbind /dev "$d/dev"
     mount --bind "$c" "$d/root/.cache/pip"
     rc=0; chroot "$d" "$@" || rc=$?
-    exit "$rc"' in_root "${rfs}" "${cache}/pip" \
+    exit "$rc"' in_root "${dir}" "${cache}/pip" \
     /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root PIP_DEFAULT_TIMEOUT=180 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    SOURCE_DATE_EPOCH="${epoch}" PIP_CERT=/tmp/wheels/host-ca.pem PIP_INDEX_URL="${PIP_INDEX_URL:-https://pypi.org/simple}" sh -c '
+    PYTHONDONTWRITEBYTECODE=1 SOURCE_DATE_EPOCH="${layer_epoch}" PIP_CERT=/tmp/build/host-ca.pem \
+    PIP_INDEX_URL="${PIP_INDEX_URL:-https://pypi.org/simple}" "$@" >&2
+  rm -rf "${dir}/tmp/build" "${dir}/root/.cache" "${dir}/etc/resolv.conf"
+}
+
+# The two layers of the relayfleet and relayfleet-spark images (Dockerfile, Dockerfile.spark):
+#   dependencies  the base rootfs + the image's users + /opt/venv holding the image's locked set
+#                 (requirements/NAME.txt, `make lock`: pip --require-hashes --no-deps); cached
+#                 under ${cache}/image-deps/NAME-KEY as a tree and as its packed layer, KEY: the
+#                 base, the lock, this recipe; built once per locked set, never per commit
+#   code          the relayfleet wheel installed --no-deps (`pip check` then proves the lock
+#                 complete), for Spark also /app/spark_jobs and the entrypoint: the upper dir of
+#                 an overlayfs on the dependency tree, packed alone (a few MiB)
+# So a code change repacks only the code layer, and the dependency layer keeps its digest (a
+# node's containerd keeps its unpacked snapshot). RELAYFLEET_IMAGES_LOCK=none (the previous
+# release's image, e2e/previous-image.sh): no lock; the code layer installs the wheel with its
+# dependencies, resolved online, as that release did.
+deps_recipe_version=1
+relay_users='groupadd --gid 10001 relayfleet && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin relayfleet'
+spark_users='groupadd --gid 185 spark && useradd --uid 185 --gid 185 --no-create-home --home-dir /app --shell /usr/sbin/nologin spark'
+# /opt/spark: the pyspark wheel's tree (SPARK_HOME of Dockerfile.spark)
+spark_setup="${spark_users}"' && ln -s /opt/venv/lib/python3.11/site-packages/pyspark /opt/spark && mkdir -p /app'
+
+lock_of() { # name: the lock file the image installs, or "" (RELAYFLEET_IMAGES_LOCK=none)
+  [[ "${RELAYFLEET_IMAGES_LOCK:-}" == none ]] || printf '%s\n' "${root}/requirements/$1.txt"
+}
+
+# deps_epoch LOCK: the layer's mtime clamp: the lock's own commit (author) time, so the layer is
+# the same bytes for every commit that keeps the lock
+deps_epoch() {
+  local t=""
+  [[ -z "$1" ]] || t="$(git -C "${root}" log -1 --format=%at -- "$1" 2>/dev/null || true)"
+  printf '%s\n' "${t:-${epoch}}"
+}
+
+# deps_key NAME BASE-DIR SETUP: the dependency layer's cache key
+deps_key() {
+  local lock
+  lock="$(lock_of "$1")"
+  {
+    printf '%s\n' "deps-v${deps_recipe_version}" "$1" "${2##*/}" "$3" "$(deps_epoch "${lock}")"
+    if [[ -n "${lock}" ]]; then sha256sum <"${lock}"; else echo "no lock"; fi
+  } | rf_key
+}
+
+# deps_layer NAME BASE-DIR SETUP: the cached dependency layer's directory (rootfs/, layer.tar.gz
+# and its .json descriptor); builds it if missing.
+deps_layer() {
+  local name="$1" base_dir="$2" setup="$3"
+  local key dir lock layer_epoch
+  key="$(deps_key "${name}" "${base_dir}" "${setup}")"
+  dir="${cache}/image-deps/${name}-${key}"
+  if [[ -f "${dir}/layer.tar.gz.json" ]]; then
+    log "dependency layer ${name}: cached (${dir})"
+    printf '%s\n' "${dir}"
+    return
+  fi
+  lock="$(lock_of "${name}")"
+  layer_epoch="$(deps_epoch "${lock}")"
+  local started=${SECONDS} tmp="${cache}/image-deps/.${name}-${key}.$$"
+  rm -rf "${tmp}"
+  mkdir -p "${tmp}"
+  cp -a "${base_dir}" "${tmp}/rootfs"
+  local req=""
+  if [[ -n "${lock}" ]]; then
+    log "dependency layer ${name}: ${lock#"${root}"/} ($(grep -c '==' "${lock}") pins)"
+    mkdir -p "${tmp}/rootfs/tmp/build"
+    cp "${lock}" "${tmp}/rootfs/tmp/requirements.txt"
+    req=/tmp/requirements.txt
+  fi
+  in_root_pip "${tmp}/rootfs" sh -c '
     set -e
+    eval "$1"
     python3.11 -m venv /opt/venv
     /opt/venv/bin/pip install -q --upgrade pip
-    /opt/venv/bin/pip install -q "$(ls /tmp/wheels/*.whl)[$1]"' sh "${extras}" >&2
-  rm -rf "${rfs}/tmp/wheels" "${rfs}/root/.cache" "${rfs}/etc/resolv.conf"
-  "${py}" "${root}/hack/oci_image.py" config --dockerfile "${root}/${dockerfile}" \
+    if [ -n "$2" ]; then /opt/venv/bin/pip install -q --require-hashes --no-deps -r "$2"; fi' sh "${setup}" "${req}"
+  rm -f "${tmp}/rootfs/tmp/requirements.txt"
+  "${py}" "${root}/hack/oci_image.py" layer --rootfs "${tmp}/rootfs" --out "${tmp}/layer.tar.gz" --epoch "${layer_epoch}" >/dev/null
+  # a concurrent build may have finished the same layer first: keep theirs
+  mv -T "${tmp}" "${dir}" 2>/dev/null || rm -rf "${tmp}"
+  log "dependency layer ${name}: built in $((SECONDS - started)) s ($(du -m "${dir}/layer.tar.gz" | cut -f1) MiB packed)"
+  printf '%s\n' "${dir}"
+}
+
+# overlay LOWER DIR: DIR (made here) is an overlayfs on LOWER, its changes in DIR.upper (this
+# script's own mount namespace: everything mounted goes with it)
+overlay() {
+  mkdir -p "$2" "$2.upper" "$2.ovl-work"
+  mount -t overlay overlay -o "lowerdir=$1,upperdir=$2.upper,workdir=$2.ovl-work" "$2"
+  mounts+=("$2")
+}
+
+# code_layer NAME DEPS-DIR EXTRAS: ${work}/NAME.code.tar.gz (+ .json), the wheel on the dependency
+# tree; the tree itself stays mounted at ${work}/NAME for the image-specific steps below
+code_layer() {
+  local name="$1" deps="$2" extras="$3" rfs="${work}/$1" layer_epoch="${epoch}"
+  overlay "${deps}/rootfs" "${rfs}"
+  mkdir -p "${rfs}/tmp/wheels"
+  cp "${wheel}" "${rfs}/tmp/wheels/"
+  if [[ -n "$(lock_of "${name}")" ]]; then
+    in_root_pip "${rfs}" sh -c '
+      set -e
+      /opt/venv/bin/pip install -q --no-index --no-deps /tmp/wheels/*.whl
+      /opt/venv/bin/pip check >/dev/null || { /opt/venv/bin/pip check; echo "the lock misses a dependency: make lock" >&2; exit 1; }'
+  else
+    in_root_pip "${rfs}" sh -c '/opt/venv/bin/pip install -q "$(ls /tmp/wheels/*.whl)[$1]"' sh "${extras}"
+  fi
+  rm -rf "${rfs}/tmp/wheels"
+}
+
+# finish_code_layer NAME DOCKERFILE: pack the upper dir; the image config from the Dockerfile
+finish_code_layer() {
+  local name="$1" rfs="${work}/$1"
+  umount "${rfs}"
+  # what the steps left that is no image content: the mount points' and /tmp's copied-up entries
+  "${py}" "${root}/hack/oci_image.py" layer --rootfs "${rfs}.upper" --out "${work}/${name}.code.tar.gz" --epoch "${epoch}" >/dev/null
+  log "code layer ${name}: $(du -k "${work}/${name}.code.tar.gz" | cut -f1) KiB"
+  "${py}" "${root}/hack/oci_image.py" config --dockerfile "${root}/$2" \
     --base-path /usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin >"${work}/${name}.image-config.json"
 }
 
-# pack_and_unpack NAME [TAG]: dist/NAME-image-<v>.oci.tar, then its layer unpacked into ${work}/NAME.run
+# pack_and_unpack NAME [TAG]: dist/NAME-image-<v>.oci.tar, then unpacked for the runs below into
+# ${work}/NAME.run: a layered image's code layer onto an overlay of its cached dependency tree
+# (the dependency layer in the archive is that tree's cached blob, its digest checked in pack),
+# a single-layer image whole
 pack_and_unpack() {
   local name="$1" tag="${2:-${version}}" out="${dist}/$1-image-${version}.oci.tar"
-  local digest
-  digest="$("${py}" "${root}/hack/oci_image.py" pack --rootfs "${work}/${name}" --config "${work}/${name}.image-config.json" \
+  local digest deps="${deps_dir[$1]-}"
+  local -a layers=(--rootfs "${work}/${name}")
+  [[ -z "${deps}" ]] || layers=(--layer "${deps}/layer.tar.gz" --layer "${work}/${name}.code.tar.gz")
+  digest="$("${py}" "${root}/hack/oci_image.py" pack "${layers[@]}" --config "${work}/${name}.image-config.json" \
     --ref "${tag}" --name "ghcr.io/relayfleet/${name}:${tag}" --epoch "${epoch}" --out "${out}")"
   log "${out##*/}: ghcr.io/relayfleet/${name}:${tag} manifest ${digest} ($(du -m "${out}" | cut -f1) MiB)"
   if command -v skopeo >/dev/null; then
     skopeo inspect --config "oci-archive:${out}:${tag}" >/dev/null \
       || { log "skopeo inspect oci-archive:${out} failed"; exit 1; }
   fi
-  rm -rf "${work:?}/${name}"
-  "${py}" "${root}/hack/oci_image.py" unpack --archive "${out}" --out "${work}/${name}.run" >"${work}/${name}.run.config.json"
+  rm -rf "${work:?}/${name}" "${work:?}/${name}.upper" "${work:?}/${name}.ovl-work"
+  local skip=0
+  if [[ -n "${deps}" ]]; then
+    overlay "${deps}/rootfs" "${work}/${name}.run"
+    skip=1
+  fi
+  "${py}" "${root}/hack/oci_image.py" unpack --archive "${out}" --out "${work}/${name}.run" --skip "${skip}" >"${work}/${name}.run.config.json"
   # what a container runtime provides: /etc/hosts naming the pod's hostname (Spark resolves it)
   [[ ! -d "${work}/${name}.run/etc" ]] ||
     printf '127.0.0.1\tlocalhost\n::1\tlocalhost\n127.0.1.1\t%s\n' "$(hostname)" >"${work}/${name}.run/etc/hosts"
@@ -196,6 +338,12 @@ pack_and_unpack() {
 relay_pkgs=(python3.11 python3.11-venv python3 ca-certificates netbase tzdata)
 spark_pkgs=(openjdk-17-jre-headless tini procps)
 redis_pkgs=(redis-server redis-sentinel redis-tools)
+if [[ -n "${keys_only}" ]]; then
+  relay_base="$(base_dir_of relay "" "${relay_pkgs[@]}")"
+  printf 'relayfleet %s\n' "$(deps_key relayfleet "${relay_base}" "${relay_users}")"
+  printf 'relayfleet-spark %s\n' "$(deps_key relayfleet-spark "$(base_dir_of spark "${relay_base}" "${spark_pkgs[@]}")" "${spark_setup}")"
+  exit 0
+fi
 started=${SECONDS}
 if want relayfleet || want relayfleet-spark; then
   relay_base="$(base relay "" "${relay_pkgs[@]}")"
@@ -212,22 +360,23 @@ if want redis; then
 fi
 log "bases ready in $((SECONDS - started)) s"
 
+declare -A deps_dir=()
 if want relayfleet; then
   # --- relayfleet (Dockerfile) ----------------------------------------------------------------
-  image relayfleet Dockerfile "${relay_base}" operator
-  in_root "${work}/relayfleet" sh -c 'groupadd --gid 10001 relayfleet && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin relayfleet'
+  deps_dir[relayfleet]="$(deps_layer relayfleet "${relay_base}" "${relay_users}")"
+  code_layer relayfleet "${deps_dir[relayfleet]}" operator
+  finish_code_layer relayfleet Dockerfile
   pack_and_unpack relayfleet
 fi
 if want relayfleet-spark; then
   # --- relayfleet-spark (Dockerfile.spark) ----------------------------------------------------
-  image relayfleet-spark Dockerfile.spark "${spark_base}" spark,operator
+  deps_dir[relayfleet-spark]="$(deps_layer relayfleet-spark "${spark_base}" "${spark_setup}")"
+  code_layer relayfleet-spark "${deps_dir[relayfleet-spark]}" spark,operator
   rfs="${work}/relayfleet-spark"
-  in_root "${rfs}" sh -c 'groupadd --gid 185 spark && useradd --uid 185 --gid 185 --no-create-home --home-dir /app --shell /usr/sbin/nologin spark'
-  ln -s /opt/venv/lib/python3.11/site-packages/pyspark "${rfs}/opt/spark"
-  mkdir -p "${rfs}/app"
   (cd "${root}" && git ls-files -z spark_jobs | tar --null -T - -cf -) | tar -xf - -C "${rfs}/app" --no-same-owner
   install -m 0755 "${root}/e2e/docker/spark-entrypoint.sh" "${rfs}/opt/entrypoint.sh"
   [[ -x "${rfs}/usr/lib/jvm/java-17-openjdk-amd64/bin/java" ]] || { log "JAVA_HOME of Dockerfile.spark is not in the rootfs"; exit 1; }
+  finish_code_layer relayfleet-spark Dockerfile.spark
   pack_and_unpack relayfleet-spark
 fi
 if want redis; then

@@ -2,12 +2,18 @@
 """Daemonless image packing for `make release` (hack/images.sh): a root filesystem → an OCI archive.
 
     oci_image.py config --dockerfile Dockerfile --base-path PATH   the final stage's image config, JSON
-    oci_image.py pack --rootfs DIR --config FILE --ref TAG [--name NAME] --out X.oci.tar [--epoch N]
+    oci_image.py layer --rootfs DIR --out BLOB [--epoch N]         one gzip layer of DIR (+ BLOB.json)
+    oci_image.py pack [--layer BLOB]... [--rootfs DIR] --config FILE --ref TAG [--name NAME]
+                      --out X.oci.tar [--epoch N]
 
 `config` reads the runtime settings (ENV, USER, WORKDIR, EXPOSE, ENTRYPOINT, CMD) from the
 Dockerfile itself, so the daemonless image and `docker build` cannot drift apart on them.
-`pack` writes one gzip layer of the whole tree plus config, manifest and index in an OCI image
-layout, tarred (what `skopeo copy oci-archive:X.oci.tar docker://...` pushes). The index names
+`layer` writes one gzip layer of a tree and its descriptor (BLOB.json: diff_id, digest, size):
+hack/images.sh caches the dependency layer that way and makes the code layer of an overlayfs
+upper directory (its whiteouts, a 0/0 character device or an opaque directory, become the OCI
+`.wh.` entries). `pack` writes the layers given (in order: --layer blobs, then the tree of
+--rootfs if given) plus config, manifest and index in an OCI image layout, tarred (what
+`skopeo copy oci-archive:X.oci.tar docker://...` pushes). The index names
 the manifest by its tag (`org.opencontainers.image.ref.name`, what skopeo's `oci-archive:X:TAG`
 looks up) and, given --name, by its full name (`io.containerd.image.name`, what a plain
 `ctr images import X` names the image; without it ctr would call it `import-<date>:TAG`). The output is
@@ -25,6 +31,8 @@ import json
 import os
 import re
 import shlex
+import shutil
+import stat
 import sys
 import tarfile
 import tempfile
@@ -134,11 +142,72 @@ def _layer(rootfs: Path, out: IO[bytes], epoch: int) -> tuple[str, str, int]:
         info.uname = info.gname = ""
         return info
 
+    def add(tar: tarfile.TarFile, path: Path, arcname: str) -> None:
+        st = path.lstat()
+        if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:  # overlayfs whiteout: NAME was deleted
+            parent, _, base = arcname.rpartition("/")
+            info = tarfile.TarInfo(f"{parent}/{WHITEOUT}{base}" if parent else f"{WHITEOUT}{base}")
+            info.mtime = min(int(st.st_mtime), epoch)
+            tar.addfile(info)
+            return
+        info = tar.gettarinfo(path, arcname)
+        kept = None if info is None else normalize(info)  # None: a socket, never part of an image
+        if kept is None:
+            return
+        if kept.isreg():
+            with open(path, "rb") as f:
+                tar.addfile(kept, f)
+            return
+        tar.addfile(kept)
+        if kept.isdir():
+            if _opaque(path):  # overlayfs: the lower layers' entries of this directory are hidden
+                opq = tarfile.TarInfo(f"{arcname}/{OPAQUE}")
+                opq.mtime = kept.mtime
+                tar.addfile(opq)
+            for entry in sorted(os.listdir(path)):
+                add(tar, path / entry, f"{arcname}/{entry}")
+
     with tarfile.open(fileobj=diff, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for entry in sorted(os.listdir(rootfs)):
-            tar.add(rootfs / entry, arcname=entry, recursive=True, filter=normalize)
+            add(tar, rootfs / entry, entry)
     gz.close()
     return f"sha256:{diff.sha.hexdigest()}", f"sha256:{blob.sha.hexdigest()}", blob.size
+
+
+WHITEOUT = ".wh."
+OPAQUE = ".wh..wh..opq"
+
+
+def _opaque(path: Path) -> bool:
+    for attr in ("trusted.overlay.opaque", "user.overlay.opaque"):
+        try:
+            if os.getxattr(path, attr, follow_symlinks=False) == b"y":
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def write_layer(rootfs: Path, out: Path, epoch: int) -> dict[str, Any]:
+    """`rootfs` as a gzip layer blob at `out`, its descriptor (also written to OUT.json)."""
+    partial = out.with_name(out.name + ".partial")
+    with open(partial, "wb") as f:
+        diff_id, digest, size = _layer(rootfs, f, epoch)
+    partial.rename(out)
+    desc = {"diff_id": diff_id, "digest": digest, "size": size}
+    out.with_name(out.name + ".json").write_text(json.dumps(desc, sort_keys=True) + "\n")
+    return desc
+
+
+def _copy_verified(src: Path, dest: Path, digest: str) -> None:
+    """Copy a cached blob, failing if it is no longer the content its descriptor names."""
+    sha = hashlib.sha256()
+    with open(src, "rb") as f, open(dest, "wb") as g:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+            g.write(chunk)
+    if f"sha256:{sha.hexdigest()}" != digest:
+        raise ValueError(f"{src}: content is not {digest} (a changed cache? remove it)")
 
 
 def _json_blob(obj: Any) -> bytes:
@@ -148,23 +217,43 @@ def _json_blob(obj: Any) -> bytes:
 CONTAINERD_NAME = "io.containerd.image.name"
 
 
-def pack(rootfs: Path, image_config: dict[str, Any], ref: str, out: Path, epoch: int, name: str = "") -> str:
-    """Write the OCI archive (named `name` for containerd, if given); returns the manifest digest."""
+def pack(
+    rootfs: Path | None,
+    image_config: dict[str, Any],
+    ref: str,
+    out: Path,
+    epoch: int,
+    name: str = "",
+    layers: tuple[Path, ...] = (),
+) -> str:
+    """Write the OCI archive of `layers` (blobs of write_layer) then `rootfs` (named `name` for
+    containerd, if given); returns the manifest digest."""
     created = _rfc3339(epoch)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         layout = Path(tmp)
         blobs = layout / "blobs" / "sha256"
         blobs.mkdir(parents=True)
-        with open(layout / "layer.tmp", "wb") as f:
-            diff_id, layer_digest, layer_size = _layer(rootfs, f, epoch)
-        (layout / "layer.tmp").rename(blobs / layer_digest.split(":")[1])
+        descs: list[dict[str, Any]] = []
+        for blob in layers:
+            desc = json.loads(blob.with_name(blob.name + ".json").read_text())
+            _copy_verified(blob, blobs / desc["digest"].split(":")[1], desc["digest"])
+            descs.append(desc)
+        if rootfs is not None:
+            with open(layout / "layer.tmp", "wb") as f:
+                diff_id, layer_digest, layer_size = _layer(rootfs, f, epoch)
+            (layout / "layer.tmp").rename(blobs / layer_digest.split(":")[1])
+            descs.append({"diff_id": diff_id, "digest": layer_digest, "size": layer_size})
+        if not descs:
+            raise ValueError("an image needs a layer (--layer or --rootfs)")
         config = {
             "created": created,
             "architecture": _arch(),
             "os": "linux",
             "config": image_config,
-            "rootfs": {"type": "layers", "diff_ids": [diff_id]},
-            "history": [{"created": created, "created_by": "relayfleet hack/images.sh (daemonless)"}],
+            "rootfs": {"type": "layers", "diff_ids": [d["diff_id"] for d in descs]},
+            "history": [
+                {"created": created, "created_by": "relayfleet hack/images.sh (daemonless)"} for _ in descs
+            ],
         }
 
         def put(data: bytes) -> dict[str, Any]:
@@ -177,7 +266,7 @@ def pack(rootfs: Path, image_config: dict[str, Any], ref: str, out: Path, epoch:
             "schemaVersion": 2,
             "mediaType": OCI_MANIFEST,
             "config": config_desc,
-            "layers": [{"mediaType": OCI_LAYER, "digest": layer_digest, "size": layer_size}],
+            "layers": [{"mediaType": OCI_LAYER, "digest": d["digest"], "size": d["size"]} for d in descs],
         }
         manifest_desc = {"mediaType": OCI_MANIFEST, **put(_json_blob(manifest))}
         manifest_desc["annotations"] = {"org.opencontainers.image.ref.name": ref}
@@ -205,8 +294,10 @@ def pack(rootfs: Path, image_config: dict[str, Any], ref: str, out: Path, epoch:
     return str(manifest_desc["digest"])
 
 
-def unpack(archive: Path, dest: Path) -> dict[str, Any]:
-    """Extract an archive's (single-manifest) layers into `dest`, owners kept; returns its config."""
+def unpack(archive: Path, dest: Path, skip: int = 0) -> dict[str, Any]:
+    """Extract an archive's (single-manifest) layers into `dest`, owners kept, whiteouts applied;
+    returns its config. `skip`: the first layers are there already (hack/images.sh mounts the
+    cached dependency layer's tree under `dest`)."""
     with tarfile.open(archive) as outer:
 
         def blob(digest: str) -> IO[bytes]:
@@ -219,12 +310,25 @@ def unpack(archive: Path, dest: Path) -> dict[str, Any]:
         manifest = json.load(blob(index["manifests"][0]["digest"]))
         config: dict[str, Any] = json.load(blob(manifest["config"]["digest"]))
         dest.mkdir(parents=True, exist_ok=True)
-        for layer in manifest["layers"]:
+        for layer in manifest["layers"][skip:]:
             with tarfile.open(fileobj=blob(layer["digest"]), mode="r|gz") as tar:
-                tar.extractall(
-                    dest, numeric_owner=True, filter="fully_trusted"
-                )  # our own archive: keep modes (/tmp 1777)
+                for member in tar:
+                    parent, _, base = member.name.rpartition("/")
+                    if base == OPAQUE:
+                        for entry in os.listdir(dest / parent):
+                            _remove(dest / parent / entry)
+                    elif base.startswith(WHITEOUT):
+                        _remove(dest / parent / base.removeprefix(WHITEOUT))
+                    else:  # our own archive: keep modes (/tmp 1777) and owners
+                        tar.extract(member, dest, numeric_owner=True, filter="fully_trusted")
     return config
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.is_symlink() or path.exists():
+        path.unlink()
 
 
 def blob_of(tar: tarfile.TarFile, name: str) -> IO[bytes]:
@@ -274,8 +378,13 @@ def main(argv: list[str]) -> int:
     cfg = sub.add_parser("config", help="the Dockerfile's final-stage config as OCI image config JSON")
     cfg.add_argument("--dockerfile", type=Path, required=True)
     cfg.add_argument("--base-path", required=True, help="PATH of the base image")
-    pk = sub.add_parser("pack", help="pack a rootfs as an OCI archive")
-    pk.add_argument("--rootfs", type=Path, required=True)
+    ly = sub.add_parser("layer", help="one gzip layer of a tree (and BLOB.json); prints its descriptor")
+    ly.add_argument("--rootfs", type=Path, required=True)
+    ly.add_argument("--out", type=Path, required=True)
+    ly.add_argument("--epoch", type=int, default=int(os.environ.get("SOURCE_DATE_EPOCH", "0")))
+    pk = sub.add_parser("pack", help="pack layers (blobs of `layer`, then a rootfs) as an OCI archive")
+    pk.add_argument("--layer", type=Path, action="append", default=[], help="a blob of `layer`, bottom first")
+    pk.add_argument("--rootfs", type=Path, help="a tree packed as the top layer")
     pk.add_argument("--config", type=Path, required=True, help="image config JSON (from `config`)")
     pk.add_argument(
         "--ref", required=True, help="tag recorded in index.json (org.opencontainers.image.ref.name)"
@@ -286,12 +395,13 @@ def main(argv: list[str]) -> int:
     up = sub.add_parser("unpack", help="extract an OCI archive's layers; prints its config JSON")
     up.add_argument("--archive", type=Path, required=True)
     up.add_argument("--out", type=Path, required=True)
+    up.add_argument("--skip", type=int, default=0, help="layers already under --out (not extracted)")
     ra = sub.add_parser("run-argv", help="NUL-separated argv running the image (see run_argv)")
     ra.add_argument("--config", type=Path, required=True, help="config JSON (from `unpack`)")
     ra.add_argument("args", nargs="*")
     args = parser.parse_args(argv)
     if args.cmd == "unpack":
-        print(json.dumps(unpack(args.archive, args.out), indent=2))
+        print(json.dumps(unpack(args.archive, args.out, args.skip), indent=2))
         return 0
     if args.cmd == "run-argv":
         sys.stdout.write("\0".join(run_argv(json.loads(args.config.read_text()), args.args)) + "\0")
@@ -299,7 +409,11 @@ def main(argv: list[str]) -> int:
     if args.cmd == "config":
         print(json.dumps(dockerfile_config(args.dockerfile.read_text(), args.base_path), indent=2))
         return 0
-    digest = pack(args.rootfs, json.loads(args.config.read_text()), args.ref, args.out, args.epoch, args.name)
+    if args.cmd == "layer":
+        print(json.dumps(write_layer(args.rootfs, args.out, args.epoch)))
+        return 0
+    config = json.loads(args.config.read_text())
+    digest = pack(args.rootfs, config, args.ref, args.out, args.epoch, args.name, tuple(args.layer))
     print(digest)
     return 0
 

@@ -172,6 +172,7 @@ KEY_INPUTS = (
     "hack/lib.sh",
     "hack/images.sh",
     "hack/oci_image.py",
+    "hack/lock.py",
     "hack/control-plane.sh",
     "hack/version.py",
     "pyproject.toml",
@@ -182,6 +183,8 @@ KEY_INPUTS = (
     "relay/__init__.py",
     "spark_jobs/__init__.py",
     "e2e/docker/spark-entrypoint.sh",
+    "requirements/relayfleet.txt",
+    "requirements/relayfleet-spark.txt",
 )
 
 
@@ -230,7 +233,47 @@ def test_an_edit_rebuilds_the_images_made_of_it_and_no_other(tmp_path: Path) -> 
     cp = tree / "hack" / "control-plane.sh"
     cp.write_text(re.sub(r'(?m)^KUBE_VERSION="[^"]*"$', 'KUBE_VERSION="v1.99.0"', cp.read_text()))
     assert changed("hack/control-plane.sh", "") == {"pause"}
+    assert changed("requirements/relayfleet-spark.txt", "# a new lock\n") == {
+        "relayfleet",
+        "relayfleet-spark",
+    }
     assert changed("hack/images.sh", "# an edit of the recipes\n") == set(IMAGES)
+
+
+def test_a_code_change_keeps_the_dependency_layers_a_lock_change_rebuilds_its_own(tmp_path: Path) -> None:
+    """The relay and Spark images' dependency layers (hack/images.sh, cached under image-deps/)
+    are keyed by their lock and base, never by the product's files: a code-only commit reuses
+    them and builds only the code layer."""
+    tree = tmp_path / "tree"
+    for rel in KEY_INPUTS:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_bytes((ROOT / rel).read_bytes())
+    subprocess.run(["git", "init", "-q", str(tree)], check=True, timeout=30)
+
+    def keys() -> dict[str, str]:
+        out = subprocess.run(
+            ["bash", str(tree / "hack" / "images.sh"), "--deps-keys"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "RELAYFLEET_CACHE_DIR": str(tmp_path / "cache")},
+        ).stdout
+        found = dict(line.split() for line in out.splitlines())
+        assert set(found) == {"relayfleet", "relayfleet-spark"}, out
+        return found
+
+    before = keys()
+    for rel in ("relay/__init__.py", "spark_jobs/__init__.py", "pyproject.toml", "Dockerfile", "README.md"):
+        with (tree / rel).open("a") as f:
+            f.write("# a code-only edit\n")
+    (tree / "relay" / "new_module.py").write_text("X = 1\n")
+    assert keys() == before
+    with (tree / "requirements" / "relayfleet.txt").open("a") as f:
+        f.write("# a new lock\n")
+    after = keys()
+    assert after["relayfleet"] != before["relayfleet"]
+    assert after["relayfleet-spark"] == before["relayfleet-spark"]
 
 
 # --- the provisioner's decisions (pure) ---------------------------------------------------------

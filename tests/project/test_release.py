@@ -9,15 +9,19 @@ import io
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
 import tarfile
+import tomllib
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 STAMPED = [
@@ -186,6 +190,158 @@ def test_pack_writes_a_reproducible_oci_archive_that_skopeo_reads(tmp_path: Path
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["config"]["Entrypoint"] == ["relayfleet"]
+
+
+def _layer_members(archive: Path, oci: Any) -> tuple[list[str], list[dict[str, tarfile.TarInfo]]]:
+    """The manifest's layer digests and each layer's members by name."""
+    with tarfile.open(archive) as outer:
+        index = json.loads(oci.blob_of(outer, "index.json").read())
+        blob = lambda d: oci.blob_of(outer, f"blobs/sha256/{d.split(':')[1]}").read()  # noqa: E731
+        manifest = json.loads(blob(index["manifests"][0]["digest"]))
+        digests = [layer["digest"] for layer in manifest["layers"]]
+        members = []
+        for d in digests:
+            with tarfile.open(fileobj=io.BytesIO(gzip.decompress(blob(d)))) as tar:
+                members.append({m.name: m for m in tar.getmembers()})
+    return digests, members
+
+
+def test_a_code_change_repacks_only_the_code_layer(tmp_path: Path) -> None:
+    """hack/images.sh's two layers: the dependency layer's blob is packed once and reused as it
+    is; a new code layer on it leaves its digest (and a node's unpacked snapshot of it) alone."""
+    oci = _oci()
+    deps = tmp_path / "deps"
+    _tiny_rootfs(deps)
+    (deps / "opt" / "venv" / "lib").mkdir()
+    (deps / "opt" / "venv" / "lib" / "old.py").write_text("OLD = 1\n")
+    (deps / "opt" / "cache").mkdir()
+    (deps / "opt" / "cache" / "stale").write_text("x")
+    deps_blob = tmp_path / "deps.tar.gz"
+    desc = oci.write_layer(deps, deps_blob, 1_700_000_000)
+    assert json.loads((tmp_path / "deps.tar.gz.json").read_text()) == desc
+    config = oci.dockerfile_config((ROOT / "Dockerfile").read_text(), BASE_PATH)
+
+    def image(code: str, out: str) -> Path:
+        # an overlayfs upper dir as the kernel leaves it: new files, a whiteout (a 0/0 character
+        # device) for a deleted file, an opaque directory that hides the lower one's entries
+        upper = tmp_path / f"upper-{out}"
+        (upper / "opt" / "venv" / "lib").mkdir(parents=True)
+        (upper / "opt" / "venv" / "lib" / "relay.py").write_text(code)
+        os.mknod(upper / "opt" / "venv" / "lib" / "old.py", 0o600 | stat.S_IFCHR, os.makedev(0, 0))
+        (upper / "opt" / "cache").mkdir()
+        os.setxattr(upper / "opt" / "cache", "trusted.overlay.opaque", b"y")
+        (upper / "opt" / "cache" / "fresh").write_text("y")
+        code_blob = tmp_path / f"code-{out}.tar.gz"
+        oci.write_layer(upper, code_blob, 1_700_000_000)
+        archive = tmp_path / f"{out}.oci.tar"
+        oci.pack(None, config, "9.9.9", archive, 1_700_000_000, layers=(deps_blob, code_blob))
+        return archive
+
+    first = image("X = 1\n", "a")
+    second = image("X = 2  # a code-only change\n", "b")
+    (d1, c1), top1 = _layer_members(first, oci)[0], _layer_members(first, oci)[1][1]
+    d2, c2 = _layer_members(second, oci)[0]
+    assert d1 == d2 == desc["digest"]
+    assert c1 != c2
+    # the whiteouts in OCI form, the deleted file not packed as a device
+    assert "opt/venv/lib/.wh.old.py" in top1
+    assert "opt/venv/lib/old.py" not in top1
+    assert "opt/cache/.wh..wh..opq" in top1
+
+    out = tmp_path / "unpacked"
+    assert oci.unpack(second, out)["config"] == config
+    assert (out / "opt" / "venv" / "lib" / "relay.py").read_text() == "X = 2  # a code-only change\n"
+    assert not (out / "opt" / "venv" / "lib" / "old.py").exists()
+    assert sorted(os.listdir(out / "opt" / "cache")) == ["fresh"]
+    assert (out / "opt" / "venv" / "bin" / "tool").read_text() == "#!/bin/sh\necho hi\n"
+    # --skip 1: the dependency tree is there already (hack/images.sh mounts it), only the code goes on
+    only_code = tmp_path / "only-code"
+    oci.unpack(second, only_code, skip=1)
+    assert not (only_code / "opt" / "venv" / "bin").exists()
+    assert (only_code / "opt" / "venv" / "lib" / "relay.py").is_file()
+
+    # a cached blob that changed since its descriptor was written is refused, not shipped
+    with open(deps_blob, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ValueError, match="content is not"):
+        image("X = 3\n", "c")
+
+
+# --- the images' locked dependency sets (hack/lock.py, requirements/*.txt) ----------------------
+
+
+def _lock() -> Any:
+    spec = importlib.util.spec_from_file_location("lock", ROOT / "hack" / "lock.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pins(path: Path) -> dict[str, str]:
+    """name -> pinned version; each pin must carry its hashes (pip --require-hashes)."""
+    pins: dict[str, str] = {}
+    hashes: dict[str, int] = {}
+    name = ""
+    for line in path.read_text().splitlines():
+        if "==" in line and not line.startswith((" ", "#")):
+            name, _, rest = line.partition("==")
+            name = canonicalize_name(name)
+            pins[name] = rest.split()[0].rstrip(";")
+            hashes[name] = 0
+        elif line.strip().startswith("--hash=sha256:"):
+            hashes[name] += 1
+    assert pins, path
+    assert all(hashes.values()), {n for n, c in hashes.items() if not c}
+    return pins
+
+
+def test_the_image_locks_match_pyproject(tmp_path: Path) -> None:
+    """Each image installs its lock (requirements/NAME.txt) with --require-hashes --no-deps: it must
+    be what pyproject.toml asks for now (else `make lock`), every direct requirement pinned within
+    its range, the relay image's pins the Spark image's too."""
+    lock = _lock()
+    assert lock.stale() == [], "run make lock"
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = {name: _pins(lock.lock_path(name)) for name in lock.LOCKS}
+    for name, extras in lock.LOCKS.items():
+        wanted = [Requirement(r) for r in pyproject["dependencies"]]
+        wanted += [Requirement(r) for e in extras for r in pyproject["optional-dependencies"][e]]
+        for req in wanted:
+            pinned = pins[name].get(canonicalize_name(req.name))
+            assert pinned is not None, f"{req.name} not in {name}'s lock"
+            assert req.specifier.contains(pinned, prereleases=True), (name, req, pinned)
+    assert pins["relayfleet"].items() <= pins["relayfleet-spark"].items()
+    assert "pyspark" in pins["relayfleet-spark"]
+    assert "pyspark" not in pins["relayfleet"]
+
+    # an edit of a dependency without `make lock` is found (no network, no uv needed)
+    (tmp_path / "requirements").mkdir()
+    for name in lock.LOCKS:
+        shutil.copy(lock.lock_path(name), tmp_path / "requirements")
+    edited = (
+        (ROOT / "pyproject.toml")
+        .read_text()
+        .replace('"orjson>=3.13,<4",', '"orjson>=3.13,<4",\n  "attrs",', 1)
+    )
+    assert edited != (ROOT / "pyproject.toml").read_text()
+    (tmp_path / "pyproject.toml").write_text(edited)
+    assert lock.stale(tmp_path) == ["requirements/relayfleet.txt", "requirements/relayfleet-spark.txt"]
+    spark_only = (
+        (ROOT / "pyproject.toml")
+        .read_text()
+        .replace('spark = ["pyspark>=4.3,<5"]', 'spark = ["pyspark>=4.3,<6"]')
+    )
+    (tmp_path / "pyproject.toml").write_text(spark_only)
+    assert lock.stale(tmp_path) == ["requirements/relayfleet-spark.txt"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "hack" / "lock.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
 
 
 # --- the wheel holds the product only (tools/ is the relayfleet-testing distribution) -----------
