@@ -2,7 +2,8 @@
 # The previous release's relay image for e2e/test_upgrade.py, ghcr.io/relayfleet/relayfleet:0.1.0,
 # imported into the node of `make cluster`.
 #
-# usage: e2e/previous-image.sh SOCKET   (as root; SOCKET: the node's containerd socket)
+# usage: e2e/previous-image.sh SOCKET | --build   (as root; SOCKET: the node's containerd socket;
+#        --build: only build it into the cache, .ci/run does that beside make test)
 #
 # Built once from the previous release's tree (`git archive` of the commit test_upgrade.py names):
 # a wheel of it, then hack/images.sh's recipe for the relay image, its dependencies resolved from
@@ -38,6 +39,7 @@ if [[ ! -f "${archive}" ]]; then
   mv -f "${work}/out/relayfleet-image-${version}.oci.tar" "${archive}"
   log "built in $((SECONDS - t0)) s: ${archive}"
 fi
+[[ "${sock}" != --build ]] || exit 0
 ctr --address "${sock}" -n k8s.io images import "${archive}" >/dev/null
 ctr --address "${sock}" -n k8s.io images ls -q | grep -qxF "ghcr.io/relayfleet/relayfleet:${version}" ||
   die "containerd has no ghcr.io/relayfleet/relayfleet:${version} after the import"

@@ -10,7 +10,10 @@
 #   archive the archive's path in the cache for the tree as it is now (built or not)
 #   build   builds each archive not cached yet (as root: debootstrap, chroot); prints their paths
 #   import  build, then `ctr -n k8s.io images import` each archive into the containerd at SOCKET
-#           (each archive names its image: no --base-name, no retagging)
+#           (each archive names its image: no --base-name, no retagging), unless that containerd
+#           has this very archive already (recorded next to SOCKET, in imported/NAME): after a
+#           code change only the relay and Spark images load, and of them containerd unpacks
+#           only the code layer (the dependency layer's snapshot is there, same digest)
 # Cache keys: relayfleet and relayfleet-spark by the content of what they are made of (the
 # product's files, tracked or not, the Dockerfiles, the image scripts), so an edit rebuilds them;
 # redis by its recipe (Dockerfile.redis, hack/images.sh), pause by that and the Kubernetes version.
@@ -105,20 +108,34 @@ build_missing() { # name...: under the lock, again
   log "built ${missing[*]} in $((SECONDS - t0))s"
 }
 
-import() { # socket name...
-  local sock="$1" archive name
+import() { # socket name...: each archive not imported into that containerd yet
+  local sock="$1" archive name i
   shift
-  local t0=${SECONDS}
+  local t0=${SECONDS} record_dir
+  record_dir="${sock%/*}/imported"
   mapfile -t archives < <(build "$@")
-  for archive in "${archives[@]}"; do
+  mkdir -p "${record_dir}"
+  local -a names=("$@") loaded=()
+  local refs
+  refs="$(ctr --address "${sock}" -n k8s.io images ls -q)"
+  for i in "${!names[@]}"; do
+    name="${names[i]}" archive="${archives[i]}"
+    # the same archive (content key) imported before and its name still there: nothing to load
+    if [[ "$(cat "${record_dir}/${name}" 2>/dev/null)" == "${archive}" ]] && grep -qxF "$(ref "${name}")" <<<"${refs}"; then
+      continue
+    fi
     ctr --address "${sock}" -n k8s.io images import "${archive}" >/dev/null ||
       die "ctr images import ${archive} failed"
-  done
-  for name in "$@"; do
     ctr --address "${sock}" -n k8s.io images ls -q | grep -qxF "$(ref "${name}")" ||
       die "containerd has no $(ref "${name}") after the import"
+    printf '%s\n' "${archive}" >"${record_dir}/${name}"
+    loaded+=("${name}")
   done
-  log "imported $* in $((SECONDS - t0))s"
+  if ((${#loaded[@]} == 0)); then
+    log "$* unchanged: nothing imported ($((SECONDS - t0))s)"
+  else
+    log "imported ${loaded[*]} in $((SECONDS - t0))s"
+  fi
 }
 
 cmd="${1-}"
