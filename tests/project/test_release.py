@@ -196,7 +196,11 @@ def _layer_members(archive: Path, oci: Any) -> tuple[list[str], list[dict[str, t
     """The manifest's layer digests and each layer's members by name."""
     with tarfile.open(archive) as outer:
         index = json.loads(oci.blob_of(outer, "index.json").read())
-        blob = lambda d: oci.blob_of(outer, f"blobs/sha256/{d.split(':')[1]}").read()  # noqa: E731
+
+        def blob(digest: str) -> bytes:
+            data: bytes = oci.blob_of(outer, f"blobs/sha256/{digest.split(':')[1]}").read()
+            return data
+
         manifest = json.loads(blob(index["manifests"][0]["digest"]))
         digests = [layer["digest"] for layer in manifest["layers"]]
         members = []
