@@ -78,8 +78,21 @@ build() { # name...
     rf_lock .cluster-images.lock
     build_missing "$@"
   fi
-  local name
-  for name in "$@"; do archive_of "${name}"; done
+  local name archive
+  for name in "$@"; do
+    archive="$(archive_of "${name}")"
+    touch "${archive}" # its mtime: when a tree last used it (prune keeps the latest)
+    printf '%s\n' "${archive}"
+  done
+}
+
+# prune NAME: keep the 3 archives of NAME used last, remove older ones (a CI machine's cache
+# would otherwise grow by both images, ~770 MiB, with every commit)
+prune() {
+  local -a old
+  mapfile -t old < <(find "${cache_root}/cluster-images" -maxdepth 1 -name "$1-????????????????.oci.tar" -printf '%T@ %p\n' |
+    sort -rn | tail -n +4 | cut -d' ' -f2-)
+  ((${#old[@]} == 0)) || { rm -f -- "${old[@]}"; log "removed ${#old[@]} older $1 archive(s) from the cache"; }
 }
 
 build_missing() { # name...: under the lock, again
@@ -104,6 +117,7 @@ build_missing() { # name...: under the lock, again
   mkdir -p "${cache_root}/cluster-images"
   for name in "${missing[@]}"; do
     mv -f "${out}/${name}-image-${version}.oci.tar" "$(archive_of "${name}")"
+    prune "${name}"
   done
   log "built ${missing[*]} in $((SECONDS - t0))s"
 }
