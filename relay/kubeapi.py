@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from relay import retrying as policies
 from relay.retrying import KUBE_API
+from relay.settings import KUBECONFIG
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 MAX_RETRY_AFTER_S = 30  # a server asking for longer gets this (the caller's own retry takes over)
@@ -58,7 +59,7 @@ def _kubeconfig(path: str | None) -> str:
     """The kubeconfig to load: `path`, else $KUBECONFIG (read now: the client's own default is
     fixed when it is imported), else ~/.kube/config; KubeConfigError when no such file exists
     (said here, in one line, rather than by the loader's log warning and its vaguer error)."""
-    chosen = path or os.environ.get("KUBECONFIG") or "~/.kube/config"
+    chosen = path or KUBECONFIG.read() or "~/.kube/config"
     if not any(os.path.exists(os.path.expanduser(p)) for p in chosen.split(os.pathsep) if p):
         raise KubeConfigError(f"no usable Kubernetes configuration (not in a pod, no kubeconfig at {chosen})")
     return chosen

@@ -89,6 +89,13 @@ SHARD_MAP_CONFIGMAP = Setting(
     flag="--shard-map-configmap", metavar="NS/NAME",
 )
 
+# full shard URLs kept out of the map (relay/fleet/credentials.py): the relay reads the variable
+# only; the Spark jobs and `relayfleet plan` take it as --credentials-dir too (spark_jobs/settings.py)
+CREDENTIALS_DIR = Setting(
+    "RELAY_REDIS_CREDENTIALS_DIR", OPTIONAL, None, "one file per shard holding its full Redis URL",
+    metavar="DIR", field="credentials_dir",
+)
+
 # -- the relay process: flags (and their variables) -------------------------------------------
 HOST = Setting("RELAY_HOST", TEXT, "127.0.0.1", "address to listen on", flag="--host")
 PORT = Setting(
@@ -119,8 +126,16 @@ PUBLIC_URL = Setting(
 
 # -- the relay process: environment only ------------------------------------------------------
 _F, _C = "limits.", "2 x "
+# named: the operator sets these two on every relay it runs (builders/deployments.py)
+FLEET = Setting(
+    "RELAY_FLEET", TEXT, "default", "fleet name (metrics, a single --redis-url map)", field="fleet",
+)
+RETENTION_SECONDS = Setting(
+    "RELAY_RETENTION_SECONDS", INT, _LIMITS.retention_ms // 1000,
+    "how long an unacknowledged message is kept", field=_F + "retention_s",
+)
 RELAY_ENV_ONLY: tuple[Setting[Any], ...] = (
-    Setting("RELAY_FLEET", TEXT, "default", "fleet name (metrics, a single --redis-url map)", field="fleet"),
+    FLEET,
     Setting(
         "RELAY_ENQUEUE_TOKENS", TOKENS, (), "bearer tokens for enqueue (comma/newline separated)",
         secret=True, field="enqueue_tokens",
@@ -129,10 +144,7 @@ RELAY_ENV_ONLY: tuple[Setting[Any], ...] = (
         "RELAY_PUSH_WEBHOOK", OPTIONAL, None, "http(s) URL notified on enqueue to an offline recipient",
         secret=True, field="push_webhook",
     ),
-    Setting(
-        "RELAY_REDIS_CREDENTIALS_DIR", OPTIONAL, None, "one file per shard holding its full Redis URL",
-        field="credentials_dir",
-    ),
+    CREDENTIALS_DIR,
     Setting("RELAY_MAX_PAYLOAD", INT, 5_242_880, "largest message payload, bytes",
             field="max_payload", limit_key="maxPayloadBytes"),
     Setting("RELAY_MAX_WAITERS", INT, 20_000, "concurrent long-polls before 503", field="max_waiters"),
@@ -192,8 +204,7 @@ RELAY_ENV_ONLY: tuple[Setting[Any], ...] = (
         "in a shard's reserve, a message taking its queue past this is 507 storage_reserve", lo=0,
         field=_F + "shard_reserve_queue_bytes", limit_key="shardReserveQueueBytes",
     ),
-    Setting("RELAY_RETENTION_SECONDS", INT, _LIMITS.retention_ms // 1000,
-            "how long an unacknowledged message is kept", field=_F + "retention_s"),
+    RETENTION_SECONDS,
     Setting("RELAY_MAX_RESPONSE_BYTES", INT, _LIMITS.max_response_bytes,
             "payload bytes per read/drain/live batch", lo=1, field=_F + "max_response_bytes"),
     Setting("RELAY_REDIS_WRITE_TIMEOUT_S", FLOAT, _LIMITS.write_timeout_s,

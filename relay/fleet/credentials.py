@@ -1,7 +1,8 @@
 """Full Redis URLs (with passwords) kept out of the shard map.
 
 The operator stores them in the fleet's credentials Secret, mounted as one file
-per shard; relays, migrations and the Spark jobs all read them the same way.
+per shard; relays, migrations and the Spark jobs all read them the same way, from the directory
+RELAY_REDIS_CREDENTIALS_DIR names (declared once: relay/settings.py's CREDENTIALS_DIR).
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ import dataclasses
 from pathlib import Path
 
 from relay.fleet.sharding import ShardMap
-
-CREDENTIALS_ENV = "RELAY_REDIS_CREDENTIALS_DIR"
 
 
 class CredentialsError(ValueError):
