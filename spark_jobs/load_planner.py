@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -568,19 +567,9 @@ def read_stats_direct(shard_map: ShardMap, at_ms: int, task_slots: int = 2048) -
 
 def add_plan_args(p: Any) -> None:
     """Options shared by `relayfleet plan` and the Spark rebalance job."""
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--shard-map", metavar="FILE", help="shard map JSON file (env RELAY_SHARD_MAP)")
-    src.add_argument(
-        "--shard-map-configmap",
-        metavar="NS/NAME",
-        help="ConfigMap holding shardmap.json, as the relays read it (env RELAY_SHARD_MAP_CONFIGMAP)",
-    )
-    p.add_argument(
-        "--credentials-dir",
-        default=os.environ.get("RELAY_REDIS_CREDENTIALS_DIR"),
-        metavar="DIR",
-        help="one file per shard holding its full Redis URL (env RELAY_REDIS_CREDENTIALS_DIR)",
-    )
+    from spark_jobs.settings import add_source_args
+
+    add_source_args(p)
     p.add_argument("--metric", choices=METRICS, default="blend", help="what load means (default: blend)")
     p.add_argument(
         "--tolerance",
@@ -614,15 +603,10 @@ def add_plan_args(p: Any) -> None:
 
 def map_from_args(args: Any) -> ShardMap:
     """The shard map the flags name, else the one RELAY_SHARD_MAP / RELAY_SHARD_MAP_CONFIGMAP
-    name (as `relayfleet relay` reads them; a flag wins over both variables)."""
+    name (as `relayfleet relay` reads them; spark_jobs/settings.py: a flag wins over both)."""
     from spark_jobs.shard_io import load_shard_map
 
-    path, configmap = args.shard_map, args.shard_map_configmap
-    if not path and not configmap:
-        path = os.environ.get("RELAY_SHARD_MAP") or None
-        configmap = os.environ.get("RELAY_SHARD_MAP_CONFIGMAP") or None
-        args.shard_map, args.shard_map_configmap = path, configmap
-    return load_shard_map(path, configmap)
+    return load_shard_map(args.shard_map, args.shard_map_configmap)
 
 
 def resolve_weights(args: Any, shard_map: ShardMap) -> dict[str, float]:
@@ -644,9 +628,14 @@ def resolve_weights(args: Any, shard_map: ShardMap) -> dict[str, float]:
 
 def plan_main(argv: list[str]) -> int:
     """`relayfleet plan`: read every shard's slot statistics, print the JSON plan."""
-    from spark_jobs.shard_io import ArgParser, JobError, UsageError, now_ms, with_credentials
+    from spark_jobs.settings import PLAN_SETTINGS, environment_help
+    from spark_jobs.shard_io import ArgParser, JobError, UsageError, now_ms, parse_job_args, with_credentials
 
-    p = ArgParser(prog="relayfleet plan", description="Rebalance plan without Spark; JSON on stdout.")
+    p = ArgParser(
+        prog="relayfleet plan",
+        description="Rebalance plan without Spark; JSON on stdout.",
+        epilog=environment_help(PLAN_SETTINGS),
+    )
     add_plan_args(p)
     p.add_argument(
         "--rebalance-yaml",
@@ -655,7 +644,7 @@ def plan_main(argv: list[str]) -> int:
     )
     p.add_argument("--name", default="manual-rebalance", help="with --rebalance-yaml: its metadata.name")
     try:
-        args = p.parse_args(argv)
+        args = parse_job_args(p, argv)
         shard_map = map_from_args(args)
         weights = resolve_weights(args, shard_map)
         shard_map = with_credentials(shard_map, args.credentials_dir)

@@ -33,6 +33,7 @@ from spark_jobs.load_planner import (
     resolve_weights,
 )
 from spark_jobs.run_summary import JobInput, RunSummary, add_job_args, run_job
+from spark_jobs.settings import environment_help
 from spark_jobs.shard_io import (
     GROUP,
     VERSION,
@@ -184,7 +185,11 @@ def _namespace(args: Any) -> str:
 
 
 def _parser() -> ArgParser:
-    p = ArgParser(prog="python -m spark_jobs.rebalance", description=__doc__.split("\n\n")[0])
+    p = ArgParser(
+        prog="python -m spark_jobs.rebalance",
+        description=__doc__.split("\n\n")[0],
+        epilog=environment_help(),
+    )
     add_plan_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan as JSON; change nothing")
     p.add_argument("--namespace", help="where the RelayRebalance goes (default: the ConfigMap's)")

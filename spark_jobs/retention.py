@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from relay.storage.maintenance import ShardMaintenance, TrimPolicy
 from spark_jobs.run_summary import JobInput, RunSummary, add_job_args, run_job
+from spark_jobs.settings import add_source_args, environment_help
 from spark_jobs.shard_io import (
-    CREDENTIALS_ENV,
     ArgParser,
     JobError,
     SlotTask,
@@ -215,16 +214,12 @@ def policies_for(
 
 
 def _parser() -> ArgParser:
-    p = ArgParser(prog="python -m spark_jobs.retention", description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--shard-map", metavar="FILE")
-    src.add_argument("--shard-map-configmap", metavar="NS/NAME")
-    p.add_argument(
-        "--credentials-dir",
-        default=os.environ.get(CREDENTIALS_ENV),
-        metavar="DIR",
-        help=f"one file per shard holding its full Redis URL (env {CREDENTIALS_ENV})",
+    p = ArgParser(
+        prog="python -m spark_jobs.retention",
+        description=__doc__.split("\n\n")[0],
+        epilog=environment_help(),
     )
+    add_source_args(p)
     p.add_argument("--max-age", type=int, metavar="SECONDS", help=f"default {DEFAULT_MAX_AGE_S}")
     p.add_argument("--max-messages", type=int, metavar="N", help=f"per queue, default {DEFAULT_MAX_MESSAGES}")
     idle = p.add_mutually_exclusive_group()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,15 +28,15 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge, pushadd_to_gateway
 
+from relay.envconfig import add_flag
 from relay.fleet.sharding import ShardMap
 from relay.storage.maintenance import MaintenanceError
 from spark_jobs.session import get_session, owns_session
-from spark_jobs.shard_io import JobError, SlotTask, UsageError, failure_line
+from spark_jobs.settings import PUSHGATEWAY
+from spark_jobs.shard_io import JobError, SlotTask, UsageError, failure_line, parse_job_args
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
-
-PUSHGATEWAY_ENV = "RELAYFLEET_PUSHGATEWAY"
 
 
 @dataclass
@@ -61,7 +60,7 @@ class RunSummary:
         line.update(self.figures)
         if not self.quiet:
             print(f"{self.job}: run summary {json.dumps(line, sort_keys=True)}", file=sys.stderr)
-        gateway = self.pushgateway or os.environ.get(PUSHGATEWAY_ENV) or None
+        gateway = self.pushgateway or PUSHGATEWAY.read()
         if not gateway:
             return
         try:
@@ -98,12 +97,7 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task-slots", type=int, default=1024, metavar="N", help="slots per Spark task")
     p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument(
-        "--pushgateway",
-        default=os.environ.get(PUSHGATEWAY_ENV),
-        metavar="URL",
-        help=f"push the run summary to this Prometheus Pushgateway (env {PUSHGATEWAY_ENV})",
-    )
+    add_flag(p, PUSHGATEWAY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +139,7 @@ def _drive(
     reading: tuple[type[Exception], ...] = (*usage, JobError)
     working: tuple[type[Exception], ...] = (*bad_input, JobError, MaintenanceError)
     try:
-        args = parser.parse_args(argv)
+        args = parse_job_args(parser, argv)
         run.pushgateway, run.active = args.pushgateway, True
         job_input = prepare(args)
     except SystemExit as exc:  # --help

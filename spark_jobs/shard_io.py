@@ -8,13 +8,14 @@ and executors import this module with only the task function's needs.
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from relay.envconfig import EnvHelpParser
+from relay.envconfig import ConfigError, EnvHelpParser
 from relay.fleet import credentials
 from relay.fleet.contract import shard_map_from_configmap_data
 from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
@@ -39,6 +40,19 @@ class ArgParser(EnvHelpParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
+
+
+def parse_job_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """`argv` parsed, each flag not given filled from its variable (spark_jobs/settings.py); a bad
+    value is a UsageError naming the flag or the variable."""
+    from spark_jobs import settings
+
+    args = parser.parse_args(argv)
+    try:
+        settings.resolve(args)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    return args
 
 
 def now_ms() -> int:
@@ -129,9 +143,6 @@ def load_shard_map(path: str | None, configmap: str | None) -> ShardMap:
         except ShardMapError as exc:
             raise JobError(str(exc)) from None
     raise UsageError("one of --shard-map or --shard-map-configmap is required")
-
-
-CREDENTIALS_ENV = credentials.CREDENTIALS_ENV
 
 
 def with_credentials(shard_map: ShardMap, directory: str | None) -> ShardMap:

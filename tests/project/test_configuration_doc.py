@@ -1,5 +1,5 @@
 """docs/configuration.md is generated from the settings' declarations (`make docs`) and checked
-here; every relay or operator variable named anywhere (docs, the chart, the CRDs, the code's
+here; every relay, operator or Spark job variable named anywhere (docs, the chart, the CRDs, the code's
 strings) is one that is declared, so a name cannot drift (RELAYFLEET_SHARD_MAP was once written
 where the variable is RELAY_SHARD_MAP); and the defaults and mappings the other pages repeat
 (docs/api.md's table, "`VARIABLE` (default)" in prose, docs/operator.md's spec.limits table) are
@@ -22,6 +22,7 @@ from relayfleet_operator.spec import DEFAULTABLE_LIMITS
 from relay.envconfig import DEPRECATED_ENV, REMOVED_ENV
 from relay.settings import COMMAND_SETTINGS, RELAY_SETTINGS
 from relay.storage.limits import QueueLimits
+from spark_jobs.settings import SPARK_SETTINGS
 from tests.support.chart import ROOT
 
 SCRIPT = ROOT / "hack" / "configuration_doc.py"
@@ -38,7 +39,10 @@ NOT_SETTINGS = {
     "RELAY_FAULTS_REPORT",
     "RELAY_FAULTS_SEED",
 }
-NAME = re.compile(r"\b(?:RELAY|RELAYFLEET_OPERATOR|RELAYFLEET_SHARD)_[A-Z0-9_]*[A-Z0-9]\b")
+# the product's prefixes (the tools' RELAYFLEET_BENCH_*, RELAYFLEET_CACHE_DIR ... are not settings)
+NAME = re.compile(
+    r"\b(?:(?:RELAY|RELAYFLEET_OPERATOR|RELAYFLEET_SHARD)_[A-Z0-9_]*[A-Z0-9]|RELAYFLEET_PUSHGATEWAY\w*)\b"
+)
 
 
 def _generator() -> ModuleType:
@@ -70,15 +74,15 @@ def test_the_check_fails_on_a_stale_page(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_every_setting_is_on_the_page_with_its_default_and_help() -> None:
-    rows = {
-        line.split("|")[1].strip(): line for line in PAGE.read_text().splitlines() if line.startswith("| `")
-    }
-    for s in (*RELAY_SETTINGS, *OPERATOR_SETTINGS, *COMMAND_SETTINGS):
-        row = rows[" / ".join(f"`{n}`" for n in s.names)]
-        assert f"`{s.shown_default}`" in row, row
-        assert s.help.replace("|", "\\|") in row, row
-        if s.flag:
-            assert f"`{s.flag}`" in row, row
+    rows: dict[str, list[str]] = {}  # a variable several programs read has a row in each one's table
+    for line in PAGE.read_text().splitlines():
+        if line.startswith("| `"):
+            rows.setdefault(line.split("|")[1].strip(), []).append(line)
+    for s in (*RELAY_SETTINGS, *OPERATOR_SETTINGS, *COMMAND_SETTINGS, *SPARK_SETTINGS):
+        names = " / ".join(f"`{n}`" for n in s.names)
+        flag = f"`{s.flag}`" if s.flag else ""
+        start = f"| {names} | {flag} | `{s.shown_default}` |"
+        assert any(r.startswith(start) and s.help.replace("|", "\\|") in r for r in rows[names]), start
 
 
 def _named_in_code(path: Path) -> tuple[set[str], set[str]]:
@@ -113,7 +117,9 @@ def named_anywhere() -> tuple[dict[str, set[str]], set[str]]:
 
 
 def test_every_variable_named_anywhere_is_declared() -> None:
-    declared = {n for s in (*RELAY_SETTINGS, *OPERATOR_SETTINGS, *COMMAND_SETTINGS) for n in s.names}
+    declared = {
+        n for s in (*RELAY_SETTINGS, *OPERATOR_SETTINGS, *COMMAND_SETTINGS, *SPARK_SETTINGS) for n in s.names
+    }
     found, identifiers = named_anywhere()
     known = declared | set(DEPRECATED_ENV) | set(REMOVED_ENV) | NOT_SETTINGS | identifiers
     assert {"RELAY_SHARD_MAP", "RELAYFLEET_OPERATOR_DEFAULT_RELAY_LIMITS"} <= set(found)  # the scan works
