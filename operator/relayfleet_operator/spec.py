@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay import settings as relay_settings
 from relay.settings import RELAY_SETTINGS
 
 GROUP = "relayfleet.dev"
@@ -148,6 +149,19 @@ class Limits:
     quotas: tuple[tuple[str, int | float], ...] = ()
     trusted_proxies: tuple[str, ...] = ()
 
+    def crd_defaulted_env(self) -> list[tuple[str, int]]:
+        """The relay variables of the five keys the CRD defaults, with their values (scaled as the
+        relay's declaration says), in CRD_DEFAULTED_LIMITS' order."""
+        values = (
+            self.max_payload_bytes,
+            self.rate_limit_messages,
+            self.rate_limit_window_seconds,
+            self.max_queue_messages,
+            self.max_queue_bytes,
+        )
+        pairs = [(LIMIT_ENV[key], value) for key, value in zip(CRD_DEFAULTED_LIMITS, values, strict=True)]
+        return [(env, value * scale) for (env, scale), value in pairs]
+
 
 # The spec.limits keys with a CRD default: typed fields of Limits (the API server fills them in).
 CRD_DEFAULTED_LIMITS: tuple[str, ...] = (
@@ -157,6 +171,16 @@ CRD_DEFAULTED_LIMITS: tuple[str, ...] = (
     "maxQueueMessages",
     "maxQueueBytes",
 )
+# spec.limits key -> the relay variable it sets and the key's scale (rateLimitWindowSeconds: x 1000),
+# from the relay's declarations (relay/settings.py: each setting names its key)
+LIMIT_ENV: dict[str, tuple[str, int]] = {
+    s.limit_key: (s.env, s.limit_scale) for s in RELAY_SETTINGS if s.limit_key
+}
+# The other relay variables the operator sets on every relay (builders/deployments.py)
+FLEET_ENV = relay_settings.FLEET.env
+RETENTION_ENV = relay_settings.RETENTION_SECONDS.env
+CREDENTIALS_DIR_ENV = relay_settings.CREDENTIALS_DIR.env
+PUBLIC_URL_ENV = relay_settings.PUBLIC_URL.env
 # spec.limits keys of the quotas -> the relay's environment variable (the value as given;
 # 0 turns a limit off), from the relay's own declarations (relay/settings.py: each setting names
 # its spec.limits key), so a limit cannot be added on one side only. crds/relayshards.yaml

@@ -28,7 +28,11 @@ from relayfleet_operator.builders.pods import (
     secret_volume,
 )
 from relayfleet_operator.spec import (
+    CREDENTIALS_DIR_ENV,
+    FLEET_ENV,
+    PUBLIC_URL_ENV,
     QUOTA_ENV,
+    RETENTION_ENV,
     TRUSTED_PROXIES_ENV,
     RelayConfig,
     SecretKeyRef,
@@ -38,16 +42,12 @@ from relayfleet_operator.spec import (
 
 def relay_env(shard: ShardSpec) -> list[Obj]:
     limits, retention = shard.limits, shard.retention
-    # Names as relay/settings.py and relay/cli.py read them.
-    pairs = [
-        ("RELAY_FLEET", shard.fleet),
-        ("RELAY_MAX_PAYLOAD", limits.max_payload_bytes),
-        ("RELAY_RATE_LIMIT", limits.rate_limit_messages),
-        ("RELAY_RATE_WINDOW_MS", limits.rate_limit_window_seconds * 1000),
-        ("RELAY_QUEUE_MAX_MESSAGES", limits.max_queue_messages),
-        ("RELAY_QUEUE_MAX_BYTES", limits.max_queue_bytes),
-        ("RELAY_RETENTION_SECONDS", retention.max_age_seconds),
-        ("RELAY_REDIS_CREDENTIALS_DIR", CREDENTIALS_DIR),
+    # Names as relay/settings.py declares them (relayfleet_operator/spec.py takes them from there).
+    pairs: list[tuple[str, object]] = [
+        (FLEET_ENV, shard.fleet),
+        *limits.crd_defaulted_env(),
+        (RETENTION_ENV, retention.max_age_seconds),
+        (CREDENTIALS_DIR_ENV, CREDENTIALS_DIR),
     ]
     # the quotas given in spec.limits (the relay's defaults for the rest)
     pairs += [(QUOTA_ENV[key], value) for key, value in limits.quotas]
@@ -55,7 +55,7 @@ def relay_env(shard: ShardSpec) -> list[Obj]:
         pairs.append((TRUSTED_PROXIES_ENV, ",".join(limits.trusted_proxies)))
     relay = shard.relay
     if relay.public_url:
-        pairs.append(("RELAY_PUBLIC_URL", relay.public_url))
+        pairs.append((PUBLIC_URL_ENV, relay.public_url))
     # Secrets reach the relay as files (RELAY_*_FILE): never as values in the pod spec, so
     # `kubectl get pod -o yaml` and env dumps show only a path.
     pairs += [(f"{env}_FILE", path) for env, _, path in _relay_secret_files(relay)]
