@@ -5,7 +5,9 @@ the operator alike."""
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -166,3 +168,57 @@ def test_declared_names_are_unique_and_the_prefix_policy_holds() -> None:
         assert len(fields) == len(set(fields))
     relay_fields = {f.name for f in dataclasses.fields(Settings)}
     assert {s.field for s in RELAY_SETTINGS if s.field and "." not in s.field} <= relay_fields
+
+
+# Environment reads outside relay/envconfig.py that are not settings, each with its reason: the
+# variables of other programs (Kubernetes, Spark, Python), and test hooks. Everything else a
+# product module reads from the environment goes through a declared Setting.
+NOT_SETTINGS_READ = {
+    # Kubernetes sets it in every pod: "in a cluster?", not something a user configures
+    ("relay/kubeapi.py", "KUBERNETES_SERVICE_HOST"),
+    # the migration's crash test hook (tests/relay/fleet/test_migration_crash.py)
+    ("relay/fleet/migration/crash_points.py", "CRASH_ENV"),
+    # Spark's and Python's own: spark-submit's gateway, the executors' interpreter and path
+    ("spark_jobs/session.py", "PYSPARK_GATEWAY_PORT"),
+    ("spark_jobs/session.py", "PYSPARK_PYTHON"),
+    ("spark_jobs/session.py", "SPARK_LOCAL_IP"),
+    ("spark_jobs/session.py", "PYTHONPATH"),
+}
+
+
+def _environment_reads(path: Path) -> set[str]:
+    """What `path` reads from os.environ / os.getenv: the name given (a literal, or a constant's
+    identifier); "*" for a read of the whole environment."""
+    out: set[str] = set()
+
+    def environ(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    def name(node: ast.AST) -> str:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        return node.id if isinstance(node, ast.Name) else "*"
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            reads = node.func.attr in {"get", "setdefault", "pop"} and environ(owner)
+            if (reads or node.func.attr == "getenv") and node.args:
+                out.add(name(node.args[0]))
+        elif isinstance(node, ast.Subscript) and environ(node.value):
+            out.add(name(node.slice))
+        elif isinstance(node, ast.Compare) and any(environ(c) for c in node.comparators):
+            out.add(name(node.left))
+    return out
+
+
+def test_no_product_module_reads_a_setting_around_its_declaration() -> None:
+    root = Path(__file__).resolve().parents[2]
+    found = set()
+    for package in ("relay", "operator/relayfleet_operator", "spark_jobs"):
+        for path in (root / package).rglob("*.py"):
+            where = str(path.relative_to(root))
+            if where != "relay/envconfig.py":
+                found |= {(where, name) for name in _environment_reads(path)}
+    assert ("relay/kubeapi.py", "KUBERNETES_SERVICE_HOST") in found  # the scan sees reads
+    assert found - NOT_SETTINGS_READ == set(), "read through its Setting (relay/envconfig.py)"
