@@ -196,7 +196,8 @@ in_root_pip() {
 #   dependencies  the base rootfs + the image's users + /opt/venv holding the image's locked set
 #                 (requirements/NAME.txt, `make lock`: pip --require-hashes --no-deps); cached
 #                 under ${cache}/image-deps/NAME-KEY as a tree and as its packed layer, KEY: the
-#                 base, the lock, this recipe; built once per locked set, never per commit
+#                 base, the lock, this recipe; built once per locked set, never per commit (the 2
+#                 used last of each image are kept)
 #   code          the relayfleet wheel installed --no-deps (`pip check` then proves the lock
 #                 complete), for Spark also /app/spark_jobs and the entrypoint: the upper dir of
 #                 an overlayfs on the dependency tree, packed alone (a few MiB)
@@ -236,11 +237,14 @@ deps_key() {
 # and its .json descriptor); builds it if missing.
 deps_layer() {
   local name="$1" base_dir="$2" setup="$3"
-  local key dir lock layer_epoch
+  local key dir lock layer_epoch kind="${name}"
   key="$(deps_key "${name}" "${base_dir}" "${setup}")"
-  dir="${cache}/image-deps/${name}-${key}"
+  # the previous release's (no lock) apart: prune below counts only the locked sets' layers
+  [[ -n "$(lock_of "${name}")" ]] || kind="${name}-nolock"
+  dir="${cache}/image-deps/${kind}-${key}"
   if [[ -f "${dir}/layer.tar.gz.json" ]]; then
     log "dependency layer ${name}: cached (${dir})"
+    touch "${dir}" # when a build last used it (prune keeps the latest)
     printf '%s\n' "${dir}"
     return
   fi
@@ -268,6 +272,11 @@ deps_layer() {
   # a concurrent build may have finished the same layer first: keep theirs
   mv -T "${tmp}" "${dir}" 2>/dev/null || rm -rf "${tmp}"
   log "dependency layer ${name}: built in $((SECONDS - started)) s ($(du -m "${dir}/layer.tar.gz" | cut -f1) MiB packed)"
+  # keep the 2 layers of this kind used last (a lock change adds 0.5 GiB, or 2.4 GiB for Spark)
+  local -a old
+  mapfile -t old < <(find "${cache}/image-deps" -mindepth 1 -maxdepth 1 -type d -name "${kind}-????????????????" -printf '%T@ %p\n' |
+    sort -rn | tail -n +3 | cut -d' ' -f2-)
+  ((${#old[@]} == 0)) || { rm -rf -- "${old[@]}"; log "removed ${#old[@]} older ${kind} dependency layer(s) from the cache"; }
   printf '%s\n' "${dir}"
 }
 
