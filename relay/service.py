@@ -85,21 +85,24 @@ class QueueService:
         self._reconciled: dict[bytes, float] = {}  # recipient -> last reconciliation (monotonic)
 
     # -- plumbing ------------------------------------------------------------
-    async def call(
+    def call(
+        self, recipient: bytes, channel: bytes, op: Callable[[Route], Awaitable[T]], idempotent: bool = True
+    ) -> Awaitable[T]:
+        """Run `op` on the queue's shard: `call_at` its route."""
+        return self.call_at(self.fleet.route(recipient, channel), recipient, channel, op, idempotent)
+
+    async def call_at(
         self,
+        route: Route,
         recipient: bytes,
         channel: bytes,
         op: Callable[[Route], Awaitable[T]],
         idempotent: bool = True,
-        route: Route | None = None,
     ) -> T:
-        """Run `op` on the queue's shard (`route`, when the caller routed already), retrying
-        MOVED and fenced slots (and, on a Sentinel-managed shard, a failover) within the
-        deadline. `idempotent`: `op` may be repeated after a failure that left unknown
-        whether it ran."""
+        """Run `op` on the queue's shard at `route`, retrying MOVED and fenced slots (and, on a
+        Sentinel-managed shard, a failover) within the deadline, each retry routed afresh.
+        `idempotent`: `op` may be repeated after a failure that left unknown whether it ran."""
         deadline = asyncio.get_running_loop().time() + self.settings.request_deadline_s
-        if route is None:
-            route = self.fleet.route(recipient, channel)
         try:
             return await op(route)
         except (SlotMoved, SlotMigrating, StoreUnavailable) as exc:
@@ -235,8 +238,8 @@ class QueueService:
             # woken by nothing new (a notice, a message the read already saw): wait on
 
     # -- operations ------------------------------------------------------------
-    def enqueue(self, req: EnqueueRequest) -> Awaitable[EnqueueOutcome]:
-        """Send an enqueue; await the result for its outcome.
+    def enqueue(self, req: EnqueueRequest) -> asyncio.Future[EnqueueOutcome]:
+        """Send an enqueue; the returned future (await it) gets its outcome.
 
         The bookkeeping of a stored message (metrics, `on_stored`) runs as Redis's reply
         is read, so it happens even when the awaiting handler was cancelled because its
@@ -391,7 +394,7 @@ class QueueService:
         """Read, waiting up to `wait_s` for messages (routed once: the wait and each read)."""
 
         def fetch(route: Route) -> Awaitable[ReadResult]:
-            return self.call(recipient, channel, lambda r: r.store.read(r.keys, from_seq, limit), route=route)
+            return self.call_at(route, recipient, channel, lambda r: r.store.read(r.keys, from_seq, limit))
 
         route = self.fleet.route(recipient, channel)
         result = await (
@@ -409,7 +412,7 @@ class QueueService:
     async def drain(self, recipient: bytes, channel: bytes, limit: int, wait_s: float) -> ReadResult:
         def fetch(route: Route) -> Awaitable[ReadResult]:
             # a drain that may have run must not be repeated: its messages are gone
-            return self.call(recipient, channel, lambda r: r.store.drain(r.keys, limit), False, route)
+            return self.call_at(route, recipient, channel, lambda r: r.store.drain(r.keys, limit), False)
 
         route = self.fleet.route(recipient, channel)
         result = await (

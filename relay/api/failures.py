@@ -1,6 +1,6 @@
 """Every failure of a request as the JSON answer the contract gives it, whatever the transport.
 
-Used by the aiohttp route wrapper (relay/app.py `observed`) and the enqueue fast path
+Used by the aiohttp route wrapper (relay/app.py `observed`) and the fast path
 (relay/http/fastpath.py), so both answer a failure with the same status, body and headers.
 """
 

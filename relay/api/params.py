@@ -152,7 +152,7 @@ def recipient_key(text: str) -> bytes:
 
 def recipient_key_matched(segment: bytes) -> bytes:
     """recipient_key for a path segment a parser already matched as base64url characters
-    (the enqueue fast path's request line): same key, same refusal."""
+    (the fast path's request line): same key, same refusal."""
     try:
         raw = b64decode_alphabet(segment)
     except ValueError:

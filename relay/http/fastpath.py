@@ -16,17 +16,21 @@ buffered from that request's first one, is handed to aiohttp's protocol
 (GuardedRequestHandler), which answers it as it answers every request when this path is
 off (RELAY_HTTP_FASTPATH=0).
 
-The requests served here run the handlers' steps in the handlers' order with the same
-functions (relay/api/params, auth, quota, queues, failures); each one is a coroutine that
-awaits the queue service (QueueService.enqueue, QueueService.read) and returns its answer,
-a `Reply` (status, body, headers) serialised by `reply_bytes` as aiohttp serialises a
-web.Response. Answers go out in request order under pipelining; the requests after a read
-wait until it is answered, as on aiohttp's path. A read also starts only once every enqueue
-before it on the connection is answered (stored): reads go over another Redis connection
-than enqueues (the shard's bulk lane), so nothing else keeps a pipelined read from
-overtaking them. The same holds behind an enqueue that takes its recipient's admit round
-trip first (a non-default channel, QueueService.admits_first). Pipelined default-channel
-enqueues stay in flight together (one connection to their shard keeps their order).
+The requests served here run the handlers' steps in the handlers' order with the same functions
+(relay/api/params, auth, quota, queues, failures). A read is a coroutine, in a task, that
+awaits QueueService.read and returns its answer; an enqueue is sent to Redis as its request is
+parsed, and answered from the future QueueService.enqueue returns, by its done callback:
+measured, a task awaiting it cost 10-32 % more CPU per message in the relay process (loaded
+machine, alternating rounds; docs/design-decisions.md "One HTTP stack"). Every answer is a
+`Reply` (status, body, headers) built from the handlers' own results and serialised by
+`reply_bytes` as aiohttp serialises a web.Response. Answers go out in request order under
+pipelining; the requests after a read wait until it is answered, as on aiohttp's path. A read
+also starts only once every enqueue before it on the connection is answered (stored): reads go
+over another Redis connection than enqueues (the shard's bulk lane), so nothing else keeps a
+pipelined read from overtaking them. The same holds behind an enqueue that takes its
+recipient's admit round trip first (a non-default channel, QueueService.admits_first).
+Pipelined default-channel enqueues stay in flight together (one connection to their shard keeps
+their order).
 
 This protocol keeps the same bounds as aiohttp's: the header timeout (armed at connect and at
 a new request's first byte), the keep-alive idle timeout, the body timeout (408), the
@@ -43,8 +47,9 @@ import contextlib
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Coroutine, Iterable
+from collections.abc import Coroutine, Iterable
 from email.utils import formatdate
+from functools import partial
 from http import HTTPStatus
 from typing import Any, NamedTuple, cast
 
@@ -643,7 +648,8 @@ class FastConnection(asyncio.Protocol):
 
     # -- serving --------------------------------------------------------------------------
     def _dispatch(self, head: Head, body: bytes, start: float) -> None:
-        """Serve a complete request: its answer slot in order, its coroutine in a task."""
+        """Serve a complete request: its answer slot in order; a read's coroutine in a task, an
+        enqueue sent to Redis now and answered as its outcome arrives."""
         if body:
             self._parser.feed_data(body)  # the message's end: the parser is at the next head
         self._fed = 0
@@ -659,7 +665,7 @@ class FastConnection(asyncio.Protocol):
             # once the connection is idle
             self._cancel_timers()
             self._guard.timed_out(self)
-            self._serve(answer, self._read(head, answer))
+            answer.task = self._loop.create_task(self._answered(answer, self._read(head, answer)))
             return
         answer = _Answer(start, endpoint.series)
         answer.size = len(body)
@@ -675,13 +681,23 @@ class FastConnection(asyncio.Protocol):
         except Exception as exc:
             self._answer(answer, self._refusal(exc))
             return
-        self._serve(answer, self._enqueue(sent))
+        # the outcome's future, not a task awaiting it: a task per enqueue cost 10-32 % of the
+        # relay process's CPU per message (docs/design-decisions.md, "One HTTP stack")
+        sent.add_done_callback(partial(self._enqueued, answer))
 
-    def _serve(self, answer: _Answer, handler: Coroutine[Any, Any, Reply | None]) -> None:
-        answer.task = self._loop.create_task(self._answered(answer, handler))
+    def _enqueued(self, answer: _Answer, sent: asyncio.Future[EnqueueOutcome]) -> None:
+        """An enqueue's answer from its outcome (relay/api/queues.py enqueue_answer)."""
+        if sent.cancelled():
+            return  # only at shutdown: nobody to answer
+        try:
+            status, body = enqueue_answer(sent.result())
+            reply = Reply(status, body)
+        except Exception as exc:
+            reply = self._refusal(exc)
+        self._answer(answer, reply)
 
     async def _answered(self, answer: _Answer, handler: Coroutine[Any, Any, Reply | None]) -> None:
-        """Run a request's handler and write what it returns (a streamed read writes itself)."""
+        """Run a read and write what it returns (a streamed read writes itself)."""
         try:
             reply = await handler
         except Exception as exc:
@@ -702,7 +718,7 @@ class FastConnection(asyncio.Protocol):
         channel = head.query.get(b"channel")
         return recipient, params.channel_value(channel.decode()) if channel else b""
 
-    def _send(self, head: Head, body: bytes) -> Awaitable[EnqueueOutcome]:
+    def _send(self, head: Head, body: bytes) -> asyncio.Future[EnqueueOutcome]:
         """An enqueue, as the aiohttp handler serves it (relay/api/queues.py enqueue, its steps
         in its order; the per-client quota was charged at the head), sent to Redis now."""
         endpoint = self.endpoint
@@ -715,10 +731,6 @@ class FastConnection(asyncio.Protocol):
         )
         payload = params.non_empty(body)
         return endpoint.service.enqueue(EnqueueRequest(recipient, channel, payload, idempotency_key))
-
-    async def _enqueue(self, sent: Awaitable[EnqueueOutcome]) -> Reply:
-        status, body = enqueue_answer(await sent)
-        return Reply(status, body)
 
     async def _read(self, head: Head, answer: _Answer) -> Reply | None:
         """A read, as the aiohttp handler serves it (relay/api/queues.py read, its steps in its

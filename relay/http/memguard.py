@@ -77,7 +77,7 @@ class MemoryGuard:
         self.over = False
         self.rss = 0
         self.claimed = 0
-        # request bytes the enqueue fast path holds (read and not yet answered: buffered,
+        # request bytes the fast path holds (read and not yet answered: buffered,
         # partial bodies, bodies in flight to Redis): counted like claimed bytes
         self.held = 0
         self._handle: asyncio.TimerHandle | None = None

@@ -67,7 +67,7 @@ def raise_nofile_limit() -> int:
 
 class Connection(Protocol):
     """What the guard needs of a client connection: aiohttp's (GuardedRequestHandler) or
-    the enqueue fast path's (relay/http/fastpath.py FastConnection)."""
+    the fast path's (relay/http/fastpath.py FastConnection)."""
 
     def waiting_for_headers(self) -> bool: ...
 
@@ -275,7 +275,7 @@ def head_refusal(request: web.BaseRequest) -> web.Response | None:
     return None
 
 
-# The enqueue fast path's protocol factory (relay/http/fastpath.py), set on the app by build_app
+# The fast path's protocol factory (relay/http/fastpath.py), set on the app by build_app
 # when RELAY_HTTP_FASTPATH is on: connections start there and are handed to aiohttp's.
 FastFactory = Callable[["GuardedServer"], asyncio.Protocol]
 FAST_PROTOCOL: web.AppKey[FastFactory] = web.AppKey("relayfleet_fast_protocol")

@@ -1,6 +1,7 @@
-"""RFC 9112 rules on both paths: the enqueue fast path (the suite's relay) and aiohttp's
-protocol alone (RELAY_HTTP_FASTPATH=0) answer the same, as JSON {"error","code"}, without
-echoing what the client sent, and without waiting for a timeout.
+"""RFC 9112 rules on both paths: the fast path (the suite's relay; llhttp through httptools, anything
+it does not serve handed to aiohttp) and aiohttp's protocol alone (RELAY_HTTP_FASTPATH=0) answer the
+same, as JSON {"error","code"}, without echoing what the client sent, and without waiting for a
+timeout.
 
 Bounds: the head limit is aiohttp's 8190 bytes a line (the fast path serves heads of at
 most that much in all); an HTTP/1.1 request needs Host; a bare LF is answered 400 at once;

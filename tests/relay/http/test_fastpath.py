@@ -1,6 +1,8 @@
-"""The enqueue fast path (relay/http/fastpath.py) over raw sockets, against a real redis-server:
-its own edges (handoff, pipelining, split requests, timeouts, a client that leaves) and
-a differential check that it answers exactly as the aiohttp path (RELAY_HTTP_FASTPATH=0)."""
+"""The fast path (relay/http/fastpath.py) over raw sockets, against a real redis-server: its own
+edges (handoff, pipelining, split requests, timeouts, a client that leaves) and a differential
+check that it and the aiohttp path (RELAY_HTTP_FASTPATH=0), which answer from the same handler
+functions (relay/api/params, auth, queues, failures), answer alike: status, headers but Date,
+and body."""
 
 from __future__ import annotations
 
