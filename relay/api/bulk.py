@@ -74,19 +74,6 @@ def after_seq(payload: bytes, received_ms: int, message_id: str | None) -> bytes
     return b',"payload":"%b%b' % (_b64(payload), _tail(received_ms, message_id))
 
 
-def answer_template(
-    payload: bytes, received_ms: int, message_id: str | None, epoch: str
-) -> tuple[bytes, bytes]:
-    """The answer of a read that returns just this message, but for its seq (Redis assigns
-    it): what comes between the seq and nextSeq, and after nextSeq (`from_template`)."""
-    return after_seq(payload, received_ms, message_id) + b'],"nextSeq":', _after_next_seq(epoch, None)
-
-
-def from_template(seq: int, template: tuple[bytes, bytes]) -> bytes:
-    """answer_bytes([the message at `seq`], seq + 1, epoch) from its `answer_template`."""
-    return b'{"messages":[{"seq":%d%b%d%b' % (seq, template[0], seq + 1, template[1])
-
-
 def answer_bytes(messages: list[Message], next_seq: int, epoch: str, more: bool | None = None) -> bytes:
     """A read or drain answer built at once (one not worth streaming): the same bytes as
     read_body's pieces joined."""

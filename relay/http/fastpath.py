@@ -222,6 +222,7 @@ class FastConnection(asyncio.Protocol):
     __slots__ = (
         "_answers",
         "_armed_count",
+        "_at",
         "_blocked_by",
         "_body_deadline",
         "_body_have",
@@ -263,10 +264,12 @@ class FastConnection(asyncio.Protocol):
         self._loop = server.guard.loop
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
-        # bytes of requests not yet served, from the current request's first (a bytearray:
-        # a served request is cut off its front in place, not by copying what follows it)
-        self._buf = bytearray()
-        self._fed = 0  # of them, how many the parser has read (the current head's so far)
+        # bytes read and not yet served: from `_at` (the current request's first byte) on; a
+        # served request moves `_at` past it instead of copying what follows it (b"" once all
+        # is served)
+        self._buf = b""
+        self._at = 0
+        self._fed = 0  # up to where the parser has read (the current head's bytes so far)
         self._url = b""
         self._fields: dict[bytes, bytes] = {}
         self._lines = 0
@@ -394,7 +397,8 @@ class FastConnection(asyncio.Protocol):
         self._wake_writer()
         self._cancel_timers()
         self._guard.closed(self)
-        self._buf.clear()
+        self._buf = b""
+        self._at = self._fed = 0
         self._body_parts = []
         self._count_held()
 
@@ -495,7 +499,7 @@ class FastConnection(asyncio.Protocol):
     def _count_held(self) -> None:
         """Tell the memory guard how many request bytes this connection buffers (called once
         per read, not per request; a dispatched request's body is counted until answered)."""
-        held = len(self._buf) + (self._body_have if self._pending is not None else 0)
+        held = len(self._buf) - self._at + (self._body_have if self._pending is not None else 0)
         if held != self._held:
             self.endpoint.memory.held += held - self._held
             self._held = held
@@ -563,7 +567,11 @@ class FastConnection(asyncio.Protocol):
                 self._body_complete()
             self._count_held()
             return
-        self._buf += data
+        if self._at:  # what was served goes now, once per read (not once per request)
+            self._buf = self._buf[self._at :]
+            self._fed -= self._at
+            self._at = 0
+        self._buf = self._buf + data if self._buf else data
         if self._read_paused:  # read before the pause took hold: parsed once it ends
             self._count_held()
             return
@@ -578,23 +586,23 @@ class FastConnection(asyncio.Protocol):
         aiohttp's (then handed to it)."""
         while self._buf and not self._handing_off and self.transport is not None and self._pending is None:
             if self._blocked_by is not None:
-                if len(self._buf) > MAX_HEAD:
+                if len(self._buf) - self._at > MAX_HEAD:
                     self._stop_reading()  # parsed (and read again) once the read is answered
                 return
             if self._write_paused or len(self._answers) >= OWED_HIGH:
                 self._backlogged()
                 return
-            buf = self._buf
+            buf, at = self._buf, self._at
             # the parser reads the head alone (up to its blank line), so the body and the
             # requests after it stay in `buf`, and a head it refuses is handed over whole
-            end = buf.find(b"\r\n\r\n", max(0, self._fed - 3))
+            end = buf.find(b"\r\n\r\n", max(at, self._fed - 3))
             stop = len(buf) if end < 0 else end + 4
-            if stop > MAX_HEAD:
+            if stop - at > MAX_HEAD:
                 self._hand_off_soon()
                 return
             if stop > self._fed:
                 try:
-                    self._parser.feed_data(bytes(buf[self._fed : stop]))
+                    self._parser.feed_data(buf[self._fed : stop])
                 except (httptools.HttpParserError, httptools.HttpParserUpgrade):
                     self._hand_off_soon()  # aiohttp refuses it as soon as it sees it
                     return
@@ -619,13 +627,16 @@ class FastConnection(asyncio.Protocol):
             start = time.perf_counter()
             length = head.length
             if len(buf) - stop >= length:
-                body = bytes(buf[stop : stop + length])
-                del buf[: stop + length]
-                self._dispatch(head, body, start)
+                self._at = stop + length
+                if self._at == len(buf):
+                    self._buf = b""
+                    self._at = 0
+                self._dispatch(head, buf[stop : stop + length], start)
                 continue
             self._pending = (head, start)
-            rest = bytes(buf[stop:])
-            buf.clear()
+            rest = buf[stop:]
+            self._buf = b""
+            self._at = 0
             self._body_parts = [rest] if rest else []
             self._body_have = len(rest)
             # one timer per connection, left armed when a body completes and re-armed when
@@ -642,7 +653,7 @@ class FastConnection(asyncio.Protocol):
         head, start = pending
         joined = self._body_parts[0] if len(self._body_parts) == 1 else b"".join(self._body_parts)
         self._body_parts = []
-        self._buf[:0] = joined[head.length :]  # (data received meanwhile went to the body parts)
+        self._buf = joined[head.length :]  # (data received meanwhile went to the body parts)
         self._dispatch(head, joined[: head.length], start)
         self._parse()
 
@@ -652,7 +663,7 @@ class FastConnection(asyncio.Protocol):
         enqueue sent to Redis now and answered as its outcome arrives."""
         if body:
             self._parser.feed_data(body)  # the message's end: the parser is at the next head
-        self._fed = 0
+        self._fed = self._at
         self._next_head()
         endpoint = self.endpoint
         if head.read:
@@ -837,8 +848,9 @@ class FastConnection(asyncio.Protocol):
     def _hand_off(self) -> None:
         transport = self.transport
         assert transport is not None
-        data = bytes(self._buf)
-        self._buf.clear()
+        data = self._buf[self._at :]
+        self._buf = b""
+        self._at = 0
         self._count_held()
         self._cancel_timers()
         self._guard.closed(self)

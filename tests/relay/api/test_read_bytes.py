@@ -63,19 +63,3 @@ def test_a_streamed_payload_is_split_in_slices() -> None:
     parts = list(pieces)
     assert len(parts) == -(-len(big.payload) // bulk.SLICE) + 1  # a piece per slice, then the end
     assert b"".join(parts) == document([big], 2, "e", None)
-
-
-@settings(derandomize=True, database=None, max_examples=200)
-@given(
-    st.integers(1, 2**63 - 2),
-    st.binary(min_size=1, max_size=700),
-    st.integers(0, 2**45),
-    st.none() | st.text(max_size=20),
-    st.text(max_size=20),
-)
-def test_an_answer_made_ready_but_for_its_seq_is_the_same(
-    seq: int, payload: bytes, received_ms: int, message_id: str | None, epoch: str
-) -> None:
-    template = bulk.answer_template(payload, received_ms, message_id, epoch)
-    m = Message(seq, payload, received_ms, message_id)
-    assert bulk.from_template(seq, template) == document([m], seq + 1, epoch, None)
