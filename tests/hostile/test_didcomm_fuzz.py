@@ -34,7 +34,7 @@ from tests.hostile.didcomm_attacker import Mediated, mediated, serving
 from tests.hostile.harness import Relay, report
 from tests.support.didcomm_test_agent import msg
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("didcomm-fuzz")]  # one relay per module
 
 PARSE_S = 0.5  # one parser call on one input, however hostile (a loaded 2-core machine)
 REQUEST_S = 3.0  # one envelope through the relay

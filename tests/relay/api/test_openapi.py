@@ -56,6 +56,7 @@ from tests.support.fleet_harness import (
     wait_ready,
 )
 
+pytestmark = pytest.mark.xdist_group("openapi")  # one relay (module fixture) for the module
 EXAMPLES = int(os.environ.get("RELAY_FUZZ_EXAMPLES", "25"))
 
 

@@ -27,7 +27,7 @@ from relay.fleet.sharding import ShardMap, ShardMapError, loads_shard_map
 from tests.support.faults import report, start_relay, stop_relay
 from tests.support.fleet_harness import DEBIAN_REDIS, RelayProc
 
-pytestmark = [pytest.mark.faults]
+pytestmark = [pytest.mark.faults, pytest.mark.xdist_group("fuzz-inputs")]  # one relay per module
 
 FUZZ = settings(
     max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
