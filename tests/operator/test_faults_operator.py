@@ -39,7 +39,7 @@ async def test_operator_sigkilled_at_random_moments_mid_rebalance(kwok_fleet: Kw
     t0 = time.monotonic()
     work = Workload(urls, make_queues(10, seed=31), producers=4, seed=31)
     await work.start()
-    await asyncio.sleep(1.5)
+    await work.until_stored(40)
     fleet.apply(rebalance("spread", autoApprove=True))
     while fleet.rebalance_phase("spread") != "Ready" and time.monotonic() - t0 < 300:
         await asyncio.sleep(rnd.uniform(0.5, 3.0))
@@ -54,7 +54,7 @@ async def test_operator_sigkilled_at_random_moments_mid_rebalance(kwok_fleet: Kw
         wait_for, "the rebalance to finish", lambda: fleet.rebalance_phase("spread") == "Ready", 240
     )
     took = time.monotonic() - t0
-    await asyncio.sleep(1.5)  # traffic on the final owners
+    await work.until_stored(40)  # traffic on the final owners
     await work.stop()
     verdict = work.history.check()
     report("operator-sigkill-mid-rebalance", verdict, kills=kills, rebalance_s=round(took, 1))

@@ -530,10 +530,10 @@ async def test_deleting_a_shard_under_traffic_keeps_the_history(kwok_fleet: Kwok
     urls = await asyncio.to_thread(fleet.start_relays, 2)
     work = Workload(urls, make_queues(16, seed=21), producers=6, seed=21)
     await work.start()
-    await asyncio.sleep(2)
+    await work.until_stored(50)
     fleet.cluster.kubectl("-n", fleet.ns, "delete", "rshard", "a", "--wait=false")
     await asyncio.to_thread(wait_for, "shard a to be gone", lambda: fleet.get("rshard", "a") is None, 240)
-    await asyncio.sleep(2)  # traffic on the new owners
+    await work.until_stored(50)  # traffic on the new owners
     await work.stop()
     verdict = work.history.check()
     print(verdict.render())

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -243,6 +243,8 @@ class Workload:
     seed: int = 1
     max_wait_s: float = 3.0
     stored: int = 0
+    refused: int = 0  # calls answered with neither 200 nor 201, or not answered
+    _progress: asyncio.Event = field(default_factory=asyncio.Event)
     _stop_producing: asyncio.Event = field(default_factory=asyncio.Event)
     _final: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -267,9 +269,13 @@ class Workload:
         try:
             async with self.session.request(method, self.url() + path, data=body, headers=headers) as resp:
                 doc = await resp.json(content_type=None) if resp.content_length != 0 else {}
-                return t0, time.monotonic(), resp.status, doc or {}, "Retry-After" in resp.headers
+                answer = t0, time.monotonic(), resp.status, doc or {}, "Retry-After" in resp.headers
         except (aiohttp.ClientError, TimeoutError, ValueError):
-            return t0, time.monotonic(), 0, {}, False
+            answer = t0, time.monotonic(), 0, {}, False
+        if answer[2] not in (200, 201):
+            self.refused += 1
+            self._progress.set()
+        return answer
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -285,6 +291,25 @@ class Workload:
             else:
                 self._tasks.append(loop.create_task(self._drainer(q)))
                 self._tasks.append(loop.create_task(self._drainer(q)))
+
+    async def until(self, done: Callable[[], bool], timeout: float = 60.0) -> None:
+        """Return once `done()` holds, checked after each answer: the traffic a phase of a test
+        needs, seen rather than slept for (a fixed sleep is too short on a loaded machine and
+        too long on a quiet one)."""
+        async with asyncio.timeout(timeout):
+            while not done():
+                self._progress.clear()
+                await self._progress.wait()
+
+    async def until_stored(self, more: int, timeout: float = 60.0) -> None:
+        """Return once `more` further messages are stored."""
+        target = self.stored + more
+        await self.until(lambda: self.stored >= target, timeout)
+
+    async def until_refused(self, more: int, timeout: float = 60.0) -> None:
+        """Return once `more` further calls were refused (a 503, no answer): the load met a fault."""
+        target = self.refused + more
+        await self.until(lambda: self.refused >= target, timeout)
 
     async def stop(self, limit_s: float = 60.0) -> None:
         """Stop producing, then let consumers read every queue to its end."""
@@ -329,6 +354,7 @@ class Workload:
             self.history.enqueue(q.name, msg_id, t0, t1, status, seq, msg_id, ra)
             if status in (200, 201):
                 self.stored += status == 201
+                self._progress.set()
                 return
             await asyncio.sleep(min(0.5, 0.02 * (attempt + 1)))
         raise AssertionError(f"{msg_id} never stored")

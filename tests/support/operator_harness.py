@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,27 +41,13 @@ from tests.support.fleet_harness import (
 from tests.support.k8s_cluster import KubeCluster
 from tests.support.procs import stop_process
 from tests.support.shard_specs import shard
+from tests.support.waiting import wait_for as wait_for  # the operator tests import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 Queues = dict[bytes, list[tuple[int, bytes]]]  # recipient -> (seq, payload) of each message
 
-# --- kubectl -------------------------------------------------------------------------------------
-
-
-def wait_for(what: str, check: Callable[[], T | None], timeout: float = 90.0, interval: float = 0.5) -> T:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            result = check()
-        except subprocess.CalledProcessError as exc:
-            result, last = None, exc.stderr
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}" + (f": {last}" if last else ""))
-        time.sleep(interval)
+# --- kubectl (wait_for: tests/support/waiting.py, imported from here by the operator tests) --------
 
 
 def get(cluster: KubeCluster, ns: str, *what: str) -> dict[str, Any] | None:

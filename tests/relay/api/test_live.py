@@ -20,6 +20,7 @@ from relay.protocol import b64encode, keypair, sign_headers
 from relay.storage.message import Message
 from tests.support.in_process_relay import RelayFactory, RunningRelay
 from tests.support.live_steps import count_held, frame, silent
+from tests.support.waiting import until
 
 PICKUP = "https://didcomm.org/messagepickup/2.0/"
 
@@ -285,12 +286,11 @@ async def test_a_client_that_stops_answering_pings_is_dropped(
     async with aiohttp.ClientSession() as s:
         # autoping off and never reading: pings go unanswered, as with a stuck client
         ws = await s.ws_connect(url, headers=sign_headers(owner.private_key, "GET", path), autoping=False)
-        await asyncio.sleep(1.0)
-        for _ in range(50):
-            if (await owner.status())["live_delivery"] is False:
-                break
-            await asyncio.sleep(0.05)
-        assert (await owner.status())["live_delivery"] is False  # the server let go of it
+
+        async def dropped() -> bool:
+            return (await owner.status())["live_delivery"] is False
+
+        await until("the server to let go of it (pings unanswered)", dropped)
         await ws.close()
 
 

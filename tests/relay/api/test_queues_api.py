@@ -19,6 +19,7 @@ from relay.protocol import b64encode
 from relay.storage import keys as K
 from relay.storage.store import EnqueueRequest, QueueLimits
 from tests.support.in_process_relay import RelayFactory, RunningRelay
+from tests.support.waiting import until
 
 
 def rkey() -> bytes:
@@ -462,8 +463,11 @@ async def test_enqueue_whose_client_left_is_stored_and_counted(
         with pytest.raises(TimeoutError):
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as gone:
                 await gone.post(relay.base_url + qpath(r), data=b"left", headers={"Idempotency-Key": "k1"})
-    await asyncio.sleep(1.0)  # the pause (0.7 s) is over and the script ran
-    assert await enqueued() == before + 1
+
+    async def counted() -> bool:
+        return await enqueued() == before + 1
+
+    await until("the pause (0.7 s) to end and the script to run", counted)
     async with relay.client() as c:
         assert [m.payload for m in (await c.read(r)).messages] == [b"left"]
     async with http.post(relay.base_url + qpath(r), data=b"left", headers={"Idempotency-Key": "k1"}) as resp:

@@ -82,14 +82,14 @@ async def _failovers(tmp_path: Path, min_replicas: int, kills: int = 3) -> dict[
         kill_times: list[float] = []
         try:
             for _ in range(kills):
-                await asyncio.sleep(2.0)
+                await work.until_stored(50)  # traffic before each kill (and after the last rejoin)
                 t_kill = time.monotonic()
                 killed = await asyncio.to_thread(shard.kill_primary)
                 kill_times.append(t_kill)
                 new_port = await asyncio.to_thread(shard.wait_failover, killed.port)
                 failover_s.append(time.monotonic() - t_kill)
                 await asyncio.to_thread(shard.rejoin, killed, new_port)
-            await asyncio.sleep(2.0)
+            await work.until_stored(50)
         except BaseException:
             await work.cancel()  # the failure is the result: no drain
             raise

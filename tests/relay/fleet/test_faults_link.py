@@ -90,13 +90,13 @@ async def test_link_cut_and_restored_under_load(tmp_path: Path) -> None:
                 numbers: dict[str, object] = {}
                 async with aiohttp.ClientSession() as http:
                     try:
-                        await asyncio.sleep(1.5)
+                        await work.until_stored(30)
                         numbers["wakeup_before_s"] = round(await _wakeup_latency(http, relay.url, wake_q), 3)
                         for how, limit in (("reset", FAST_S), ("blackhole", BLACKHOLE_S)):
                             proxy.cut(how)
                             await asyncio.sleep(0.3)
                             took = await _probe_down(http, relay.url, probe_q, limit)
-                            await asyncio.sleep(1.0)  # the load keeps hitting the cut link
+                            await work.until_refused(5)  # the load keeps hitting the cut link
                             proxy.restore()
                             rec = await _until_stored(http, relay.url, probe_q, f"rec-{how}")
                             wake = await _wakeup_latency(http, relay.url, wake_q)
@@ -104,7 +104,7 @@ async def test_link_cut_and_restored_under_load(tmp_path: Path) -> None:
                             numbers[f"{how}_longpoll_end_s"] = round(took["longpoll_s"], 2)
                             numbers[f"{how}_write_recovery_s"] = round(rec, 2)
                             numbers[f"{how}_wakeup_after_s"] = round(wake, 3)
-                            await asyncio.sleep(1.0)
+                            await work.until_stored(20)
                     except BaseException:
                         await work.cancel()  # the failure is the result: no drain
                         raise

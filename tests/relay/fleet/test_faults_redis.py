@@ -115,9 +115,9 @@ async def _redis_kills(tmp_path: Path, appendfsync: str, kills: int) -> None:
         away: list[float] = []
         try:
             for _ in range(kills):
-                await asyncio.sleep(2.0)
+                await work.until_stored(50)  # traffic before each kill (and after the last restart)
                 away.append(await asyncio.to_thread(_kill_and_restart, redis))
-            await asyncio.sleep(1.5)
+            await work.until_stored(40)
         except BaseException:
             await work.cancel()  # the failure is the result: no drain
             raise

@@ -3,7 +3,6 @@ without migration gives a clean history, and the relays serve every shard."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,7 +21,7 @@ async def test_workload_without_migration_gives_a_clean_history(small_fleet: Fle
     queues = make_queues(6, seed=3)
     work = Workload(small_fleet.urls, queues, producers=3, max_wait_s=1.0)
     await work.start()
-    await asyncio.sleep(3)
+    await work.until_stored(150)
     await work.stop()
     verdict = work.history.check()
     assert verdict.ok, verdict.render()

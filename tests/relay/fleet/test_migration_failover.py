@@ -105,7 +105,7 @@ async def _migrate_with_failover(tmp_path: Path, phase: str) -> None:
         kill = _KillAt(shard, phase, after_slots=len(slots) // 2)
         migration: MigrationReport | None = None
         try:
-            await asyncio.sleep(3.0)  # queues with history on the source before it moves
+            await work.until_stored(100)  # queues with history on the source before it moves
             t0 = time.monotonic()
             migration = await migrate_slots(
                 load_file(map_path), slots, "b", file_publisher(map_path), kill, max_batch_slots=2
@@ -116,7 +116,7 @@ async def _migrate_with_failover(tmp_path: Path, phase: str) -> None:
             await asyncio.to_thread(killed.stop, signal.SIGKILL)  # reaps it
             new_port = await asyncio.to_thread(shard.wait_failover, killed.port)
             await asyncio.to_thread(shard.rejoin, killed, new_port)
-            await asyncio.sleep(2.0)  # traffic on the target after the run
+            await work.until_stored(60)  # traffic on the target after the run
         except BaseException:
             await work.cancel()  # the failure is the result: no drain
             raise
