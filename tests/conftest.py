@@ -28,6 +28,7 @@ pytest_plugins = [
     "tests.support.soak_option",
     "tests.support.operator_harness",
     "tests.support.didcomm_stock_agents",
+    "tests.support.serial",
 ]
 
 DEBIAN_REDIS = "/usr/bin/redis-server"

@@ -7,7 +7,7 @@ import asyncio
 import inspect
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytest
@@ -33,19 +33,16 @@ def wait_for(what: str, check: Callable[[], T | None], timeout: float = 90.0, in
 
 
 async def until(
-    what: str,
-    check: Callable[[], T | Awaitable[T | None] | None],
-    timeout: float = 10.0,
-    interval: float = 0.05,
-) -> T:
-    """The asyncio form of `wait_for`: `check` may be a coroutine function."""
+    what: str, check: Callable[[], object], timeout: float = 10.0, interval: float = 0.05
+) -> None:
+    """The asyncio form of `wait_for`, for a condition only: `check` may be a coroutine function."""
     deadline = time.monotonic() + timeout
     while True:
         result = check()
         if inspect.isawaitable(result):
             result = await result
         if result:
-            return result
+            return
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
         await asyncio.sleep(interval)

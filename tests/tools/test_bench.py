@@ -136,6 +136,7 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile([7.0], 99.9) == 7
 
 
+@pytest.mark.serial  # measures throughput: no neighbour test takes the CPU meanwhile
 async def test_own_generator_against_the_ceiling(ceiling: targets.Target) -> None:
     conn = await Conn.open("127.0.0.1", ceiling.ports[0])
     try:
@@ -179,6 +180,7 @@ async def test_wrk_enqueue_run_against_the_ceiling(procs: Procs, ceiling: target
 
 
 @pytest.mark.skipif(WRK_MISSING, reason="wrk is not installed")
+@pytest.mark.serial  # measures refusals of a rate: no neighbour test takes the CPU meanwhile
 async def test_wrk_fanout_counts_per_recipient_refusals(
     procs: Procs, redis_server: LocalRedis, relay_factory: RelayFactory
 ) -> None:
@@ -431,6 +433,7 @@ def test_cpu_window_per_message() -> None:
 
 
 @pytest.mark.skipif(WRK_MISSING, reason="wrk is not installed")
+@pytest.mark.serial  # measures CPU time: no neighbour test takes the CPU meanwhile
 async def test_enqueue_run_measures_relay_and_redis_cpu_per_message(procs: Procs) -> None:
     redis = await targets.start_redis(procs, aof=True)
     relay = await targets.start_relay(procs, redis.url, 1)

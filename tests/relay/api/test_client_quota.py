@@ -81,6 +81,7 @@ async def test_bytes_quota_refuses_one_client_not_another(
     assert (await enqueue(a, relay, b"z" * 100))[0] == 201
 
 
+@pytest.mark.serial  # measures a refill over 0.45 s: no neighbour test takes the CPU meanwhile
 async def test_messages_quota_and_refill(redis_server: LocalRedis, relay_factory: RelayFactory) -> None:
     relay = await relay_factory(
         redis_server.url, client_rate_messages=5, client_rate_bytes=0, client_rate_window_ms=1000
@@ -237,6 +238,7 @@ def test_a_cost_over_a_whole_bucket_needs_a_full_one() -> None:
     assert not quota(client_rate_messages=0, client_rate_bytes=0).enabled
 
 
+@pytest.mark.serial  # measures the time of a call: no neighbour test takes the CPU meanwhile
 def test_the_client_table_stays_bounded() -> None:
     q = ClientQuota(replace(Settings(), client_rate_window_ms=60_000), max_clients=1000)
     start = time.perf_counter()
