@@ -54,6 +54,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         names = getattr(item, "fixturenames", ())
         group = next((g for f, g in _SHARED_BY_GROUP.items() if f in names), None)
+        if group is None and item.get_closest_marker("spark") is not None:
+            group = "spark"  # the job's command line (main()) starts a session in the worker too
         if group is None and item.get_closest_marker("didcomm_agents") is not None:
             group = "didcomm-agents"
         if group is not None and item.get_closest_marker("xdist_group") is None:
