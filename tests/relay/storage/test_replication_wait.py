@@ -15,6 +15,7 @@ promotion, and lets go once the Sentinels announced the new primary.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from relay.storage.pipeline import ScriptBatcher, StoreUnavailable, encode
 from tests.support.faults import call, start_relay, stop_relay
 from tests.support.fleet_harness import b64
 from tests.support.sentinel_shard import ReplicatedShard, needs_sentinel
+from tests.support.waiting import until
 
 pytestmark = [needs_sentinel, pytest.mark.timeout(120)]
 
@@ -93,6 +95,17 @@ def _xlen(port: int, key: str) -> int:
         return int(r.xlen(key))
 
 
+def _subscribed(shard: ReplicatedShard) -> bool:
+    """Whether every Sentinel has a client subscribed to its events (CLIENT LIST's sub=/psub=)."""
+    for s in shard.sentinels:
+        with redis.Redis(port=s.port, socket_timeout=5) as sentinel_client:
+            listed = sentinel_client.execute_command("CLIENT", "LIST")
+        text = listed.decode() if isinstance(listed, bytes) else str(listed)
+        if not re.search(r" p?sub=[1-9]", text):
+            return False
+    return True
+
+
 async def test_the_watch_holds_writes_from_the_first_sdown_until_the_switch(tmp_path: Path) -> None:
     """A primary frozen past down-after: the relay's Sentinel watch is `suspect` (minReplicas
     writes are then not acknowledged) before the Sentinels promote a replica, and clear once
@@ -106,7 +119,9 @@ async def test_the_watch_holds_writes_from_the_first_sdown_until_the_switch(tmp_
     url = shard.url(min_replicas=1)
     unwatch = sentinel.watch(url, lambda host, port: switched.append((time.monotonic(), port)))
     try:
-        await asyncio.sleep(1.0)  # every Sentinel subscribed
+        await until(
+            "every Sentinel to have the watch subscribed", lambda: asyncio.to_thread(_subscribed, shard)
+        )
         assert not sentinel.suspected(url)
         assert old.proc is not None
         old.proc.send_signal(signal.SIGSTOP)  # alive but stalled: the case WAIT alone cannot fence
