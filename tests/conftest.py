@@ -29,6 +29,7 @@ pytest_plugins = [
     "tests.support.operator_harness",
     "tests.support.didcomm_stock_agents",
     "tests.support.serial",
+    "tests.support.xdist_groups",
 ]
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
