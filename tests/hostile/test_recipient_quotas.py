@@ -33,6 +33,7 @@ from tests.hostile.harness import (
     start_redis,
     start_relay,
 )
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -220,10 +221,20 @@ def test_retention_trim_drift_is_reconciled_by_the_listing(signed_relay: Relay) 
     client.hset(qa.meta, "bytes", 0)
     status, body = _call(relay, _enqueue(r, b"A", b"x"))
     assert (status, body["code"]) == (507, "recipient_full")  # early, the counters still say 10
-    time.sleep(7.5)  # the reconciliation waits until no admitted enqueue can still be on its way
-    status, doc = _call(relay, owner.signed("GET", f"/v1/queues/{r}/channels"))
-    assert doc["message_count"] == 0
-    assert _call(relay, _enqueue(r, b"A", b"x"))[0] == 201
+
+    def reconciled() -> bool:
+        _status, doc = _call(relay, owner.signed("GET", f"/v1/queues/{r}/channels"))
+        assert doc["message_count"] == 0  # what the queues hold, read from them
+        return _call(relay, _enqueue(r, b"A", b"x"))[0] == 201
+
+    # the reconciliation waits until no admitted enqueue can still be on its way (~7 s)
+    wait_for("the listing to reconcile the counters", reconciled, timeout=30, interval=0.5)
+
+
+def _big_enqueue(relay: Relay, big: str) -> tuple[int, str]:
+    """(status, error code or "") of a 1 KiB enqueue to the big tenant's queue."""
+    answer = asyncio.run(request_answer(relay, _enqueue(big, b"", b"b" * 1024)))
+    return answer.status, (str(answer.json().get("code", "")) if answer.status >= 400 else "")
 
 
 def test_shard_reserve_stops_the_big_tenant_while_small_ones_store(relay_with: RelayWith) -> None:
@@ -235,9 +246,14 @@ def test_shard_reserve_stops_the_big_tenant_while_small_ones_store(relay_with: R
     used = int(client.info("memory")["used_memory"])
     client.config_set("maxmemory", str(int(used * 1.6)))  # within the last half of maxmemory
     try:
-        time.sleep(2.5)  # the relay reads each shard's memory about once a second
-        answer = asyncio.run(request_answer(relay, _enqueue(big, b"", b"b" * 1024)))
-        assert (answer.status, answer.json()["code"]) == (507, "storage_reserve"), answer
+        # the relay reads each shard's memory about once a second: the big tenant is refused
+        # from its next read on (until then its enqueues store, as they may)
+        wait_for(
+            "the big tenant refused for the shard reserve",
+            lambda: _big_enqueue(relay, big) == (507, "storage_reserve"),
+            timeout=30,
+            interval=0.2,
+        )
         started = time.perf_counter()
         stored = sum(
             asyncio.run(request_answer(relay, _enqueue(recipient(100 + i), b"", b"s" * 1024))).status == 201
@@ -255,6 +271,7 @@ def test_shard_reserve_stops_the_big_tenant_while_small_ones_store(relay_with: R
         assert refused >= 1
     finally:
         client.config_set("maxmemory", "0")
-    time.sleep(2.5)
-    assert asyncio.run(request_answer(relay, _enqueue(big, b"", b"b" * 1024))).status == 201
+    wait_for(
+        "the big tenant stored again", lambda: _big_enqueue(relay, big)[0] == 201, timeout=30, interval=0.2
+    )
     relay.assert_log_clean()
