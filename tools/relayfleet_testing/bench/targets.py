@@ -297,6 +297,15 @@ def relay_tree(path: Path) -> Path:
     return tree
 
 
+def tree_env(tree: Path) -> dict[str, str]:
+    """The relay's environment for ``tree``: its own operator package (the relay's CLI imports
+    it) ahead of the installed one, else an older tree's relay meets this tree's operator."""
+    operator = tree / "operator"
+    if not operator.is_dir():
+        return dict(BENCH_RELAY_ENV)
+    return {**BENCH_RELAY_ENV, "PYTHONPATH": os.pathsep.join([str(tree), str(operator)])}
+
+
 async def start_relay(
     procs: Procs, redis_url: str, processes: int, tree: Path = REPO, name: str = "relay"
 ) -> Target:
@@ -308,7 +317,7 @@ async def start_relay(
         port = free_port()
         argv = [relay_python(), "-m", "relay", "--host", "127.0.0.1", "--port", str(port)]
         argv += ["--redis-url", redis_url, "--auth", "none"]
-        child = procs.start(name, argv, env=BENCH_RELAY_ENV, cwd=tree)
+        child = procs.start(name, argv, env=tree_env(tree), cwd=tree)
         target.ports.append(port)
         target.children.append(child)
     for port, child in zip(target.ports, target.children, strict=True):
