@@ -46,7 +46,7 @@ run: venv
 ## test: lint, type-check, build/reuse the Kubernetes control plane, run the whole suite
 ## (as root, installs the Debian packages the suite needs; otherwise names the apt-get line)
 test: system-deps venv-dev control-plane didcomm-toolchain lint typecheck
-	$(PY) -m pytest -rs $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest -rs --durations=20 $(XDIST) $(PYTEST_ARGS)
 
 ## test-quick: the inner loop (under 2 min): unit and API-contract tests on real redis-server,
 ## without the control plane, Spark, the agents, the fault and attacker suites
