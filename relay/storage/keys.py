@@ -167,6 +167,23 @@ class QueueKeys:
         return tuple(self._base + ":" + suffix for suffix in QUEUE_SUFFIXES)
 
 
+# Every queue's metadata hash as a SCAN MATCH pattern, and its (slot, qid) back from a name: the
+# retention benchmark's floor walks the keyspace with them instead of the slot indexes
+# (tools/relayfleet_testing/bench/scale/retention.py).
+QUEUE_META_GLOB = PREFIX + ":{rf*}:q:*:meta"
+_SLOT_HEAD = PREFIX + ":{rf"
+
+
+def queue_of_meta_key(name: str) -> tuple[int, str] | None:
+    """(slot, qid) of a queue's metadata key name; None for any other name."""
+    if not (name.startswith(_SLOT_HEAD) and name.endswith(":meta")):
+        return None
+    slot_text, sep, rest = name[len(_SLOT_HEAD) : -len(":meta")].partition("}:q:")
+    if not sep or not slot_text.isdigit() or not rest or ":" in rest:
+        return None
+    return int(slot_text), rest
+
+
 # Hot queues are looked up on every request; the names never change, so cache them.
 @functools.lru_cache(maxsize=8192)
 def queue_id(recipient: bytes, channel: bytes) -> str:

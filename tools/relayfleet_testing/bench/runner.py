@@ -400,6 +400,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--no-aof", action="store_true", help="run Redis without AOF (default: appendfsync everysec)"
     )
     p.add_argument(
+        "--scale",
+        action="store_true",
+        help="how cost grows with the work instead: store, retention, rebalance and operator phases "
+        "(`relayfleet bench --scale --help`)",
+    )
+    p.add_argument(
         "--baseline",
         type=Path,
         metavar="DIR",
@@ -442,6 +448,10 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if "--scale" in argv:  # its own phases and flags (bench/scale)
+        from relayfleet_testing.bench import scale
+
+        return scale.main([a for a in argv if a != "--scale"])
     try:
         args = _parse(argv)
     except SystemExit as exc:

@@ -1,0 +1,116 @@
+"""`relayfleet bench --scale` at small sizes: each phase runs, and its report carries every figure
+with its floor or anchor from the same run and the growth exponents. Structure, not timings (the
+machine is shared)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from relayfleet_testing.bench import main
+from relayfleet_testing.bench.scale.report import Figure, Growth, PhaseReport, growth_exponent, render
+
+from relay.storage import keys as K
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+def run_phase(tmp_path: Path, *args: str) -> dict[str, Any]:
+    out = tmp_path / "scale.json"
+    md = tmp_path / "bench.md"
+    assert main(["--scale", *args, "--json", str(out), "--output", str(md), "--quiet"]) == 0
+    [phase] = json.loads(out.read_text())
+    text = md.read_text()
+    assert f"<!-- bench:scale-{phase['phase']}:begin -->" in text
+    assert "| figure | value |" in text
+    return dict(phase)
+
+
+def figures(phase: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    out = {f["name"]: f for f in phase["figures"]}
+    for f in out.values():
+        assert f["anchor"], f
+        assert math.isfinite(f["value"]), f
+    return out
+
+
+def anchored(fig: dict[str, Any]) -> None:
+    """A figure with its floor or anchor measured, and the ratio between them."""
+    assert fig["anchor_value"] is not None, fig
+    assert fig["anchor_value"] > 0, fig
+    assert fig["ratio"] == pytest.approx(fig["value"] / fig["anchor_value"])
+
+
+def test_growth_exponent_is_the_slope_of_the_logs() -> None:
+    assert growth_exponent([10, 100, 1000], [1, 10, 100]) == pytest.approx(1.0)
+    assert growth_exponent([10, 100], [1, 100]) == pytest.approx(2.0)
+    assert growth_exponent([10], [1]) is None
+    report = PhaseReport(
+        "x", {"n": 3}, [Figure("f", 2.0, "s", "the floor", 1.0)], [Growth("t", "s", (1, 2), (1, 4))]
+    )
+    text = render(report)
+    assert "| f | 2 s | the floor | 1 s | 2 |" in text
+    assert "| 1 / 2 | 1 s / 4 s | 2.00 |" in text
+
+
+def test_a_queue_meta_key_gives_back_its_slot_and_id() -> None:
+    q = K.queue_keys(b"r" * 32, b"chan")
+    assert K.queue_of_meta_key(q.meta) == (q.slot, q.qid)
+    assert K.queue_of_meta_key(q.msgs) is None
+    assert K.queue_of_meta_key(K.slot_stats(q.slot)) is None
+
+
+def test_store_phase(tmp_path: Path) -> None:
+    phase = run_phase(tmp_path, "--phase", "store", "--queues", "3000", "--payload", "256")
+    figs = figures(phase)
+    held = figs["held recipients per GiB (1 message each)"]
+    anchored(held)
+    assert 0 < held["ratio"] < 1  # a queue never costs less than its payload as a raw string
+    anchored(figs["bytes per held queue (1 message)"])
+    anchored(figs["fill rate (storage layer, pipelined)"])
+    for name in ("bytes left per drained idle queue", "bytes left per queue after retention's idle deletion"):
+        assert figs[name]["anchor_value"] == 0
+        assert figs[name]["value"] >= 0
+    [fill, drain] = phase["growth"]
+    assert fill["sizes"] == drain["sizes"] == [30, 300, 3000]
+    assert fill["exponent"] is not None
+
+
+def test_rebalance_phase(tmp_path: Path) -> None:
+    phase = run_phase(tmp_path, "--phase", "rebalance", "--shards", "8", "--skew", "0.6")
+    figs = figures(phase)
+    after = figs["max/mean load after the plan"]
+    anchored(after)
+    assert after["ratio"] >= 1 - 1e-9  # nothing beats the lower bound
+    anchored(figs["max/mean load after the plan (vs LPT)"])
+    anchored(figs["plan CPU time"])
+    [growth] = phase["growth"]
+    assert growth["sizes"] == [2, 4, 8]
+    assert len(growth["values"]) == 3
+
+
+@pytest.mark.spark
+def test_retention_phase(spark: SparkSession, tmp_path: Path) -> None:
+    phase = run_phase(
+        tmp_path, "--phase", "retention", "--retention-messages", "4000", "--retention-queues", "400"
+    )
+    figs = figures(phase)
+    for name in (
+        "Spark job wall time",
+        "messages scanned per second per executor core",
+        "Redis CPU spent (INFO CPU delta)",
+        "Redis busy share of the wall time",
+    ):
+        anchored(figs[name])
+    assert "Both removed" in phase["notes"][0]
+
+
+def test_bad_sizes_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--scale", "--queues", "0"]) == 2
+    assert main(["--scale", "--phase", "nothing"]) == 2
+    assert main(["--scale", "--retention-messages", "5", "--retention-queues", "10"]) == 2
+    assert "--queues must be >= 1" in capsys.readouterr().err

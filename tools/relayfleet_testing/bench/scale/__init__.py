@@ -1,0 +1,161 @@
+"""`relayfleet bench --scale`: how each part's cost grows with its work.
+
+Phases, each run alone with `--phase` (default: all, in this order), each reporting its figures
+against a floor or anchor measured in the same run and the exponent of its cost over two or
+three sizes (docs/benchmarks.md, "Scale"):
+
+- store: queues on one shard (held recipients per GiB against the payload's raw Redis bytes),
+  the bytes a drained idle queue leaves behind;
+- retention: the Spark retention job against one Lua/SCAN pass without Spark, Redis CPU;
+- rebalance: planning 16,384 slots over N shards under Zipf load against LPT and the lower bound;
+- operator: N RelayShards on a real kube-apiserver with kwok nodes: time to Ready, API
+  requests per minute at rest, operator RSS; the same around a slot migration.
+
+Sizes default to the issue's (1,000,000 queues; 10,000,000 messages; 64 shards; 100
+RelayShards); every one is a flag, so a quick run or a test picks small ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from relayfleet_testing.bench import report as bench_report
+from relayfleet_testing.bench.scale.report import PhaseReport, render
+
+from relay import cli
+from relay.progress import ProgressReporter
+
+PHASES = ("store", "retention", "rebalance")
+REPO = Path(__file__).resolve().parents[4]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = cli.command_parser(
+        "relayfleet bench --scale", "How each part's cost grows (see docs/benchmarks.md, Scale)."
+    )
+    p.add_argument(
+        "--phase", choices=PHASES, action="append", help="run this phase (repeatable; default: all)"
+    )
+    g = p.add_argument_group("store")
+    g.add_argument(
+        "--queues", type=int, default=1_000_000, help="store: queues on the shard (default 1,000,000)"
+    )
+    g.add_argument("--payload", type=int, default=256, help="store: bytes per message (default 256)")
+    g = p.add_argument_group("retention")
+    g.add_argument(
+        "--retention-messages", type=int, default=10_000_000, help="retention: messages (default 10,000,000)"
+    )
+    g.add_argument(
+        "--retention-queues",
+        type=int,
+        default=1_000_000,
+        help="retention: queues holding them (default 1,000,000)",
+    )
+    g.add_argument(
+        "--executors", type=int, default=2, help="retention: Spark executor cores, local[N] (default 2)"
+    )
+    g = p.add_argument_group("rebalance")
+    g.add_argument("--shards", type=int, default=64, help="rebalance: shards (default 64)")
+    g.add_argument(
+        "--skew", type=float, default=0.6, help="rebalance: Zipf exponent of slot loads (default 0.6)"
+    )
+    g = p.add_argument_group("operator")
+    g.add_argument(
+        "--relayshards", type=int, default=100, help="operator: RelayShards on the kwok cluster (default 100)"
+    )
+    g.add_argument(
+        "--rest-seconds",
+        type=float,
+        default=60.0,
+        help="operator: the window API requests are counted in at rest",
+    )
+    g.add_argument(
+        "--kubeconfig", type=Path, help="operator: an existing (kwok) cluster instead of starting one"
+    )
+    p.add_argument("--seed", type=int, default=41, help="random seed of every generated load")
+    p.add_argument(
+        "--output",
+        type=Path,
+        help="markdown file to update (default: ./docs/benchmarks.md or ./benchmarks.md)",
+    )
+    p.add_argument(
+        "--no-write", action="store_true", help="print the tables instead of updating the markdown file"
+    )
+    p.add_argument("--json", type=Path, help="also write every phase's report as JSON here")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def run_phase(name: str, args: argparse.Namespace, say: Callable[[str], None]) -> PhaseReport:
+    # each phase imported when run: the retention phase alone needs pyspark, the operator kubernetes
+    if name == "store":
+        from relayfleet_testing.bench.scale import store
+
+        return store.run(args.queues, args.payload, args.seed, say)
+    if name == "retention":
+        from relayfleet_testing.bench.scale import retention
+
+        return retention.run(args.retention_messages, args.retention_queues, args.executors, args.seed, say)
+    from relayfleet_testing.bench.scale import rebalance
+
+    return rebalance.run(args.shards, args.skew, args.seed, say)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:
+        return 2 if exc.code not in (0, None) else 0
+    for flag in ("queues", "payload", "retention_messages", "retention_queues", "executors", "relayshards"):
+        if getattr(args, flag) < 1:
+            print(f"relayfleet bench --scale: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if args.shards < 2 or args.retention_messages < args.retention_queues:
+        print("relayfleet bench --scale: need --shards >= 2 and --retention-messages >= --retention-queues",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    progress = ProgressReporter("relayfleet bench --scale", quiet=args.quiet)
+    t0 = time.monotonic()
+
+    def say(text: str) -> None:
+        progress.say(f"[{time.monotonic() - t0:5.0f}s] {text}")
+
+    reports: list[PhaseReport] = []
+    for name in args.phase or PHASES:
+        load = bench_report.loadavg()
+        started = time.monotonic()
+        try:
+            rep = run_phase(name, args, say)
+        except KeyboardInterrupt:
+            print("relayfleet bench --scale: interrupted; every started process was stopped", file=sys.stderr)
+            return 1
+        rep.seconds = time.monotonic() - started
+        rep.notes.append(
+            f"Load average before / after: {load} / {bench_report.loadavg()} (a shared machine)."
+        )
+        reports.append(rep)
+        say(f"{name}: done in {rep.seconds:.0f} s")
+    command = "relayfleet bench " + shlex.join(["--scale", *argv])
+    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    commit = bench_report.tree_commit(REPO)
+    cpu = bench_report.machine_facts(REPO)["CPU"]
+    parts = [f"`{command}`, {when}, relay at {commit}, {cpu}\n\n{render(r)}" for r in reports]
+    if args.json is not None:
+        args.json.write_text(json.dumps([r.to_json() for r in reports], indent=1))
+    if args.no_write:
+        print("\n".join(parts))
+        return 0
+    from relayfleet_testing.bench.runner import default_output
+
+    output = args.output or default_output()
+    for rep, part in zip(reports, parts, strict=True):
+        bench_report.write(output, f"scale-{rep.phase}", part, f"### Latest scale run: {rep.phase}")
+    print(f"relayfleet bench --scale: results written to {output}", file=sys.stderr)
+    return 0
