@@ -8,7 +8,7 @@ import gc
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from aiohttp import hdrs, web
@@ -151,6 +151,7 @@ def build_app(settings: Settings, fleet: ShardRouter) -> web.Application:
     logsafe.install()
     app.on_startup.append(_start_guard)
     app.on_cleanup.append(_stop_guard)
+    app.cleanup_ctx.append(_renewing_presence)
     _add_observed(app, queues.routes, guard)  # first: the hottest routes are matched first
     _add_observed(app, health.routes)  # health, readiness and metrics answer even when overloaded
     # the protocols' endpoints, in matching order, each module's lifecycle set up after its routes
@@ -176,6 +177,18 @@ async def _start_guard(app: web.Application) -> None:
 
 async def _stop_guard(app: web.Application) -> None:
     app[CTX].memory.stop()
+
+
+async def _renewing_presence(app: web.Application) -> AsyncIterator[None]:
+    """The presence leases' renewal (relay/presence.py) for the app's life; at the end the
+    releases of the closed sockets are given their moment to reach Redis."""
+    presence = app[CTX].presence
+    task = asyncio.get_running_loop().create_task(presence.run())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await presence.close()
 
 
 def _add_observed(app: web.Application, routes: web.RouteTableDef, guard: MemoryGuard | None = None) -> None:

@@ -100,6 +100,35 @@ LIVE_DROPPED = Counter(
     "Live WebSocket clients dropped because their socket accepted nothing for RELAY_LIVE_SEND_TIMEOUT_S",
     registry=REGISTRY,
 )
+# Fleet-wide presence (relay/presence.py): the leases this relay holds and renews, and how
+# live-socket takeovers across relays went. Labels from fixed sets only.
+PRESENCE_LEASES = Gauge(
+    "relayfleet_presence_leases", "Presence leases this relay holds, by kind", ["kind"], registry=REGISTRY
+)  # kind: live (a live socket), poll (a waiting long-poll)
+PRESENCE_WRITES = Counter(
+    "relayfleet_presence_writes_total",
+    "Presence lease writes to the shards, by operation and result",
+    ["op", "result"],
+    registry=REGISTRY,
+)  # op: take, drop, renew; result: ok, failed
+PRESENCE_CHECKS = Counter(
+    "relayfleet_presence_checks_total",
+    "Fleet-wide presence questions (status.live_delivery, push), by answer",
+    ["answer"],
+    registry=REGISTRY,
+)  # answer: live, online (a waiting poll only), offline, unknown (the shard did not answer)
+LIVE_DISPLACED = Counter(
+    "relayfleet_live_displaced_total",
+    "Live sockets closed 4409 because a newer one for their queue opened, by how it was learnt",
+    ["via"],
+    registry=REGISTRY,
+)  # via: here (same relay), notice (the takeover notice), lease (a renewal found it taken)
+LIVE_TAKEOVER_SECONDS = Histogram(
+    "relayfleet_live_takeover_wait_seconds",
+    "How long a new live socket waited for the displaced one's release before its first delivery",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    registry=REGISTRY,
+)
 WAKEUP_SECONDS = LoopHistogram(
     "relayfleet_wakeup_latency_seconds",
     "From the waking enqueue being stored to the waiter being answered",

@@ -32,6 +32,7 @@ from relay.storage.wakeups import Waiter
 T = TypeVar("T")
 
 OnStored = Callable[[bytes, bytes, int, int], None]  # recipient, channel, seq, subscribers
+OnWait = Callable[[bytes, bytes, int], None]  # recipient, channel, +1 a long-poll parks / -1 it leaves
 
 
 class _Rerouted(Exception):
@@ -79,6 +80,7 @@ class QueueService:
         self.fleet = fleet
         self.settings = settings
         self.on_stored: OnStored | None = None
+        self.on_wait: OnWait | None = None  # fleet-wide presence (relay/presence.py)
         self.closing = False
         self._waiters = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -187,6 +189,7 @@ class QueueService:
         deadline = loop.time() + wait_s
         self._waiters += 1
         _WAITERS.inc()
+        parked = False
         try:
             while True:
                 with route.hub.waiting(route.keys.wake) as waiter:
@@ -199,6 +202,9 @@ class QueueService:
                             if result.messages and waiter.woken_at_ms is not None:
                                 _WAKEUP_SECONDS.observe(max(0, now_ms() - waiter.woken_at_ms) / 1000)
                             return result
+                        if not parked and self.on_wait is not None:
+                            parked = True  # counted once it waits, not for reads that answer at once
+                            self.on_wait(recipient, channel, 1)
                         carried = await self._carried(waiter, result, deadline, read_at)
                         if carried is not None:
                             return carried
@@ -211,6 +217,8 @@ class QueueService:
         finally:
             self._waiters -= 1
             _WAITERS.dec()
+            if parked and self.on_wait is not None:
+                self.on_wait(recipient, channel, -1)
 
     async def _carried(
         self,
@@ -445,10 +453,6 @@ class QueueService:
         return await self.call(
             recipient, b"", lambda r: r.store.use_nonce(r.keys.slot, member, ts, lifetime_ms), False
         )
-
-    async def announce_live(self, recipient: bytes, channel: bytes, token: bytes) -> None:
-        """Tell every live connection to this queue, fleet-wide, that `token` is the newest."""
-        await self.call(recipient, channel, lambda r: r.store.publish_notice(r.keys.wake, token))
 
     def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.get_running_loop().create_task(coro)

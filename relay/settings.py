@@ -219,6 +219,9 @@ RELAY_ENV_ONLY: tuple[Setting[Any], ...] = (
     ),
     Setting("RELAY_LIVE_SEND_TIMEOUT_S", FLOAT, 30.0,
             "drop a live client whose socket accepts nothing this long", lo=0.1, field="live_send_timeout_s"),
+    Setting("RELAY_PRESENCE_TTL_S", FLOAT, 8.0,
+            "fleet-wide presence lease of a live socket or waiting poll (renewed every third of it)",
+            lo=0.5, hi=300.0, field="presence_ttl_s"),
     Setting("RELAY_BODY_TIMEOUT_S", FLOAT, 30.0, "a request body must arrive within this long",
             field="body_timeout_s"),
     Setting("RELAY_HEADER_TIMEOUT_S", FLOAT, 10.0, "request headers must arrive within this long",
@@ -311,6 +314,9 @@ class Settings:
     live_queue_max: int = 256  # unacked frames in flight per WebSocket before we stop reading ahead
     # A live client whose socket accepts nothing for this long is dropped (its frames held in memory).
     live_send_timeout_s: float = _d("live_send_timeout_s")
+    # A live socket's or waiting poll's presence lease (relay/presence.py): status.live_delivery
+    # and the push decision see it fleet-wide; a killed holder's lapses within this long.
+    presence_ttl_s: float = _d("presence_ttl_s")
     # A body must arrive within this long, or a slow sender (slowloris) holds a handler forever.
     body_timeout_s: float = _d("body_timeout_s")
     # Shard health (INFO) every this many seconds; slot statistics at most this often, after a scrape.

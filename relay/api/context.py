@@ -10,6 +10,7 @@ from aiohttp import web
 from relay.api.auth import Authenticator
 from relay.api.quota import ClientQuota
 from relay.http.memguard import MemoryGuard
+from relay.presence import Presence
 from relay.service import QueueService
 from relay.settings import Settings
 
@@ -26,8 +27,8 @@ class LiveConnection(Protocol):
 
 @dataclass
 class LiveRegistry:
-    """Live WebSocket connections of this process, one per queue (newest wins). The one
-    registry: pickup, push and the status answer ask it whether a queue is live."""
+    """Live WebSocket connections of this process, one per queue (newest wins). Whether a
+    queue is live anywhere in the fleet is `Context.presence`'s to answer."""
 
     by_queue: dict[tuple[bytes, bytes], LiveConnection] = field(default_factory=dict)
 
@@ -53,6 +54,11 @@ class Context:
     memory: MemoryGuard = field(default_factory=lambda: MemoryGuard(None))
     quota: ClientQuota | None = None  # the per-client quota; None when its limits are off
     ready: bool = False
+    # fleet-wide presence: live sockets and waiting long-polls on any relay (relay/presence.py)
+    presence: Presence = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.presence = Presence(self.service, self.settings.presence_ttl_s)
 
 
 CTX = web.AppKey("relayfleet_context", Context)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import weakref
 from collections.abc import AsyncIterator, Iterable
 
@@ -150,6 +151,9 @@ class DidcommSocket:
         self.live_task: asyncio.Task[None] | None = None
         self.inflight: set[str] = set()
         self.poke = asyncio.Event()  # an ack or a keylist change: look again now
+        # live mode: the presence leases held on the connection's keys' queues (relay/presence.py)
+        self.token = os.urandom(16).hex()
+        self.leased: set[bytes] = set()
 
     # -- mediator_pickup.LiveSession -----------------------------------------------------
     @property
@@ -160,6 +164,8 @@ class DidcommSocket:
         if self.live_task is not None:
             self.live_task.cancel()
             self.live_task = None
+        if conn is None:
+            self._lease(set())
         self.live_conn = conn
         self.inflight.clear()
         if conn is not None:
@@ -203,6 +209,7 @@ class DidcommSocket:
         """Subscribe to every registered key's queue, then read, deliver what is new, wait."""
         m = self.m
         queues = await m.records.keys(conn)
+        self._lease(set(queues))
         if not queues:
             self.poke.clear()
             with contextlib.suppress(TimeoutError):
@@ -235,6 +242,19 @@ class DidcommSocket:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _lease(self, keys: set[bytes]) -> None:
+        """Hold presence leases on exactly `keys`' queues: status.live_delivery through any relay
+        says live while this socket is in live mode (no takeover between DIDComm sockets:
+        Pickup 2.0 has none, the leases only tell presence)."""
+        presence = self.m.presence
+        if presence is None:
+            return
+        for key in self.leased - keys:
+            presence.drop(key, QUEUE_CHANNEL, self.token)
+        for key in keys - self.leased:
+            presence.hold(key, QUEUE_CHANNEL, self.token)
+        self.leased = keys
 
     async def close(self) -> None:
         self.set_live(None)
@@ -326,6 +346,7 @@ def setup(app: web.Application) -> None:
         s.didcomm_max_keys_per_connection,
         s.didcomm_idle_expiry_s,
         s.didcomm_max_connections_per_client,
+        c.presence,
     )
     if s.didcomm_sweep_interval_s > 0:  # expired records leave Redis without a write to their slot
         app[SWEEP] = RecordSweep(c.service.fleet, s.didcomm_sweep_interval_s)

@@ -1,10 +1,14 @@
 """Live delivery over WebSocket: the backlog from fromSeq, an "empty" marker, then new messages.
 
-One connection per queue: the handler authenticates the upgrade request (the
-same signature as any GET), takes the queue over from an older connection of
-this process (closed with 4409), and then reads client frames (acks and Pickup
-2.0 messages) while a sender task streams. The sender registers its waiter
-before reading, keeps at most ``live_queue_max`` frames unacknowledged, reads
+One connection per queue, fleet-wide: the handler authenticates the upgrade request
+(the same signature as any GET), takes the queue over from an older connection of this
+process, and then reads client frames (acks and Pickup 2.0 messages) while a sender task
+streams. The sender subscribes to the queue's wakeups, then takes the queue's live lease
+(relay/presence.py), which publishes its takeover notice: an older connection on any relay
+closes with 4409 and, once it writes nothing more, publishes its release. The newer one's
+first delivery waits for that release (at most until the older lease would lapse), so no
+frame reaches a displaced socket after the newer socket's first. The sender registers its
+waiter before reading, keeps at most ``live_queue_max`` frames unacknowledged, reads
 Redis in small batches (at most READ_BATCH messages and the response byte budget),
 and re-resolves the queue's route on every wake so it follows a slot migration. Once
 caught up, a wakeup that carries the messages following the last read is sent from
@@ -57,6 +61,7 @@ log = logging.getLogger("relay.live")
 routes = web.RouteTableDef()
 
 CLOSE_DISPLACED = 4409
+DISPLACED_CLOSE_S = 2.0  # a displaced client's close handshake, at most; then it is aborted
 READ_BATCH = 16  # messages per Redis read: bounds memory per connection (payloads reach 5 MiB)
 HEARTBEAT_S = 20.0  # WebSocket ping interval (jittered ±10 % per socket); no pong within half of it closes
 REREAD_S = 30.0  # a wakeup is a hint: re-read about this often even without one (jittered)
@@ -136,14 +141,25 @@ class LiveSession:
         # done once a newer connection took the queue over (a future, not an Event: _receive
         # waits on it as it is, with no task and coroutine per socket to wait on an Event)
         self.displaced: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.token = os.urandom(16)  # announced fleet-wide; a foreign token after it displaces us
+        self.token = os.urandom(16).hex()  # the live lease's; a foreign takeover after ours displaces us
+        self._takeover = b"t" + self.token.encode()  # our takeover notice (lua/presence.py)
+        self._awaited: bytes | None = None  # the release notice of the holder we displaced
         self.seen_own = False
+        self.released = False
         self._parked = False  # the stream task waits in `_send_carried`, nothing else
         self._woken_next: int | None = None  # the seq after frames `_send_woken` wrote
         self._prepared: _Prepared | None = None
 
-    def displace(self) -> None:
+    def release(self) -> None:
+        """This connection writes no more frames: its live lease goes, and its release notice
+        lets a newer connection, on any relay, deliver (once)."""
+        if not self.released:
+            self.released = True
+            self.c.presence.drop(self.recipient, self.channel, self.token)
+
+    def displace(self, via: str = "here") -> None:
         if not self.displaced.done():
+            metrics.LIVE_DISPLACED.labels(via).inc()
             self.displaced.set_result(None)
 
     # -- pickup.LiveControl ------------------------------------------------
@@ -225,8 +241,12 @@ class LiveSession:
                 if not announced:
                     # after subscribing, so our own notice comes back to us: notices after
                     # it are from newer connections (Redis delivers in publish order)
-                    await service.announce_live(self.recipient, self.channel, self.token)
+                    left_s, prev = await self.c.presence.take(
+                        self.recipient, self.channel, self.token, partial(self.displace, "lease")
+                    )
                     announced = True
+                    if left_s > 0:
+                        await self._await_release(waiter, prev, left_s)
                 while True:
                     await self._idle_until(self.streaming, waiter)
                     await self._wait_for_room(waiter)
@@ -251,6 +271,8 @@ class LiveSession:
                         sent_empty = True
                     next_seq = await self._send_carried(waiter, result.epoch, result.last_seq, next_seq)
                     self._check_notices(waiter)
+                    if self.displaced.done():
+                        return  # _receive closes with 4409
                     if service.closing:
                         await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"relay shutting down")
                         return
@@ -401,14 +423,35 @@ class LiveSession:
                 await asyncio.wait_for(event.wait(), min(NOTICE_CHECK_S, left))
             self._check_notices(waiter)
 
+    async def _await_release(self, waiter: Waiter, prev: str, left_s: float) -> None:
+        """Before the first delivery: wait until the connection this one displaced released
+        the queue (it writes nothing more), or until its lease would have lapsed (its relay
+        is gone). Notices are read as they come; messages wait for the first read."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        end = start + left_s
+        self._awaited = b"r" + prev.encode()
+        while True:
+            self._check_notices(waiter)
+            left = end - loop.time()
+            if self._awaited is None or left <= 0 or self.displaced.done():
+                break
+            await waiter.wait(left)
+        self._awaited = None
+        metrics.LIVE_TAKEOVER_SECONDS.observe(loop.time() - start)
+
     def _check_notices(self, waiter: Waiter) -> None:
-        """A foreign live-connection token after our own: a newer connection, elsewhere in the fleet."""
+        """A foreign takeover after our own: a newer connection, elsewhere in the fleet. A
+        release: an older connection stopped writing (`_await_release`)."""
         while waiter.notices:
-            token = waiter.notices.popleft()
-            if token == self.token:
+            notice = waiter.notices.popleft()
+            if notice[:1] == b"r":
+                if notice == self._awaited:
+                    self._awaited = None
+            elif notice == self._takeover:
                 self.seen_own = True
             elif self.seen_own:
-                self.displace()
+                self.displace("notice")
 
     async def _prune(self) -> None:
         """Forget unacked frames whose messages were removed another way (HTTP ack, drain, retention)."""
@@ -482,7 +525,7 @@ async def live(request: web.Request) -> web.StreamResponse:
     await ws.prepare(request)
     key = (recipient, channel)
     session = LiveSession(c, ws, recipient, channel, request.transport)
-    c.live.take_over(key, session)  # the older connection closes itself with 4409
+    c.live.take_over(key, session)  # an older connection of this process closes itself with 4409
     metrics.LIVE_CONNECTIONS.inc()
     sender = asyncio.get_running_loop().create_task(session.stream(from_seq))
     try:
@@ -502,6 +545,7 @@ async def live(request: web.Request) -> web.StreamResponse:
                     await ws.close()
             if not ws.closed:
                 session.drop()
+        session.release()  # it writes nothing more: its lease goes
     return ws
 
 
@@ -526,17 +570,31 @@ async def _receive(session: LiveSession, sender: asyncio.Task[None]) -> None:
             finally:
                 for f in watched:
                     f.remove_done_callback(wake)
-            if sender.done():
-                await _sender_ended(session, sender)
-                return
             if displaced.done():
                 # closed from its own task with no receive pending, so the close
-                # handshake completes and the client sees 4409 cleanly
+                # handshake completes and the client sees 4409 cleanly; bounded, as the
+                # newer connection's first delivery waits for it (a dead client is aborted)
                 reader.cancel()
                 sender.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await reader
-                await ws.close(code=CLOSE_DISPLACED, message=b"displaced by a newer live connection")
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await sender
+                closing = asyncio.ensure_future(
+                    ws.close(code=CLOSE_DISPLACED, message=b"displaced by a newer live connection")
+                )
+                # close() writes its frame before it first waits: after one loop turn the close
+                # frame follows every frame this socket got, and the newer one may deliver
+                await asyncio.sleep(0)
+                session.release()
+                try:
+                    async with asyncio.timeout(DISPLACED_CLOSE_S):
+                        await closing
+                except TimeoutError:
+                    session.drop()
+                return
+            if sender.done():
+                await _sender_ended(session, sender)
                 return
             msg = reader.result()
             if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):

@@ -9,6 +9,7 @@ copy the request's ``@type`` prefix (``https://didcomm.org/`` or the legacy
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -193,13 +194,14 @@ async def answer(
     """The mediator's reply to one Pickup message for the queue (recipient, channel)."""
     service = c.service
 
-    def live_now() -> bool:
+    async def live_now() -> bool:
         if control is not None:
-            return control.live_delivery
-        return (recipient, channel) in c.live.by_queue
+            return control.live_delivery  # the asking socket is the queue's one live connection
+        return await c.presence.live(recipient, channel)  # on any relay of the fleet
 
     async def status() -> dict[str, Any]:
-        return _status_doc(msg, await service.status(recipient, channel), live_now())
+        st, live = await asyncio.gather(service.status(recipient, channel), live_now())
+        return _status_doc(msg, st, live)
 
     if msg.name == "status-request":
         return await status()

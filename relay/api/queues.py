@@ -221,7 +221,8 @@ async def status(request: web.Request) -> web.Response:
     recipient = params.recipient_key(request.match_info["recipient"])
     channel = params.channel_of(request)
     await c.auth.verify(request, recipient)
-    st = await c.service.status(recipient, channel)
+    # live anywhere in the fleet (relay/presence.py), asked beside the queue's own figures
+    st, live = await asyncio.gather(c.service.status(recipient, channel), c.presence.live(recipient, channel))
     now = time.time()
     return json_response(
         {
@@ -232,7 +233,7 @@ async def status(request: web.Request) -> web.Response:
             "longest_waited_seconds": max(0, int(now - st.oldest_ms / 1000))
             if st.oldest_ms is not None
             else None,
-            "live_delivery": (recipient, channel) in c.live.by_queue,
+            "live_delivery": live,
             "nextSeq": st.last_seq + 1,
             "epoch": st.epoch,
         }

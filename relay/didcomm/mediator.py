@@ -23,6 +23,7 @@ from relay.didcomm.limits import ConnectionBudget
 from relay.didcomm.mediator_pickup import LiveSession, Pickup
 from relay.didcomm.messages import PREFIXES, MediatorError, reply, thread_of
 from relay.didcomm.records import QUEUE_CHANNEL, Connection, Records
+from relay.presence import Presence
 from relay.service import QueueService
 from relay.storage.store import EnqueueOutcome, EnqueueRequest
 
@@ -115,6 +116,7 @@ class Mediator:
         max_keys: int = 100,
         idle_expiry_s: float = 30 * 86400.0,
         connections_per_client: int = 100,
+        presence: Presence | None = None,
     ) -> None:
         self.redeliver_ms = int(
             redeliver_s * 1000
@@ -123,7 +125,9 @@ class Mediator:
         self.service = service
         self.records = Records(service, max_keys, int(idle_expiry_s * 1000))
         self.budget = ConnectionBudget(connections_per_client)
-        self.pickup = Pickup(service, self.records, self.redeliver_ms)
+        # fleet-wide presence (relay/presence.py): Pickup's live_delivery, the live mode's leases
+        self.presence = presence
+        self.pickup = Pickup(service, self.records, self.redeliver_ms, presence)
         self.max_payload = max_payload
         self.max_plaintext = max(MAX_MESSAGE, max_payload + FORWARD_ROOM)
 

@@ -16,6 +16,7 @@ from relay.didcomm import keys as dk
 from relay.didcomm.envelope import shaped
 from relay.didcomm.messages import MediatorError, reply
 from relay.didcomm.records import QUEUE_CHANNEL, Connection, Lease, Records
+from relay.presence import Presence
 from relay.service import QueueService
 from relay.storage.store import Message
 
@@ -75,8 +76,11 @@ def rfc3339(ms: int) -> str:
 
 
 class Pickup:
-    def __init__(self, service: QueueService, records: Records, redeliver_ms: int) -> None:
+    def __init__(
+        self, service: QueueService, records: Records, redeliver_ms: int, presence: Presence | None = None
+    ) -> None:
         self.service = service
+        self.presence = presence
         self.records = records
         self.redeliver_ms = redeliver_ms  # a delivered, unacknowledged message goes out again after
 
@@ -98,8 +102,10 @@ class Pickup:
     ) -> dict[str, Any]:
         """A Pickup status. Live deliveries awaiting their ack (`in_flight`) are not counted as
         waiting: an agent that asked for a count's worth would get them twice."""
-        results, leases = await asyncio.gather(
-            asyncio.gather(*(self.service.status(k, QUEUE_CHANNEL) for k in queues)), self.leases(queues)
+        results, leases, elsewhere = await asyncio.gather(
+            asyncio.gather(*(self.service.status(k, QUEUE_CHANNEL) for k in queues)),
+            self.leases(queues),
+            self.live_elsewhere(queues, live),
         )
         now = now_ms()
         leased = sum(lease.held for lease in leases.values() if lease.active(now))
@@ -117,8 +123,16 @@ class Pickup:
         if oldest is not None:
             body["oldest_received_time"] = rfc3339(oldest)
         body["total_bytes"] = total
-        body["live_delivery"] = live
+        body["live_delivery"] = live or elsewhere
         return reply(doc, prefix, "messagepickup/2.0/status", body)
+
+    async def live_elsewhere(self, queues: list[bytes], live: bool) -> bool:
+        """Whether a socket in live mode delivers one of `queues` on some relay of the fleet
+        (asked only when the asking transport is not in live mode itself)."""
+        if live or self.presence is None or not queues:
+            return False
+        presence = self.presence
+        return any(await asyncio.gather(*(presence.live(k, QUEUE_CHANNEL) for k in queues)))
 
     async def leases(self, queues: list[bytes]) -> dict[bytes, Lease]:
         found = await asyncio.gather(*(self.records.lease(k) for k in queues))

@@ -231,6 +231,15 @@ def recipient_field(recipient: bytes) -> str:
     return b64(recipient) + "|"
 
 
+def slot_presence(slot: int) -> str:
+    """Hash: the fleet-wide presence leases of this slot's queues (relay/presence.py,
+    lua/presence.lua): 'l|<qid>' a live socket's lease "<expiry ms> <token>", 'p|<qid>' a
+    waiting long-poll's "<expiry ms>". Present only while a lease is: every write sets the
+    key's expiry to its latest lease's, so it leaves Redis by itself when the last holder
+    stops refreshing. A slot-level key, so migration copies it with the slot."""
+    return f"{slot_tag(slot)}:live"
+
+
 def slot_didcomm_idle(slot: int) -> str:
     """Sorted set: when each DIDComm record of slot_didcomm(slot) expires if left idle (member
     'c:<key>' a connection, 'k:<key>' a registration; score = expiry ms). The dc_*.lua scripts

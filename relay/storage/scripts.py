@@ -86,6 +86,9 @@ DC_LIST = _load("dc_list", _PRELUDE)
 # Their periodic idle-expiry sweep over a batch of slots (relay/didcomm/sweep.py).
 DC_EXPIRE = _load("dc_expire", _PRELUDE)
 
+# Fleet-wide presence leases of live sockets and waiting long-polls (relay/presence.py).
+PRESENCE = _load("presence", _PRELUDE)
+
 # The slots' load statistics in batches (relay.shard_health through a relay's bulk lane,
 # relay.storage.maintenance through script_runner).
 SLOT_SWEEP = _load("slot_sweep", _PRELUDE)
@@ -107,6 +110,7 @@ ALL: tuple[Script, ...] = (
     DC_LIST,
     DC_EXPIRE,
     SLOT_SWEEP,
+    PRESENCE,
 )
 
 # Migration steps (relay.fleet.migration); relays never run them, so not in ALL.

@@ -33,7 +33,6 @@ from relay.storage.pipeline import (
     encode,
     is_auth_failure,
 )
-from relay.storage.wakeups import NOTICE_PREFIX
 
 _PING = encode("PING")
 _INFO_MEMORY = encode("INFO", "memory")
@@ -725,12 +724,42 @@ class ShardStore:
         )
         return int(fields.get(b"used_memory", b"0")), int(fields.get(b"maxmemory", b"0"))
 
-    async def publish_notice(self, channel: str, data: bytes) -> int:
-        """Publish a notice (not a message) on a wakeup channel; returns the subscriber count.
+    # -- fleet-wide presence leases (lua/presence.lua, relay/presence.py) -------------------
+    async def _presence(self, slot: int, args: tuple[str | int, ...]) -> list[Any]:
+        return _check(
+            await self._batcher.call(scripts.PRESENCE, (K.slot_state(slot), K.slot_presence(slot)), args)
+        )
 
-        Through the pipeline, not the pooled client: a burst of live connects announcing
-        at once must not exhaust a small connection pool (which answered them 1013)."""
-        return int(await self._batcher.submit(encode("PUBLISH", channel, NOTICE_PREFIX + data)))
+    async def presence_take(self, q: K.QueueKeys, token: str, now_ms: int, ttl_ms: int) -> tuple[int, str]:
+        """The queue's live lease becomes `token`'s (its takeover notice published with it):
+        (ms the previous holder's lease had left, 0 for none; that holder's token)."""
+        r = await self._presence(q.slot, ("take", now_ms, ttl_ms, q.qid, token, q.wake))
+        return int(r[1]), _s(r[2])
+
+    async def presence_drop(self, q: K.QueueKeys, token: str, now_ms: int) -> bool:
+        """End `token`'s live lease (deleted if still its) and publish its release notice."""
+        r = await self._presence(q.slot, ("drop", now_ms, q.qid, token, q.wake))
+        return bool(int(r[1]))
+
+    async def presence_renew(
+        self,
+        slot: int,
+        now_ms: int,
+        ttl_ms: int,
+        live: Sequence[tuple[str, str]],
+        polls: Sequence[str],
+        sweep: bool = False,
+    ) -> list[str]:
+        """Extend leases of one slot: live (qid, token) pairs and waiting polls' qids. The qids
+        of live leases another token holds now (nothing written for them)."""
+        flat = [x for pair in live for x in pair]
+        args = ("renew", now_ms, ttl_ms, "1" if sweep else "0", len(live), *flat, *polls)
+        return [_s(x) for x in (await self._presence(slot, args))[1:]]
+
+    async def presence_get(self, q: K.QueueKeys, now_ms: int) -> tuple[bool, bool]:
+        """(a live socket holds a lease, a live socket or a waiting poll does)."""
+        r = await self._presence(q.slot, ("get", now_ms, q.qid))
+        return bool(int(r[1])), bool(int(r[2]))
 
     async def use_nonce(self, slot: int, member: str, now_ms: int, lifetime_ms: int) -> bool:
         """True when the nonce was unused (and is now recorded)."""

@@ -40,7 +40,9 @@ _POLL_FALLBACK_S = 0.25
 
 
 _MAP_MOVED = K.SHARD_MAP_MOVED.encode()
-NOTICE_PREFIX = b"n:"  # wakeup-channel payloads that are notices (live takeovers), not new messages
+# wakeup-channel payloads that are notices (live takeovers and releases, published by
+# lua/presence.lua under this literal prefix), not new messages
+NOTICE_PREFIX = b"n:"
 _MAX_NOTICES = 64
 # carried messages (and their payload bytes) a waiter keeps between reads; past either it
 # drops them and re-reads: a live socket whose client stopped acking pins no more than this

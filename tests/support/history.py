@@ -19,13 +19,17 @@ one the contract allows:
                      reads begun before an enqueue to the queue was answered do not count
 - ``status``         a 5xx other than 503 with Retry-After, a response that never came,
                      or a status the operation never answers
+- ``displaced``      live delivery (deliveries that name their connection, ``conn``, numbered
+                     in the order the queue's live connections opened; ``t1`` the frame's
+                     arrival): a frame on a connection arriving after the first frame on a
+                     newer connection (a displaced socket still served after its successor began)
 
 Event records (also the JSON-lines file format; ``t0``/``t1`` are seconds, one clock):
 
     {"op": "enqueue", "queue": Q, "id": ID, "key": KEY|null, "t0", "t1", "status", "seq": N|null,
      "retry_after": bool}
     {"op": "deliver", "mode": "read"|"drain", "queue": Q, "t0", "t1", "status", "from": S|null,
-     "items": [[seq, ID], ...], "epoch": E|null, "retry_after": bool}
+     "items": [[seq, ID], ...], "epoch": E|null, "retry_after": bool, "conn": N (optional)}
     {"op": "ack", "queue": Q, "t0", "t1", "status", "upto": N|null, "seqs": [N, ...]|null,
      "retry_after": bool}
 
@@ -101,9 +105,12 @@ class History:
         from_seq: int | None = None,
         epoch: str | None = None,
         retry_after: bool = False,
+        conn: int | None = None,
     ) -> None:
+        extra = {} if conn is None else {"conn": conn}
         self.events.append(
             {
+                **extra,
                 "op": "deliver",
                 "mode": mode,
                 "queue": queue,
@@ -386,6 +393,7 @@ def _check_queue(
     if len(epochs) > 1:
         v.append(Violation("epoch", q, f"{len(epochs)} different epochs seen"))
 
+    _check_displaced(q, dels, v)
     delivered: dict[str, list[int]] = defaultdict(list)  # id -> delivery indexes
     seq_id: dict[int, str] = {}
     for n, d in enumerate(dels):
@@ -447,6 +455,32 @@ def _check_queue(
         if i not in delivered:
             v.append(Violation("lost", q, f"id {i} (seq {seq}) was acknowledged but never delivered"))
     counts["queues"] += 1
+
+
+def _check_displaced(q: str, dels: list[dict[str, Any]], v: list[Violation]) -> None:
+    """No frame on a live connection arrives after a newer connection's first frame."""
+    first: dict[int, float] = {}
+    for d in dels:
+        if d.get("conn") is not None and d["items"]:
+            c, t1 = int(d["conn"]), float(d["t1"])
+            first[c] = min(first.get(c, t1), t1)
+    if len(first) < 2:
+        return
+    for d in dels:
+        if d.get("conn") is None or not d["items"]:
+            continue
+        c, t1 = int(d["conn"]), float(d["t1"])
+        newer = [(t, n) for n, t in first.items() if n > c and t < t1]
+        if newer:
+            t, n = min(newer)
+            seqs = [int(s) for s, _ in d["items"]]
+            v.append(
+                Violation(
+                    "displaced",
+                    q,
+                    f"connection {c} got seqs {seqs[:5]} {t1 - t:.4f}s after connection {n}'s first frame",
+                )
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

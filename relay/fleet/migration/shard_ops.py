@@ -310,6 +310,7 @@ def slot_keys(slot: int) -> tuple[str, ...]:
         K.slot_didcomm(slot),
         K.slot_recipients(slot),
         K.slot_didcomm_idle(slot),
+        K.slot_presence(slot),
         K.slot_index(slot),
     )
 

@@ -110,6 +110,16 @@ def test_checker_finds_a_delivery_after_ack() -> None:
     assert "duplicate" in _kinds(h)
 
 
+def test_checker_finds_a_frame_on_a_displaced_live_connection() -> None:
+    h = _base()
+    h.deliver("q", "read", 4.0, 4.1, 200, [(1, "a")], conn=0)
+    h.deliver("q", "read", 4.2, 5.0, 200, [(1, "a")], conn=1)  # the newer socket: again, unacked
+    h.deliver("q", "read", 4.0, 5.5, 200, [(2, "b")], from_seq=2, conn=1)
+    assert h.check(exactly_once=False).ok
+    h.deliver("q", "read", 4.0, 5.2, 200, [(2, "b")], from_seq=2, conn=0)  # after conn 1's first
+    assert _kinds(h, exactly_once=False) == {"displaced"}
+
+
 def test_checker_finds_two_drains_of_one_message() -> None:
     h = _base()
     h.deliver("q", "drain", 4.0, 5.0, 200, [(1, "a"), (2, "b")])

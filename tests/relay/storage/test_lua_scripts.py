@@ -766,3 +766,50 @@ def test_recipient_settle_replaces_counters_only_when_quiet(r: redis.Redis) -> N
     empty = (K.b64(b"a"), 0, 0)
     assert run(r, scripts.RCPT_SETTLE, keys, (RF, "set", 2, NOW + 200_000, 5000, 60_000, *empty)) == [b"ok"]
     assert not r.exists(K.slot_recipients(SLOT))
+
+
+def test_presence_leases_take_drop_renew_and_expire(r: redis.Redis) -> None:
+    k = q()
+    keys = (k.state, K.slot_presence(SLOT))
+    sub = r.pubsub()  # type: ignore[no-untyped-call]
+    sub.subscribe(k.wake)
+    sub.get_message(timeout=1)
+
+    def get(now: int) -> list[Any]:
+        return list(run(r, scripts.PRESENCE, keys, ("get", now, QID)))
+
+    assert get(NOW) == [b"ok", 0, 0]
+    assert not r.exists(K.slot_presence(SLOT))  # a read writes nothing
+    # the first take finds no holder; its notice goes out on the queue's channel
+    assert run(r, scripts.PRESENCE, keys, ("take", NOW, 8000, QID, "aa", k.wake)) == [b"ok", 0, b""]
+    assert sub.get_message(timeout=1)["data"] == b"n:taa"
+    assert get(NOW + 1) == [b"ok", 1, 1]
+    assert 7000 < r.pttl(K.slot_presence(SLOT)) <= 8000  # the key lives as long as its newest lease
+    # a newer socket takes over: told how long the older lease had left, and whose it was
+    assert run(r, scripts.PRESENCE, keys, ("take", NOW + 1000, 8000, QID, "bb", k.wake)) == [
+        b"ok",
+        7000,
+        b"aa",
+    ]
+    # the older one's renewal finds it taken (nothing written), its drop deletes nothing but
+    # still publishes its release
+    assert run(r, scripts.PRESENCE, keys, ("renew", NOW + 1500, 8000, "0", 1, QID, "aa")) == [b"ok", b"q1"]
+    sub.get_message(timeout=1)
+    assert run(r, scripts.PRESENCE, keys, ("drop", NOW + 1600, QID, "aa", k.wake)) == [b"ok", 0]
+    assert sub.get_message(timeout=1)["data"] == b"n:raa"
+    assert get(NOW + 1700) == [b"ok", 1, 1]
+    # the holder's own drop deletes: false at once, and the key is gone with its last field
+    assert run(r, scripts.PRESENCE, keys, ("drop", NOW + 1800, QID, "bb", k.wake)) == [b"ok", 1]
+    assert get(NOW + 1900) == [b"ok", 0, 0]
+    assert not r.exists(K.slot_presence(SLOT))
+    # a waiting poll counts as online, not live; a lease read after its expiry is absent
+    assert run(r, scripts.PRESENCE, keys, ("renew", NOW, 8000, "0", 0, QID)) == [b"ok"]
+    assert get(NOW + 7999) == [b"ok", 0, 1]
+    assert get(NOW + 8000) == [b"ok", 0, 0]
+    # a sweep removes expired fields (a killed relay's) and keeps the others
+    run(r, scripts.PRESENCE, keys, ("renew", NOW + 9000, 8000, "1", 1, "q2", "cc"))
+    assert r.hkeys(K.slot_presence(SLOT)) == [b"l|q2"]
+    # fenced: nothing written, the fence answered
+    fence(r, "migrating")
+    assert run(r, scripts.PRESENCE, keys, ("take", NOW, 8000, "q3", "dd", k.wake)) == [b"migrating"]
+    assert not r.hexists(K.slot_presence(SLOT), "l|q3")
