@@ -1,5 +1,8 @@
-"""The DIDComm v1 mediator's endpoints: the invitation, packed envelopes over HTTP, and the
-WebSocket (return-routed replies, Pickup 2.0 live mode). Parse → relay.didcomm → respond.
+"""The DIDComm mediator's endpoints: the invitations (v1 and v2), packed messages over HTTP, and
+the WebSocket (return-routed replies, Pickup 2.0 / 3.0 live mode). Parse → relay.didcomm →
+respond. One front door for both versions: the media type decides (v2's
+application/didcomm-encrypted+json, -signed+json, -plain+json; v1's didcomm-envelope-enc and
+ssi-agent-wire), and for plain application/json or a WebSocket frame the body's own shape (`is_v2`).
 
 Logs and metrics name only the message type and the result: never a key, DID, label or
 payload. Without RELAY_DIDCOMM_SEED_FILE the mediator is off and these paths answer 404.
@@ -23,10 +26,13 @@ from relay.api.context import CTX, ctx
 from relay.api.errors import ApiError, json_response, unauthorized
 from relay.api.queues import enqueue_error
 from relay.api.quota import ClientQuota
+from relay.didcomm import jwm
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import EnvelopeError
 from relay.didcomm.mediator import HANDLED_TYPES, Caller, ForwardRefused, Mediator, Outcome
-from relay.didcomm.mediator_pickup import message_id
+from relay.didcomm.mediator2 import HANDLED_TYPES as V2_TYPES
+from relay.didcomm.mediator2 import Identity2, Mediator2, Outcome2
+from relay.didcomm.mediator_pickup import Render, message_id
 from relay.didcomm.messages import MediatorError
 from relay.didcomm.records import QUEUE_CHANNEL, Connection
 from relay.didcomm.sweep import RecordSweep
@@ -38,17 +44,21 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 routes = web.RouteTableDef()
 
 MEDIATOR = web.AppKey("relayfleet_didcomm_mediator", Mediator)
+MEDIATOR2 = web.AppKey("relayfleet_didcomm_mediator2", Mediator2)
 SOCKETS = web.AppKey("relayfleet_didcomm_sockets", weakref.WeakSet[web.WebSocketResponse])
 CLIENTS = web.AppKey("relayfleet_didcomm_clients", ClientQuota)
 SWEEP = web.AppKey("relayfleet_didcomm_sweep", RecordSweep)
 CONTENT_TYPES = ("application/didcomm-envelope-enc", "application/ssi-agent-wire", "application/json")
 REPLY_TYPE = "application/didcomm-envelope-enc"
+V2_CONTENT_TYPES = (jwm.ENCRYPTED, jwm.SIGNED, jwm.PLAIN)
+# members only a v2 message has outside base64 (a v1 envelope's recipients hide in `protected`)
+V2_MARKERS = (b'"recipients"', b'"encrypted_key"', b'"signatures"', b'"type"')
 HEARTBEAT_S = 20.0
 REREAD_S = 30.0  # live mode: a wakeup is a hint, re-read this often without one
 LIVE_WINDOW = 100  # live mode: messages delivered and not yet acknowledged, at most
 LIVE_BATCH = 20  # messages per live delivery message
 KEYS_POLL_S = 2.0  # live mode with no registered key yet: look again this often
-OWN_LABELS = frozenset({"envelope", "unknown", "message", "messagepickup/2.0/delivery"})
+OWN_LABELS = frozenset({"envelope", "unknown", "message", "messagepickup/2.0/delivery", "v2-envelope"})
 
 
 def envelope_cap(max_payload: int) -> int:
@@ -58,7 +68,7 @@ def envelope_cap(max_payload: int) -> int:
 
 def _count(mtype: str, result: str) -> None:
     """Labels from a bounded set only: a client-named type that is not ours counts as "other"."""
-    label = mtype if mtype in HANDLED_TYPES or mtype in OWN_LABELS else "other"
+    label = mtype if mtype in HANDLED_TYPES or mtype in V2_TYPES or mtype in OWN_LABELS else "other"
     metrics.DIDCOMM_MESSAGES.labels(label, result).inc()
 
 
@@ -75,6 +85,21 @@ def _mediator(request: web.Request) -> Mediator:
 async def invitation(request: web.Request) -> web.Response:
     m = _mediator(request)
     return json_response({"invitation": m.invitation(), "invitation_url": m.invitation_url()})
+
+
+@routes.get("/v1/didcomm/v2/invitation")
+async def invitation_v2(request: web.Request) -> web.Response:
+    _mediator(request)
+    m2 = request.app[MEDIATOR2]
+    return json_response(
+        {"invitation": m2.invitation(), "invitation_url": m2.invitation_url(), "did": m2.identity.did}
+    )
+
+
+def is_v2(raw: bytes) -> bool:
+    """Whether a body sent as plain JSON (or a WebSocket frame) is a DIDComm v2 message."""
+    head = raw[:65536]
+    return any(marker in head for marker in V2_MARKERS)
 
 
 def client_of(request: web.Request) -> int:
@@ -124,15 +149,44 @@ async def _handle(m: Mediator, raw: bytes, session: DidcommSocket | None, caller
     return outcome
 
 
+async def _handle2(m2: Mediator2, raw: bytes, session: DidcommSocket | None, caller: Caller) -> Outcome2:
+    """Open and act on one v2 message; errors as ApiError, as `_handle`'s."""
+    try:
+        opened = m2.open(raw)
+    except jwm.JwmError as exc:
+        _count("v2-envelope", exc.code)
+        raise ApiError(exc.status, exc.code, exc.text) from None
+    try:
+        outcome = await m2.handle(opened, session, caller)
+    except MediatorError as exc:
+        _count("unknown" if exc.code == "unsupported_message_type" else "message", exc.code)
+        raise _refusal(exc) from None
+    except ForwardRefused as exc:
+        _count("routing/2.0/forward", "refused")
+        err = enqueue_error(exc.outcome)
+        raise err if err is not None else ApiError(503, "unavailable", "the forward was not stored") from None
+    _count(outcome.type, "ok")
+    return outcome
+
+
 @routes.post("/v1/didcomm")
 async def inbound(request: web.Request) -> web.Response:
     c = ctx(request)
     m = _mediator(request)
-    if request.content_type not in CONTENT_TYPES:
+    kind = request.content_type
+    if kind not in CONTENT_TYPES and kind not in V2_CONTENT_TYPES:
         raise ApiError(
-            415, "unsupported_media_type", "send a packed DIDComm envelope (application/didcomm-envelope-enc)"
+            415,
+            "unsupported_media_type",
+            "send a packed DIDComm envelope (application/didcomm-envelope-enc, or v2's "
+            "application/didcomm-encrypted+json)",
         )
     raw = await params.payload(request, envelope_cap(c.settings.max_payload))
+    if kind in V2_CONTENT_TYPES or (kind == "application/json" and is_v2(raw)):
+        outcome2 = await _handle2(request.app[MEDIATOR2], raw, None, caller_of(request))
+        if outcome2.reply is not None and outcome2.return_route:
+            return web.Response(status=200, body=outcome2.reply, content_type=jwm.ENCRYPTED)
+        return web.Response(status=202)
     outcome = await _handle(m, raw, None, caller_of(request))
     if outcome.reply is not None and outcome.return_route:
         return web.Response(status=200, body=outcome.reply, content_type=REPLY_TYPE)
@@ -143,8 +197,12 @@ class DidcommSocket:
     """One agent's WebSocket: replies to return-routed messages, and Pickup 2.0 live mode
     (deliver as messages arrive, delete only on messages-received)."""
 
-    def __init__(self, m: Mediator, ws: web.WebSocketResponse, caller: Caller) -> None:
+    def __init__(
+        self, m: Mediator, ws: web.WebSocketResponse, caller: Caller, m2: Mediator2 | None = None
+    ) -> None:
         self.m = m
+        self.m2 = m2
+        self.render: Render | None = None  # live mode's packing (None: Pickup 2.0's)
         self.caller = caller  # as the upgrade request showed it
         self.ws = ws
         self.live_conn: Connection | None = None
@@ -160,13 +218,14 @@ class DidcommSocket:
     def live(self) -> bool:
         return self.live_conn is not None
 
-    def set_live(self, conn: Connection | None) -> None:
+    def set_live(self, conn: Connection | None, render: Render | None = None) -> None:
         if self.live_task is not None:
             self.live_task.cancel()
             self.live_task = None
         if conn is None:
             self._lease(set())
         self.live_conn = conn
+        self.render = render
         self.inflight.clear()
         if conn is not None:
             self.live_task = asyncio.get_running_loop().create_task(self._live(conn))
@@ -180,6 +239,9 @@ class DidcommSocket:
 
     # -- frames -------------------------------------------------------------------------
     async def on_frame(self, raw: bytes) -> None:
+        if self.m2 is not None and is_v2(raw):
+            await self.on_frame2(self.m2, raw)
+            return
         try:
             outcome = await _handle(self.m, raw, self, self.caller)
         except ApiError as exc:
@@ -189,6 +251,19 @@ class DidcommSocket:
             self.poke.set()  # the keylist may have changed
         if outcome.reply is not None and outcome.return_route:
             await self.ws.send_bytes(outcome.reply)
+
+    async def on_frame2(self, m2: Mediator2, raw: bytes) -> None:
+        """A v2 message: its reply goes back on the socket (text frames: Identus reads text),
+        return_route or not, since the socket is the only way back this mediator has."""
+        try:
+            outcome = await _handle2(m2, raw, self, self.caller)
+        except ApiError as exc:
+            await self.ws.send_json({"error": exc.text, "code": exc.code})
+            return
+        if outcome.type.startswith("coordinate-mediation/"):
+            self.poke.set()
+        if outcome.reply is not None:
+            await self.ws.send_str(outcome.reply.decode())
 
     # -- live mode ----------------------------------------------------------------------
     async def _live(self, conn: Connection) -> None:
@@ -229,10 +304,14 @@ class DidcommSocket:
                 fresh = [(k, msg) for k, msg in held if message_id(k, msg.seq) not in self.inflight]
                 fresh = fresh[: min(room, LIVE_BATCH)]
                 if fresh:
-                    delivery = m.pickup.delivery(None, "https://didcomm.org/", fresh)
-                    await self.ws.send_bytes(m.pack_for(delivery, conn.key))
+                    if self.render is not None:  # Pickup 3.0: a v2 message, as text
+                        await self.ws.send_str(self.render(fresh).decode())
+                        _count("messagepickup/3.0/delivery", "live")
+                    else:
+                        delivery = m.pickup.delivery(None, "https://didcomm.org/", fresh)
+                        await self.ws.send_bytes(m.pack_for(delivery, conn.key))
+                        _count("messagepickup/2.0/delivery", "live")
                     self.inflight.update(message_id(k, msg.seq) for k, msg in fresh)
-                    _count("messagepickup/2.0/delivery", "live")
                     return  # more may be waiting: read again at once
             tasks = [asyncio.ensure_future(w.wait(REREAD_S)) for w in waiters]
             tasks.append(asyncio.ensure_future(self.poke.wait()))
@@ -273,7 +352,7 @@ async def websocket(request: web.Request) -> web.StreamResponse:
         raise Unavailable("relay shutting down")
     await ws.prepare(request)
     request.app[SOCKETS].add(ws)
-    session = DidcommSocket(m, ws, caller_of(request))
+    session = DidcommSocket(m, ws, caller_of(request), request.app.get(MEDIATOR2))
     metrics.LIVE_CONNECTIONS.inc()
     try:
         async for msg in ws:
@@ -298,10 +377,9 @@ async def websocket(request: web.Request) -> web.StreamResponse:
     return ws
 
 
-def load_identity(seed_file: str, public_url: str) -> dk.Identity:
+def load_seed(seed_file: str) -> bytes:
     with open(seed_file, "rb") as fh:
-        seed = dk.read_seed(fh.read(4096))
-    return dk.Identity.from_seed(seed, public_url)
+        return dk.read_seed(fh.read(4096))
 
 
 async def _sweeping(app: web.Application) -> AsyncIterator[None]:
@@ -335,10 +413,11 @@ def setup(app: web.Application) -> None:
             s.host,
         )
     try:
-        identity = load_identity(s.didcomm_seed_file, public)
+        seed = load_seed(s.didcomm_seed_file)
+        identity = dk.Identity.from_seed(seed, public)
     except (OSError, dk.DidError) as exc:
         raise SystemExit(f"relayfleet: RELAY_DIDCOMM_SEED_FILE: {exc}") from None
-    app[MEDIATOR] = Mediator(
+    mediator = app[MEDIATOR] = Mediator(
         identity,
         c.service,
         s.max_payload,
@@ -348,6 +427,7 @@ def setup(app: web.Application) -> None:
         s.didcomm_max_connections_per_client,
         c.presence,
     )
+    app[MEDIATOR2] = Mediator2(mediator, Identity2.from_v1(seed, identity))
     if s.didcomm_sweep_interval_s > 0:  # expired records leave Redis without a write to their slot
         app[SWEEP] = RecordSweep(c.service.fleet, s.didcomm_sweep_interval_s)
         app.cleanup_ctx.append(_sweeping)

@@ -191,6 +191,23 @@ SCHEMAS: dict[str, Any] = {
         ),
         invitation_url={"type": "string", "format": "uri"},
     ),
+    "DidcommV2Message": {
+        "description": "a DIDComm v2 message: a JWE (general JSON: protected, recipients, iv,"
+        " ciphertext, tag), a JWS (payload, signatures) or a plaintext message (id, type, body)",
+        "type": "object",
+    },
+    "DidcommV2Invitation": _object(
+        ["invitation", "invitation_url", "did"],
+        invitation=_object(
+            ["type", "id", "from", "body"],
+            type={"const": "https://didcomm.org/out-of-band/2.0/invitation"},
+            id={"type": "string"},
+            **{"from": {"type": "string"}},
+            body={"type": "object"},
+        ),
+        invitation_url={"type": "string", "format": "uri"},
+        did={"type": "string"},
+    ),
     "PickupRequest": {
         "description": "a Pickup 2.0 message (RFC 0685), plaintext DIDComm JSON",
         **pickup.BODY,
@@ -298,7 +315,9 @@ _INBOUND = (
     "Authcrypt or Anoncrypt (RFC 0019) for the mediator's connection or routing key; "
     "docs/protocols.md lists the protocols. A forward is queued for its registered recipient "
     "key under the enqueue limits and rate limits, idempotent by its @id. The reply comes in "
-    "the response when the message asks for ~transport.return_route all; otherwise 202."
+    "the response when the message asks for ~transport.return_route all; otherwise 202. "
+    "DIDComm v2 (application/didcomm-encrypted+json, -signed+json, -plain+json): Coordinate "
+    "Mediation 2.0/3.0, Pickup 3.0 and Routing 2.0, replies when return_route is all."
 )
 _MAX_PAYLOAD = Settings.max_payload  # RELAY_MAX_PAYLOAD's default (docs/api.md, "Defaults")
 _OCTETS = "application/octet-stream"
@@ -468,14 +487,32 @@ PATHS: dict[str, Any] = {
             " same invitation.",
         )
     },
+    "/v1/didcomm/v2/invitation": {
+        "get": _op(
+            "didcommV2Invitation",
+            "The fleet's DIDComm v2 mediator invitation (Out-of-Band 2.0)",
+            {
+                "200": _json(
+                    _ref("DidcommV2Invitation"), "the invitation, its ?_oob= URL and the mediator's DID"
+                ),
+                "404": _error("didcomm_disabled: this relay has no mediator seed"),
+            },
+            description="from: the mediator's did:peer:2, whose DIDCommMessaging services are"
+            " RELAY_PUBLIC_URL + /v1/didcomm (first) and its WebSocket /v1/didcomm/ws (second)."
+            " Every relay given the same seed and public URL serves the same DID.",
+        )
+    },
     "/v1/didcomm": {
         "post": _op(
             "didcommInbound",
-            "A DIDComm v1 packed envelope for the mediator",
+            "A DIDComm v1 packed envelope, or a DIDComm v2 message, for the mediator",
             {
                 "200": {
                     "description": "the reply, packed (Authcrypt) for the sender",
-                    "content": {didcomm.REPLY_TYPE: {"schema": _ref("DidcommEnvelope")}},
+                    "content": {
+                        didcomm.REPLY_TYPE: {"schema": _ref("DidcommEnvelope")},
+                        "application/didcomm-encrypted+json": {"schema": _ref("DidcommV2Message")},
+                    },
                 },
                 "202": {"description": "accepted; no reply (or none was asked for)"},
                 "400": _error("bad_envelope (undecryptable), bad_didcomm_message, bad_recipient, ..."),
@@ -490,7 +527,10 @@ PATHS: dict[str, Any] = {
                 "507": _E507,
             },
             body=_body(
-                {t: {"schema": _ref("DidcommEnvelope")} for t in didcomm.CONTENT_TYPES},
+                {
+                    **{t: {"schema": _ref("DidcommEnvelope")} for t in didcomm.CONTENT_TYPES},
+                    **{t: {"schema": _ref("DidcommV2Message")} for t in didcomm.V2_CONTENT_TYPES},
+                },
                 didcomm.envelope_cap(_MAX_PAYLOAD),
             ),
             description=_INBOUND,

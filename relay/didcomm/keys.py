@@ -192,7 +192,7 @@ def read_seed(text: bytes) -> bytes:
     raise DidError("the DIDComm seed must be 32 bytes: raw, 64 hex digits or base64")
 
 
-def _derive(seed: bytes, purpose: bytes) -> bytes:
+def derive(seed: bytes, purpose: bytes) -> bytes:
     return hashlib.sha256(b"relayfleet didcomm v1 " + purpose + b"\0" + seed).digest()
 
 
@@ -218,10 +218,10 @@ class Identity:
             ws = "ws://" + base[len("http://") :] + "/v1/didcomm/ws"
         else:
             raise DidError("RELAY_PUBLIC_URL must start with http:// or https://")
-        conn = KeyPair.from_seed(_derive(seed, b"connection"))
-        routing = KeyPair.from_seed(_derive(seed, b"routing"))
+        conn = KeyPair.from_seed(derive(seed, b"connection"))
+        routing = KeyPair.from_seed(derive(seed, b"routing"))
         did = peer2_did(conn, [endpoint, ws])
-        inv = str(uuid.UUID(bytes=_derive(seed + base.encode(), b"invitation")[:16], version=4))
+        inv = str(uuid.UUID(bytes=derive(seed + base.encode(), b"invitation")[:16], version=4))
         return cls(conn, routing, endpoint, ws, did, inv)
 
     def keypair_for(self, verkey: bytes) -> KeyPair | None:

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from relay import boundedjson, metrics
@@ -20,17 +20,23 @@ from relay.presence import Presence
 from relay.service import QueueService
 from relay.storage.store import Message
 
-__all__ = ["MAX_IDS", "LiveSession", "Pickup", "message_id", "packable", "parse_message_id"]
+__all__ = ["MAX_IDS", "LiveSession", "Pickup", "Render", "message_id", "packable", "parse_message_id"]
 
 log = logging.getLogger("relay.didcomm")
 MAX_IDS = 10_000
 SWEEPS = 8  # reads per delivery while what is read holds messages that must be dropped
 
 
+Render = Callable[[list[tuple[bytes, Message]]], bytes]
+
+
 class LiveSession(Protocol):
     """What a persistent transport (the DIDComm WebSocket) lets Pickup see and change."""
 
-    def set_live(self, conn: Connection | None) -> None: ...
+    def set_live(self, conn: Connection | None, render: Render | None = None) -> None:
+        """Live mode on for `conn` (off for None); `render` packs a batch of deliveries (the
+        protocol version's message; None: Pickup 2.0's)."""
+        ...
 
     @property
     def live(self) -> bool: ...
@@ -102,6 +108,14 @@ class Pickup:
     ) -> dict[str, Any]:
         """A Pickup status. Live deliveries awaiting their ack (`in_flight`) are not counted as
         waiting: an agent that asked for a count's worth would get them twice."""
+        body: dict[str, Any] = {}
+        if isinstance(doc.get("recipient_key"), str):
+            body["recipient_key"] = doc["recipient_key"]
+        body.update(await self.counts(queues, live, in_flight))
+        return reply(doc, prefix, "messagepickup/2.0/status", body)
+
+    async def counts(self, queues: list[bytes], live: bool, in_flight: int = 0) -> dict[str, Any]:
+        """A status's fields (Pickup 2.0 and 3.0 share them): what waits in `queues`."""
         results, leases, elsewhere = await asyncio.gather(
             asyncio.gather(*(self.service.status(k, QUEUE_CHANNEL) for k in queues)),
             self.leases(queues),
@@ -113,10 +127,7 @@ class Pickup:
         total = sum(r.bytes for r in results)
         oldest = min((r.oldest_ms for r in results if r.oldest_ms is not None), default=None)
         newest = max((r.newest_ms for r in results if r.newest_ms is not None), default=None)
-        body: dict[str, Any] = {}
-        if isinstance(doc.get("recipient_key"), str):
-            body["recipient_key"] = doc["recipient_key"]
-        body["message_count"] = count
+        body: dict[str, Any] = {"message_count": count}
         body["longest_waited_seconds"] = max(0, int(time.time() - oldest / 1000)) if oldest is not None else 0
         if newest is not None:
             body["newest_received_time"] = rfc3339(newest)
@@ -124,7 +135,7 @@ class Pickup:
             body["oldest_received_time"] = rfc3339(oldest)
         body["total_bytes"] = total
         body["live_delivery"] = live or elsewhere
-        return reply(doc, prefix, "messagepickup/2.0/status", body)
+        return body
 
     async def live_elsewhere(self, queues: list[bytes], live: bool) -> bool:
         """Whether a socket in live mode delivers one of `queues` on some relay of the fleet
@@ -204,6 +215,20 @@ class Pickup:
             updates.append(self.records.set_lease(key, Lease(lease.cursor, lease.expiry_ms, held)))
         await asyncio.gather(*updates)
 
+    async def acknowledge(self, ids: list[str], held: set[bytes]) -> None:
+        """messages-received: remove the listed messages of the queues `held` (others' ids are
+        ignored) and take them out of their leases."""
+        by_key: dict[bytes, list[int]] = {}
+        for i in ids:
+            parsed = parse_message_id(i)
+            if parsed is not None and parsed[0] in held:
+                by_key.setdefault(parsed[0], []).append(parsed[1])
+        keys = list(by_key)
+        counts = await asyncio.gather(
+            *(self.service.ack(k, QUEUE_CHANNEL, None, sorted(by_key[k])) for k in keys)
+        )
+        await self.lease_back(dict(zip(keys, counts, strict=True)))
+
     def delivery(
         self, doc: dict[str, Any] | None, prefix: str, batch: list[tuple[bytes, Message]]
     ) -> dict[str, Any]:
@@ -249,16 +274,7 @@ class Pickup:
                     f"messages-received needs message_id_list, a list of at most {MAX_IDS} strings"
                 )
             held = set(await self.records.keys(conn))
-            by_key: dict[bytes, list[int]] = {}
-            for i in ids:
-                parsed = parse_message_id(i)
-                if parsed is not None and parsed[0] in held:
-                    by_key.setdefault(parsed[0], []).append(parsed[1])
-            keys = list(by_key)
-            counts = await asyncio.gather(
-                *(self.service.ack(k, QUEUE_CHANNEL, None, sorted(by_key[k])) for k in keys)
-            )
-            await self.lease_back(dict(zip(keys, counts, strict=True)))
+            await self.acknowledge(ids, held)
             if session is not None:
                 session.acked(ids)
             in_flight = session.in_flight() if session is not None and live else 0

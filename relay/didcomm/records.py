@@ -9,6 +9,9 @@ runs on the shard that then queues the message:
 - ``r:<agent key>``   the recipient keys that connection registered (space-separated)
 - ``k:<recipient>``   the agent key of the connection that registered it
 - ``d:<recipient>``   the delivery lease of that key's queue (see Lease)
+- ``n:<agent key>``   DIDComm v2: the recipient DIDs that connection registered (space-separated;
+  a v2 peer's "key" is the hash of its DID, relay/didcomm/mediator2.did_key, and its queue that
+  hash's), so keylist-query can name them
 A key's queue itself is (recipient, QUEUE_CHANNEL), in the mediator's own key space.
 Keys appear as unpadded base64url of the 32 raw bytes.
 """
@@ -146,7 +149,7 @@ class Records:
         """Write the connection (its idle expiry starts afresh); `fresh`: a new connection,
         which starts with an empty keylist (not an expired one's)."""
         saved = replace(conn, seen_ms=now_ms())
-        deletes = ("r:" + b64url(conn.key),) if fresh else ()
+        deletes = ("r:" + b64url(conn.key), "n:" + b64url(conn.key)) if fresh else ()
         await self._set(conn.key, (("c:" + b64url(conn.key), saved.to_json()),), deletes)
         return saved
 
@@ -171,6 +174,19 @@ class Records:
         """The recipient keys the connection registered (its Pickup queues)."""
         raw = await self._get(conn.key, "r:" + b64url(conn.key))
         return [b64decode_any(m) for m in raw.decode().split()] if raw else []
+
+    async def names(self, conn: Connection) -> list[str]:
+        """The recipient DIDs a DIDComm v2 connection registered, in order."""
+        raw = await self._get(conn.key, "n:" + b64url(conn.key))
+        return raw.decode().split() if raw else []
+
+    async def name(self, conn: Connection, did: str, add: bool) -> None:
+        """Add or remove a recipient DID of the connection's 'n:' list (its hash's registration
+        is `add_key`'s / `remove_key`'s)."""
+        field, cap = "n:" + b64url(conn.key), self.max_keys or (1 << 30)
+        await self.service.call(
+            conn.key, RECORD_CHANNEL, lambda r: r.store.record_list(r.keys.slot, field, add, cap, (did,))
+        )
 
     async def owner(self, recipient: bytes) -> bytes | None:
         """The connection a live registration of `recipient` belongs to."""

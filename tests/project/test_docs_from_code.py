@@ -29,6 +29,7 @@ CODE_ARGS = {
 TEXT_CODE_STATUS = {
     "MediatorError": "bad_didcomm_message",
     "EnvelopeError": "bad_envelope",
+    "JwmError": "bad_envelope",
     "JsonLimitError": "",
 }
 

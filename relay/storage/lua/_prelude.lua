@@ -204,10 +204,11 @@ end
 -- The DIDComm records' idle expiry (dc_*.lua, relay/didcomm/records.py): each 'c:<agent>' (a
 -- connection) and 'k:<key>' (a registration) has a member of that name in the slot's idle
 -- sorted set, scored with the ms it expires at. The member deciding a field: 'r:' (a
--- connection's keylist) follows its 'c:', 'd:' (a key's delivery lease) its 'k:'.
+-- connection's keylist) and 'n:' (its DIDComm v2 recipient DIDs) follow its 'c:', 'd:' (a
+-- key's delivery lease) its 'k:'.
 local function dc_governor(field)
   local kind = string.sub(field, 1, 2)
-  if kind == 'r:' then return 'c:' .. string.sub(field, 3) end
+  if kind == 'r:' or kind == 'n:' then return 'c:' .. string.sub(field, 3) end
   if kind == 'd:' then return 'k:' .. string.sub(field, 3) end
   return field
 end
@@ -229,7 +230,12 @@ end
 local function dc_sweep(records_key, idle_key, now, n)
   local gone = redis.call('ZRANGEBYSCORE', idle_key, '-inf', now, 'LIMIT', 0, n)
   for _, m in ipairs(gone) do
-    redis.call('HDEL', records_key, m, (string.sub(m, 1, 2) == 'c:' and 'r:' or 'd:') .. string.sub(m, 3))
+    local id = string.sub(m, 3)
+    if string.sub(m, 1, 2) == 'c:' then
+      redis.call('HDEL', records_key, m, 'r:' .. id, 'n:' .. id)
+    else
+      redis.call('HDEL', records_key, m, 'd:' .. id)
+    end
   end
   if #gone > 0 then redis.call('ZREM', idle_key, unpack(gone)) end
   return #gone

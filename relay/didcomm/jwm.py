@@ -1,0 +1,336 @@
+"""DIDComm v2 envelopes: JWE (anoncrypt ECDH-ES+A256KW, authcrypt ECDH-1PU+A256KW) and JWS
+(EdDSA) in the general JSON serialization, on joserfc (docs/design-decisions.md, "DIDComm v2").
+
+Unpacking peels up to three layers (anoncrypt around authcrypt, a JWS inside either) down to the
+plaintext message and says what was proven: the authcrypt sender's key (``skid``, resolved from
+its DID, which must be the message's ``from``) or the signer's. Everything is bounded before
+joserfc sees it: the body by its caller, the protected header, the recipients and the
+signatures here. DIDComm puts the ephemeral key (``epk``) in the protected header, shared by all
+recipients; joserfc writes one per recipient, so `pack` gives it one to share and moves it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import nacl.bindings as sodium
+from joserfc import jwe, jws
+from joserfc.drafts.jwe_ecdh_1pu import register_ecdh_1pu
+from joserfc.errors import JoseError, SecurityWarning
+from joserfc.jwa import JWEEncModel
+from joserfc.jwk import ECKey, OKPKey
+
+from relay import boundedjson
+from relay.didcomm import peer2
+from relay.didcomm.keys import DidError, b64decode_any, b64url
+
+__all__ = [
+    "ENCRYPTED",
+    "PLAIN",
+    "SIGNED",
+    "AgreementKey",
+    "JwmError",
+    "Opened",
+    "media_type_of",
+    "pack",
+    "unpack",
+]
+
+ENCRYPTED = "application/didcomm-encrypted+json"
+SIGNED = "application/didcomm-signed+json"
+PLAIN = "application/didcomm-plain+json"
+ANON_ALGS = ("ECDH-ES+A256KW",)
+AUTH_ALGS = ("ECDH-1PU+A256KW",)
+ENCS = ("A256CBC-HS512", "A256GCM", "XC20P")
+MAX_PROTECTED = 16384  # base64 characters: an epk, a did:peer:2 skid and its apu
+MAX_RECIPIENTS = 32
+MAX_SIGNATURES = 4
+MAX_LAYERS = 3  # anoncrypt(authcrypt(signed(plaintext))) at most
+
+
+class _XC20P(JWEEncModel):
+    """XChaCha20-Poly1305 content encryption (draft-amringer-jose-chacha), which DIDComm
+    anoncrypt uses, on libsodium (PyNaCl, already the v1 envelope's) instead of joserfc's draft
+    module's pycryptodome."""
+
+    name = "XC20P"
+    description = "XChaCha20-Poly1305"
+    iv_size = 192
+    cek_size = 256
+
+    def encrypt(self, plaintext: bytes, cek: bytes, iv: bytes, aad: bytes) -> tuple[bytes, bytes]:
+        sealed = bytes(sodium.crypto_aead_xchacha20poly1305_ietf_encrypt(plaintext, aad, iv, cek))
+        return sealed[:-16], sealed[-16:]
+
+    def decrypt(self, ciphertext: bytes, tag: bytes, cek: bytes, iv: bytes, aad: bytes) -> bytes:
+        return bytes(sodium.crypto_aead_xchacha20poly1305_ietf_decrypt(ciphertext + tag, aad, iv, cek))
+
+
+register_ecdh_1pu()
+jwe.JWERegistry.register(_XC20P())
+
+
+class _Registry(jwe.JWERegistry):
+    # a forward carries a whole packed message: the body's own cap bounds the ciphertext
+    max_ciphertext_length = 1 << 30
+    max_aad_length = MAX_PROTECTED
+    max_protected_header_length = MAX_PROTECTED
+    max_recipients = MAX_RECIPIENTS
+
+
+class _SigRegistry(jws.JWSRegistry):
+    max_payload_length = 1 << 30
+    max_header_length = MAX_PROTECTED
+
+
+_JWE = _Registry(algorithms=[*ANON_ALGS, *AUTH_ALGS, *ENCS], verify_all_recipients=False)
+_JWE.strict_check_header = False  # agents add their own header members (typ, cty)
+_JWS = _SigRegistry(algorithms=["EdDSA", "Ed25519"])
+
+
+class JwmError(ValueError):
+    """A v2 message the mediator cannot open; the text is safe to return (never a key or DID)."""
+
+    def __init__(self, text: str, code: str = "bad_envelope", status: int = 400) -> None:
+        super().__init__(text)
+        self.text = text
+        self.code = code
+        self.status = status
+
+
+@dataclass(frozen=True)
+class AgreementKey:
+    """One of the mediator's X25519 key-agreement keys, with its private half."""
+
+    kid: str
+    secret: bytes
+    public: bytes
+
+    def jwk(self, kid: str | None = None) -> OKPKey:
+        return _okp(self.public, self.secret, kid or self.kid)
+
+    @classmethod
+    def from_secret(cls, kid: str, secret: bytes) -> AgreementKey:
+        return cls(kid, secret, bytes(sodium.crypto_scalarmult_base(secret)))
+
+
+@functools.lru_cache(maxsize=64)
+def _okp(public: bytes, secret: bytes, kid: str) -> OKPKey:
+    """The mediator's own key as joserfc's object (importing one costs ~0.5 ms; it has one)."""
+    doc: dict[str, str | list[str]] = {
+        "kty": "OKP",
+        "crv": "X25519",
+        "x": b64url(public),
+        "d": b64url(secret),
+        "kid": kid,
+    }
+    return OKPKey.import_key(doc)
+
+
+@dataclass(frozen=True)
+class Opened:
+    message: dict[str, Any]  # the plaintext message
+    raw: bytes  # its bytes, as sent
+    encrypted: bool
+    recipient_kid: str | None  # the kid it was encrypted to (the peer's name for our key)
+    sender_kid: str | None  # authcrypt: the sender's key-agreement kid (proven)
+    signer_kid: str | None  # a JWS's signing kid (proven)
+
+    @property
+    def sender_did(self) -> str | None:
+        """The DID whose keys this message proves, when one is proven."""
+        kid = self.sender_kid or self.signer_kid
+        return peer2.did_of(kid) if kid else None
+
+
+def media_type_of(doc: dict[str, Any]) -> str:
+    if "ciphertext" in doc:
+        return ENCRYPTED
+    if "signatures" in doc or ("payload" in doc and "signature" in doc):
+        return SIGNED
+    return PLAIN
+
+
+def _json(raw: bytes, max_bytes: int | None, what: str) -> Any:
+    try:
+        return boundedjson.loads(raw, max_bytes, what)
+    except boundedjson.JsonLimitError as exc:
+        code = "bad_envelope" if exc.code == "bad_json" else exc.code
+        raise JwmError(exc.text, code, exc.status) from None
+
+
+def unpack(raw: bytes, lookup: Callable[[str], AgreementKey | None]) -> Opened:
+    """Open a v2 message (its size bounded by the caller): `lookup` finds the mediator's key a
+    recipient kid names."""
+    doc = _json(raw, None, "the message")
+    if not isinstance(doc, dict):
+        raise JwmError("a DIDComm v2 message must be a JSON object")
+    recipient_kid = sender_kid = signer_kid = None
+    encrypted = False
+    for _ in range(MAX_LAYERS):
+        kind = media_type_of(doc)
+        if kind == PLAIN:
+            break
+        if kind == ENCRYPTED:
+            raw, kid, skid = _decrypt(doc, lookup)
+            encrypted = True
+            recipient_kid = recipient_kid or kid
+            sender_kid = sender_kid or skid
+        else:
+            raw, signer_kid = _verify(doc)
+        doc = _json(raw, None, "the message")
+        if not isinstance(doc, dict):
+            raise JwmError("a DIDComm v2 message must be a JSON object")
+    else:
+        raise JwmError(f"the message nests more than {MAX_LAYERS} envelopes")
+    if not isinstance(doc.get("type"), str) or not isinstance(doc.get("id"), str):
+        raise JwmError("a DIDComm v2 message needs type and id, strings", "bad_didcomm_message")
+    opened = Opened(doc, raw, encrypted, recipient_kid, sender_kid, signer_kid)
+    sender = doc.get("from")
+    proven = opened.sender_did
+    if proven is not None and sender is not None and sender != proven:
+        raise JwmError("the message's from is not the DID whose key sent it", "sender_mismatch")
+    return opened
+
+
+def _header(doc: dict[str, Any]) -> dict[str, Any]:
+    protected = doc.get("protected")
+    if not isinstance(protected, str):
+        raise JwmError("protected must be a string")
+    try:
+        header = _json(b64decode_any(protected, MAX_PROTECTED), MAX_PROTECTED, "protected")
+    except DidError as exc:
+        raise JwmError(f"protected: {exc}") from None
+    if not isinstance(header, dict):
+        raise JwmError("protected must be a JSON object")
+    return header
+
+
+def _decrypt(
+    doc: dict[str, Any], lookup: Callable[[str], AgreementKey | None]
+) -> tuple[bytes, str, str | None]:
+    header = _header(doc)
+    alg, enc = header.get("alg"), header.get("enc")
+    if alg not in ANON_ALGS + AUTH_ALGS:
+        raise JwmError(f"alg must be one of {', '.join(ANON_ALGS + AUTH_ALGS)}", "bad_envelope")
+    if enc not in ENCS:
+        raise JwmError(f"enc must be one of {', '.join(ENCS)}", "bad_envelope")
+    recipients = doc.get("recipients")
+    if not isinstance(recipients, list) or not 0 < len(recipients) <= MAX_RECIPIENTS:
+        raise JwmError(f"recipients must be a list of 1 to {MAX_RECIPIENTS}")
+    for entry in recipients:
+        h = entry.get("header") if isinstance(entry, dict) else None
+        kid = h.get("kid") if isinstance(h, dict) else None
+        if not isinstance(kid, str) or len(kid) > peer2.MAX_DID:
+            raise JwmError("each recipient needs header.kid")
+        ours = lookup(kid)
+        if ours is not None:
+            break
+    else:
+        raise JwmError("the message is not encrypted for this mediator", "bad_envelope")
+    sender_key: OKPKey | ECKey | None = None
+    skid = None
+    if alg in AUTH_ALGS:
+        skid = header.get("skid")
+        if not isinstance(skid, str) and isinstance(header.get("apu"), str):
+            skid = b64decode_any(header["apu"], peer2.MAX_DID * 2).decode("utf-8", "replace")
+        if not isinstance(skid, str):
+            raise JwmError("authcrypt needs skid, the sender's key id")
+        sender_key = _agreement_jwk(skid)
+    single = {**doc, "recipients": [entry]}
+    try:
+        opened = jwe.decrypt_json(single, ours.jwk(kid), registry=_JWE, sender_key=sender_key)  # type: ignore[arg-type]
+    except (JoseError, ValueError, KeyError, TypeError):
+        raise JwmError("the message does not decrypt", "bad_envelope") from None
+    if opened.plaintext is None:
+        raise JwmError("the message does not decrypt", "bad_envelope")
+    return opened.plaintext, kid, skid
+
+
+def _agreement_jwk(kid: str) -> OKPKey | ECKey:
+    try:
+        key = peer2.resolve(kid).key(kid)
+    except DidError as exc:
+        raise JwmError(f"skid: {exc}", "bad_envelope") from None
+    if key is None or key.crv == "Ed25519":
+        raise JwmError("skid names no key-agreement key of its DID", "bad_envelope")
+    return _public_jwk(key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _public_jwk(key: peer2.VerificationKey) -> OKPKey | ECKey:
+    """Cached as the DIDs they come from (peer2.resolve)."""
+    try:
+        jwk = key.jwk()
+    except DidError as exc:
+        raise JwmError(f"key: {exc}", "bad_envelope") from None
+    return ECKey.import_key(jwk) if jwk["kty"] == "EC" else OKPKey.import_key(jwk)
+
+
+def _verify(doc: dict[str, Any]) -> tuple[bytes, str]:
+    signatures = doc.get("signatures")
+    if not isinstance(signatures, list) or not 0 < len(signatures) <= MAX_SIGNATURES:
+        raise JwmError(f"signatures must be a list of 1 to {MAX_SIGNATURES}")
+    first = signatures[0]
+    h = first.get("header") if isinstance(first, dict) else None
+    kid = h.get("kid") if isinstance(h, dict) else None
+    if not isinstance(kid, str):
+        kid = _header(first).get("kid") if isinstance(first, dict) else None
+    if not isinstance(kid, str):
+        raise JwmError("a signature needs header.kid")
+    try:
+        key = peer2.resolve(kid).key(kid)
+    except DidError as exc:
+        raise JwmError(f"kid: {exc}", "bad_envelope") from None
+    if key is None or key.crv != "Ed25519":
+        raise JwmError("kid names no Ed25519 key of its DID", "bad_envelope")
+    try:
+        general: jws.GeneralJSONSerialization = {"payload": doc.get("payload"), "signatures": [first]}  # type: ignore[typeddict-item]
+        with warnings.catch_warnings():
+            # DIDComm signs with "EdDSA", which RFC 9864 deprecates for "Ed25519": joserfc warns
+            # on every use; both name the same Ed25519 signature here
+            warnings.simplefilter("ignore", SecurityWarning)
+            verified = jws.deserialize_json(general, OKPKey.import_key(key.jwk()), registry=_JWS)
+    except (JoseError, ValueError, KeyError, TypeError):
+        raise JwmError("the signature does not verify", "bad_envelope") from None
+    return verified.payload, kid
+
+
+def pack(
+    message: dict[str, Any],
+    to: peer2.VerificationKey,
+    sender: AgreementKey | None,
+    sender_kid: str | None = None,
+    enc: str = "A256CBC-HS512",
+) -> bytes:
+    """Encrypt `message` for one recipient key: authcrypt (ECDH-1PU+A256KW, A256CBC-HS512) from
+    `sender` (named `sender_kid`, the name the peer knows our key by), else anoncrypt."""
+    plaintext = json.dumps(message, separators=(",", ":")).encode()
+    recipient = _public_jwk(to)
+    ephemeral = recipient.generate_key(to.crv, private=True)  # type: ignore[arg-type]
+    protected: dict[str, Any] = {
+        "typ": ENCRYPTED,
+        "alg": AUTH_ALGS[0] if sender else ANON_ALGS[0],
+        "enc": enc,
+        "epk": ephemeral.as_dict(private=False),
+        "apv": b64url(hashlib.sha256(to.kid.encode()).digest()),
+    }
+    if sender is not None:
+        skid = sender_kid or sender.kid
+        protected["skid"] = skid
+        protected["apu"] = b64url(skid.encode())
+    obj = jwe.GeneralJSONEncryption(protected, plaintext)
+    obj.add_recipient({"kid": to.kid}, recipient)
+    obj.recipients[0].ephemeral_key = ephemeral
+    out = jwe.encrypt_json(
+        obj, None, registry=_JWE, sender_key=sender.jwk(skid) if sender is not None else None
+    )
+    for entry in out["recipients"]:
+        entry.get("header", {}).pop("epk", None)  # in the protected header, shared
+    return json.dumps(out, separators=(",", ":")).encode()
