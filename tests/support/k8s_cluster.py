@@ -39,7 +39,6 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +50,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from kubernetes.client import ApiClient
+from relayfleet_testing import kwok as kwok_tools
+from relayfleet_testing.kwok import tail as _tail
 
 from relay import kubeapi
 
@@ -469,83 +470,15 @@ def _kubeconfig(server: str, pki: _Pki) -> str:
 
 @contextlib.contextmanager
 def _kwok(bin_dir: Path, workdir: Path) -> Iterator[KubeCluster]:
-    name = f"rf-{uuid.uuid4().hex[:8]}"
-    kubeconfig = workdir / "kubeconfig"
-    # KWOK_WORKDIR keeps kwokctl's state, logs and pid files out of ~/.kwok;
-    # KWOK_KUBE_VERSION makes it generate flags for the version we built.
-    env = {"KWOK_WORKDIR": str(workdir / "kwok-home"), "KWOK_KUBE_VERSION": _kube_version(bin_dir)}
-    kwokctl = str(bin_dir / "kwokctl")
-
-    def run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [kwokctl, "--name", name, *args],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=timeout,
-            env={**os.environ, **env},
-        )
-
-    create = run(
-        "create",
-        "cluster",
-        "--runtime=binary",
-        f"--kubeconfig={kubeconfig}",
-        f"--kube-apiserver-binary={bin_dir / 'kube-apiserver'}",
-        f"--kube-controller-manager-binary={bin_dir / 'kube-controller-manager'}",
-        f"--kube-scheduler-binary={bin_dir / 'kube-scheduler'}",
-        f"--kwok-controller-binary={bin_dir / 'kwok'}",
-        f"--etcd-binary={bin_dir / 'etcd'}",
-        "--wait=2m",
-        timeout=STARTUP_TIMEOUT_S + 60,
-    )
     try:
-        if create.returncode != 0:
-            raise ControlPlaneError(
-                f"kwokctl create cluster failed (exit {create.returncode}):\n"
-                f"{_tail(create.stdout + create.stderr, 60)}\n{_kwok_logs(workdir)}"
-            )
-        scale = run("scale", "node", f"--replicas={KWOK_NODES}", timeout=120)
-        if scale.returncode != 0:
-            raise ControlPlaneError(f"kwokctl scale node failed:\n{_tail(scale.stdout + scale.stderr, 40)}")
-        cluster = KubeCluster(kubeconfig=kubeconfig, server="", bin_dir=bin_dir, kwok_name=name, env=env)
-        server = cluster.kubectl(
-            "config", "view", "--minify", "-o", "jsonpath={.clusters[0].cluster.server}"
-        ).stdout.strip()
-        cluster = KubeCluster(kubeconfig=kubeconfig, server=server, bin_dir=bin_dir, kwok_name=name, env=env)
-        cluster.kubectl(
-            "wait",
-            "--for=condition=Ready",
-            "node",
-            "--all",
-            f"--timeout={int(STARTUP_TIMEOUT_S)}s",
-            timeout=STARTUP_TIMEOUT_S + 10,
-        )
-        yield cluster
-    finally:
-        deleted = run("delete", "cluster", timeout=120)
-        if deleted.returncode != 0:  # pragma: no cover - diagnostics only
-            _kill_kwok_leftovers(workdir)
-
-
-def _kube_version(bin_dir: Path) -> str:
-    out = subprocess.run(
-        [str(bin_dir / "kube-apiserver"), "--version"], capture_output=True, text=True, check=True
-    ).stdout
-    return out.split()[-1]  # "Kubernetes v1.36.4"
-
-
-def _kwok_logs(workdir: Path) -> str:
-    parts = []
-    for log in sorted((workdir / "kwok-home").glob("clusters/*/logs/*.log")):
-        parts.append(f"--- {log.name}\n{_tail(log.read_text(errors='replace'), 20)}")
-    return "\n".join(parts)
-
-
-def _kill_kwok_leftovers(workdir: Path) -> None:
-    for pid_file in (workdir / "kwok-home").glob("clusters/*/pids/*.pid"):
-        with contextlib.suppress(ValueError, OSError):
-            os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
+        with kwok_tools.kwok_cluster(bin_dir, workdir, KWOK_NODES) as kwok:
+            cluster = KubeCluster(kwok.kubeconfig, "", bin_dir, kwok_name=kwok.name, env=kwok.env)
+            server = cluster.kubectl(
+                "config", "view", "--minify", "-o", "jsonpath={.clusters[0].cluster.server}"
+            ).stdout.strip()
+            yield KubeCluster(kwok.kubeconfig, server, bin_dir, kwok_name=kwok.name, env=kwok.env)
+    except kwok_tools.KwokError as exc:
+        raise ControlPlaneError(str(exc)) from None
 
 
 # --------------------------------------------------------------------- helpers
@@ -626,7 +559,3 @@ def _http_ok(url: str, context: ssl.SSLContext | None) -> bool:
             return status == 200
     except (urllib.error.URLError, OSError, ssl.SSLError):
         return False
-
-
-def _tail(text: str, lines: int) -> str:
-    return "\n".join(text.splitlines()[-lines:])

@@ -14,6 +14,7 @@ from relayfleet_testing.bench import main
 from relayfleet_testing.bench.scale.report import Figure, Growth, PhaseReport, growth_exponent, render
 
 from relay.storage import keys as K
+from tests.support.k8s_cluster import KubeCluster
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -107,6 +108,30 @@ def test_retention_phase(spark: SparkSession, tmp_path: Path) -> None:
     ):
         anchored(figs[name])
     assert "Both removed" in phase["notes"][0]
+
+
+def test_operator_phase(kwok_cluster: KubeCluster, tmp_path: Path) -> None:
+    phase = run_phase(
+        tmp_path,
+        "--phase", "operator", "--relayshards", "3", "--rest-seconds", "2",
+        "--kubeconfig", str(kwok_cluster.kubeconfig),
+        # the operator tests' pace (tests/support/operator_harness.py), not production's
+        "--operator-env", "RELAYFLEET_OPERATOR_RESYNC_SECONDS=3",
+        "--operator-env", "RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS=1",
+        "--operator-env", "RELAYFLEET_OPERATOR_RETRY_SECONDS=2",
+    )  # fmt: skip
+    figs = figures(phase)
+    for name in (
+        "time until all 3 RelayShards are Ready",
+        "operator API requests per minute per shard at rest",
+        "operator RSS with 3 shards",
+        "one slot migration (64 slots) among 3 shards",
+        "API requests per minute during one migration",
+    ):
+        anchored(figs[name])
+    assert figs["operator API requests per minute at rest"]["anchor_value"] is not None
+    [growth] = phase["growth"]
+    assert growth["sizes"] == [1, 2]
 
 
 def test_bad_sizes_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -32,7 +32,7 @@ from relayfleet_testing.bench.scale.report import PhaseReport, render
 from relay import cli
 from relay.progress import ProgressReporter
 
-PHASES = ("store", "retention", "rebalance")
+PHASES = ("store", "retention", "rebalance", "operator")
 REPO = Path(__file__).resolve().parents[4]
 
 
@@ -79,6 +79,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--kubeconfig", type=Path, help="operator: an existing (kwok) cluster instead of starting one"
     )
+    g.add_argument(
+        "--operator-env",
+        type=_env_pair,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="operator: a setting for the operator process (repeatable; default: production settings)",
+    )
     p.add_argument("--seed", type=int, default=41, help="random seed of every generated load")
     p.add_argument(
         "--output",
@@ -93,6 +101,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _env_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def run_phase(name: str, args: argparse.Namespace, say: Callable[[str], None]) -> PhaseReport:
     # each phase imported when run: the retention phase alone needs pyspark, the operator kubernetes
     if name == "store":
@@ -103,9 +118,13 @@ def run_phase(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
         from relayfleet_testing.bench.scale import retention
 
         return retention.run(args.retention_messages, args.retention_queues, args.executors, args.seed, say)
-    from relayfleet_testing.bench.scale import rebalance
+    if name == "rebalance":
+        from relayfleet_testing.bench.scale import rebalance
 
-    return rebalance.run(args.shards, args.skew, args.seed, say)
+        return rebalance.run(args.shards, args.skew, args.seed, say)
+    from relayfleet_testing.bench.scale import operator
+
+    return operator.run(args.relayshards, args.rest_seconds, args.kubeconfig, dict(args.operator_env), say)
 
 
 def main(argv: list[str]) -> int:
