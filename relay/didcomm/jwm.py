@@ -14,16 +14,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import struct
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import nacl.bindings as sodium
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.concatkdf import ConcatKDFHash
 from joserfc import jwe, jws
-from joserfc.drafts.jwe_ecdh_1pu import register_ecdh_1pu
 from joserfc.errors import JoseError, SecurityWarning
-from joserfc.jwa import JWEEncModel
+from joserfc.jwa import AESAlgKeyWrapping, JWEEncModel, JWEKeyAgreement
+from joserfc.jwe import Recipient
 from joserfc.jwk import ECKey, OKPKey
 
 from relay import boundedjson
@@ -72,11 +75,71 @@ class _XC20P(JWEEncModel):
         return bytes(sodium.crypto_aead_xchacha20poly1305_ietf_decrypt(ciphertext + tag, aad, iv, cek))
 
 
-register_ecdh_1pu()
-jwe.JWERegistry.register(_XC20P())
+def _len_prefixed(data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + data
+
+
+class _OnePU(JWEKeyAgreement):
+    """ECDH-1PU+A256KW (draft-madden-jose-ecdh-1pu): Z = Ze || Zs, the KEK from the Concat KDF.
+    Two variants are in use: draft-04 puts the content's tag in the KDF (didcomm-rust, so
+    Identus; joserfc's own model) and takes only AES-CBC-HMAC content; Veramo (did-jwt) derives
+    the KEK without the tag (draft-03) and uses A256GCM by default. One model serves both, so
+    each registry below holds one variant and any content encryption."""
+
+    key_types = ["EC", "OKP"]
+
+    def __init__(self, tagged: bool) -> None:
+        self.name = "ECDH-1PU+A256KW"
+        self.description = "ECDH-1PU, CEK wrapped with A256KW" + ("" if tagged else " (no tag in the KDF)")
+        self.key_size = 256
+        self.key_wrapping = AESAlgKeyWrapping(256, True)
+        self.tag_aware = tagged
+
+    def encrypt_agreed_upon_key(self, enc: JWEEncModel, recipient: Recipient[ECKey]) -> bytes:
+        return self._agree(recipient, None, True)
+
+    def encrypt_agreed_upon_key_with_tag(
+        self, enc: JWEEncModel, recipient: Recipient[ECKey], tag: bytes
+    ) -> bytes:
+        return self._agree(recipient, tag, True)
+
+    def decrypt_agreed_upon_key(self, enc: JWEEncModel, recipient: Recipient[ECKey]) -> bytes:
+        return self._agree(recipient, None, False)
+
+    def decrypt_agreed_upon_key_with_tag(
+        self, enc: JWEEncModel, recipient: Recipient[ECKey], tag: bytes
+    ) -> bytes:
+        return self._agree(recipient, tag, False)
+
+    def _agree(self, recipient: Recipient[ECKey], tag: bytes | None, sending: bool) -> bytes:
+        headers = recipient.headers()
+        ours, theirs = recipient.recipient_key, recipient.sender_key
+        if ours is None or theirs is None or "epk" not in headers:
+            raise ValueError("ECDH-1PU needs the recipient's, the sender's and the ephemeral key")
+        if sending:
+            ephemeral = recipient.ephemeral_key
+            assert ephemeral is not None
+            z = ephemeral.exchange_derive_key(ours) + theirs.exchange_derive_key(ours)
+        else:
+            epk = ours.import_key(headers["epk"])
+            z = ours.exchange_derive_key(epk) + ours.exchange_derive_key(theirs)
+        info = _len_prefixed(self.name.encode())
+        for party in ("apu", "apv"):
+            value = headers.get(party)
+            info += _len_prefixed(b64decode_any(value, MAX_PROTECTED) if isinstance(value, str) else b"")
+        info += struct.pack(">I", 256)
+        if tag is not None:
+            info += _len_prefixed(tag)
+        return ConcatKDFHash(algorithm=hashes.SHA256(), length=32, otherinfo=info).derive(z)
 
 
 class _Registry(jwe.JWERegistry):
+    # its own table of algorithms (the base class's is one dict shared by every registry)
+    algorithms = {
+        "alg": dict(jwe.JWERegistry.algorithms["alg"]),
+        "enc": dict(jwe.JWERegistry.algorithms["enc"]),
+        "zip": dict(jwe.JWERegistry.algorithms["zip"]),
+    }
     # a forward carries a whole packed message: the body's own cap bounds the ciphertext
     max_ciphertext_length = 1 << 30
     max_aad_length = MAX_PROTECTED
@@ -84,13 +147,30 @@ class _Registry(jwe.JWERegistry):
     max_recipients = MAX_RECIPIENTS
 
 
+class _RegistryNoTag(_Registry):
+    algorithms = {
+        "alg": dict(_Registry.algorithms["alg"]),
+        "enc": dict(_Registry.algorithms["enc"]),
+        "zip": dict(_Registry.algorithms["zip"]),
+    }
+
+
+_Registry.register(_XC20P())
+_RegistryNoTag.register(_XC20P())
+_Registry.register(_OnePU(tagged=True))
+_RegistryNoTag.register(_OnePU(tagged=False))
+
+
 class _SigRegistry(jws.JWSRegistry):
     max_payload_length = 1 << 30
     max_header_length = MAX_PROTECTED
 
 
-_JWE = _Registry(algorithms=[*ANON_ALGS, *AUTH_ALGS, *ENCS], verify_all_recipients=False)
-_JWE.strict_check_header = False  # agents add their own header members (typ, cty)
+_ALGORITHMS = [*ANON_ALGS, *AUTH_ALGS, *ENCS]
+_JWE = _Registry(algorithms=_ALGORITHMS, verify_all_recipients=False)
+_JWE_NO_TAG = _RegistryNoTag(algorithms=_ALGORITHMS, verify_all_recipients=False)
+for _registry in (_JWE, _JWE_NO_TAG):
+    _registry.strict_check_header = False  # agents add their own header members (typ, cty)
 _JWS = _SigRegistry(algorithms=["EdDSA", "Ed25519"])
 
 
@@ -141,6 +221,8 @@ class Opened:
     recipient_kid: str | None  # the kid it was encrypted to (the peer's name for our key)
     sender_kid: str | None  # authcrypt: the sender's key-agreement kid (proven)
     signer_kid: str | None  # a JWS's signing kid (proven)
+    enc: str = "A256CBC-HS512"  # the authcrypt layer's content encryption: a reply uses it
+    tagged: bool = True  # ... and its ECDH-1PU variant (see _OnePU)
 
     @property
     def sender_did(self) -> str | None:
@@ -172,16 +254,18 @@ def unpack(raw: bytes, lookup: Callable[[str], AgreementKey | None]) -> Opened:
     if not isinstance(doc, dict):
         raise JwmError("a DIDComm v2 message must be a JSON object")
     recipient_kid = sender_kid = signer_kid = None
-    encrypted = False
+    encrypted, enc, tagged = False, "A256CBC-HS512", True
     for _ in range(MAX_LAYERS):
         kind = media_type_of(doc)
         if kind == PLAIN:
             break
         if kind == ENCRYPTED:
-            raw, kid, skid = _decrypt(doc, lookup)
+            layer = _decrypt(doc, lookup)
+            raw = layer.plaintext
             encrypted = True
-            recipient_kid = recipient_kid or kid
-            sender_kid = sender_kid or skid
+            recipient_kid = recipient_kid or layer.kid
+            if sender_kid is None and layer.skid is not None:
+                sender_kid, enc, tagged = layer.skid, layer.enc, layer.tagged
         else:
             raw, signer_kid = _verify(doc)
         doc = _json(raw, None, "the message")
@@ -191,7 +275,7 @@ def unpack(raw: bytes, lookup: Callable[[str], AgreementKey | None]) -> Opened:
         raise JwmError(f"the message nests more than {MAX_LAYERS} envelopes")
     if not isinstance(doc.get("type"), str) or not isinstance(doc.get("id"), str):
         raise JwmError("a DIDComm v2 message needs type and id, strings", "bad_didcomm_message")
-    opened = Opened(doc, raw, encrypted, recipient_kid, sender_kid, signer_kid)
+    opened = Opened(doc, raw, encrypted, recipient_kid, sender_kid, signer_kid, enc, tagged)
     sender = doc.get("from")
     proven = opened.sender_did
     if proven is not None and sender is not None and sender != proven:
@@ -212,9 +296,16 @@ def _header(doc: dict[str, Any]) -> dict[str, Any]:
     return header
 
 
-def _decrypt(
-    doc: dict[str, Any], lookup: Callable[[str], AgreementKey | None]
-) -> tuple[bytes, str, str | None]:
+@dataclass(frozen=True)
+class _Layer:
+    plaintext: bytes
+    kid: str
+    skid: str | None
+    enc: str
+    tagged: bool  # authcrypt's KDF took the content's tag (draft-04), else draft-03's
+
+
+def _decrypt(doc: dict[str, Any], lookup: Callable[[str], AgreementKey | None]) -> _Layer:
     header = _header(doc)
     alg, enc = header.get("alg"), header.get("enc")
     if alg not in ANON_ALGS + AUTH_ALGS:
@@ -244,13 +335,18 @@ def _decrypt(
             raise JwmError("authcrypt needs skid, the sender's key id")
         sender_key = _agreement_jwk(skid)
     single = {**doc, "recipients": [entry]}
-    try:
-        opened = jwe.decrypt_json(single, ours.jwk(kid), registry=_JWE, sender_key=sender_key)  # type: ignore[arg-type]
-    except (JoseError, ValueError, KeyError, TypeError):
-        raise JwmError("the message does not decrypt", "bad_envelope") from None
-    if opened.plaintext is None:
-        raise JwmError("the message does not decrypt", "bad_envelope")
-    return opened.plaintext, kid, skid
+    # didcomm-rust (Identus) always sends apu/apv and the draft-04 KDF; did-jwt (Veramo) sends
+    # neither and derives without the tag: try the likelier first, then the other
+    variants = [True, False] if "apu" in header or alg not in AUTH_ALGS else [False, True]
+    for tagged in variants[: 1 if alg not in AUTH_ALGS else 2]:
+        registry = _JWE if tagged else _JWE_NO_TAG
+        try:
+            opened = jwe.decrypt_json(single, ours.jwk(kid), registry=registry, sender_key=sender_key)  # type: ignore[arg-type]
+        except (JoseError, ValueError, KeyError, TypeError):
+            continue
+        if opened.plaintext is not None:
+            return _Layer(opened.plaintext, kid, skid, enc, tagged)
+    raise JwmError("the message does not decrypt", "bad_envelope")
 
 
 def _agreement_jwk(kid: str) -> OKPKey | ECKey:
@@ -308,9 +404,11 @@ def pack(
     sender: AgreementKey | None,
     sender_kid: str | None = None,
     enc: str = "A256CBC-HS512",
+    tagged: bool = True,
 ) -> bytes:
-    """Encrypt `message` for one recipient key: authcrypt (ECDH-1PU+A256KW, A256CBC-HS512) from
-    `sender` (named `sender_kid`, the name the peer knows our key by), else anoncrypt."""
+    """Encrypt `message` for one recipient key: authcrypt (ECDH-1PU+A256KW, `enc`, the KDF
+    variant `tagged`) from `sender` (named `sender_kid`, the name the peer knows our key by),
+    else anoncrypt (ECDH-ES+A256KW)."""
     plaintext = json.dumps(message, separators=(",", ":")).encode()
     recipient = _public_jwk(to)
     ephemeral = recipient.generate_key(to.crv, private=True)  # type: ignore[arg-type]
@@ -319,17 +417,22 @@ def pack(
         "alg": AUTH_ALGS[0] if sender else ANON_ALGS[0],
         "enc": enc,
         "epk": ephemeral.as_dict(private=False),
-        "apv": b64url(hashlib.sha256(to.kid.encode()).digest()),
     }
+    if tagged:  # did-jwt (Veramo, the untagged variant) sends and expects neither
+        protected["apv"] = b64url(hashlib.sha256(to.kid.encode()).digest())
     if sender is not None:
         skid = sender_kid or sender.kid
         protected["skid"] = skid
-        protected["apu"] = b64url(skid.encode())
+        if tagged:
+            protected["apu"] = b64url(skid.encode())
     obj = jwe.GeneralJSONEncryption(protected, plaintext)
     obj.add_recipient({"kid": to.kid}, recipient)
     obj.recipients[0].ephemeral_key = ephemeral
     out = jwe.encrypt_json(
-        obj, None, registry=_JWE, sender_key=sender.jwk(skid) if sender is not None else None
+        obj,
+        None,
+        registry=_JWE if tagged else _JWE_NO_TAG,
+        sender_key=sender.jwk(skid) if sender is not None else None,
     )
     for entry in out["recipients"]:
         entry.get("header", {}).pop("epk", None)  # in the protected header, shared

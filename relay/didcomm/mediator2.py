@@ -26,7 +26,7 @@ from relay.didcomm import jwm, peer2
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import shaped
 from relay.didcomm.mediator import Caller, ForwardRefused, Mediator
-from relay.didcomm.mediator_pickup import MAX_IDS, LiveSession, message_id, rfc3339
+from relay.didcomm.mediator_pickup import MAX_IDS, LiveSession, message_id
 from relay.didcomm.messages import MediatorError
 from relay.didcomm.records import QUEUE_CHANNEL, Connection
 from relay.storage.store import EnqueueRequest, Message
@@ -155,14 +155,19 @@ class Mediator2:
             key = agreement[0] if agreement else None
         if key is None:
             raise MediatorError("the sender's DID names no key-agreement key", "bad_envelope")
-        return jwm.pack(doc, key, self.identity.agreement, opened.recipient_kid)
+        tagged = opened.tagged if opened.sender_kid is not None else True
+        enc = opened.enc if opened.sender_kid is not None else "A256CBC-HS512"
+        return jwm.pack(doc, key, self.identity.agreement, opened.recipient_kid, enc, tagged)
 
     async def handle(self, opened: jwm.Opened, session: LiveSession | None, caller: Caller) -> Outcome2:
         """Act on one opened message. Raises MediatorError (problem), ForwardRefused."""
         doc = opened.message
         mtype: str = doc["type"]
         name = mtype[len(BASE) :] if mtype.startswith(BASE) else ""
-        out = Outcome2(type=name or "other", return_route=doc.get("return_route") in ("all", "thread"))
+        # a mediate-request is answered in the response whatever it asks: its sender has no
+        # endpoint yet (Veramo's stock request sets no return_route)
+        wants = doc.get("return_route") in ("all", "thread") or name.endswith("/mediate-request")
+        out = Outcome2(type=name or "other", return_route=wants)
         if name == FORWARD:
             if not caller.may_store:
                 metrics.quota_refused("/v1/didcomm", "enqueue_token")
@@ -320,8 +325,11 @@ class Mediator2:
             conn = await self.records.save(self.records.new(did_key(sender), sender[:200], ""), fresh=True)
         if not conn.mediation:
             await self.records.save(replace(conn, mediation=True))
-        # one string: Identus leaves mediation at "requested" when it is a list
-        return self.reply_from(doc, family + "mediate-grant", {"routing_did": self.identity.did})
+        # 2.0: one string (Identus leaves mediation at "requested" when it is a list); 3.0: a list
+        # (Veramo takes routing_did[0])
+        did = self.identity.did
+        routing: str | list[str] = did if family == MEDIATIONS[0] else [did]
+        return self.reply_from(doc, family + "mediate-grant", {"routing_did": routing})
 
     async def coordinate(
         self, doc: dict[str, Any], family: str, short: str, body: dict[str, Any], conn: Connection
@@ -457,8 +465,8 @@ class Mediator2:
         attachments = [
             {
                 "id": message_id(key, m.seq),
-                "lastmod_time": rfc3339(m.received_ms),
-                "data": {"base64": dk.b64url(m.payload)},
+                "lastmod_time": m.received_ms // 1000,  # epoch seconds, a number (didcomm-rust)
+                "data": {"json": boundedjson.loads(m.payload, None, "a payload")},
             }
             for key, m in batch
         ]

@@ -114,13 +114,22 @@ def _p256_xy(compressed: bytes) -> tuple[bytes, bytes]:
     return numbers.x.to_bytes(32, "big"), numbers.y.to_bytes(32, "big")
 
 
-def _service(encoded: str) -> Service:
+def _services(encoded: str) -> list[Service]:
+    """The services of one S entry: one JSON object, or an array of them (Identus writes all
+    its services as one array, and ``[]`` when it has none)."""
     if len(encoded) > MAX_SERVICE:
         raise DidError(f"a did:peer:2 service exceeds {MAX_SERVICE} characters")
     try:
         doc = boundedjson.loads(b64decode_any(encoded), MAX_SERVICE, "a did:peer:2 service", 6)
     except boundedjson.JsonLimitError as exc:
         raise DidError(exc.text) from None
+    except DidError:
+        raise DidError("a did:peer:2 service is not base64url") from None
+    entries = doc if isinstance(doc, list) else [doc]
+    return [_service(entry) for entry in entries]
+
+
+def _service(doc: Any) -> Service:
     if not isinstance(doc, dict):
         raise DidError("a did:peer:2 service must be a JSON object")
     endpoint = doc.get("s", doc.get("serviceEndpoint"))
@@ -136,10 +145,6 @@ def _service(encoded: str) -> Service:
 
 def _strings(value: Any) -> tuple[str, ...]:
     return tuple(v for v in value if isinstance(v, str)) if isinstance(value, list) else ()
-
-
-def _aliases(did: str, number: int, text: str) -> tuple[str, ...]:
-    return (f"key-{number}", text, text[1:])
 
 
 def resolve(did: Any) -> Resolved:
@@ -169,17 +174,19 @@ def _peer2(did: str) -> Resolved:
     services: list[Service] = []
     aliases: dict[str, VerificationKey] = {}
     number = 0
-    for entry in entries:
+    for position, entry in enumerate(entries, 1):
         purpose, body = entry[:1], entry[1:]
         if purpose == "S":
-            services.append(_service(body))
+            services.extend(_services(body))
             continue
         if purpose not in ("E", "V", "A", "I", "D"):
             raise DidError("a did:peer:2 entry has an unknown purpose")
         number += 1
         crv, raw = _key(body)
         vk = VerificationKey(f"{did}#key-{number}", crv, raw)
-        for alias in _aliases(did, number, body):
+        # resolvers name a key by its count among keys (the method spec), by its position among
+        # all entries (Identus; the same when keys come first) or by its multibase text
+        for alias in (f"key-{number}", f"key-{position}", body, body[1:]):
             aliases.setdefault(alias, vk)
         if purpose == "E":
             if crv == "Ed25519":

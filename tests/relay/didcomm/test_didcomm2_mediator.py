@@ -140,7 +140,7 @@ async def test_whole_flow_over_http_mediate_register_forward_pickup_ack(agent: A
 async def test_coordinate_mediation_3_0_names(agent: Agent2) -> None:
     family = "coordinate-mediation/3.0"
     did, _ = await mediated(agent, family)
-    assert agent.grant["body"]["routing_did"] == agent.mediator_did
+    assert agent.grant["body"]["routing_did"] == [agent.mediator_did]  # 3.0: a list (Veramo)
     listed = await agent.send(agent.message(family + "/recipient-query"))
     assert listed is not None
     assert listed["type"] == BASE + family + "/recipient"
@@ -173,6 +173,44 @@ async def test_legacy_service_encoding_signed_messages_and_did_key_senders(
     delivery = await old.send(old.message("messagepickup/3.0/delivery-request", limit=5))
     assert delivery is not None
     assert opened_by(key, attached(delivery)[0])["body"]["content"] == "to a key id"
+
+
+async def test_the_stock_clients_shapes_identus_and_veramo(relay: RunningRelay, http: Any) -> None:
+    """What the stock clients send (docs/protocols.md, "DIDComm v2 mediator"): Identus' host DID
+    with an empty service array (`.SW10`) and services as one array; Veramo's authcrypt with
+    A256GCM and the ECDH-1PU KDF without the content tag, no apu/apv, a 3.0 mediate-request
+    without return_route (answered anyway, routing_did a list); replies in the sender's variant."""
+    identus = Agent2(relay.base_url, http, did="did:peer:2.E{x}.V{v}.SW10")
+    did, key = await mediated(identus)
+    assert identus.grant["body"]["routing_did"] == identus.mediator_did
+    arrayed = Agent2(
+        relay.base_url,
+        http,
+        did="did:peer:2.E{x}.V{v}.S"
+        + dk.b64url(json.dumps([{"t": "dm", "s": {"uri": "https://a.test"}}]).encode()),
+    )
+    await mediated(arrayed)
+    assert [s.uri for s in peer2.resolve(arrayed.did).services] == ["https://a.test"]
+    veramo = Agent2(relay.base_url, http, enc="A256GCM", tagged=False, did="did:peer:2.E{x}.V{v}")
+    await veramo.invitation()
+    request = veramo.message("coordinate-mediation/3.0/mediate-request", return_route=False)
+    grant = await veramo.send(request)
+    assert grant is not None
+    assert grant["body"]["routing_did"] == [veramo.mediator_did]
+    assert grant["thid"] == request["id"]
+    packed = json.loads(veramo.packed(veramo.message("trust-ping/2.0/ping")))
+    assert {"apu", "apv"} & set(json.loads(dk.b64decode_any(packed["protected"]))) == set()
+    vdid, vkey = new_recipient()
+    assert (await veramo.register(vdid, family="coordinate-mediation/3.0"))["body"]["updated"][0][
+        "result"
+    ] == "success"
+    for agent, to, k in ((identus, did, key), (veramo, vdid, vkey)):
+        assert (await agent.post(forward(agent.mediator_did, to, inner(to, "hi"))))[0] == 202
+        delivery = await agent.send(agent.message("messagepickup/3.0/delivery-request", limit=5))
+        assert delivery is not None
+        attachment = delivery["attachments"][0]
+        assert isinstance(attachment["lastmod_time"], int)  # epoch seconds (didcomm-rust)
+        assert opened_by(k, attachment["data"]["json"])["body"]["content"] == "hi"
 
 
 async def test_authority_only_a_dids_holder_registers_and_picks_up_for_it(
