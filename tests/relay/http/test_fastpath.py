@@ -128,6 +128,10 @@ CASES: dict[str, Callable[[bytes], bytes]] = {
         "Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
     ).encode(),
     "connection close": lambda r: enqueue_request(r, extra=BEARER + "Connection: close\r\n"),
+    "non-ASCII header value": lambda r: enqueue_request(r, extra=BEARER + "X-Note: caf\u00e9\r\n"),
+    "65 header lines": lambda r: enqueue_request(
+        r, extra=BEARER + "".join(f"X-{i}: v\r\n" for i in range(61))
+    ),
 }
 ANSWERS = {"duplicate and conflict": 3, "rate limited": 4}
 
@@ -188,6 +192,27 @@ async def test_body_timeout_per_body_on_one_connection(
 
 def protocols(relay: RunningRelay) -> list[type]:
     return [type(c) for c in server_of(relay).guard.open]
+
+
+@pytest.mark.parametrize(
+    ("extra", "served_here"),
+    [
+        ("".join(f"X-{i}: v\r\n" for i in range(61)), True),  # 64 header lines with Host and the two
+        ("".join(f"X-{i}: v\r\n" for i in range(62)), False),  # 65
+        ("X-Note: caf\u00e9\r\n", False),  # a value outside ASCII
+    ],
+)
+async def test_heads_past_the_line_cap_or_outside_ascii_go_to_aiohttp(
+    relay: RunningRelay, extra: str, served_here: bool
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    try:
+        writer.write(enqueue_request(os.urandom(32), b"one", extra=extra))
+        answer = await read_answer(reader)
+        assert answer.status == 201
+        assert protocols(relay) == [FastConnection if served_here else GuardedRequestHandler]
+    finally:
+        writer.close()
 
 
 async def test_handoff_mid_keepalive(relay: RunningRelay) -> None:
