@@ -25,7 +25,7 @@ from relay.api import params
 from relay.api.context import CTX, ctx
 from relay.api.errors import ApiError, json_response, unauthorized
 from relay.api.queues import enqueue_error
-from relay.api.quota import ClientQuota
+from relay.api.quota import ClientQuota, admit
 from relay.didcomm import jwm
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import EnvelopeError
@@ -112,12 +112,19 @@ def client_of(request: web.Request) -> int:
 def caller_of(request: web.Request) -> Caller:
     """Who is calling: its client, and whether it may store (a valid enqueue token, or none
     configured: RELAY_ENQUEUE_TOKENS governs forwards as it governs enqueues)."""
-    auth = ctx(request).auth
+    c = ctx(request)
+    quota = c.quota
+    charge = None
+    if quota is not None:
+
+        def charge(size: int) -> None:
+            admit(quota, request, "/v1/didcomm", 1, size)
+
     try:
-        auth.verify_enqueue_header(request.headers.get("Authorization"))
+        c.auth.verify_enqueue_header(request.headers.get("Authorization"))
     except ApiError:
-        return Caller(client_of(request), False)
-    return Caller(client_of(request), True)
+        return Caller(client_of(request), False, charge)
+    return Caller(client_of(request), True, charge)
 
 
 def _refusal(exc: MediatorError) -> ApiError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import uuid
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -100,10 +100,12 @@ class Outcome:
 class Caller:
     """Who sent an envelope, as the transport saw it: the client (relay/api/didcomm.client_of)
     and whether the request or WebSocket upgrade carried a valid enqueue token (True when
-    RELAY_ENQUEUE_TOKENS is off)."""
+    RELAY_ENQUEUE_TOKENS is off); `charge` takes a forward's bytes from the client's quota
+    (RELAY_CLIENT_*: raises the transport's 429 when it is used up; None: no quota)."""
 
     client: Hashable = ""
     may_store: bool = True
+    charge: Callable[[int], None] | None = None
 
 
 class Mediator:
@@ -175,7 +177,7 @@ class Mediator:
             if not caller.may_store:
                 metrics.quota_refused("/v1/didcomm", "enqueue_token")
                 raise MediatorError("a forward requires a valid bearer token", "unauthorized", 401)
-            await self.forward(doc, opened.message)
+            await self.forward(doc, opened.message, caller)
             return out
         if len(opened.message) > MAX_MESSAGE:
             raise MediatorError(f"the message exceeds {MAX_MESSAGE} bytes", "message_too_large", 413)
@@ -250,7 +252,7 @@ class Mediator:
         return report
 
     # -- routing 1.0 ----------------------------------------------------------------------
-    async def forward(self, doc: dict[str, Any], message: bytes) -> None:
+    async def forward(self, doc: dict[str, Any], message: bytes, caller: Caller = Caller()) -> None:
         try:
             to = dk.verkey_from(doc.get("to"))
         except dk.DidError as exc:
@@ -264,6 +266,8 @@ class Mediator:
         mid = doc.get("@id")
         if not (isinstance(mid, str) and 0 < len(mid) <= MAX_MESSAGE_ID and mid.isprintable()):
             mid = ""
+        if caller.charge is not None:  # the sender's client quota, as an enqueue's
+            caller.charge(len(payload))
         outcome = await self.service.enqueue(
             EnqueueRequest(to, QUEUE_CHANNEL, payload, "didcomm:" + mid if mid else "", mid)
         )

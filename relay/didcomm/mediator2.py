@@ -172,7 +172,7 @@ class Mediator2:
             if not caller.may_store:
                 metrics.quota_refused("/v1/didcomm", "enqueue_token")
                 raise MediatorError("a forward requires a valid bearer token", "unauthorized", 401)
-            await self.forward(doc, opened.raw)
+            await self.forward(doc, opened.raw, caller)
             return out
         if len(opened.raw) > MAX_MESSAGE:
             raise MediatorError(f"the message exceeds {MAX_MESSAGE} bytes", "message_too_large", 413)
@@ -251,7 +251,7 @@ class Mediator2:
         return report
 
     # -- routing 2.0 ---------------------------------------------------------------------
-    async def forward(self, doc: dict[str, Any], raw: bytes) -> None:
+    async def forward(self, doc: dict[str, Any], raw: bytes, caller: Caller) -> None:
         body = doc.get("body")
         nxt = body.get("next") if isinstance(body, dict) else None
         if not isinstance(nxt, str) or not nxt.startswith("did:") or len(nxt) > peer2.MAX_DID:
@@ -268,6 +268,8 @@ class Mediator2:
         mid = doc.get("id")
         if not (isinstance(mid, str) and 0 < len(mid) <= MAX_MESSAGE_ID and mid.isprintable()):
             mid = ""
+        if caller.charge is not None:  # the sender's client quota, as an enqueue's
+            caller.charge(sum(len(p) for p in payloads))
         for i, payload in enumerate(payloads):
             key = f"didcomm2:{mid}:{i}" if mid else ""
             outcome = await self.service.enqueue(

@@ -213,6 +213,27 @@ async def test_the_stock_clients_shapes_identus_and_veramo(relay: RunningRelay, 
         assert opened_by(k, attachment["data"]["json"])["body"]["content"] == "hi"
 
 
+async def test_forwards_are_charged_to_the_senders_client_quota(
+    redis_server: LocalRedis, relay_factory: RelayFactory, seed_file: str, http: Any
+) -> None:
+    """A forward stores a message: it counts against the sending client's quota as an enqueue
+    does (RELAY_CLIENT_RATE_MESSAGES), v1 and v2 alike; the recipient's own limits apply in the
+    enqueue itself."""
+    relay = await relay_factory(
+        redis_server.url, didcomm_seed_file=seed_file, public_url=PUBLIC, client_rate_messages=2
+    )
+    agent = Agent2(relay.base_url, http)
+    did, _ = await mediated(agent)
+    answers = []
+    for i in range(3):
+        status, raw = await agent.post(forward(agent.mediator_did, did, inner(did, str(i))))
+        answers.append((status, json.loads(raw)["code"] if raw else ""))
+    assert answers == [(202, ""), (202, ""), (429, "client_rate_limited")]
+    st = await agent.send(agent.message("messagepickup/3.0/status-request"))
+    assert st is not None
+    assert st["body"]["message_count"] == 2  # pickup and mediation are not charged
+
+
 async def test_authority_only_a_dids_holder_registers_and_picks_up_for_it(
     relay: RunningRelay, http: Any
 ) -> None:
