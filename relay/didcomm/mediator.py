@@ -1,7 +1,8 @@
 """The mediator's protocols: one plaintext DIDComm v1 message in, at most one reply out.
 
 Out-of-Band 1.1 (the invitation), DID Exchange 1.0/1.1, trust ping 1.0, coordinate-mediation
-1.0, routing 1.0 forward, Pickup 2.0 and discover-features 1.0. Every message but a forward
+1.0, routing 1.0 forward, Pickup 2.0, discover-features 1.0 and push-notifications-fcm 1.0 /
+push-notifications-apns 1.0. Every message but a forward
 and a DID Exchange request must come authcrypted from the key of a connection. Replies copy
 the request's ``@type`` prefix (``https://didcomm.org/`` or the legacy ``did:sov:…;spec/``).
 """
@@ -21,6 +22,8 @@ from relay.didcomm.attachments import AttachmentError, attached_document, signed
 from relay.didcomm.envelope import Unpacked, pack, parse, shaped, unpack
 from relay.didcomm.limits import ConnectionBudget
 from relay.didcomm.mediator_pickup import LiveSession, Pickup
+from relay.didcomm.mediator_push import FAMILIES as PUSH_FAMILIES
+from relay.didcomm.mediator_push import PushSettings
 from relay.didcomm.messages import PREFIXES, MediatorError, reply, thread_of
 from relay.didcomm.records import QUEUE_CHANNEL, Connection, Records
 from relay.presence import Presence
@@ -37,6 +40,8 @@ PROTOCOLS = (
     "https://didcomm.org/routing/1.0",
     "https://didcomm.org/messagepickup/2.0",
     "https://didcomm.org/discover-features/1.0",
+    "https://didcomm.org/push-notifications-fcm/1.0",
+    "https://didcomm.org/push-notifications-apns/1.0",
 )
 ROLES = {
     "didexchange": ["responder"],
@@ -46,6 +51,8 @@ ROLES = {
     "routing": ["mediator"],
     "messagepickup": ["mediator"],
     "discover-features": ["responder"],
+    "push-notifications-fcm": ["notification-sender"],
+    "push-notifications-apns": ["notification-sender"],
 }
 MAX_MESSAGE = 1 << 20  # a plaintext protocol message (forwards excepted) is small
 FORWARD_ROOM = 65536  # a forward's plaintext: its packed message plus the routing fields
@@ -69,6 +76,10 @@ HANDLED_TYPES = frozenset(
         "messagepickup/2.0/live-delivery-change",
         "discover-features/1.0/query",
         "notification/1.0/problem-report",
+        "push-notifications-fcm/1.0/set-device-info",
+        "push-notifications-fcm/1.0/get-device-info",
+        "push-notifications-apns/1.0/set-device-info",
+        "push-notifications-apns/1.0/get-device-info",
     }
 )
 MAX_UPDATES = 1000
@@ -130,6 +141,7 @@ class Mediator:
         # fleet-wide presence (relay/presence.py): Pickup's live_delivery, the live mode's leases
         self.presence = presence
         self.pickup = Pickup(service, self.records, self.redeliver_ms, presence)
+        self.push = PushSettings(self.records)
         self.max_payload = max_payload
         self.max_plaintext = max(MAX_MESSAGE, max_payload + FORWARD_ROOM)
 
@@ -237,6 +249,8 @@ class Mediator:
             return await self.pickup.handle(doc, prefix, short, conn, session)
         if name == "discover-features/1.0/query":
             return self.disclose(doc, prefix)
+        if family in PUSH_FAMILIES and short != "problem-report":
+            return await self.push.handle(doc, prefix, family, short, conn)
         if name == "notification/1.0/problem-report" or name.endswith("/problem-report"):
             return None  # an agent telling us something went wrong: nothing to answer
         raise MediatorError(f"{name} is not a message this mediator handles", "unsupported_message_type")

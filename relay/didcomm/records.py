@@ -12,6 +12,7 @@ runs on the shard that then queues the message:
 - ``n:<agent key>``   DIDComm v2: the recipient DIDs that connection registered (space-separated;
   a v2 peer's "key" is the hash of its DID, relay/didcomm/mediator2.did_key, and its queue that
   hash's), so keylist-query can name them
+- ``p:<agent key>``   the push devices that connection set (RFC 0734/0699; JSON, see Device)
 A key's queue itself is (recipient, QUEUE_CHANNEL), in the mediator's own key space.
 Keys appear as unpadded base64url of the 32 raw bytes.
 """
@@ -94,6 +95,41 @@ class Lease:
         return cls(cursor, expiry, held) if raw else None
 
 
+PUSH_SERVICES = ("fcm", "apns")  # push-notifications-fcm/1.0, push-notifications-apns/1.0
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where a connection wants its push notifications: one per service at most (a set
+    replaces the last), so a connection holds at most len(PUSH_SERVICES) devices."""
+
+    service: str  # one of PUSH_SERVICES
+    token: str
+    platform: str | None = None  # fcm's device_platform; apns has none
+
+    @staticmethod
+    def parse_all(raw: bytes | None) -> dict[str, Device]:
+        try:
+            doc = json.loads(raw) if raw else {}
+        except ValueError:
+            return {}
+        out: dict[str, Device] = {}
+        for service in PUSH_SERVICES:
+            entry = doc.get(service) if isinstance(doc, dict) else None
+            if isinstance(entry, dict) and isinstance(entry.get("t"), str):
+                platform = entry.get("p")
+                out[service] = Device(service, entry["t"], platform if isinstance(platform, str) else None)
+        return out
+
+    @staticmethod
+    def dump_all(devices: dict[str, Device]) -> str:
+        doc = {
+            d.service: ({"t": d.token, "p": d.platform} if d.platform is not None else {"t": d.token})
+            for d in devices.values()
+        }
+        return json.dumps(doc, separators=(",", ":"))
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -149,7 +185,7 @@ class Records:
         """Write the connection (its idle expiry starts afresh); `fresh`: a new connection,
         which starts with an empty keylist (not an expired one's)."""
         saved = replace(conn, seen_ms=now_ms())
-        deletes = ("r:" + b64url(conn.key), "n:" + b64url(conn.key)) if fresh else ()
+        deletes = tuple(f + b64url(conn.key) for f in ("r:", "n:", "p:")) if fresh else ()
         await self._set(conn.key, (("c:" + b64url(conn.key), saved.to_json()),), deletes)
         return saved
 
@@ -226,3 +262,27 @@ class Records:
         pairs = ((field, f"{lease.cursor} {lease.expiry_ms} {lease.held}"),) if lease is not None else ()
         deletes = () if lease is not None else (field,)
         await self._set(recipient, pairs, deletes)
+
+    async def devices(self, conn_key: bytes) -> dict[str, Device]:
+        """The push devices the connection set, by service (none once it expired)."""
+        return Device.parse_all(await self._get(conn_key, "p:" + b64url(conn_key)))
+
+    async def set_device(self, conn_key: bytes, service: str, device: Device | None) -> None:
+        """Set (or with None remove) the connection's device of `service`. Read, then write:
+        two sets racing on one connection keep the last (a client sets them one at a time)."""
+        field = "p:" + b64url(conn_key)
+        devices = Device.parse_all(await self._get(conn_key, field))
+        if device is None:
+            devices.pop(service, None)
+        else:
+            devices[service] = device
+        pairs = ((field, Device.dump_all(devices)),) if devices else ()
+        await self._set(conn_key, pairs, () if devices else (field,))
+
+    async def drop_device(self, conn_key: bytes, device: Device) -> bool:
+        """Remove `device` if the connection still has it (a provider said the token is dead;
+        a newer token set meanwhile stays). True when it was removed."""
+        if (await self.devices(conn_key)).get(device.service) != device:
+            return False
+        await self.set_device(conn_key, device.service, None)
+        return True
