@@ -13,6 +13,7 @@ runs on the shard that then queues the message:
   a v2 peer's "key" is the hash of its DID, relay/didcomm/mediator2.did_key, and its queue that
   hash's), so keylist-query can name them
 - ``p:<agent key>``   the push devices that connection set (RFC 0734/0699; JSON, see Device)
+- ``w:<agent key>``   when its devices were last notified (ms; the fleet-wide push window)
 A key's queue itself is (recipient, QUEUE_CHANNEL), in the mediator's own key space.
 Keys appear as unpadded base64url of the 32 raw bytes.
 """
@@ -185,7 +186,7 @@ class Records:
         """Write the connection (its idle expiry starts afresh); `fresh`: a new connection,
         which starts with an empty keylist (not an expired one's)."""
         saved = replace(conn, seen_ms=now_ms())
-        deletes = tuple(f + b64url(conn.key) for f in ("r:", "n:", "p:")) if fresh else ()
+        deletes = tuple(f + b64url(conn.key) for f in ("r:", "n:", "p:", "w:")) if fresh else ()
         await self._set(conn.key, (("c:" + b64url(conn.key), saved.to_json()),), deletes)
         return saved
 
@@ -286,3 +287,11 @@ class Records:
             return False
         await self.set_device(conn_key, device.service, None)
         return True
+
+    async def push_window(self, conn_key: bytes, interval_ms: int) -> bool:
+        """Take the connection's push window: True (and stamped now) when its devices were last
+        notified `interval_ms` ago or more, fleet-wide."""
+        field, now = "w:" + b64url(conn_key), now_ms()
+        return await self.service.call(
+            conn_key, RECORD_CHANNEL, lambda r: r.store.record_stamp(r.keys.slot, field, now, interval_ms)
+        )

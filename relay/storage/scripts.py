@@ -83,6 +83,7 @@ DC_GET = _load("dc_get", _PRELUDE)
 DC_SET = _load("dc_set", _PRELUDE)
 DC_CLAIM = _load("dc_claim", _PRELUDE)
 DC_LIST = _load("dc_list", _PRELUDE)
+DC_STAMP = _load("dc_stamp", _PRELUDE)
 # Their periodic idle-expiry sweep over a batch of slots (relay/didcomm/sweep.py).
 DC_EXPIRE = _load("dc_expire", _PRELUDE)
 
@@ -108,6 +109,7 @@ ALL: tuple[Script, ...] = (
     DC_SET,
     DC_CLAIM,
     DC_LIST,
+    DC_STAMP,
     DC_EXPIRE,
     SLOT_SWEEP,
     PRESENCE,

@@ -820,6 +820,11 @@ class ShardStore:
         reply = await self._records(scripts.DC_LIST, slot, (field, "add" if add else "remove", cap, *members))
         return bool(reply[0] == b"ok")
 
+    async def record_stamp(self, slot: int, field: str, now_ms: int, interval_ms: int) -> bool:
+        """dc_stamp.lua: True when `field`'s last stamp is `interval_ms` old or more (now stamped)."""
+        reply = await self._records(scripts.DC_STAMP, slot, (now_ms, interval_ms, field))
+        return bool(reply[1])
+
     async def record_expire(self, slots: Sequence[int], now_ms: int, budget: int) -> tuple[int, int, int]:
         """dc_expire.lua over these slots, on the bulk lane (the hot lane's batches never carry
         it): (records removed, position from 1 of the slot to call again from or 0 when all

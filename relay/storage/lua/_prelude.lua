@@ -204,11 +204,11 @@ end
 -- The DIDComm records' idle expiry (dc_*.lua, relay/didcomm/records.py): each 'c:<agent>' (a
 -- connection) and 'k:<key>' (a registration) has a member of that name in the slot's idle
 -- sorted set, scored with the ms it expires at. The member deciding a field: 'r:' (a
--- connection's keylist), 'n:' (its DIDComm v2 recipient DIDs) and 'p:' (its push devices)
--- follow its 'c:', 'd:' (a key's delivery lease) its 'k:'.
+-- connection's keylist), 'n:' (its DIDComm v2 recipient DIDs), 'p:' (its push devices) and
+-- 'w:' (its push window) follow its 'c:', 'd:' (a key's delivery lease) its 'k:'.
 local function dc_governor(field)
   local kind = string.sub(field, 1, 2)
-  if kind == 'r:' or kind == 'n:' or kind == 'p:' then return 'c:' .. string.sub(field, 3) end
+  if kind == 'r:' or kind == 'n:' or kind == 'p:' or kind == 'w:' then return 'c:' .. string.sub(field, 3) end
   if kind == 'd:' then return 'k:' .. string.sub(field, 3) end
   return field
 end
@@ -225,14 +225,14 @@ local function dc_alive(records_key, idle_key, member, now, idle)
   return tonumber(score) > now
 end
 
--- Remove up to `n` records whose idle expiry passed (a connection with its keylist and push
--- devices, a registration with its delivery lease); bounded, so no write pays for a backlog.
+-- Remove up to `n` records whose idle expiry passed (a connection with its keylist, push
+-- devices and push window, a registration with its delivery lease); bounded, so no write pays for a backlog.
 local function dc_sweep(records_key, idle_key, now, n)
   local gone = redis.call('ZRANGEBYSCORE', idle_key, '-inf', now, 'LIMIT', 0, n)
   for _, m in ipairs(gone) do
     local id = string.sub(m, 3)
     if string.sub(m, 1, 2) == 'c:' then
-      redis.call('HDEL', records_key, m, 'r:' .. id, 'n:' .. id, 'p:' .. id)
+      redis.call('HDEL', records_key, m, 'r:' .. id, 'n:' .. id, 'p:' .. id, 'w:' .. id)
     else
       redis.call('HDEL', records_key, m, 'd:' .. id)
     end
