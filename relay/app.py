@@ -21,6 +21,7 @@ from relay.api.context import CTX, Context
 from relay.api.errors import overloaded
 from relay.api.failures import code_of, error_for
 from relay.api.quota import ClientQuota
+from relay.devicepush import wiring as devicepush
 from relay.fleet.routing import MapSource, ShardRouter
 from relay.fleet.sharding import ShardMap
 from relay.http import logsafe
@@ -163,6 +164,7 @@ def build_app(settings: Settings, fleet: ShardRouter) -> web.Application:
     for routes in (inbox.routes, fanout.routes, openapi.routes):
         _add_observed(app, routes, guard)
     push.setup(app)  # no endpoints: hooks the queue service (webhooks for offline queues)
+    devicepush.setup(app)  # likewise, for the mediator's keys: their connections' devices
     shard_health.setup(app)  # no endpoints: the shard monitor's background task
     app.router.register_resource(_Unmatched(app.router))
     if settings.http_fastpath:

@@ -159,6 +159,24 @@ RETRIES = Counter(
 PUSH_NOTIFICATIONS = Counter(
     "relayfleet_push_notifications_total", "Push webhook calls by outcome", ["outcome"], registry=REGISTRY
 )
+# Device push (relay/devicepush). provider: webhook, fcm, apns. outcome: sent, retried, failed,
+# rejected, unregistered (the provider said the token is dead: the device is removed),
+# coalesced (a burst inside the connection's minimum interval: nothing sent)
+DEVICE_PUSH = Counter(
+    "relayfleet_device_push_total",
+    "Device notifications by provider and outcome",
+    ["provider", "outcome"],
+    registry=REGISTRY,
+)
+# What became of each offline burst of a mediated recipient before any provider. result:
+# merged (a store folded into a burst already pending), dropped (the pending map was full),
+# online (a live socket or waiting poll somewhere), no_device, notified
+DEVICE_PUSH_BURSTS = Counter(
+    "relayfleet_device_push_bursts_total",
+    "Offline bursts of mediated recipients by result",
+    ["result"],
+    registry=REGISTRY,
+)
 
 # Per-shard figures, refreshed by relay.shard_health (one series per shard: shards are few).
 SHARD_MEMORY_USED = Gauge(

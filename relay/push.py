@@ -26,6 +26,7 @@ from relay import metrics
 from relay.api.context import CTX, Context
 from relay.protocol import b64encode
 from relay.retrying import PUSH_WEBHOOK, Policy, retrying
+from relay.storage.keys import MEDIATOR_CHANNEL
 
 log = logging.getLogger("relay.push")
 
@@ -163,7 +164,8 @@ def install(app: web.Application, notifier: PushNotifier) -> None:
     def on_stored(recipient: bytes, channel: bytes, seq: int, subscribers: int) -> None:
         if previous is not None:
             previous(recipient, channel, seq, subscribers)
-        if subscribers == 0 and (recipient, channel) not in c.live.by_queue:
+        # a mediated key's queue is notified per device instead (relay/devicepush)
+        if subscribers == 0 and channel != MEDIATOR_CHANNEL and (recipient, channel) not in c.live.by_queue:
             notifier.offer(recipient, channel, seq)
 
     c.service.on_stored = on_stored

@@ -66,7 +66,8 @@ CONFIGMAP_WATCH = Policy(first_s=0.5, cap_s=10.0)
 MAP_WRITE = Policy(first_s=0.05, cap_s=0.4)
 # A migration whose shard failed over mid-run, started again (relay/fleet/migration/protocol.py).
 MIGRATION_RESUME = Policy(first_s=0.5, cap_s=0.5)
-# The push webhook (relay/push.py): four attempts, about 1.5 s in all.
+# The push webhook (relay/push.py) and the device push providers (relay/devicepush: webhook,
+# FCM, APNs): four attempts, about 1.5 s in all.
 PUSH_WEBHOOK = Policy(first_s=0.2, cap_s=1.6, attempts=4, jitter_s=0.2)
 # A request the relay answered 429/503 (relay/client.py): it waits what the relay asked.
 RELAY_ASKED = Policy(first_s=1.0, cap_s=1.0)

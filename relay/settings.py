@@ -144,6 +144,32 @@ RELAY_ENV_ONLY: tuple[Setting[Any], ...] = (
         "RELAY_PUSH_WEBHOOK", OPTIONAL, None, "http(s) URL notified on enqueue to an offline recipient",
         secret=True, field="push_webhook",
     ),
+    # Push to the mediator's devices (RFC 0734/0699; relay/devicepush): docs/protocols.md
+    Setting(
+        "RELAY_PUSH_CREDENTIALS_DIR", OPTIONAL, None,
+        "the push providers' credentials (a mounted Secret): fcm-service-account.json; "
+        "apns-auth-key.p8, apns-key-id, apns-team-id, apns-topic",
+        metavar="DIR", field="push_credentials_dir",
+    ),
+    Setting("RELAY_PUSH_FCM_URL", TEXT, "https://fcm.googleapis.com", "FCM HTTP v1 base URL",
+            metavar="URL", field="push_fcm_url"),
+    Setting("RELAY_PUSH_APNS_URL", TEXT, "https://api.push.apple.com", "APNs base URL (HTTP/2)",
+            metavar="URL", field="push_apns_url"),
+    Setting(
+        "RELAY_PUSH_CA_FILE", OPTIONAL, None,
+        "CA bundle (PEM) the push providers' TLS certificates are checked against (default: the system's)",
+        metavar="FILE", field="push_ca_file",
+    ),
+    Setting(
+        "RELAY_PUSH_COALESCE_S", FLOAT, 1.0,
+        "a mediated recipient's stored messages within this long of the first make one notification",
+        lo=0.0, hi=60.0, field="push_coalesce_s",
+    ),
+    Setting(
+        "RELAY_PUSH_MIN_INTERVAL_S", FLOAT, 60.0,
+        "a DIDComm connection's devices get at most one notification this often, fleet-wide",
+        lo=0.0, hi=86400.0, field="push_min_interval_s",
+    ),
     CREDENTIALS_DIR,
     Setting("RELAY_MAX_PAYLOAD", INT, 5_242_880, "largest message payload, bytes",
             field="max_payload", limit_key="maxPayloadBytes"),
@@ -310,6 +336,13 @@ class Settings:
     request_deadline_s: float = 5.0  # internal retries (migrating slot, moved) stop here
     auth_skew_s: int = 300
     push_webhook: str | None = None
+    # Device push (relay/devicepush): credentials, provider URLs, coalescing
+    push_credentials_dir: str | None = None
+    push_fcm_url: str = _d("push_fcm_url")
+    push_apns_url: str = _d("push_apns_url")
+    push_ca_file: str | None = None
+    push_coalesce_s: float = _d("push_coalesce_s")
+    push_min_interval_s: float = _d("push_min_interval_s")
     shutdown_grace_s: float = 10.0
     live_queue_max: int = 256  # unacked frames in flight per WebSocket before we stop reading ahead
     # A live client whose socket accepts nothing for this long is dropped (its frames held in memory).
