@@ -63,7 +63,8 @@ async def test_fcm_get_before_set_then_set_get_round_trip_and_null_unregisters(a
     put = msg(FCM + "set-device-info", device_token=FCM_TOKEN, device_platform="android")
     ack = await answer(agent, put)
     assert ack["@type"] == "https://didcomm.org/notification/1.0/ack"
-    assert ack["status"] == "OK" and ack["~thread"] == {"thid": put["@id"]}
+    assert ack["status"] == "OK"
+    assert ack["~thread"] == {"thid": put["@id"]}
 
     get = msg(FCM + "get-device-info")
     info = await answer(agent, get)
@@ -85,7 +86,8 @@ async def test_apns_round_trip_with_the_legacy_prefix_and_a_thread(agent: Agent)
     legacy = "did:sov:BzCbsNYhMrjHiqZDTUASHg;spec/"
     put = {"@type": legacy + APNS + "set-device-info", "@id": "set-1", "device_token": APNS_TOKEN}
     ack = await answer(agent, put)
-    assert ack["@type"] == legacy + "notification/1.0/ack" and ack["~thread"] == {"thid": "set-1"}
+    assert ack["@type"] == legacy + "notification/1.0/ack"
+    assert ack["~thread"] == {"thid": "set-1"}
     get = {"@type": legacy + APNS + "get-device-info", "@id": "get-1", "~thread": {"thid": "t-9"}}
     info = await answer(agent, get)
     assert info["@type"] == legacy + APNS + "device-info"
@@ -100,7 +102,8 @@ async def test_one_null_is_missing_value_and_bad_values_are_400(agent: Agent) ->
     half = msg(FCM + "set-device-info", device_token=FCM_TOKEN, device_platform=None)
     report = await answer(agent, half)
     assert report["@type"].endswith(FCM + "problem-report")
-    assert report["description"]["code"] == "missing-value" and report["~thread"] == {"thid": half["@id"]}
+    assert report["description"]["code"] == "missing-value"
+    assert report["~thread"] == {"thid": half["@id"]}
     for bad in (
         {"device_token": "x" * 513, "device_platform": "android"},
         {"device_token": "has space", "device_platform": "android"},
@@ -120,7 +123,9 @@ async def test_one_null_is_missing_value_and_bad_values_are_400(agent: Agent) ->
 
 
 async def test_discover_features_lists_both_families(agent: Agent) -> None:
-    reply = await answer(agent, msg("discover-features/1.0/query", query="https://didcomm.org/push-notifications-*"))
+    reply = await answer(
+        agent, msg("discover-features/1.0/query", query="https://didcomm.org/push-notifications-*")
+    )
     pids = {p["pid"]: p["roles"] for p in reply["protocols"]}
     assert pids == {
         "https://didcomm.org/push-notifications-fcm/1.0": ["notification-sender"],
@@ -128,7 +133,9 @@ async def test_discover_features_lists_both_families(agent: Agent) -> None:
     }
 
 
-async def test_an_unknown_sender_cannot_set_a_device(relay: RunningRelay, http: aiohttp.ClientSession) -> None:
+async def test_an_unknown_sender_cannot_set_a_device(
+    relay: RunningRelay, http: aiohttp.ClientSession
+) -> None:
     stranger = Agent(relay.base_url, http)
     await stranger.connect()
     stranger.kp = dk.KeyPair.from_seed(os.urandom(32))  # packs from a key with no connection

@@ -1,0 +1,328 @@
+"""Device push for mediated keys, end to end: a real relay over a real redis-server, the PyNaCl
+test agent as the phone's wallet, anonymous forwards as any sender's, and the three providers
+as real servers on real sockets: the operator's webhook (HTTP), and local servers following
+FCM HTTP v1 with its OAuth2 exchange (HTTPS) and APNs (TLS + HTTP/2, token auth) from
+tests/support/push_providers.py. The real FCM and APNs are out of reach here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from relayfleet_testing.localredis import LocalRedis
+
+from relay import metrics
+from relay.devicepush.wiring import DEVICE_NOTIFIER
+from relay.didcomm import keys as dk
+from tests.support.didcomm_test_agent import Agent, forward_envelope, inner_message, msg
+from tests.support.in_process_relay import RelayFactory, RunningRelay
+from tests.support.push_providers import ApnsServer, FcmServer, apns_server, fcm_server, write_credentials
+from tests.support.tls_pki import Pki, make_pki
+from tests.support.waiting import until
+
+PUBLIC = "https://relay.example.test"
+FCM_TOKEN = "fcm-device-1:APA91bH-relayfleet_test.token"
+APNS_TOKEN = "0f" * 32
+COALESCE_S = 0.3
+
+
+def device_push(provider: str, outcome: str) -> float:
+    value = metrics.REGISTRY.get_sample_value(
+        "relayfleet_device_push_total", {"provider": provider, "outcome": outcome}
+    )
+    return value or 0.0
+
+
+def bursts(result: str) -> float:
+    return metrics.REGISTRY.get_sample_value("relayfleet_device_push_bursts_total", {"result": result}) or 0.0
+
+
+@dataclass
+class Webhook:
+    url: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    raw: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class World:
+    relay: RunningRelay
+    webhook: Webhook
+    fcm: FcmServer
+    apns: ApnsServer
+    http: aiohttp.ClientSession
+
+    async def close(self) -> None:
+        """The relay's provider connections closed before the servers stop (the servers
+        would otherwise wait out their graceful timeout on them)."""
+        await self.relay.app[DEVICE_NOTIFIER].stop()
+
+    def sent(self) -> tuple[int, int, int]:
+        return len(self.webhook.calls), len(self.fcm.notifications), len(self.apns.notifications)
+
+    async def quiet(self) -> None:
+        """Every pending burst handled (its window closed and its sends answered)."""
+        notifier = self.relay.app[DEVICE_NOTIFIER]
+        await until("it", lambda: notifier.pending() == 0)
+        await asyncio.sleep(COALESCE_S + 0.3)  # a send in flight when the map emptied
+
+
+@pytest.fixture
+def seed_file(tmp_path: Path) -> str:
+    path = tmp_path / "seed"
+    path.write_text(os.urandom(32).hex() + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return make_pki(tmp_path / "pki")
+
+
+@pytest.fixture
+async def webhook() -> AsyncIterator[Webhook]:
+    hook = Webhook()
+
+    async def receive(request: web.Request) -> web.Response:
+        body = await request.read()
+        hook.raw.append(body)
+        hook.calls.append(json.loads(body))
+        return web.Response(status=204)
+
+    app = web.Application()
+    app.router.add_post("/push", receive)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    hook.url = str(server.make_url("/push"))
+    yield hook
+    await server.close()
+
+
+async def start_world(
+    redis_server: LocalRedis,
+    relay_factory: RelayFactory,
+    seed_file: str,
+    pki: Pki,
+    webhook: Webhook,
+    fcm: FcmServer,
+    apns: ApnsServer,
+    http: aiohttp.ClientSession,
+    tmp_path: Path,
+    min_interval_s: float = 60.0,
+) -> World:
+    creds = write_credentials(tmp_path / "push-secret", fcm, apns)
+    relay = await relay_factory(
+        redis_server.url,
+        didcomm_seed_file=seed_file,
+        public_url=PUBLIC,
+        push_webhook=webhook.url,
+        push_credentials_dir=str(creds),
+        push_fcm_url=fcm.url,
+        push_apns_url=apns.url,
+        push_ca_file=str(pki.ca),
+        push_coalesce_s=COALESCE_S,
+        push_min_interval_s=min_interval_s,
+    )
+    return World(relay, webhook, fcm, apns, http)
+
+
+@pytest.fixture
+async def world(
+    redis_server: LocalRedis,
+    relay_factory: RelayFactory,
+    seed_file: str,
+    pki: Pki,
+    webhook: Webhook,
+    http: aiohttp.ClientSession,
+    tmp_path: Path,
+) -> AsyncIterator[World]:
+    async with fcm_server(pki) as fcm, apns_server(pki) as apns:
+        w = await start_world(redis_server, relay_factory, seed_file, pki, webhook, fcm, apns, http, tmp_path)
+        yield w
+        await w.close()
+
+
+async def phone(
+    world: World, fcm_token: str | None = FCM_TOKEN, apns_token: str | None = APNS_TOKEN
+) -> tuple[Agent, bytes]:
+    """A wallet: connected, mediated, one key registered, its devices set."""
+    agent = Agent(world.relay.base_url, world.http)
+    await agent.connect()
+    await agent.mediate()
+    key = dk.KeyPair.from_seed(os.urandom(32)).verkey
+    assert (await agent.register(key))["updated"][0]["result"] == "success"
+    if fcm_token is not None:
+        put = msg(
+            "push-notifications-fcm/1.0/set-device-info", device_token=fcm_token, device_platform="android"
+        )
+        assert (await agent.send(put) or {}).get("status") == "OK"
+    if apns_token is not None:
+        put = msg("push-notifications-apns/1.0/set-device-info", device_token=apns_token)
+        assert (await agent.send(put) or {}).get("status") == "OK"
+    return agent, key
+
+
+async def burst(agent: Agent, key: bytes, n: int, tag: str) -> list[dict[str, Any]]:
+    """`n` forwards for `key` at once, as a sender's agent posts them; the packed messages."""
+    routing = dk.verkey_from(agent.grant["routing_keys"][0])
+    inners = [inner_message(key, f"{tag}-{i}") for i in range(n)]
+    ids = [f"{tag}-forward-{i}" for i in range(n)]
+    results = await asyncio.gather(
+        *(
+            agent.post(forward_envelope(routing, key, inner, fid))
+            for inner, fid in zip(inners, ids, strict=True)
+        )
+    )
+    assert [status for status, _ in results] == [202] * n
+    return inners
+
+
+def assert_no_payload(raw: bytes, inners: list[dict[str, Any]], tag: str) -> None:
+    for inner in inners:
+        for secret in (inner["ciphertext"], inner["iv"], inner["tag"], inner["protected"]):
+            assert secret.encode() not in raw
+    assert tag.encode() not in raw  # neither the forwards' ids nor anything derived from them
+
+
+async def test_a_burst_of_five_makes_one_notification_per_provider_without_the_payload(world: World) -> None:
+    agent, key = await phone(world)
+    sent_before = device_push("fcm", "sent")
+    inners = await burst(agent, key, 5, "burst-a")
+    await world.fcm.wait_for(1)
+    await world.apns.wait_for(1)
+    await until("it", lambda: len(world.webhook.calls) >= 1)
+    await world.quiet()
+    assert world.sent() == (1, 1, 1)
+
+    hook = world.webhook.calls[0]
+    assert hook == {
+        "type": "didcomm-devices",
+        "count": 5,
+        "devices": [
+            {"service": "fcm", "device_token": FCM_TOKEN, "device_platform": "android"},
+            {"service": "apns", "device_token": APNS_TOKEN, "device_platform": None},
+        ],
+    }
+    fcm = world.fcm.notifications[0]
+    assert fcm["token"] == FCM_TOKEN
+    assert fcm["message"]["data"] == {
+        "@type": "https://didcomm.org/push-notifications-fcm",
+        "message_count": "5",
+    }
+    apns = world.apns.notifications[0]
+    assert apns["token"] == APNS_TOKEN
+    assert apns["headers"]["apns-topic"] == world.apns.topic
+    assert apns["headers"]["apns-push-type"] == "alert"
+    assert apns["payload"]["@type"] == "https://didcomm.org/push-notifications-apns"
+    assert apns["payload"]["message_count"] == 5
+    for raw in (world.webhook.raw[0], fcm["raw"], apns["raw"]):
+        assert_no_payload(raw, inners, "burst-a")
+        assert dk.b64url(key).encode() not in raw
+        assert dk.b58encode(key).encode() not in raw
+    assert world.fcm.token_grants == 1  # one OAuth2 exchange, its access token reused
+    assert device_push("fcm", "sent") == sent_before + 1
+    assert world.fcm.refusals == []
+    assert world.apns.refusals == []
+
+    # a second burst inside the minimum interval: counted, nothing sent
+    coalesced = device_push("apns", "coalesced")
+    await burst(agent, key, 3, "burst-b")
+    await until("it", lambda: device_push("apns", "coalesced") == coalesced + 1)
+    await world.quiet()
+    assert world.sent() == (1, 1, 1)
+
+
+async def test_a_live_socket_means_no_notification(world: World) -> None:
+    agent, key = await phone(world)
+    online = bursts("online") + bursts("merged")
+    async with world.http.ws_connect(world.relay.base_url + "/v1/didcomm/ws") as ws:
+        change = msg("messagepickup/2.0/live-delivery-change", live_delivery=True)
+        change["~transport"] = {"return_route": "all"}
+        await ws.send_bytes(agent.packed(change))
+        status, _ = agent.open(await ws.receive_bytes(timeout=5))
+        assert status["live_delivery"] is True
+        await burst(agent, key, 5, "live")
+        deliveries = 0
+        while deliveries < 5:
+            delivery, _ = agent.open(await ws.receive_bytes(timeout=5))
+            deliveries += len(delivery["~attach"])
+        await world.quiet()
+    assert world.sent() == (0, 0, 0)
+    assert bursts("online") + bursts("merged") == online  # not even offered: the socket was subscribed
+
+
+async def test_a_null_token_means_no_notification(world: World) -> None:
+    agent, key = await phone(world)
+    for family, body in (
+        ("push-notifications-fcm/1.0", {"device_token": None, "device_platform": None}),
+        ("push-notifications-apns/1.0", {"device_token": None}),
+    ):
+        assert (await agent.send(msg(family + "/set-device-info", **body)) or {}).get("status") == "OK"
+    no_device = bursts("no_device")
+    await burst(agent, key, 5, "unset")
+    await until("it", lambda: bursts("no_device") == no_device + 1)
+    await world.quiet()
+    assert world.sent() == (0, 0, 0)
+
+
+async def test_dead_tokens_unregister_their_devices(world: World) -> None:
+    world.fcm.unregistered.add(FCM_TOKEN)
+    short = "ab" * 16  # hex, but not a token APNs knows the shape of: BadDeviceToken
+    agent, key = await phone(world, apns_token=short)
+    await burst(agent, key, 2, "dead")
+    await until("it", lambda: len(world.fcm.refusals) == 1 and len(world.apns.refusals) == 1)
+    await world.quiet()
+    assert world.fcm.refusals == [(404, "unregistered")]
+    assert world.apns.refusals == [(400, "bad token")]
+    for family in ("push-notifications-fcm/1.0", "push-notifications-apns/1.0"):
+        report = await agent.send(msg(family + "/get-device-info"))
+        assert report is not None
+        assert report["description"]["code"] == "not-registered-for-push-notifications"
+    assert len(world.webhook.calls) == 1  # the gateway got its one call before
+
+
+async def test_apns_410_unregisters_and_fcm_invalid_token_too(
+    redis_server: LocalRedis,
+    relay_factory: RelayFactory,
+    seed_file: str,
+    pki: Pki,
+    webhook: Webhook,
+    http: aiohttp.ClientSession,
+    tmp_path: Path,
+) -> None:
+    async with fcm_server(pki) as fcm, apns_server(pki) as apns:
+        w = await start_world(
+            redis_server,
+            relay_factory,
+            seed_file,
+            pki,
+            webhook,
+            fcm,
+            apns,
+            http,
+            tmp_path,
+            min_interval_s=0.0,
+        )
+        apns.unregistered.add(APNS_TOKEN)
+        agent, key = await phone(w, fcm_token="no-colon-token")  # FCM: INVALID_ARGUMENT on message.token
+        await burst(agent, key, 1, "gone")
+        await until("it", lambda: len(fcm.refusals) == 1 and len(apns.refusals) == 1)
+        await w.quiet()
+        assert fcm.refusals == [(400, "invalid token")]
+        assert apns.refusals == [(410, "unregistered")]
+        assert device_push("apns", "unregistered") >= 1
+        assert device_push("fcm", "unregistered") >= 1
+        for family in ("push-notifications-fcm/1.0", "push-notifications-apns/1.0"):
+            report = await agent.send(msg(family + "/get-device-info"))
+            assert report is not None
+            assert report["description"]["code"] == "not-registered-for-push-notifications"
+        await w.close()
