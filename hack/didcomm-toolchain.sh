@@ -7,11 +7,14 @@
 # Python 3.13 venv. Each part is cached under the cache root, keyed by its
 # version (or by the lockfile's hash), and the script is a no-op once they exist.
 #
-# Usage: hack/didcomm-toolchain.sh [all | askar | credo | acapy | env | --help]
+# Usage: hack/didcomm-toolchain.sh [all | askar | credo | credo-push | acapy | env | --help]
 #   all    (default) build what is missing, then print the env lines below
 #   env    print, without building, KEY=VALUE lines for the test:
 #          LIB_ASKAR_PATH (dir of libaries_askar.so), DIDCOMM_CREDO_DIR
-#          (dir with node_modules), DIDCOMM_ACAPY_BIN (the aca-py script)
+#          (dir with node_modules), DIDCOMM_ACAPY_BIN (the aca-py script),
+#          LIB_ASKAR_LEGACY_PATH and DIDCOMM_CREDO_PUSH_DIR (the Credo 0.5 agent of
+#          e2e/didcomm/credo-push: @credo-ts/push-notifications 0.7.1 needs Credo 0.5, whose
+#          aries-askar-nodejs 0.2 binds Askar 0.3's C ABI; it crashes on 0.4's)
 # Progress goes to stderr; stdout carries only the env lines.
 #
 # Environment:
@@ -24,6 +27,10 @@ set -euo pipefail
 # ---- pins ------------------------------------------------------------------
 ASKAR_VERSION="0.4.6"
 ASKAR_FEATURES="ffi,logger,sqlite,migration"
+# The Askar of Credo 0.5's aries-askar-nodejs 0.2.x (the push-notifications agent): it binds
+# 0.3.2's C ABI, a GitHub-only release; 0.3.1 (crates.io, same ABI) is what can be built here.
+ASKAR_LEGACY_VERSION="0.3.1"
+ASKAR_LEGACY_FEATURES="ffi,logger,sqlite"
 # acapy-agent 1.7 needs Python >= 3.13.
 ACAPY_VERSION="1.7.0"
 
@@ -34,8 +41,20 @@ rf_init didcomm-toolchain
 
 askar_dir="${cache_root}/askar-${ASKAR_VERSION}"
 askar_lib="${askar_dir}/lib/libaries_askar.so"
+askar_legacy_dir="${cache_root}/askar-${ASKAR_LEGACY_VERSION}"
 
 build_askar() {
+  build_askar_version "${ASKAR_VERSION}" "${ASKAR_FEATURES}"
+}
+
+build_askar_legacy() {
+  build_askar_version "${ASKAR_LEGACY_VERSION}" "${ASKAR_LEGACY_FEATURES}"
+}
+
+build_askar_version() { # version features
+  local ASKAR_VERSION="$1" ASKAR_FEATURES="$2"
+  local askar_dir="${cache_root}/askar-${ASKAR_VERSION}"
+  local askar_lib="${askar_dir}/lib/libaries_askar.so"
   if [[ -f "${askar_lib}" ]]; then return 0; fi
   rf_lock .didcomm.lock
   if [[ -f "${askar_lib}" ]]; then return 0; fi  # built by another run meanwhile
@@ -61,9 +80,11 @@ TOML
   src="${candidates[0]}"
   [[ -d "${src}" ]] || die "aries-askar ${ASKAR_VERSION} source not found after cargo fetch"
   cp -r "${src}" "${work}/src"
-  local t0=${SECONDS}
+  local t0=${SECONDS} locked=--locked
+  # a crate published without its Cargo.lock (0.3.1) builds on what cargo resolves today
+  [[ -f "${work}/src/Cargo.lock" ]] || locked=""
   (cd "${work}/src" && CARGO_TARGET_DIR="${work}/target" rf_nice \
-    cargo build -q --release --locked --lib --no-default-features --features "${ASKAR_FEATURES}")
+    cargo build -q --release ${locked} --lib --no-default-features --features "${ASKAR_FEATURES}")
   mkdir -p "${askar_dir}/lib"
   cp "${work}/target/release/libaries_askar.so" "${askar_lib}.tmp"
   mv "${askar_lib}.tmp" "${askar_lib}"
@@ -104,20 +125,31 @@ build_acapy() {
   log "acapy-agent ${ACAPY_VERSION} installed in $((SECONDS - t0)) s"
 }
 
+# Native modules are built against this node's ABI: each key covers the lockfile and node.
+credo_key_of() { { cat "$1/package-lock.json"; node --version 2>/dev/null || true; } | rf_key; }
 credo_src="${repo_root}/e2e/didcomm/credo"
-# Native modules are built against this node's ABI: the key covers both.
-credo_key="$( { cat "${credo_src}/package-lock.json"; node --version 2>/dev/null || true; } | rf_key)"
-credo_dir="${cache_root}/credo-${credo_key}"
+credo_dir="${cache_root}/credo-$(credo_key_of "${credo_src}")"
+credo_push_src="${repo_root}/e2e/didcomm/credo-push"
+credo_push_dir="${cache_root}/credo-push-$(credo_key_of "${credo_push_src}")"
 
 build_credo() {
-  if [[ -f "${credo_dir}/.done" ]]; then return 0; fi
+  build_node_modules "${credo_src}" "${credo_dir}"
+}
+
+build_credo_push() {
+  build_node_modules "${credo_push_src}" "${credo_push_dir}"
+}
+
+build_node_modules() { # source dir (package.json + package-lock.json), cache dir
+  local src="$1" dir="$2"
+  if [[ -f "${dir}/.done" ]]; then return 0; fi
   rf_lock .didcomm.lock
-  if [[ -f "${credo_dir}/.done" ]]; then return 0; fi  # built by another run meanwhile
+  if [[ -f "${dir}/.done" ]]; then return 0; fi  # built by another run meanwhile
   command -v npm >/dev/null || die "node and npm are needed for the Credo-ts agent"
-  log "installing the Credo-ts agent's node_modules (lockfile key ${credo_key})"
-  local t0=${SECONDS} work="${credo_dir}.tmp"
+  log "installing the node_modules of ${src#"${repo_root}/"} into ${dir}"
+  local t0=${SECONDS} work="${dir}.tmp"
   rm -rf "${work}" && mkdir -p "${work}"
-  cp "${credo_src}/package.json" "${credo_src}/package-lock.json" "${work}/"
+  cp "${src}/package.json" "${src}/package-lock.json" "${work}/"
   # --ignore-scripts: askar-nodejs' install script downloads a prebuilt Askar, which we
   # build ourselves instead (LIB_ASKAR_PATH). The two FFI modules are compiled here
   # against the local node headers.
@@ -126,15 +158,17 @@ build_credo() {
       npm rebuild -s @2060.io/ref-napi @2060.io/ffi-napi >&2)
   [[ -f "${work}/node_modules/@2060.io/ffi-napi/build/Release/ffi_bindings.node" ]] ||
     die "ffi-napi did not build (node headers under ${DIDCOMM_NODEDIR:-/usr}/include/node?)"
-  rm -rf "${credo_dir}" && mv "${work}" "${credo_dir}"
-  touch "${credo_dir}/.done"
-  log "Credo-ts node_modules ready in $((SECONDS - t0)) s: ${credo_dir}"
+  rm -rf "${dir}" && mv "${work}" "${dir}"
+  touch "${dir}/.done"
+  log "node_modules ready in $((SECONDS - t0)) s: ${dir}"
 }
 
 print_env() {
   echo "LIB_ASKAR_PATH=${askar_dir}/lib"
   echo "DIDCOMM_CREDO_DIR=${credo_dir}"
   echo "DIDCOMM_ACAPY_BIN=${acapy_bin}"
+  echo "LIB_ASKAR_LEGACY_PATH=${askar_legacy_dir}/lib"
+  echo "DIDCOMM_CREDO_PUSH_DIR=${credo_push_dir}"
 }
 
 cmd="${1:-all}"
@@ -143,11 +177,14 @@ case "${cmd}" in
   askar) build_askar ;;
   acapy) build_acapy ;;
   credo) build_credo ;;
+  credo-push) build_credo_push && build_askar_legacy ;;
   env) print_env ;;
   all)
     build_credo
+    build_credo_push
     build_acapy
     build_askar
+    build_askar_legacy
     print_env
     ;;
   *) die "unknown command ${cmd}" ;;
