@@ -36,7 +36,8 @@ Online = Callable[[bytes, bytes], Awaitable[bool]]
 
 
 async def nobody_online(_: bytes, __: bytes) -> bool:
-    """Without fleet presence: the enqueue's subscriber count is the only signal."""
+    """Without fleet presence (a notifier built alone): the enqueue's subscriber count is the
+    only signal."""
     return False
 
 

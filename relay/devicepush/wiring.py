@@ -46,6 +46,7 @@ def setup(app: web.Application) -> None:
     notifier = DeviceNotifier(
         mediator.records,
         chosen,
+        online=c.presence.online,  # a live socket or waiting poll on any relay (relay/presence.py)
         coalesce_s=c.settings.push_coalesce_s,
         min_interval_s=c.settings.push_min_interval_s,
     )

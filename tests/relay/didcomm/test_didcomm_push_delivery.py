@@ -326,3 +326,31 @@ async def test_apns_410_unregisters_and_fcm_invalid_token_too(
             assert report is not None
             assert report["description"]["code"] == "not-registered-for-push-notifications"
         await w.close()
+
+
+async def test_a_live_socket_on_another_relay_means_no_notification(
+    world: World, redis_server: LocalRedis, relay_factory: RelayFactory, seed_file: str
+) -> None:
+    """The push decision is the fleet's presence (relay/presence.py): a live lease held by
+    another relay answers `online` to this relay's notifier, and the burst is not sent."""
+    from relay.api.context import CTX
+    from relay.didcomm.records import QUEUE_CHANNEL
+
+    _, key = await phone(world)
+    other = await relay_factory(redis_server.url, didcomm_seed_file=seed_file, public_url=PUBLIC)
+    await other.app[CTX].presence.take(key, QUEUE_CHANNEL, "socket-on-b", lambda: None)
+    notifier = world.relay.app[DEVICE_NOTIFIER]
+    online = bursts("online")
+    await notifier.notify(key, 5)
+    assert bursts("online") == online + 1
+    assert world.sent() == (0, 0, 0)
+    other.app[CTX].presence.drop(key, QUEUE_CHANNEL, "socket-on-b")
+
+    async def released() -> bool:
+        return not await world.relay.app[CTX].presence.online(key, QUEUE_CHANNEL)
+
+    await until("the lease released", released)
+    await notifier.notify(key, 5)  # gone: the next burst goes out
+    await world.fcm.wait_for(1)
+    await world.apns.wait_for(1)
+    await until("the webhook's call", lambda: len(world.webhook.calls) == 1)
