@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
-import jwt
 import orjson
+from joserfc import jwt
+from joserfc.jwk import ECKey, RSAKey
 
 from relay import metrics
 from relay.didcomm.records import Device
@@ -232,8 +233,8 @@ class FcmCredentials:
             "iat": now,
             "exp": now + ACCESS_TOKEN_LIFE_S,
         }
-        headers = {"kid": self.private_key_id} if self.private_key_id else None
-        return jwt.encode(claims, self.private_key, algorithm="RS256", headers=headers)
+        header = {"alg": "RS256", **({"kid": self.private_key_id} if self.private_key_id else {})}
+        return jwt.encode(header, claims, RSAKey.import_key(self.private_key), algorithms=["RS256"])
 
 
 class FcmProvider(_Http):
@@ -337,8 +338,9 @@ class ApnsCredentials:
 
     def provider_token(self, now: int) -> str:
         """ES256 JWT: header kid, claims iss (team) and iat (Apple's token-based auth)."""
+        header = {"alg": "ES256", "kid": self.key_id}
         return jwt.encode(
-            {"iss": self.team_id, "iat": now}, self.key_pem, algorithm="ES256", headers={"kid": self.key_id}
+            header, {"iss": self.team_id, "iat": now}, ECKey.import_key(self.key_pem), algorithms=["ES256"]
         )
 
 

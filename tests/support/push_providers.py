@@ -30,11 +30,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
-import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
+from joserfc import jwt
+from joserfc.errors import JoseError
+from joserfc.jwk import ECKey, RSAKey
 from relayfleet_testing.localredis import free_port
 
 from tests.support.tls_pki import Pki
@@ -176,21 +178,23 @@ class FcmServer(_Served):
         try:
             if form.get("grant_type") != JWT_BEARER:
                 raise ValueError("grant_type")
-            header = jwt.get_unverified_header(form.get("assertion", ""))
-            if header.get("kid") != self.key_id:
-                raise ValueError("kid")
-            claims = jwt.decode(
-                form["assertion"],
-                self.key.public_key(),
-                algorithms=["RS256"],
-                audience=self.url + "/token",
-                issuer=self.client_email,
-                options={"require": ["iss", "aud", "iat", "exp", "scope"]},
+            tok = jwt.decode(
+                form.get("assertion", ""), RSAKey.import_key(self.key.public_key()), algorithms=["RS256"]
             )
+            if tok.header.get("kid") != self.key_id:
+                raise ValueError("kid")
+            jwt.JWTClaimsRegistry(
+                iss={"essential": True, "value": self.client_email},
+                aud={"essential": True, "value": self.url + "/token"},
+                iat={"essential": True},
+                exp={"essential": True},
+                scope={"essential": True},
+            ).validate(tok.claims)
+            claims = tok.claims
             if FCM_SCOPE not in str(claims["scope"]).split() or claims["exp"] - claims["iat"] > 3600:
                 raise ValueError("scope or lifetime")
-        except (ValueError, KeyError, jwt.PyJWTError) as exc:
-            self._refuse(400, f"token: {exc}")
+        except (ValueError, KeyError, JoseError) as exc:
+            self._refuse(400, f"token: {type(exc).__name__}")
             await _answer(send, 400, {"error": "invalid_grant", "error_description": str(exc)})
             return
         token = "ya29." + secrets.token_urlsafe(24)
@@ -320,14 +324,19 @@ class ApnsServer(_Served):
         if not auth.startswith("bearer "):
             return "MissingProviderToken"
         token = auth[len("bearer ") :]
-        try:
-            header = jwt.get_unverified_header(token)
-            if header.get("alg") != "ES256" or header.get("kid") != self.key_id:
-                return "InvalidProviderToken"
-            claims = jwt.decode(
-                token, self.key.public_key(), algorithms=["ES256"], options={"require": ["iss", "iat"]}
+        public = ECKey.import_key(
+            self.key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
             )
-        except jwt.PyJWTError:
+        )
+        try:
+            tok = jwt.decode(token, public, algorithms=["ES256"])
+        except (JoseError, ValueError):
+            return "InvalidProviderToken"
+        if tok.header.get("alg") != "ES256" or tok.header.get("kid") != self.key_id:
+            return "InvalidProviderToken"
+        claims = tok.claims
+        if "iss" not in claims or "iat" not in claims:
             return "InvalidProviderToken"
         if claims["iss"] != self.team_id:
             return "InvalidProviderToken"

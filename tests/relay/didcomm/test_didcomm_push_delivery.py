@@ -354,3 +354,46 @@ async def test_a_live_socket_on_another_relay_means_no_notification(
     await world.fcm.wait_for(1)
     await world.apns.wait_for(1)
     await until("the webhook's call", lambda: len(world.webhook.calls) == 1)
+
+
+async def test_the_local_providers_check_signatures_and_http2(pki: Pki) -> None:
+    """The stand-ins refuse what the real services refuse: an assertion or provider token
+    signed by another key, and APNs over HTTP/1.1."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+    from relay.devicepush.providers import (
+        ApnsCredentials,
+        ApnsProvider,
+        FcmCredentials,
+        FcmProvider,
+        Outcome,
+        http_client,
+    )
+    from relay.didcomm.records import Device
+
+    def pem(key: rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey) -> str:
+        return key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ).decode()
+
+    async with fcm_server(pki) as fcm, apns_server(pki) as apns:
+        account = {**fcm.service_account(), "private_key": pem(rsa.generate_private_key(65537, 2048))}
+        forged = FcmProvider(
+            FcmCredentials.parse(json.dumps(account).encode()), fcm.url, http_client(str(pki.ca))
+        )
+        assert await forged.send((Device("fcm", FCM_TOKEN, "android"),), 1) is Outcome.REJECTED
+        assert fcm.refusals == [(400, "token: BadSignatureError")]
+        await forged.close()
+        stranger = ApnsCredentials(
+            pem(ec.generate_private_key(ec.SECP256R1())), apns.key_id, apns.team_id, apns.topic
+        )
+        wrong = ApnsProvider(stranger, apns.url, http_client(str(pki.ca), http2=True))
+        assert await wrong.send((Device("apns", APNS_TOKEN),), 1) is Outcome.REJECTED
+        await wrong.close()
+        right = ApnsCredentials(apns.auth_key_p8(), apns.key_id, apns.team_id, apns.topic)
+        h1 = ApnsProvider(right, apns.url, http_client(str(pki.ca), http2=False))
+        assert await h1.send((Device("apns", APNS_TOKEN),), 1) is not Outcome.SENT
+        await h1.close()
+        assert apns.refusals[0] == (403, "InvalidProviderToken")
+        assert apns.notifications == []
