@@ -72,7 +72,10 @@ class _XC20P(JWEEncModel):
         return sealed[:-16], sealed[-16:]
 
     def decrypt(self, ciphertext: bytes, tag: bytes, cek: bytes, iv: bytes, aad: bytes) -> bytes:
-        return bytes(sodium.crypto_aead_xchacha20poly1305_ietf_decrypt(ciphertext + tag, aad, iv, cek))
+        try:
+            return bytes(sodium.crypto_aead_xchacha20poly1305_ietf_decrypt(ciphertext + tag, aad, iv, cek))
+        except Exception:  # libsodium's CryptoError (a bad tag, a wrong nonce length)
+            raise ValueError("XC20P: the content does not decrypt") from None
 
 
 def _len_prefixed(data: bytes) -> bytes:
@@ -342,7 +345,7 @@ def _decrypt(doc: dict[str, Any], lookup: Callable[[str], AgreementKey | None]) 
         registry = _JWE if tagged else _JWE_NO_TAG
         try:
             opened = jwe.decrypt_json(single, ours.jwk(kid), registry=registry, sender_key=sender_key)  # type: ignore[arg-type]
-        except (JoseError, ValueError, KeyError, TypeError):
+        except (JoseError, ValueError, KeyError, TypeError, AttributeError):
             continue
         if opened.plaintext is not None:
             return _Layer(opened.plaintext, kid, skid, enc, tagged)
@@ -374,10 +377,14 @@ def _verify(doc: dict[str, Any]) -> tuple[bytes, str]:
     if not isinstance(signatures, list) or not 0 < len(signatures) <= MAX_SIGNATURES:
         raise JwmError(f"signatures must be a list of 1 to {MAX_SIGNATURES}")
     first = signatures[0]
-    h = first.get("header") if isinstance(first, dict) else None
+    if not isinstance(doc.get("payload"), str) or not isinstance(first, dict):
+        raise JwmError("a JWS needs payload, a string, and signatures, objects")
+    if not isinstance(first.get("protected"), str) or not isinstance(first.get("signature"), str):
+        raise JwmError("a signature needs protected and signature, strings")
+    h = first.get("header")
     kid = h.get("kid") if isinstance(h, dict) else None
     if not isinstance(kid, str):
-        kid = _header(first).get("kid") if isinstance(first, dict) else None
+        kid = _header(first).get("kid")
     if not isinstance(kid, str):
         raise JwmError("a signature needs header.kid")
     try:
@@ -387,13 +394,13 @@ def _verify(doc: dict[str, Any]) -> tuple[bytes, str]:
     if key is None or key.crv != "Ed25519":
         raise JwmError("kid names no Ed25519 key of its DID", "bad_envelope")
     try:
-        general: jws.GeneralJSONSerialization = {"payload": doc.get("payload"), "signatures": [first]}  # type: ignore[typeddict-item]
+        general: jws.GeneralJSONSerialization = {"payload": doc["payload"], "signatures": [first]}  # type: ignore[list-item]
         with warnings.catch_warnings():
             # DIDComm signs with "EdDSA", which RFC 9864 deprecates for "Ed25519": joserfc warns
             # on every use; both name the same Ed25519 signature here
             warnings.simplefilter("ignore", SecurityWarning)
             verified = jws.deserialize_json(general, OKPKey.import_key(key.jwk()), registry=_JWS)
-    except (JoseError, ValueError, KeyError, TypeError):
+    except (JoseError, ValueError, KeyError, TypeError, AttributeError):
         raise JwmError("the signature does not verify", "bad_envelope") from None
     return verified.payload, kid
 
