@@ -55,6 +55,6 @@ if [[ -S "${sock}" ]]; then
 fi
 
 # The user's path first (what most of the suite builds on), the upgrade last (it swaps the CRDs).
-tests=(test_user_path.py test_least_privilege.py test_faults.py test_shard_down.py test_relay_config.py test_didcomm_fleet.py test_upgrade.py)
+tests=(test_user_path.py test_least_privilege.py test_faults.py test_shard_down.py test_relay_config.py test_didcomm_fleet.py test_presence_fleet.py test_upgrade.py)
 # shellcheck disable=SC2086 # PYTEST_ARGS is a list of words on purpose
 "${python}" -m pytest "${tests[@]/#/${root}/e2e/}" --kubeconfig "${kubeconfig}" -p no:cacheprovider -rs ${PYTEST_ARGS:-}
