@@ -89,6 +89,14 @@ MOVED_BY: dict[str, str] = {
     "relayfleet_live_frames_total": (
         "tests/relay/api/test_live_woken.py::test_frames_from_the_wakeup_have_the_next_seqs_and_are_acked_as_usual"
     ),
+    **dict.fromkeys(
+        ("relayfleet_presence_leases", "relayfleet_presence_writes_total", "relayfleet_presence_checks_total"),
+        "tests/relay/fleet/test_presence_fleet.py::test_status_is_fleet_wide_and_lapses_when_the_holder_dies",
+    ),
+    **dict.fromkeys(
+        ("relayfleet_live_displaced_total", "relayfleet_live_takeover_wait_seconds"),
+        "tests/relay/fleet/test_presence_fleet.py::test_displacement_across_relays_under_load_keeps_the_history",
+    ),
     "relayfleet_didcomm_messages_total": DIDCOMM,
     "relayfleet_quota_refusals_total": (
         "tests/relay/api/test_client_quota.py::test_bytes_quota_refuses_one_client_not_another"

@@ -8,7 +8,8 @@ HTTP every eighth frame (the answer bounds the removal), and the last socket rea
 The checker then says whether anything was lost and whether a displaced socket got a frame after
 its successor's first (``displaced``); every request is signed with the queue's key.
 
-`live_delivery` asks a relay for status.live_delivery; `until_live` times a flip.
+`live_delivery` asks a relay for status.live_delivery; `until_live` times a flip; `scrape` reads
+a relay's metric samples.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from relay.protocol import KeyPair, keypair, sign_headers
 from tests.support.history import History, Verdict
@@ -74,6 +76,18 @@ async def until_live(
 
     await until(f"live_delivery {want}", answered, limit_s, 0.01)
     return time.monotonic() - t0
+
+
+async def scrape(http: aiohttp.ClientSession, url: str, sample: str) -> dict[tuple[str, ...], float]:
+    """The relay's samples named `sample`, by their label values."""
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return {
+        tuple(s.labels.values()): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == sample
+    }
 
 
 async def open_live(http: aiohttp.ClientSession, url: str, q: LiveQueue) -> aiohttp.ClientWebSocketResponse:

@@ -24,6 +24,7 @@ from tests.support.live_displacement import (
     displace_under_load,
     live_delivery,
     open_live,
+    scrape,
     session,
     until_live,
 )
@@ -51,6 +52,10 @@ async def test_status_is_fleet_wide_and_lapses_when_the_holder_dies(tmp_path: Pa
                 ws = await open_live(http, here, q)
                 on = await until_live(http, there, q, True, 5)  # the lease is taken before "empty"
                 assert await live_delivery(http, here, q)
+                # the relay's figures: the lease it holds, its take, the other's answer
+                assert (await scrape(http, here, "relayfleet_presence_leases"))[("live",)] == 1
+                assert (await scrape(http, here, "relayfleet_presence_writes_total"))[("take", "ok")] >= 1
+                assert (await scrape(http, there, "relayfleet_presence_checks_total"))[("live",)] >= 1
                 await ws.close()
                 off = await until_live(http, there, q, False, 5)
                 print(f"presence: socket on one relay, status via the other: true after {on:.3f}s, "
@@ -70,6 +75,12 @@ async def test_status_is_fleet_wide_and_lapses_when_the_holder_dies(tmp_path: Pa
 async def test_displacement_across_relays_under_load_keeps_the_history(tmp_path: Path) -> None:
     with _fleet(tmp_path) as fleet:
         run = await displace_under_load(fleet.urls, cycles=20, total=1000)
+        async with session() as http:
+            displaced = [await scrape(http, u, "relayfleet_live_displaced_total") for u in fleet.urls]
+            waits = [await scrape(http, u, "relayfleet_live_takeover_wait_seconds_count") for u in fleet.urls]
+    # every takeover crossed relays: learnt from the notice (or a renewal), waited for a release
+    assert sum(d.get(("notice",), 0) + d.get(("lease",), 0) for d in displaced) == 20, displaced
+    assert sum(w[()] for w in waits) >= 20, waits
     run.history.save(str(tmp_path / "history.jsonl"))
     verdict = run.verdict()
     print(f"displacement across two relays: {run.figures()}; {verdict.render()}")
