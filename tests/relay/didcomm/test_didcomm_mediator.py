@@ -20,6 +20,7 @@ from relay.didcomm import keys as dk
 from relay.didcomm.envelope import pack
 from tests.support.didcomm_test_agent import Agent, attached, forward_envelope, inner_message, msg
 from tests.support.in_process_relay import RelayFactory, RunningRelay
+from tests.support.waiting import until
 
 PUBLIC = "https://relay.example.test"
 
@@ -213,6 +214,7 @@ async def test_live_mode_on_the_websocket_delivers_and_waits_for_the_ack(
         st = await agent.send(msg("messagepickup/2.0/status-request"))
         assert st is not None
         assert st["message_count"] == 1
+        assert st["live_delivery"] is True  # asked over HTTP: the socket in live mode holds the lease
         # ...but not offered again on the live socket: a status there counts it as in flight
         ask = msg("messagepickup/2.0/status-request")
         ask["~transport"] = {"return_route": "all"}
@@ -225,6 +227,12 @@ async def test_live_mode_on_the_websocket_delivers_and_waits_for_the_ack(
         await ws.send_bytes(agent.packed(ack))
         after, _ = agent.open(await ws.receive_bytes(timeout=5))
         assert after["message_count"] == 0
+
+    async def not_live() -> bool:
+        st = await agent.send(msg("messagepickup/2.0/status-request"))
+        return st is not None and st["live_delivery"] is False
+
+    await until("live_delivery false once the live socket closed", not_live, 5)
 
 
 async def test_trust_ping_and_discover_features(agent: Agent) -> None:
