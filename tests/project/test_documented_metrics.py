@@ -90,7 +90,11 @@ MOVED_BY: dict[str, str] = {
         "tests/relay/api/test_live_woken.py::test_frames_from_the_wakeup_have_the_next_seqs_and_are_acked_as_usual"
     ),
     **dict.fromkeys(
-        ("relayfleet_presence_leases", "relayfleet_presence_writes_total", "relayfleet_presence_checks_total"),
+        (
+            "relayfleet_presence_leases",
+            "relayfleet_presence_writes_total",
+            "relayfleet_presence_checks_total",
+        ),
         "tests/relay/fleet/test_presence_fleet.py::test_status_is_fleet_wide_and_lapses_when_the_holder_dies",
     ),
     **dict.fromkeys(
