@@ -95,7 +95,7 @@ MOVED_BY: dict[str, str] = {
             "relayfleet_presence_writes_total",
             "relayfleet_presence_checks_total",
         ),
-        "tests/relay/fleet/test_presence_fleet.py::test_status_is_fleet_wide_and_lapses_when_the_holder_dies",
+        "tests/relay/fleet/test_presence_fleet.py::test_status_is_fleet_wide_moves_with_its_slot_and_lapses_when_the_holder_dies",
     ),
     **dict.fromkeys(
         ("relayfleet_live_displaced_total", "relayfleet_live_takeover_wait_seconds"),
