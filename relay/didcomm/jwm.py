@@ -333,7 +333,10 @@ def _decrypt(doc: dict[str, Any], lookup: Callable[[str], AgreementKey | None]) 
     if alg in AUTH_ALGS:
         skid = header.get("skid")
         if not isinstance(skid, str) and isinstance(header.get("apu"), str):
-            skid = b64decode_any(header["apu"], peer2.MAX_DID * 2).decode("utf-8", "replace")
+            try:
+                skid = b64decode_any(header["apu"], peer2.MAX_DID * 2).decode("utf-8", "replace")
+            except DidError:
+                raise JwmError("apu is not base64url") from None
         if not isinstance(skid, str):
             raise JwmError("authcrypt needs skid, the sender's key id")
         sender_key = _agreement_jwk(skid)

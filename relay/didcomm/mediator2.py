@@ -181,8 +181,11 @@ class Mediator2:
             raise MediatorError(
                 f"{name or 'the message'} must be authcrypted or signed", "unknown_connection", 403
             )
+        body = doc.get("body", {})
+        if not isinstance(body, dict):
+            raise MediatorError("body must be a JSON object")
         if name == "trust-ping/2.0/ping":
-            if doc.get("body", {}).get("response_requested", True) is False:
+            if body.get("response_requested", True) is False:
                 return out
             out.reply = self.pack_for(self.reply_from(doc, "trust-ping/2.0/ping-response", {}), opened)
             return out
@@ -196,9 +199,6 @@ class Mediator2:
             raise MediatorError(
                 f"{mtype[:120]} is not a message this mediator handles", "unsupported_message_type"
             )
-        body = doc.get("body", {})
-        if not isinstance(body, dict):
-            raise MediatorError("body must be a JSON object")
         short = name.rsplit("/", 1)[1]
         conn = await self.records.connection(did_key(sender))
         if family in MEDIATIONS and short == "mediate-request":

@@ -165,9 +165,12 @@ def test_v2_messages_through_the_relay(relay: Relay) -> None:
         st.dictionaries(st.sampled_from(FIELDS), json_values | dids, max_size=4),
         st.one_of(st.none(), json_values),
         st.sampled_from(["authcrypt", "anoncrypt", "signed", "plain"]),
+        st.one_of(st.none(), json_values),
     )
-    def plaintext(name: str, body: dict[str, Any], attachments: Any, how: str) -> None:
+    def plaintext(name: str, body: dict[str, Any], attachments: Any, how: str, odd_body: Any) -> None:
         doc = agent.message(name, **body)
+        if odd_body is not None:  # the body itself replaced: a list, a number, an object...
+            doc["body"] = odd_body
         if attachments is not None:
             doc["attachments"] = attachments
         if how == "plain":

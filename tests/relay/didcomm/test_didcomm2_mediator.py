@@ -400,6 +400,25 @@ async def test_hostile_v2_input_is_bounded_4xx_json_and_stores_nothing(
         assert agent.mediator_did not in line
 
 
+async def test_a_body_that_is_not_an_object_is_400_for_every_type(agent: Agent2) -> None:
+    from relay.didcomm.mediator2 import HANDLED_TYPES
+
+    await agent.mediate()
+    for name in sorted(HANDLED_TYPES - {"routing/2.0/forward", "report-problem/2.0/problem-report"}):
+        doc = agent.message(name)
+        doc["body"] = [1]
+        status, raw = await agent.post(agent.packed(doc))
+        assert (status, json.loads(raw)["code"]) == (400, "bad_didcomm_message"), name
+    # a skid-less authcrypt whose apu is not base64url
+    good = json.loads(agent.packed(agent.message("trust-ping/2.0/ping")))
+    header = json.loads(dk.b64decode_any(good["protected"]))
+    del header["skid"]
+    header["apu"] = "!!"
+    good["protected"] = dk.b64url(json.dumps(header).encode())
+    status, raw = await agent.post(json.dumps(good).encode())
+    assert (status, json.loads(raw)["code"]) == (400, "bad_envelope")
+
+
 async def test_v1_and_v2_share_the_front_door_and_metrics(
     agent: Agent2, relay: RunningRelay, http: Any
 ) -> None:
