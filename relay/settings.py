@@ -95,6 +95,16 @@ CREDENTIALS_DIR = Setting(
     "RELAY_REDIS_CREDENTIALS_DIR", OPTIONAL, None, "one file per shard holding its full Redis URL",
     metavar="DIR", field="credentials_dir",
 )
+# The device push providers' credentials: the operator mounts spec.relay.pushCredentialsSecretRef here.
+PUSH_CREDENTIALS_DIR = Setting(
+    "RELAY_PUSH_CREDENTIALS_DIR", OPTIONAL, None,
+    "the push providers' credentials (a mounted Secret): fcm-service-account.json; "
+    "apns-auth-key.p8, apns-key-id, apns-team-id, apns-topic",
+    metavar="DIR", field="push_credentials_dir",
+)
+# Its files (relay/devicepush/credentials.py reads them; the operator hashes them to roll the relays)
+PUSH_FCM_FILE = "fcm-service-account.json"
+PUSH_APNS_FILES = ("apns-auth-key.p8", "apns-key-id", "apns-team-id", "apns-topic")
 
 # -- the relay process: flags (and their variables) -------------------------------------------
 HOST = Setting("RELAY_HOST", TEXT, "127.0.0.1", "address to listen on", flag="--host")
@@ -145,12 +155,7 @@ RELAY_ENV_ONLY: tuple[Setting[Any], ...] = (
         secret=True, field="push_webhook",
     ),
     # Push to the mediator's devices (RFC 0734/0699; relay/devicepush): docs/protocols.md
-    Setting(
-        "RELAY_PUSH_CREDENTIALS_DIR", OPTIONAL, None,
-        "the push providers' credentials (a mounted Secret): fcm-service-account.json; "
-        "apns-auth-key.p8, apns-key-id, apns-team-id, apns-topic",
-        metavar="DIR", field="push_credentials_dir",
-    ),
+    PUSH_CREDENTIALS_DIR,
     Setting("RELAY_PUSH_FCM_URL", TEXT, "https://fcm.googleapis.com", "FCM HTTP v1 base URL",
             metavar="URL", field="push_fcm_url"),
     Setting("RELAY_PUSH_APNS_URL", TEXT, "https://api.push.apple.com", "APNs base URL (HTTP/2)",

@@ -181,6 +181,8 @@ FLEET_ENV = relay_settings.FLEET.env
 RETENTION_ENV = relay_settings.RETENTION_SECONDS.env
 CREDENTIALS_DIR_ENV = relay_settings.CREDENTIALS_DIR.env
 PUBLIC_URL_ENV = relay_settings.PUBLIC_URL.env
+PUSH_CREDENTIALS_DIR_ENV = relay_settings.PUSH_CREDENTIALS_DIR.env
+PUSH_CREDENTIAL_FILES = (relay_settings.PUSH_FCM_FILE, *relay_settings.PUSH_APNS_FILES)
 # spec.limits keys of the quotas -> the relay's environment variable (the value as given;
 # 0 turns a limit off), from the relay's own declarations (relay/settings.py: each setting names
 # its spec.limits key), so a limit cannot be added on one side only. crds/relayshards.yaml
@@ -266,6 +268,9 @@ class RelayConfig:
     enqueue_tokens: SecretKeyRef | None = None
     push_webhook: SecretKeyRef | None = None
     didcomm_seed: SecretKeyRef | None = None
+    # a whole Secret: the device push providers' credentials, one file per key
+    # (relay/devicepush/credentials.py names them), mounted as RELAY_PUSH_CREDENTIALS_DIR
+    push_credentials: str | None = None
     public_url: str | None = None
     env: tuple[tuple[str, str], ...] = ()
     pod_template: PodTemplate = PodTemplate()
@@ -295,6 +300,7 @@ RESERVED_RELAY_ENV = frozenset(
         "RELAY_PUSH_WEBHOOK_FILE",
         "RELAY_DIDCOMM_SEED",
         "RELAY_DIDCOMM_SEED_FILE",
+        PUSH_CREDENTIALS_DIR_ENV,
         *QUOTA_ENV.values(),
         TRUSTED_PROXIES_ENV,
     }
@@ -425,6 +431,7 @@ def _relay(spec: Mapping[str, Any]) -> RelayConfig:
         enqueue_tokens=_secret_ref(relay, "enqueueTokensSecretRef", "tokens"),
         push_webhook=_secret_ref(relay, "pushWebhookSecretRef", "url"),
         didcomm_seed=_secret_ref(relay, "didcommSeedSecretRef", "seed"),
+        push_credentials=(relay.get("pushCredentialsSecretRef") or {}).get("name") or None,
         public_url=relay.get("publicURL") or None,
         env=tuple((item["name"], item.get("value", "")) for item in relay.get("env") or ()),
         pod_template=PodTemplate(

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 from relay.devicepush.providers import ApnsCredentials, FcmCredentials
+from relay.settings import PUSH_APNS_FILES as APNS_FILES
+from relay.settings import PUSH_FCM_FILE as FCM_FILE
 
 log = logging.getLogger("relay.devicepush")
 
-FCM_FILE = "fcm-service-account.json"
-APNS_FILES = ("apns-auth-key.p8", "apns-key-id", "apns-team-id", "apns-topic")
 MAX_FILE = 65536
 
 

@@ -150,3 +150,31 @@ def test_unreadable_secret_file_is_one_line_without_content(tmp_path: Path) -> N
     assert len(lines) == 1, proc.stderr
     assert f"RELAY_ENQUEUE_TOKENS_FILE {missing}" in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_push_credentials_mount_a_whole_secret_and_roll_the_relays() -> None:
+    """spec.relay.pushCredentialsSecretRef: the Secret mounted whole, read-only, owner-readable,
+    at the path RELAY_PUSH_CREDENTIALS_DIR names; each provider file is hashed, so rotating a
+    key (or adding a provider) rolls the relays."""
+    shard = parse_shard(shard_body(relay={"pushCredentialsSecretRef": {"name": "wallet-push"}}))
+    pod = builders.relay_deployment(shard)["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    directory = env["RELAY_PUSH_CREDENTIALS_DIR"]
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == directory)
+    assert mount["readOnly"] is True
+    source = next(v for v in pod["volumes"] if v["name"] == mount["name"])["secret"]
+    assert source == {"secretName": "wallet-push", "defaultMode": 0o440}
+    refs = builders.relay_secret_refs(shard)
+    assert [(r.name, r.key) for r in refs] == [
+        ("wallet-push", "fcm-service-account.json"),
+        ("wallet-push", "apns-auth-key.p8"),
+        ("wallet-push", "apns-key-id"),
+        ("wallet-push", "apns-team-id"),
+        ("wallet-push", "apns-topic"),
+    ]
+    fcm_only = builders.secrets_hash(shard, [b"{}", None, None, None, None])
+    both = builders.secrets_hash(shard, [b"{}", b"key", b"K", b"T", b"org.x"])
+    assert fcm_only != both
+    bare = builders.relay_deployment(parse_shard(shard_body()))["spec"]["template"]["spec"]
+    assert "RELAY_PUSH_CREDENTIALS_DIR" not in {e["name"] for e in bare["containers"][0]["env"]}

@@ -9,6 +9,7 @@ from relay.fleet.contract import Obj, shardmap_configmap_name
 from relayfleet_operator.builders.meta import shard_meta
 from relayfleet_operator.builders.names import (
     CREDENTIALS_DIR,
+    PUSH_CREDENTIALS_DIR,
     RELAY_PORT,
     RELAY_SECRETS_DIR,
     RELAY_SHUTDOWN_DELAY_S,
@@ -31,6 +32,8 @@ from relayfleet_operator.spec import (
     CREDENTIALS_DIR_ENV,
     FLEET_ENV,
     PUBLIC_URL_ENV,
+    PUSH_CREDENTIAL_FILES,
+    PUSH_CREDENTIALS_DIR_ENV,
     QUOTA_ENV,
     RETENTION_ENV,
     TRUSTED_PROXIES_ENV,
@@ -59,6 +62,8 @@ def relay_env(shard: ShardSpec) -> list[Obj]:
     # Secrets reach the relay as files (RELAY_*_FILE): never as values in the pod spec, so
     # `kubectl get pod -o yaml` and env dumps show only a path.
     pairs += [(f"{env}_FILE", path) for env, _, path in _relay_secret_files(relay)]
+    if relay.push_credentials:
+        pairs.append((PUSH_CREDENTIALS_DIR_ENV, PUSH_CREDENTIALS_DIR))
     pairs += list(relay.env)
     return [{"name": k, "value": str(v)} for k, v in pairs]
 
@@ -81,6 +86,9 @@ def _relay_secret_volumes(relay: RelayConfig) -> tuple[list[Obj], list[Obj]]:
         vol = path.rsplit("/", 2)[1]
         volumes.append(secret_volume(vol, ref.name, {ref.key: vol}, mode=0o440))
         mounts.append(mount(vol, f"{RELAY_SECRETS_DIR}/{vol}", read_only=True))
+    if relay.push_credentials:  # the whole Secret: a provider's files are there or absent
+        volumes.append(secret_volume("push-credentials", relay.push_credentials, mode=0o440))
+        mounts.append(mount("push-credentials", PUSH_CREDENTIALS_DIR, read_only=True))
     return volumes, mounts
 
 
@@ -106,7 +114,10 @@ SECRETS_HASH = "relayfleet.dev/secrets-hash"
 
 def relay_secret_refs(shard: ShardSpec) -> list[SecretKeyRef]:
     """The Secret keys spec.relay mounts into the relay pods (the operator hashes their values)."""
-    return [ref for _, ref, _ in _relay_secret_files(shard.relay)]
+    refs = [ref for _, ref, _ in _relay_secret_files(shard.relay)]
+    if shard.relay.push_credentials:
+        refs += [SecretKeyRef(shard.relay.push_credentials, key) for key in PUSH_CREDENTIAL_FILES]
+    return refs
 
 
 def secrets_hash(shard: ShardSpec, values: Sequence[bytes | None]) -> str:

@@ -20,6 +20,7 @@ CREDENTIALS_DIR = "/etc/relayfleet/credentials"
 # managed Redis over TLS: where the Redis pod mounts its certificate Secret
 REDIS_TLS_DIR = "/etc/redis-tls"
 RELAY_SECRETS_DIR = "/etc/relayfleet/secrets"
+PUSH_CREDENTIALS_DIR = f"{RELAY_SECRETS_DIR}/push-credentials"  # spec.relay.pushCredentialsSecretRef
 LABEL_REDIS_CLIENT = "relayfleet.dev/redis-client"
 
 
