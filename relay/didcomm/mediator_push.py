@@ -26,7 +26,6 @@ MAX_PLATFORM = 32
 _TOKEN = {"fcm": re.compile(r"[A-Za-z0-9_:.\-]+"), "apns": re.compile(r"(?:[0-9A-Fa-f]{2})+")}
 _PLATFORM = re.compile(r"[A-Za-z0-9 ._\-]+")
 NOT_REGISTERED = "not-registered-for-push-notifications"
-BAD_DEVICE = "bad_device_info"  # a token or platform out of bounds: 400, like any malformed message
 
 
 class _MissingValue(ValueError):
@@ -79,12 +78,13 @@ class PushSettings:
             raise _MissingValue("device_token and device_platform must be both set or both null")
         if not isinstance(token, str) or not valid_token(service, token):
             shape = "hex digits" if service == "apns" else "letters, digits and _:.-"
-            raise MediatorError(f"device_token must be 1 to {MAX_TOKEN} {shape}", BAD_DEVICE)
+            raise MediatorError(f"device_token must be 1 to {MAX_TOKEN} {shape}", "bad_device_info")
         if platform is not None and not (
             isinstance(platform, str) and len(platform) <= MAX_PLATFORM and _PLATFORM.fullmatch(platform)
         ):
             raise MediatorError(
-                f"device_platform must be 1 to {MAX_PLATFORM} letters, digits, spaces and ._-", BAD_DEVICE
+                f"device_platform must be 1 to {MAX_PLATFORM} letters, digits, spaces and ._-",
+                "bad_device_info",
             )
         return Device(service, token, platform)
 

@@ -40,10 +40,15 @@ OPERATOR = "tests/operator/test_observability_operator.py::test_operator_queries
 REDIS_HA = "tests/relay/storage/test_redis_ha.py::test_replication_and_backup_figures_become_operator_metrics"
 DIDCOMM = "tests/relay/didcomm/test_didcomm_mediator.py::test_24_byte_nonces_metrics_and_websocket_errors"
 SPARK = "tests/spark_jobs/test_observability_spark.py::test_spark_summaries_through_a_pushgateway"
+DEVICE_PUSH = (
+    "tests/relay/didcomm/test_didcomm_push_delivery.py"
+    "::test_a_burst_of_five_makes_one_notification_per_provider_without_the_payload"
+)
 FLOW_CONTROL = "tests/hostile/test_flow_control.py::test_refusals_over_the_ceiling_let_go_of_held_bytes"
 
 # metric -> the test that makes its event happen and checks the metric moved
 MOVED_BY: dict[str, str] = {
+    **dict.fromkeys(("relayfleet_device_push_total", "relayfleet_device_push_bursts_total"), DEVICE_PUSH),
     **dict.fromkeys(
         (
             "relayfleet_http_requests_total",

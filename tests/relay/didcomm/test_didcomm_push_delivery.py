@@ -196,6 +196,9 @@ def assert_no_payload(raw: bytes, inners: list[dict[str, Any]], tag: str) -> Non
 async def test_a_burst_of_five_makes_one_notification_per_provider_without_the_payload(world: World) -> None:
     agent, key = await phone(world)
     sent_before = device_push("fcm", "sent")
+    notified = metrics.REGISTRY.get_sample_value(
+        "relayfleet_device_push_bursts_total", {"result": "notified"}
+    )
     inners = await burst(agent, key, 5, "burst-a")
     await world.fcm.wait_for(1)
     await world.apns.wait_for(1)
@@ -229,7 +232,11 @@ async def test_a_burst_of_five_makes_one_notification_per_provider_without_the_p
         assert dk.b64url(key).encode() not in raw
         assert dk.b58encode(key).encode() not in raw
     assert world.fcm.token_grants == 1  # one OAuth2 exchange, its access token reused
-    assert device_push("fcm", "sent") == sent_before + 1
+    assert device_push("fcm", "sent") == sent_before + 1  # relayfleet_device_push_total
+    assert (
+        metrics.REGISTRY.get_sample_value("relayfleet_device_push_bursts_total", {"result": "notified"})
+        == (notified or 0.0) + 1
+    )
     assert world.fcm.refusals == []
     assert world.apns.refusals == []
 
