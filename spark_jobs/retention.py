@@ -4,11 +4,13 @@
         [--max-messages N] [--idle SECONDS | --keep-empty] [--report PATH]
 
 The driver cuts the shard map into tasks of (shard, slot range); each Spark
-task opens its own Redis connection, skips slots that are not plainly owned
-(migrating, importing, moved), lists each slot's queues from the slot index
-and runs the trim script on them in pipelined batches. The trim script does
-the work atomically per queue (relay/storage/lua/trim.lua), so the sweep is
-idempotent and safe next to live traffic and migrations. The driver turns
+task opens its own Redis connection and runs the slot trim script on each of
+its slots, many slots per round trip: a call reads a page of the slot's queue
+index and trims each queue atomically (relay/storage/lua/trim_slot.lua, each
+queue as trim.lua trims it), and a slot that is not plainly owned (migrating,
+importing, moved) is skipped. The work is in Redis, so a task waits on Redis,
+not on Python; the sweep is idempotent and safe next to live traffic and
+migrations. The driver turns
 the task rows into a per-shard report (a DataFrame), writes it as JSON lines
 (or Parquet when PATH ends in .parquet) and prints a summary.
 """
@@ -76,26 +78,23 @@ class RetentionPolicy:
 
 
 def sweep_task(task: SlotTask, policy: RetentionPolicy, at_ms: int) -> dict[str, Any]:
-    """One Spark task: retention over one shard's slot range. Plain Python, no Spark."""
+    """One Spark task: retention over one shard's slot range. Plain Python, no Spark. The
+    trimming runs in Redis a page of a slot's queues per call (ShardMaintenance.trim_slots):
+    the task waits on Redis, it does no work per queue."""
     started = time.monotonic()
-    trim = policy.trim_policy(at_ms)
     with ShardMaintenance(task.url) as m:
-        states = m.slot_states(list(task.slots))
-        owned = [s for s, st in states.items() if st is None]
-        queues = m.queues_of(owned)
-        items = [(slot, qid) for slot in owned for qid in queues[slot]]
-        outcomes = m.trim(items, trim)
-    fenced = {o.slot for o in outcomes if o.fenced}  # a migration began during the sweep
+        slots = m.trim_slots(list(task.slots), policy.trim_policy(at_ms))
+    scanned = [s for s in slots if not s.fenced]  # a fenced slot is not owned here, or stopped being
     return {
         "shard": task.shard,
         "start": task.start,
         "end": task.end,
-        "slots_scanned": len(owned) - len(fenced),
-        "slots_skipped": len(states) - len(owned) + len(fenced),
-        "queues_scanned": len(items),
-        "messages_removed": sum(o.removed for o in outcomes),
-        "bytes_removed": sum(o.bytes for o in outcomes),
-        "queues_deleted": sum(1 for o in outcomes if o.deleted),
+        "slots_scanned": len(scanned),
+        "slots_skipped": len(slots) - len(scanned),
+        "queues_scanned": sum(s.queues for s in slots),
+        "messages_removed": sum(s.removed for s in slots),
+        "bytes_removed": sum(s.bytes for s in slots),
+        "queues_deleted": sum(s.deleted for s in slots),
         "duration_s": time.monotonic() - started,
     }
 

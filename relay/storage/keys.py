@@ -90,6 +90,13 @@ WAKE_SUFFIX = "wake"
 _WAKE = ":" + WAKE_SUFFIX
 
 
+def slot_queue_prefix(slot: int) -> str:
+    """What every queue key of the slot starts with: a queue's own keys are this, its qid, ':'
+    and one of QUEUE_SUFFIXES (lua/trim_slot.lua builds them so, for the queues it reads from
+    the slot index)."""
+    return f"{slot_tag(slot)}:q:"
+
+
 class QueueKeys:
     """One queue's key names. Only the common prefix is stored and each name is built on
     access: tens of thousands of idle long-polls each pin one (through the cache below), and
@@ -101,7 +108,7 @@ class QueueKeys:
     def __init__(self, slot: int, qid: str) -> None:
         self.slot = slot
         self.qid = qid
-        self._base = f"{slot_tag(slot)}:q:{qid}"
+        self._base = slot_queue_prefix(slot) + qid
 
     def __repr__(self) -> str:
         return f"QueueKeys(slot={self.slot}, qid={self.qid!r})"

@@ -29,6 +29,7 @@ __all__ = [
     "MaintenanceError",
     "ShardMaintenance",
     "SlotStats",
+    "SlotTrim",
     "SweepMismatch",
     "TrimOutcome",
     "TrimPolicy",
@@ -70,6 +71,18 @@ class TrimPolicy:
     max_messages: int = -1  # per-queue cap (-1 = none)
     idle_ms: int = -1  # empty queues idle this long are deleted (-1 = never)
     budget: int = 1000  # messages removed per script call, so one call never blocks Redis long
+
+
+@dataclass(frozen=True, slots=True)
+class SlotTrim:
+    """What retention did to one slot's queues (ShardMaintenance.trim_slots)."""
+
+    slot: int
+    queues: int = 0  # queues trimmed (an index page read twice while Redis rehashes counts twice)
+    removed: int = 0
+    bytes: int = 0
+    deleted: int = 0
+    fenced: bool = False  # not owned here (migrating, importing, moved), or stopped being: skipped
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +315,66 @@ class ShardMaintenance:
         except (RedisError, OSError) as exc:
             raise self._fail("trimming queues", exc) from None
         return list(totals.values())
+
+    def trim_slots(self, slots: Sequence[int], policy: TrimPolicy, page: int = 256) -> list[SlotTrim]:
+        """Retention for every queue of the given slots, in Redis: trim_slot.lua trims a page of
+        a slot's index per call (each queue as trim.lua would), many slots' calls per round trip,
+        until every slot's index is read through. A queue left with work (its budget spent) is
+        finished by `trim`. No per-queue work here: a sweep waits on Redis, not on Python."""
+        out = {s: SlotTrim(s) for s in slots}
+        cursors = {s: "0" for s in slots}
+        again: list[tuple[int, str]] = []
+        fixed = [
+            str(policy.now_ms), str(policy.cutoff_ms), str(policy.max_messages), str(policy.idle_ms),
+            str(policy.budget),
+        ]  # fmt: skip
+        try:
+            while cursors:
+                todo = list(cursors.items())
+                cursors = {}
+                # a round trip of at most SWEEP_SLOTS calls: each call takes Redis about a
+                # millisecond per hundred queues, and Redis serves others between two calls
+                for chunk in _chunks(todo, SWEEP_SLOTS):
+                    calls = [
+                        script_runner.evalsha(
+                            scripts.TRIM_SLOT,
+                            (K.slot_state(s), K.slot_index(s), K.slot_stats(s)),
+                            (*fixed, cursor, str(page), K.slot_queue_prefix(s), *K.QUEUE_SUFFIXES),
+                        )
+                        for s, cursor in chunk
+                    ]
+                    replies = script_runner.run(self.client, calls, (scripts.TRIM_SLOT,), "missing")
+                    for (s, _), reply in zip(chunk, replies, strict=True):
+                        if isinstance(reply, Exception):
+                            raise reply
+                        prev = out[s]
+                        if reply[0] != b"ok":
+                            out[s] = replace(prev, fenced=True)
+                            continue
+                        out[s] = replace(
+                            prev,
+                            queues=prev.queues + int(reply[2]),
+                            removed=prev.removed + int(reply[3]),
+                            bytes=prev.bytes + int(reply[4]),
+                            deleted=prev.deleted + int(reply[5]),
+                        )
+                        again.extend((s, q.decode()) for q in reply[6])
+                        if reply[1] != b"0":
+                            cursors[s] = reply[1].decode()
+        except ScriptLoadFailed as exc:
+            raise self._fail("trimming slots", exc.cause) from None
+        except (RedisError, OSError) as exc:
+            raise self._fail("trimming slots", exc) from None
+        for o in self.trim(again, policy):
+            prev = out[o.slot]
+            out[o.slot] = replace(
+                prev,
+                removed=prev.removed + o.removed,
+                bytes=prev.bytes + o.bytes,
+                deleted=prev.deleted + o.deleted,
+                fenced=prev.fenced or o.fenced,
+            )
+        return list(out.values())
 
     def _trim_batch(self, items: Sequence[tuple[int, str]], policy: TrimPolicy) -> list[Any]:
         # Redis restarted or flushed its script cache: the runner loads it and redoes only

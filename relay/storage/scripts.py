@@ -74,6 +74,8 @@ ACK = _load("ack", _PRELUDE)
 STATUS = _load("status", _PRELUDE)
 NONCE = _load("nonce", _PRELUDE)
 TRIM = _load("trim", _PRELUDE)
+# Retention for a page of one slot's queues in one call (the Spark job's sweep).
+TRIM_SLOT = _load("trim_slot", _PRELUDE)
 # Per-recipient quotas: the records in the recipient's home slot (keys.slot_recipients).
 RCPT_ADMIT = _load("rcpt_admit", _PRELUDE)
 RCPT_REFUND = _load("rcpt_refund", _PRELUDE)
@@ -102,6 +104,7 @@ ALL: tuple[Script, ...] = (
     STATUS,
     NONCE,
     TRIM,
+    TRIM_SLOT,
     RCPT_ADMIT,
     RCPT_REFUND,
     RCPT_SETTLE,

@@ -435,6 +435,54 @@ def test_trim_age_cap_budget_idle_delete(r: redis.Redis) -> None:
     assert r.hget(k.stats, "qgen") == b"2"
 
 
+def trim_slot_call(
+    r: redis.Redis, cursor: str = "0", count: int = 100, budget: int = 100, cutoff: int = 0, idle: int = -1
+) -> list[Any]:
+    keys = (K.slot_state(SLOT), K.slot_index(SLOT), K.slot_stats(SLOT))
+    args = (NOW, cutoff, -1, idle, budget, cursor, count, K.slot_queue_prefix(SLOT), *K.QUEUE_SUFFIXES)
+    return list(run(r, scripts.TRIM_SLOT, keys, args))
+
+
+def test_trim_slot_trims_each_queue_of_the_slot_as_trim_does(r: redis.Redis) -> None:
+    queues = [K.queue_keys_for_id(SLOT, f"q{i}") for i in range(5)]
+    for n, k in enumerate(queues):  # queue i holds i + 1 messages, a second apart
+        for m in range(n + 1):
+            enqueue(r, b"xyz", now=NOW - 10_000 + m * 1000, token=f"t{m}", k=k)
+    # messages before NOW - 8,500 go: the first two of each queue that has them
+    cutoff = NOW - 8_500
+    # a page of one queue per call: the cursor walks the index, every queue once
+    cursor, pages, totals, seen = "0", 0, [0, 0, 0, 0], 0
+    while True:
+        reply = trim_slot_call(r, cursor, count=1, cutoff=cutoff)
+        assert reply[0] == b"ok"
+        assert reply[6] == []
+        cursor = reply[1].decode()
+        seen += reply[2]
+        totals = [t + v for t, v in zip(totals, reply[2:6], strict=True)]
+        pages += 1
+        if cursor == "0":
+            break
+    assert seen == 5
+    assert totals[1:] == [1 + 2 * 4, 3 * 9, 0]  # the one-message queue loses 1, the others 2 each
+    assert [r.xlen(k.msgs) for k in queues] == [0, 0, 1, 2, 3]
+    assert r.hget(K.slot_stats(SLOT), "msgs") == b"6"
+    # the budget is the call's: queues it did not reach come back to be trimmed by trim.lua
+    reply = trim_slot_call(r, budget=2, cutoff=NOW + 1)
+    assert reply[3] == 2
+    assert len(reply[6]) >= 1
+    # an empty, idle queue is deleted as trim.lua deletes it; a fenced slot answers the fence
+    later = NOW + 86_400_000 + 10_000
+    keys = (K.slot_state(SLOT), K.slot_index(SLOT), K.slot_stats(SLOT))
+    gone = list(run(r, scripts.TRIM_SLOT, keys, (later, later, -1, 0, 1000, "0", 100,
+                                                  K.slot_queue_prefix(SLOT), *K.QUEUE_SUFFIXES)))  # fmt: skip
+    assert gone[0] == b"ok"
+    assert gone[5] == 5
+    assert not any(r.exists(*k.all_keys()) for k in queues)
+    assert not r.exists(K.slot_index(SLOT))
+    fence(r, "migrating")
+    assert trim_slot_call(r) == [b"migrating"]
+
+
 def test_didcomm_records(r: redis.Redis) -> None:
     dc = (K.slot_state(SLOT), K.slot_didcomm(SLOT), K.slot_didcomm_idle(SLOT))
     t, idle = 1_000_000, 500

@@ -21,10 +21,12 @@ import argparse
 import datetime as dt
 import json
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 from relayfleet_testing.bench import report as bench_report
 from relayfleet_testing.bench.scale.report import PhaseReport, render
@@ -146,35 +148,44 @@ def main(argv: list[str]) -> int:
     def say(text: str) -> None:
         progress.say(f"[{time.monotonic() - t0:5.0f}s] {text}")
 
-    reports: list[PhaseReport] = []
-    for name in args.phase or PHASES:
-        load = bench_report.loadavg()
-        started = time.monotonic()
-        try:
-            rep = run_phase(name, args, say)
-        except KeyboardInterrupt:
-            print("relayfleet bench --scale: interrupted; every started process was stopped", file=sys.stderr)
-            return 1
-        rep.seconds = time.monotonic() - started
-        rep.notes.append(
-            f"Load average before / after: {load} / {bench_report.loadavg()} (a shared machine)."
-        )
-        reports.append(rep)
-        say(f"{name}: done in {rep.seconds:.0f} s")
     command = "relayfleet bench " + shlex.join(["--scale", *argv])
-    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    commit = bench_report.tree_commit(REPO)
+    commit = bench_report.tree_commit(REPO)  # before the run: the commit measured
     cpu = bench_report.machine_facts(REPO)["CPU"]
-    parts = [f"`{command}`, {when}, relay at {commit}, {cpu}\n\n{render(r)}" for r in reports]
-    if args.json is not None:
-        args.json.write_text(json.dumps([r.to_json() for r in reports], indent=1))
-    if args.no_write:
-        print("\n".join(parts))
-        return 0
-    from relayfleet_testing.bench.runner import default_output
+    output = args.output
+    if output is None and not args.no_write:
+        from relayfleet_testing.bench.runner import default_output
 
-    output = args.output or default_output()
-    for rep, part in zip(reports, parts, strict=True):
-        bench_report.write(output, f"scale-{rep.phase}", part, f"### Latest scale run: {rep.phase}")
-    print(f"relayfleet bench --scale: results written to {output}", file=sys.stderr)
+        output = default_output()
+    reports: list[PhaseReport] = []
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        for name in args.phase or PHASES:
+            load = bench_report.loadavg()
+            started = time.monotonic()
+            rep = run_phase(name, args, say)
+            rep.seconds = time.monotonic() - started
+            rep.notes.append(
+                f"Load average before / after: {load} / {bench_report.loadavg()} (a shared machine)."
+            )
+            reports.append(rep)
+            say(f"{name}: done in {rep.seconds:.0f} s")
+            # each phase's results kept as it ends: a long run stopped later loses only its last phase
+            when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+            part = f"`{command}`, {when}, relay at {commit}, {cpu}\n\n{render(rep)}"
+            if args.json is not None:
+                args.json.write_text(json.dumps([r.to_json() for r in reports], indent=1))
+            if output is None:
+                print(part)
+            else:
+                bench_report.write(output, f"scale-{rep.phase}", part, f"### Latest scale run: {rep.phase}")
+                say(f"{name}: results written to {output}")
+    except KeyboardInterrupt:
+        print("relayfleet bench --scale: interrupted; every started process was stopped", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # the phases' clean-up (servers stopped by pid) runs as on Ctrl-C
