@@ -129,6 +129,14 @@ LIVE_TAKEOVER_SECONDS = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
     registry=REGISTRY,
 )
+# every series of the presence counters from the start, at 0 (their label sets are fixed)
+for _op in ("take", "drop", "renew"):
+    for _result in ("ok", "failed"):
+        PRESENCE_WRITES.labels(_op, _result)
+for _answer in ("live", "online", "offline", "unknown"):
+    PRESENCE_CHECKS.labels(_answer)
+for _via in ("here", "notice", "lease"):
+    LIVE_DISPLACED.labels(_via)
 WAKEUP_SECONDS = LoopHistogram(
     "relayfleet_wakeup_latency_seconds",
     "From the waking enqueue being stored to the waiter being answered",
