@@ -177,12 +177,15 @@ class QueueService:
         wait_s: float,
         fetch: Callable[[Route], Awaitable[ReadResult]],
         read_at: tuple[int | None, int] | None = None,
+        early: EarlyAnswer | None = None,
     ) -> ReadResult:
         """Long-poll on the queue at `route`: register, read, and only then wait (no
         lost-wakeup window).
 
         `read_at` (fromSeq, limit) of a read: a wakeup that carries the messages following
-        the last read is answered from them, without reading them back (Waiter.take)."""
+        the last read is answered from them, without reading them back (Waiter.take); with
+        `early`, they are handed to it as the wakeup arrives (Waiter.expect), and this returns
+        the same result once its task resumes."""
         if self._waiters >= self.settings.max_waiters:
             raise TooManyWaiters()
         loop = asyncio.get_running_loop()
@@ -205,7 +208,7 @@ class QueueService:
                         if not parked and self.on_wait is not None:
                             parked = True  # counted once it waits, not for reads that answer at once
                             self.on_wait(recipient, channel, 1)
-                        carried = await self._carried(waiter, result, deadline, read_at)
+                        carried = await self._carried(waiter, result, deadline, read_at, early)
                         if carried is not None:
                             return carried
                         # a new shard map wakes every waiter (ShardRouter.reload): the queue
@@ -226,17 +229,24 @@ class QueueService:
         last: ReadResult,
         deadline: float,
         read_at: tuple[int | None, int] | None,
+        early: EarlyAnswer | None = None,
     ) -> ReadResult | None:
         """Wait after the empty read `last`; the answer when wakeups carried the messages that
         follow it, None when the queue must be read again (woken otherwise, or timed out)."""
         loop = asyncio.get_running_loop()
         budget = self.settings.limits.max_response_bytes
         while True:
+            if early is not None and read_at is not None:
+                answer = partial(_answer_early, early, last.epoch)
+                waiter.expect(answer, last.epoch, last.last_seq, read_at[0], read_at[1], budget)
             woken = await waiter.wait(deadline - loop.time())
             got: list[Message] | None
-            if not woken or read_at is None or self.closing:
+            if waiter.taken is not None:  # handed to `early` as the wakeup arrived
+                got, waiter.taken = waiter.taken, None
+            elif not woken or read_at is None or self.closing:
                 return None
-            got = waiter.take(last.epoch, last.last_seq, read_at[0], read_at[1], budget)
+            else:
+                got = waiter.take(last.epoch, last.last_seq, read_at[0], read_at[1], budget)
             if got is None:
                 return None
             if got:
@@ -398,15 +408,18 @@ class QueueService:
         from_seq: int | None,
         limit: int,
         wait_s: float,
+        early: EarlyAnswer | None = None,
     ) -> ReadResult:
-        """Read, waiting up to `wait_s` for messages (routed once: the wait and each read)."""
+        """Read, waiting up to `wait_s` for messages (routed once: the wait and each read).
+        `early`: a long-poll's answer from the wakeup that carries its messages, made as the
+        wakeup arrives, not a loop turn later when this returns (see `_wait_for`)."""
 
         def fetch(route: Route) -> Awaitable[ReadResult]:
             return self.call_at(route, recipient, channel, lambda r: r.store.read(r.keys, from_seq, limit))
 
         route = self.fleet.route(recipient, channel)
         result = await (
-            self._wait_for(recipient, channel, route, wait_s, fetch, (from_seq, limit))
+            self._wait_for(recipient, channel, route, wait_s, fetch, (from_seq, limit), early)
             if wait_s > 0
             else fetch(route)
         )
@@ -469,6 +482,15 @@ _QUOTA_REASON = {
     "recipient bytes": "recipient_bytes",
     "reserve": "shard_reserve",
 }
+
+
+# A long-poll's answer made from the messages a wakeup carried, as it arrives (QueueService.read):
+# True when it answered (wrote) them. It runs inside a Redis reply's processing: never raises.
+EarlyAnswer = Callable[[ReadResult], bool]
+
+
+def _answer_early(early: EarlyAnswer, epoch: str, got: list[Message]) -> bool:
+    return early(ReadResult(got, epoch, got[-1].seq))
 
 
 class _Enqueue:

@@ -765,11 +765,29 @@ class FastConnection(asyncio.Protocol):
         if auth.enabled:
             authorization = _text(head.fields.get(b"authorization"))
             await auth.verify_header(authorization, "GET", head.target.decode(), recipient, b"")
-        result = await endpoint.service.read(recipient, channel, start, lim, wait)
+        result = await endpoint.service.read(
+            recipient, channel, start, lim, wait, partial(self._woken, answer, start)
+        )
+        if answer.data is not None:
+            return None  # answered as the wakeup arrived
         if bulk.worth_streaming(result.messages):
             await self._stream(answer, result, start)
             return None
         return Reply(200, read_bytes(result, start))
+
+    def _woken(self, answer: _Answer, from_seq: int | None, result: ReadResult) -> bool:
+        """relay.service.EarlyAnswer: a long-poll answered from the wakeup that carried its
+        messages, as it arrives (inside the enqueue's Redis reply, when this process sent it),
+        not once its task resumes a loop turn later; a big answer is left to the task, which
+        streams it. Never raises: a failure closes the connection."""
+        try:
+            if answer.data is not None or self.transport is None or bulk.worth_streaming(result.messages):
+                return False
+            self._answer(answer, Reply(200, read_bytes(result, from_seq)))
+        except Exception:
+            self._broken()
+            return False
+        return True
 
     async def _stream(self, answer: _Answer, result: ReadResult, from_seq: int | None) -> None:
         """A big read's answer, written slice by slice once it is the next one owed (the
@@ -795,6 +813,12 @@ class FastConnection(asyncio.Protocol):
         answer.data = b""
         answer.turn = None
         self.flush()
+
+    def _broken(self) -> None:
+        """An answer could not be made (a bug): the connection closes, as aiohttp's does on a
+        handler's failure, the answers owed before it aside."""
+        self._closing = True
+        self._close()
 
     def _refusal(self, exc: BaseException) -> Reply:
         """`exc` answered as the aiohttp path answers it (relay/app.py observed)."""

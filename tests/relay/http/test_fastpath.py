@@ -519,6 +519,38 @@ async def test_a_waiting_long_poll_holds_no_connection_timer(
         writer.close()
 
 
+async def test_woken_long_poll_answered_as_the_enqueue_reply_arrives(
+    relay: RunningRelay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The long-poll's answer is written from inside the enqueue's Redis reply (FastConnection
+    ._woken, before its task resumes), with the bytes its task would have written."""
+    woken: list[bool] = []
+    original = FastConnection._woken
+
+    def spy(self: FastConnection, *args: Any) -> bool:
+        answered = original(self, *args)
+        woken.append(answered)
+        return answered
+
+    monkeypatch.setattr(FastConnection, "_woken", spy)
+    r = os.urandom(32)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
+    try:
+        writer.write(read_request(r, "?wait=10"))
+        hub = next(iter(relay.fleet.hubs.values()))
+        # parked: registered, read (empty), and sleeping in Waiter.wait
+        assert await wait_until(lambda: any(w._fut for c in hub._channels.values() for w in c.waiters))
+        answers, _ = await exchange(relay, enqueue_request(r, b"wake"))
+        assert answers[0].status == 201
+        got = await read_answer(reader)
+        assert woken == [True]
+        again, _ = await exchange(relay, read_request(r))  # what a plain read answers
+        assert (got.status, got.body) == (200, again[0].body)
+        assert b'"seq":1' in got.body
+    finally:
+        writer.close()
+
+
 async def test_long_poll_whose_client_leaves_stops_waiting(relay: RunningRelay) -> None:
     _reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
     writer.write(read_request(os.urandom(32), "?wait=60"))
