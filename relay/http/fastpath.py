@@ -18,10 +18,17 @@ off (RELAY_HTTP_FASTPATH=0).
 
 The requests served here run the handlers' steps in the handlers' order with the same functions
 (relay/api/params, auth, quota, queues, failures). A read is a coroutine, in a task, that
-awaits QueueService.read and returns its answer; an enqueue is sent to Redis as its request is
-parsed, and answered from the future QueueService.enqueue returns, by its done callback:
-measured, a task awaiting it cost 10-32 % more CPU per message in the relay process (loaded
-machine, alternating rounds; docs/design-decisions.md "One HTTP stack"). Every answer is a
+awaits QueueService.read and returns its answer, but for one case: a long-poll woken by an
+enqueue of this process is answered as the wakeup arrives, inside the processing of the
+enqueue's Redis reply (QueueService.read's early answer, Waiter.expect; the task then finds it
+answered), not a loop turn later when its task resumes: measured, wake p50 0.74 x without it
+(median of 4 alternating rounds, 300 idle long-polls, load average 23; docs/design-decisions.md
+"One HTTP stack"). An enqueue is sent to Redis as its request is parsed, and answered from the
+future QueueService.enqueue returns, by its done callback: measured, a task awaiting it cost
+10-32 % more CPU per message in the relay process (loaded machine, alternating rounds), and an
+answer made inside Redis's reply instead (a sink in the future's place) 0.93 x at 256 B but
+1.13 x at 4 KiB, its Redis more too (medians of 5 alternating rounds, load 30): not kept
+(docs/design-decisions.md "One HTTP stack"). Every answer is a
 `Reply` (status, body, headers) built from the handlers' own results and serialised by
 `reply_bytes` as aiohttp serialises a web.Response. Answers go out in request order under
 pipelining; the requests after a read wait until it is answered, as on aiohttp's path. A read
