@@ -22,8 +22,8 @@ from relay.didcomm import jwm, peer2
 from relay.didcomm import keys as dk
 from relay.didcomm.mediator2 import HANDLED_TYPES
 from tests.hostile.didcomm_attacker import serving
+from tests.hostile.fuzzing import B58, budget, json_values, timed
 from tests.hostile.harness import Relay, report
-from tests.hostile.test_didcomm_fuzz import B58, budget, json_values, timed
 from tests.support.didcomm2_test_agent import Agent2, forward, inner, new_recipient
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("didcomm2-fuzz")]

@@ -14,15 +14,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 import requests
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from relay import boundedjson
@@ -31,52 +30,16 @@ from relay.didcomm.attachments import AttachmentError, attached_document, signed
 from relay.didcomm.envelope import EnvelopeError, pack, parse, unpack
 from relay.didcomm.mediator import HANDLED_TYPES
 from tests.hostile.didcomm_attacker import Mediated, mediated, serving
+from tests.hostile.fuzzing import B58, budget, json_values, timed
 from tests.hostile.harness import Relay, report
 from tests.support.didcomm_test_agent import msg
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("didcomm-fuzz")]  # one relay per module
 
-PARSE_S = 0.5  # one parser call on one input, however hostile (a loaded 2-core machine)
 REQUEST_S = 3.0  # one envelope through the relay
 
 
-def budget(examples: int) -> settings:
-    """`examples` per property, or RELAY_FUZZ_EXAMPLES when set; the same examples every
-    run (derandomize) and no example database written anywhere."""
-    wanted = int(os.environ.get("RELAY_FUZZ_EXAMPLES", "0")) or examples
-    return settings(
-        max_examples=wanted,
-        derandomize=True,
-        database=None,
-        deadline=None,  # timed below, per input, with a bound that holds on a loaded machine
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-
-
-def timed(call: Callable[[], Any], bound: float = PARSE_S) -> Any:
-    started = time.perf_counter()
-    try:
-        return call()
-    finally:
-        elapsed = time.perf_counter() - started
-        assert elapsed < bound, f"{elapsed:.3f} s for one input"
-
-
 # -- strategies ------------------------------------------------------------------------------
-
-B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
-scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=30)
-)
-json_values = st.recursive(
-    scalars,
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
-    max_leaves=30,
-)
 
 
 @st.composite
