@@ -86,6 +86,11 @@ def slot_key_pattern(slot: int) -> str:
 # A queue's own keys are "<QueueKeys.base>:<suffix>" (the enqueue hot path encodes them from
 # the base and these, storage/store.py); its wakeup channel is "<base>:<WAKE_SUFFIX>".
 QUEUE_SUFFIXES = ("meta", "msgs", "idem", "idemx", "rate")
+# enqueue.lua copies a stream that has just got its first entry to "<msgs>:compact" and renames
+# the copy back, within one call (a copy's listpack is its entry's size, not Redis 7.0's 4 KiB
+# preallocation: docs/memory.md); the script builds the name by this literal suffix, and no key
+# of that name outlives the call.
+COMPACT_SUFFIX = "compact"
 WAKE_SUFFIX = "wake"
 _WAKE = ":" + WAKE_SUFFIX
 

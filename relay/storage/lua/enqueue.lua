@@ -193,6 +193,16 @@ local function enqueue_one(k, a)
   local seq_s, size_s = fmt('%d', seq), fmt('%d', size)
   local held_s = meta[4] and fmt('%d', held) or size_s  -- (no meta bytes: held is this one)
   redis.call('XADD', msgs_key, seq_s .. '-0', 'p', payload, 't', now_s, 'm', message_id, 'n', size_s)
+  if len == 0 and size < 4096 then
+    -- Redis 7.0 gives a stream's new node a listpack of 4 KiB at once (min(4096,
+    -- stream-node-max-bytes)), 16x a 256-byte message: a copy holds only what is in it, so a
+    -- stream's first entry is copied into place (its later entries grow the copy as needed;
+    -- a payload of 4 KiB or more outgrew the 4 KiB already). The copy's name is keys.py's
+    -- COMPACT_SUFFIX after the stream's; it lives only within this call.
+    local copy = msgs_key .. ':compact'
+    redis.call('COPY', msgs_key, copy, 'REPLACE')
+    redis.call('RENAME', copy, msgs_key)
+  end
   if created then
     -- a new queue keeps the epoch reads already answered for it; one still in the index
     -- lost its meta (its history), so it keeps the fresh token instead (SADD answers
