@@ -131,6 +131,7 @@ def test_redis_conf_aof_and_noeviction() -> None:
     assert "appendonly yes" in lines
     assert "appendfsync everysec" in lines
     assert "maxmemory-policy noeviction" in lines
+    assert "stream-node-max-bytes 131072" in lines  # docs/memory.md
     always = parse_shard(shard_body(redis={"managed": {"appendfsync": "always", "maxmemory": "1Gi"}}))
     lines = builders.redis_config_map(always)["data"]["redis.conf"].splitlines()
     assert "appendfsync always" in lines
@@ -325,13 +326,15 @@ def test_generated_redis_conf_runs_on_real_redis(tmp_path: Path) -> None:
                     raise
                 time.sleep(0.05)
         got = {
-            k: client.config_get(k)[k] for k in ("appendonly", "appendfsync", "maxmemory-policy", "maxmemory")
+            k: client.config_get(k)[k]
+            for k in ("appendonly", "appendfsync", "maxmemory-policy", "maxmemory", "stream-node-max-bytes")
         }
         assert got == {
             "appendonly": "yes",
             "appendfsync": "always",
             "maxmemory-policy": "noeviction",
             "maxmemory": str(64 * 2**20),
+            "stream-node-max-bytes": "131072",
         }
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port).ping()

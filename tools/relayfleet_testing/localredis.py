@@ -116,6 +116,11 @@ class LocalRedis:
             "--daemonize", "no",
             "--logfile", os.path.join(self.dir, "redis.log"),
         ]  # fmt: skip
+        # the stream layout the operator gives a managed shard (docs/memory.md)
+        from relayfleet_operator.builders.redis_conf import MEMORY_SETTINGS
+
+        for name, value in MEMORY_SETTINGS:
+            args += [f"--{name}", value]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory]
         if self.password:

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from relayfleet_operator.builders.names import REDIS_PORT, REDIS_TLS_DIR
 
+# How a managed shard's Redis lays out its streams (docs/memory.md). Nodes of up to 128 KiB:
+# at Redis' default of 4 KiB every message of 4 KiB or more had a node of its own, which
+# jemalloc rounds up to 5 KiB (1.27x its payload); 31 such messages share a 128 KiB node
+# (1.05x). A new node still starts at most 4 KiB large, and smaller messages still share a node
+# 100 at a time (stream-node-max-entries, left at its default). relayfleet_testing's LocalRedis
+# starts with the same settings, so tests and benchmarks measure what the operator runs.
+MEMORY_SETTINGS: tuple[tuple[str, str], ...] = (("stream-node-max-bytes", "131072"),)
+
 
 def redis_conf(
     appendfsync: str = "everysec",
@@ -43,6 +51,7 @@ def redis_conf(
         'save ""',
         f"maxmemory {maxmemory_bytes}",
         "maxmemory-policy noeviction",
+        *(f"{name} {value}" for name, value in MEMORY_SETTINGS),
         "tcp-keepalive 60",
         "timeout 0",
     ]
