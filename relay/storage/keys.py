@@ -131,7 +131,8 @@ class QueueKeys:
 
     @property
     def meta(self) -> str:
-        """Hash: seq (last seq handed out), epoch, bytes (payload bytes held), created (ms),
+        """Hash: seq (last seq handed out), epoch, bytes (payload bytes held), created (ms; only
+        in metas written before docs/memory.md's change: no longer written),
         r (the Redis run id that last wrote the queue: the lost-tail check, lua/_prelude.lua),
         tseen ("<seq>:<ms>": the enqueue of <seq> was at or before <ms>; trim.lua's idle check)."""
         return self._base + ":meta"

@@ -179,8 +179,8 @@ local function enqueue_one(k, a)
 
   -- Stored. The lost-tail check (as the prelude's) is folded into this one meta write.
   local seq = tonumber(meta[3])
-  local epoch, created, lost = nil, nil, false
-  if not meta[1] then epoch, created = token, now_s end
+  local epoch, created, lost = nil, false, false
+  if not meta[1] then epoch, created = token, true end
   local stamp = nil
   if run and meta[2] ~= run then
     stamp = run
@@ -210,10 +210,13 @@ local function enqueue_one(k, a)
     if redis.call('SADD', index_key, qid) == 1 and not lost then
       epoch = epoch_of(run, redis.call('HGET', stats_key, 'qgen'), qid)
     end
+    -- (no 'created' any more: only trim.lua reads it, for a queue of seq 0, which an enqueue
+    -- never leaves; its 19 bytes took the meta's listpack from 96 to 128 B: docs/memory.md.
+    -- A meta an earlier version wrote keeps it, and trim.lua still reads it there.)
     if stamp then
-      redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', held_s, 'epoch', epoch, 'created', created, 'r', stamp)
+      redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', held_s, 'epoch', epoch, 'r', stamp)
     else
-      redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', held_s, 'epoch', epoch, 'created', created)
+      redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', held_s, 'epoch', epoch)
     end
   elseif epoch then
     redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', held_s, 'epoch', epoch, 'r', stamp)

@@ -83,7 +83,7 @@ def test_enqueue_stores_counts_dedups_limits_and_publishes(r: redis.Redis) -> No
     sub.close()
     assert meta[b"seq"] == b"1"
     assert meta[b"bytes"] == b"3"
-    assert meta[b"created"] == str(NOW).encode()
+    assert b"created" not in meta  # not written any more (docs/memory.md); trim.lua still reads an old one
     assert r.sismember(k.index, QID)
     assert r.xrange(k.msgs) == [(b"1-0", {b"p": b"abc", b"t": str(NOW).encode(), b"m": b"mid", b"n": b"3"})]
     stats = r.hgetall(k.stats)

@@ -131,10 +131,11 @@ def queue_figures(
     enqueues) and without it (as once the rate window passed and the rate key expired: the
     rate keys are deleted, which frees what their expiry frees). With `breakdown`, then delete
     the queues part by part and weigh each part (MemoryFigures.parts)."""
-    rcpts = recipients(queues, slots)
-    # one enqueue first, in a slot beside the measured ones: the scripts are loaded and run
-    # once (~400 KB of used_memory, once per Redis) before `before`
-    asyncio.run(fill(url, recipients(1, 1, slots % 16384), 1, size))
+    warm, rcpts = (lambda r: (r[:slots], r[slots:]))(recipients(slots + queues, slots))
+    # a queue per measured slot first: the scripts are loaded and run once (~400 KB of
+    # used_memory, once per Redis), the slots' own keys made, the keyspace's tables grown, all
+    # before `before`, so the figure is what one more queue costs
+    asyncio.run(fill(url, warm, 1, size))
     before = shard_bytes(url)
     asyncio.run(fill(url, rcpts, per_queue, size))
     at_once = shard_bytes(url) - before
