@@ -13,6 +13,7 @@ protocols (the real FCM and APNs cannot be reached from here), each over TLS fro
   BadDeviceToken as Apple answers them.
 
 Each records what it accepted (``notifications``) and what it refused (``refusals``).
+``webhook_server`` is the operator's own gateway on plain HTTP (RELAY_PUSH_WEBHOOK).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from hypercorn.asyncio import serve
@@ -343,6 +346,36 @@ class ApnsServer(_Served):
         if time.time() - float(claims["iat"]) > 3600:
             return "ExpiredProviderToken"
         return None
+
+
+@dataclass
+class Webhook:
+    """The operator's own gateway (RELAY_PUSH_WEBHOOK): records each call, answers 204."""
+
+    url: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    raw: list[bytes] = field(default_factory=list)
+
+
+@asynccontextmanager
+async def webhook_server() -> AsyncIterator[Webhook]:
+    hook = Webhook()
+
+    async def receive(request: web.Request) -> web.Response:
+        body = await request.read()
+        hook.raw.append(body)
+        hook.calls.append(json.loads(body))
+        return web.Response(status=204)
+
+    app = web.Application()
+    app.router.add_post("/push", receive)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    hook.url = str(server.make_url("/push"))
+    try:
+        yield hook
+    finally:
+        await server.close()
 
 
 @asynccontextmanager

@@ -10,14 +10,12 @@ import asyncio
 import json
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
@@ -25,7 +23,15 @@ from relay.devicepush.wiring import DEVICE_NOTIFIER
 from relay.didcomm import keys as dk
 from tests.support.didcomm_test_agent import Agent, forward_envelope, inner_message, msg
 from tests.support.in_process_relay import RelayFactory, RunningRelay
-from tests.support.push_providers import ApnsServer, FcmServer, apns_server, fcm_server, write_credentials
+from tests.support.push_providers import (
+    ApnsServer,
+    FcmServer,
+    Webhook,
+    apns_server,
+    fcm_server,
+    webhook_server,
+    write_credentials,
+)
 from tests.support.tls_pki import Pki, make_pki
 from tests.support.waiting import until
 
@@ -44,13 +50,6 @@ def device_push(provider: str, outcome: str) -> float:
 
 def bursts(result: str) -> float:
     return metrics.REGISTRY.get_sample_value("relayfleet_device_push_bursts_total", {"result": result}) or 0.0
-
-
-@dataclass
-class Webhook:
-    url: str = ""
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    raw: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -90,21 +89,8 @@ def pki(tmp_path: Path) -> Pki:
 
 @pytest.fixture
 async def webhook() -> AsyncIterator[Webhook]:
-    hook = Webhook()
-
-    async def receive(request: web.Request) -> web.Response:
-        body = await request.read()
-        hook.raw.append(body)
-        hook.calls.append(json.loads(body))
-        return web.Response(status=204)
-
-    app = web.Application()
-    app.router.add_post("/push", receive)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    hook.url = str(server.make_url("/push"))
-    yield hook
-    await server.close()
+    async with webhook_server() as hook:
+        yield hook
 
 
 async def start_world(

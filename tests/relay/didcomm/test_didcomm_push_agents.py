@@ -1,0 +1,151 @@
+"""Device push with stock agents: forwards from ACA-Py 1.7.0 to a wallet that is not picking
+up make one notification at the webhook and at each local provider (FCM, APNs; the real ones
+are out of reach here, tests/support/push_providers.py), with no payload; and the stock client
+`@credo-ts/push-notifications` 0.7.1 sets and reads its device info through relayfleet.
+
+The wallet whose queue fills is the PyNaCl test agent (connected, mediated, its devices set,
+never picking up). ACA-Py is handed five OOB invitations naming the wallet's key behind
+relayfleet's routing key and endpoint, as a mediated wallet publishes them, and accepts them at
+once: its five DID Exchange requests reach relayfleet as five forwards to that key, a burst.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from relayfleet_testing.localredis import LocalRedis
+
+from relay.devicepush.wiring import DEVICE_NOTIFIER
+from relay.didcomm import keys as dk
+from tests.relay.didcomm.test_didcomm_push_delivery import APNS_TOKEN, FCM_TOKEN, phone, start_world
+from tests.support.didcomm_stock_agents import AcaPy, Toolchain, toolchain
+from tests.support.in_process_relay import RelayFactory
+from tests.support.push_providers import Webhook, apns_server, fcm_server, webhook_server
+from tests.support.tls_pki import Pki, make_pki
+from tests.support.waiting import until
+
+pytestmark = [pytest.mark.didcomm_agents, pytest.mark.timeout(420)]
+
+
+@pytest.fixture
+def tools() -> Toolchain:
+    return toolchain()
+
+
+@pytest.fixture
+def seed_file(tmp_path: Path) -> str:
+    path = tmp_path / "seed"
+    path.write_text(os.urandom(32).hex() + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return make_pki(tmp_path / "pki")
+
+
+@pytest.fixture
+async def webhook() -> AsyncIterator[Webhook]:
+    async with webhook_server() as hook:
+        yield hook
+
+
+def invitation(endpoint: str, key: bytes, routing_key: str) -> dict[str, Any]:
+    """An OOB 1.1 invitation as a wallet mediated by relayfleet publishes it."""
+    return {
+        "@type": "https://didcomm.org/out-of-band/1.1/invitation",
+        "@id": str(uuid.uuid4()),
+        "label": "wallet",
+        "handshake_protocols": ["https://didcomm.org/didexchange/1.1"],
+        "services": [
+            {
+                "id": "#inline-0",
+                "type": "did-communication",
+                "recipientKeys": [dk.did_key(key)],
+                "routingKeys": [routing_key],
+                "serviceEndpoint": endpoint,
+            }
+        ],
+    }
+
+
+async def test_five_forwards_from_acapy_make_one_notification_per_provider(
+    tools: Toolchain,
+    redis_server: LocalRedis,
+    relay_factory: RelayFactory,
+    seed_file: str,
+    pki: Pki,
+    webhook: Webhook,
+    http: aiohttp.ClientSession,
+    tmp_path: Path,
+) -> None:
+    acapy = AcaPy(tools, tmp_path / "acapy", label="acapy-push")
+    async with fcm_server(pki) as fcm, apns_server(pki) as apns:
+        world = await start_world(
+            redis_server, relay_factory, seed_file, pki, webhook, fcm, apns, http, tmp_path
+        )
+        try:
+            await acapy.start()
+            agent, key = await phone(world)
+            endpoint = world.relay.base_url + "/v1/didcomm"
+            invitations = [invitation(endpoint, key, agent.grant["routing_keys"][0]) for _ in range(5)]
+            t0 = time.monotonic()
+            await asyncio.gather(
+                *(
+                    acapy.call("POST", "/out-of-band/receive-invitation?auto_accept=true", inv)
+                    for inv in invitations
+                )
+            )
+
+            async def stored() -> int:
+                st = await agent.send(
+                    {"@type": "https://didcomm.org/messagepickup/2.0/status-request", "@id": "s"}
+                )
+                return int((st or {}).get("message_count", 0))
+
+            # the five requests are queued for the wallet, which is not picking up
+            await until("five", lambda: _equals(stored, 5), timeout=60)
+            await fcm.wait_for(1, timeout=30)
+            await apns.wait_for(1, timeout=30)
+            await until("the webhook's call", lambda: len(webhook.calls) >= 1, timeout=30)
+            first_s = time.monotonic() - t0
+            notifier = world.relay.app[DEVICE_NOTIFIER]
+            await until("no burst pending", lambda: notifier.pending() == 0)
+            await asyncio.sleep(1.5)  # anything still to come would come within the window
+            assert (len(webhook.calls), len(fcm.notifications), len(apns.notifications)) == (1, 1, 1)
+            counts = {
+                "webhook": webhook.calls[0]["count"],
+                "fcm": int(fcm.notifications[0]["message"]["data"]["message_count"]),
+                "apns": apns.notifications[0]["payload"]["message_count"],
+            }
+            # each says how many the burst held (the five, or those within RELAY_PUSH_COALESCE_S
+            # of the first: the rest fall in the connection's minimum interval)
+            assert len(set(counts.values())) == 1
+            assert 1 <= counts["fcm"] <= 5
+            assert fcm.notifications[0]["token"] == FCM_TOKEN
+            assert apns.notifications[0]["token"] == APNS_TOKEN
+            # no payload: nothing of the packed requests, the invitations or ACA-Py reaches a provider
+            bodies = [webhook.raw[0], fcm.notifications[0]["raw"], apns.notifications[0]["raw"]]
+            for inv in invitations:
+                assert all(inv["@id"].encode() not in raw for raw in bodies)
+            for raw in bodies:
+                assert b"ciphertext" not in raw
+                assert b"acapy" not in raw.lower()
+                assert dk.b58encode(key).encode() not in raw
+            print(f"device push figures: {json.dumps({'first_notification_s': round(first_s, 2), **counts})}")
+        finally:
+            acapy.stop()
+            await world.close()
+
+
+async def _equals(check: Any, n: int) -> bool:
+    return bool(await check() == n)
