@@ -46,6 +46,10 @@ class Toolchain:
     askar_lib_dir: str
     credo_dir: Path
     acapy_bin: str
+    # the Credo 0.5 agent with @credo-ts/push-notifications (e2e/didcomm/credo-push) and the
+    # Askar 0.3 its aries-askar-nodejs binds
+    askar_legacy_lib_dir: str = ""
+    credo_push_dir: Path | None = None
 
 
 # The build's outcome, once per session: a failure is remembered and raised by every test
@@ -65,7 +69,11 @@ def toolchain() -> Toolchain:
         else:
             env = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
             _BUILT["tools"] = Toolchain(
-                env["LIB_ASKAR_PATH"], Path(env["DIDCOMM_CREDO_DIR"]), env["DIDCOMM_ACAPY_BIN"]
+                env["LIB_ASKAR_PATH"],
+                Path(env["DIDCOMM_CREDO_DIR"]),
+                env["DIDCOMM_ACAPY_BIN"],
+                env["LIB_ASKAR_LEGACY_PATH"],
+                Path(env["DIDCOMM_CREDO_PUSH_DIR"]),
             )
     built = _BUILT["tools"]
     if isinstance(built, AgentError):
