@@ -32,11 +32,12 @@ from relay.didcomm.envelope import EnvelopeError
 from relay.didcomm.mediator import HANDLED_TYPES, Caller, ForwardRefused, Mediator, Outcome
 from relay.didcomm.mediator2 import HANDLED_TYPES as V2_TYPES
 from relay.didcomm.mediator2 import Identity2, Mediator2, Outcome2
-from relay.didcomm.mediator_pickup import Render, message_id
+from relay.didcomm.mediator_pickup import Render, message_id, parse_message_id
 from relay.didcomm.messages import MediatorError
 from relay.didcomm.records import QUEUE_CHANNEL, Connection
 from relay.didcomm.sweep import RecordSweep
 from relay.service import Unavailable
+from relay.storage.store import Message
 
 log = logging.getLogger("relay.didcomm")
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
@@ -305,9 +306,11 @@ class DidcommSocket:
                 waiters.append(stack.enter_context(route.hub.waiting(route.keys.wake)))
             await asyncio.gather(*(w.ready(1.0) for w in waiters))  # subscribed before reading
             self.poke.clear()
+            limit = len(self.inflight) + max(1, min(LIVE_WINDOW - len(self.inflight), LIVE_BATCH))
+            held = await m.pickup.pending(queues, limit)
+            self._forget_acknowledged(held, limit)
             room = LIVE_WINDOW - len(self.inflight)
             if room > 0:
-                held = await m.pickup.pending(queues, len(self.inflight) + min(room, LIVE_BATCH))
                 fresh = [(k, msg) for k, msg in held if message_id(k, msg.seq) not in self.inflight]
                 fresh = fresh[: min(room, LIVE_BATCH)]
                 if fresh:
@@ -328,6 +331,26 @@ class DidcommSocket:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _forget_acknowledged(self, held: list[tuple[bytes, Message]], limit: int) -> None:
+        """Live deliveries acknowledged elsewhere (over HTTP, as Identus does, or through another
+        relay) leave the window: an in-flight message the read should have met and did not is
+        gone. The read returns each queue's oldest held messages in order, so it covers every
+        seq up to the highest it returned of that queue, or everything when it came back short
+        of `limit`. Without this, a window filled by messages acknowledged over HTTP stalled."""
+        if not self.inflight:
+            return
+        present = {message_id(k, msg.seq) for k, msg in held}
+        top: dict[bytes, int] = {}
+        for k, msg in held:
+            top[k] = max(top.get(k, -1), msg.seq)
+        complete = len(held) < limit
+        gone = set()
+        for i in self.inflight - present:
+            parsed = parse_message_id(i)
+            if parsed is None or complete or parsed[1] <= top.get(parsed[0], -1):
+                gone.add(i)
+        self.inflight -= gone
 
     def _lease(self, keys: set[bytes]) -> None:
         """Hold presence leases on exactly `keys`' queues: status.live_delivery through any relay

@@ -327,6 +327,35 @@ async def test_live_mode_on_the_websocket_pushes_text_frames_and_waits_for_the_a
         assert opened_by(key, attached(second)[0])["body"]["content"] == "two"
 
 
+async def test_live_window_frees_when_deliveries_are_acknowledged_over_http(
+    agent: Agent2, relay: RunningRelay, http: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Identus acknowledges live deliveries over HTTP, never on the socket: the socket's window
+    of unacknowledged deliveries must still empty, or live delivery stops once it is full."""
+    from relay.api import didcomm as api
+
+    monkeypatch.setattr(api, "LIVE_WINDOW", 2)
+    did, key = await mediated(agent)
+    async with http.ws_connect(relay.base_url + "/v1/didcomm/ws") as ws:
+        change = agent.message("messagepickup/3.0/live-delivery-change", live_delivery=True)
+        await ws.send_str(agent.packed(change).decode())
+        agent.open((await ws.receive_str(timeout=5)).encode())
+        for round_ in range(3):  # three windows' worth, each acknowledged over HTTP
+            got: list[Any] = []
+            for i in range(2):
+                assert (await agent.post(forward(agent.mediator_did, did, inner(did, f"{round_}.{i}"))))[
+                    0
+                ] == 202
+            while len(got) < 2:
+                delivery = agent.open((await ws.receive_str(timeout=5)).encode()).message
+                got += delivery["attachments"]
+            contents = [opened_by(key, a["data"]["json"])["body"]["content"] for a in got]
+            assert contents == [f"{round_}.0", f"{round_}.1"]
+            ids = [a["id"] for a in got]
+            ack = await agent.send(agent.message("messagepickup/3.0/messages-received", message_id_list=ids))
+            assert ack is not None
+
+
 async def test_trust_ping_and_discover_features(agent: Agent2) -> None:
     await agent.invitation()
     pong = await agent.send(agent.message("trust-ping/2.0/ping", response_requested=True))
