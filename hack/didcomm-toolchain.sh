@@ -8,7 +8,8 @@
 # version (or by the lockfile's hash), and the script is a no-op once they exist.
 #
 # Usage: hack/didcomm-toolchain.sh [all | askar | credo | credo-push | acapy | env | --help]
-#   all    (default) build what is missing, then print the env lines below
+#   all    (default) build what is missing (not credo-push), then print the env lines below
+#   credo-push  build the Credo 0.5 push agent and its Askar 0.3.1, then print the env lines
 #   env    print, without building, KEY=VALUE lines for the test:
 #          LIB_ASKAR_PATH (dir of libaries_askar.so), DIDCOMM_CREDO_DIR
 #          (dir with node_modules), DIDCOMM_ACAPY_BIN (the aca-py script),
@@ -177,14 +178,12 @@ case "${cmd}" in
   askar) build_askar ;;
   acapy) build_acapy ;;
   credo) build_credo ;;
-  credo-push) build_credo_push && build_askar_legacy ;;
+  credo-push) build_credo_push && build_askar_legacy && print_env ;;
   env) print_env ;;
   all)
     build_credo
-    build_credo_push
     build_acapy
     build_askar
-    build_askar_legacy
     print_env
     ;;
   *) die "unknown command ${cmd}" ;;
