@@ -104,6 +104,10 @@ class Scene:
         self.servers: dict[str, LocalRedis] = {}
         self.operator: subprocess.Popen[bytes] | None = None
         self.next_slot = 0  # the founder's slots from here on have not moved
+        # outside the work folder, which goes with the cluster: kept for a failed run's reader
+        fd, log = tempfile.mkstemp(prefix="relayfleet-scale-operator-", suffix=".log")
+        os.close(fd)
+        self.log = Path(log)
 
     def kubectl(self, *args: str, stdin: str | None = None) -> str:
         proc = subprocess.run(
@@ -144,7 +148,7 @@ class Scene:
             "RELAYFLEET_OPERATOR_HEALTH_PORT": str(health),
             "RELAYFLEET_OPERATOR_METRICS_PORT": str(free_port()),
         }
-        with (self.workdir / "operator.log").open("ab") as log:
+        with self.log.open("ab") as log:
             self.operator = subprocess.Popen(
                 [sys.executable, "-m", "relayfleet_operator", "--namespace", self.ns],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
@@ -154,9 +158,7 @@ class Scene:
     def rss(self) -> int:
         assert self.operator is not None
         if self.operator.poll() is not None:
-            raise RuntimeError(
-                f"the operator exited ({self.operator.returncode}); see {self.workdir}/operator.log"
-            )
+            raise RuntimeError(f"the operator exited ({self.operator.returncode}); see {self.log}")
         return rss_bytes(self.operator.pid)
 
     def wait(self, what: str, done: Callable[[], bool], timeout: float) -> float:
@@ -166,7 +168,7 @@ class Scene:
         while not done():
             self.rss()  # the operator is still alive
             if time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"{what}: not within {timeout:.0f} s; see {self.workdir}/operator.log")
+                raise RuntimeError(f"{what}: not within {timeout:.0f} s; see {self.log}")
             time.sleep(1.0)
         return time.monotonic() - t0
 
@@ -242,8 +244,12 @@ def run(
     # joined in batches: the founder (all slots), up to a tenth, the rest
     batches = [b for b in (1, shards // 10 - 1) if b > 0]
     batches = [*batches, shards - sum(batches)] if shards > sum(batches) else batches
-    workdir = Path(tempfile.mkdtemp(prefix="relayfleet-scale-operator-"))
-    with cluster(kubeconfig, workdir, max(2, shards // 50 + 1), say) as k:
+    # the work folder goes after the cluster (its state, the shards' Redis data, the logs)
+    with (
+        tempfile.TemporaryDirectory(prefix="relayfleet-scale-operator-") as tmp,
+        cluster(kubeconfig, Path(tmp), max(2, shards // 50 + 1), say) as k,
+    ):
+        workdir = Path(tmp)
         scene = Scene(k, workdir, say, env)
         try:
             scene.setup()
