@@ -1,6 +1,6 @@
 """The Redis a scale phase measures: a redis-server with the chart's settings (the operator's
-redis.conf for a managed shard, so settings the operator adds are measured too), and what is
-read from it: memory and CPU."""
+redis.conf for a managed shard, so settings the operator adds are measured too), and its CPU.
+Its memory is read with the memory helper's measure (relayfleet_testing.bench.memory)."""
 
 from __future__ import annotations
 
@@ -35,15 +35,6 @@ def chart_redis(appendonly: bool = True) -> LocalRedis:
     return LocalRedis(
         binary=_binary(), dir=tempfile.mkdtemp(prefix="relayfleet-scale-"), extra_args=args
     ).start(30)
-
-
-def shard_bytes(url: str) -> int:
-    """Stand-in for the memory helper's measuring function of the same name and signature
-    (relayfleet_testing.bench.memory.shard_bytes, /work/coord/scale-notes.md): the bytes the
-    shard's data takes now, INFO used_memory minus used_memory_startup."""
-    with redis.Redis.from_url(url) as r:
-        info = r.info("memory")
-    return int(info["used_memory"]) - int(info["used_memory_startup"])
 
 
 def redis_cpu_s(url: str) -> float:

@@ -22,8 +22,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import redis
+from relayfleet_testing.bench.memory import shard_bytes
 from relayfleet_testing.bench.scale.report import Figure, Growth, PhaseReport
-from relayfleet_testing.bench.scale.servers import chart_redis, shard_bytes
+from relayfleet_testing.bench.scale.servers import chart_redis
 
 from relay.fleet.sharding import SLOT_COUNT
 from relay.storage import keys as K
@@ -153,16 +154,11 @@ def raw_bytes_per_message(url: str, n: int, payload: bytes, seed: int) -> float:
 
 
 def idle_deletion(url: str) -> int:
-    """A retention pass deleting every empty queue (idle period 0): queues deleted."""
+    """A retention pass deleting every empty queue (idle period 0), as the job runs it
+    (ShardMaintenance.trim_slots): queues deleted."""
     now = int(time.time() * 1000)
-    deleted = 0
     with ShardMaintenance(url) as m:
-        for start in range(0, SLOT_COUNT, 1024):
-            slots = list(range(start, start + 1024))
-            queues = m.queues_of(slots)
-            items = [(s, q) for s in slots for q in queues[s]]
-            deleted += sum(1 for o in m.trim(items, TrimPolicy(now_ms=now, idle_ms=0)) if o.deleted)
-    return deleted
+        return sum(s.deleted for s in m.trim_slots(range(SLOT_COUNT), TrimPolicy(now_ms=now, idle_ms=0)))
 
 
 def run(queues: int, payload_size: int, seed: int, say: Say) -> PhaseReport:
