@@ -149,3 +149,73 @@ async def test_five_forwards_from_acapy_make_one_notification_per_provider(
 
 async def _equals(check: Any, n: int) -> bool:
     return bool(await check() == n)
+
+
+ASKAR_CLIENT = Path(__file__).resolve().parents[3] / "e2e" / "didcomm" / "askar-push" / "client.py"
+
+
+async def test_askar_packed_set_get_round_trip(
+    tools: Toolchain,
+    redis_server: LocalRedis,
+    relay_factory: RelayFactory,
+    seed_file: str,
+    http: aiohttp.ClientSession,
+) -> None:
+    """The push protocol in envelopes Askar packs and opens (e2e/didcomm/askar-push/client.py,
+    aries-askar 0.5.0 under ACA-Py 1.7.0's venv, packing with ACA-Py's own v1 packer), on a
+    connection the test agent made from the same seed."""
+    from tests.support.didcomm_test_agent import Agent
+
+    relay = await relay_factory(
+        redis_server.url, didcomm_seed_file=seed_file, public_url="https://relay.example.test"
+    )
+    seed = os.urandom(32)
+    agent = Agent(relay.base_url, http)
+    agent.kp = dk.KeyPair.from_seed(seed)
+    agent.did = dk.peer2_did(agent.kp, ["didcomm:transport/queue"])
+    await agent.connect()
+    assert agent.mediator_key is not None
+    python = str(Path(tools.acapy_bin).parent / "python")
+    argv = [python, str(ASKAR_CLIENT), "--seed", seed.hex(), "--mediator", dk.b58encode(agent.mediator_key)]
+    argv += ["--url", relay.base_url + "/v1/didcomm", "--fcm-token", FCM_TOKEN, "--apns-token", APNS_TOKEN]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-4000:]
+    lines = [json.loads(line) for line in out.decode().splitlines()]
+    assert lines[-1] == {"done": True}
+    steps = [(line["step"], line["sent"], line["reply"]) for line in lines[:-1]]
+    fcm, apns = (
+        "https://didcomm.org/push-notifications-fcm/1.0/",
+        "https://didcomm.org/push-notifications-apns/1.0/",
+    )
+    ack = "https://didcomm.org/notification/1.0/ack"
+    (
+        (_, g0, before),
+        (_, s1, ack1),
+        (_, g1, info),
+        (_, _, ack2),
+        (_, g2, ainfo),
+        (_, _, ack3),
+        (_, _, after),
+    ) = steps
+    assert before["@type"] == fcm + "problem-report"
+    assert before["description"]["code"] == "not-registered-for-push-notifications"
+    assert before["~thread"] == {"thid": g0}
+    assert (ack1["@type"], ack1["status"], ack1["~thread"]) == (ack, "OK", {"thid": s1})
+    assert info["@type"] == fcm + "device-info"
+    assert (info["device_token"], info["device_platform"], info["~thread"]) == (
+        FCM_TOKEN,
+        "android",
+        {"thid": g1},
+    )
+    assert ack2["@type"] == ack
+    assert (ainfo["@type"], ainfo["device_token"], ainfo["~thread"]) == (
+        apns + "device-info",
+        APNS_TOKEN,
+        {"thid": g2},
+    )
+    assert ack3["@type"] == ack
+    assert after["description"]["code"] == "not-registered-for-push-notifications"
+    print(f"askar round trip: {[s for s, _, _ in steps]}")
