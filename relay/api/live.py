@@ -142,7 +142,7 @@ class LiveSession:
         # waits on it as it is, with no task and coroutine per socket to wait on an Event)
         self.displaced: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.token = os.urandom(16).hex()  # the live lease's; a foreign takeover after ours displaces us
-        self._takeover = b"t" + self.token.encode()  # our takeover notice (lua/presence.py)
+        self._takeover = b"t" + self.token.encode()  # our takeover notice (lua/presence.lua)
         self._awaited: bytes | None = None  # the release notice of the holder we displaced
         self.seen_own = False
         self.released = False
