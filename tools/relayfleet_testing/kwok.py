@@ -6,9 +6,11 @@ fake kwok nodes, so Deployments get Running, Ready Pods. Used by the operator te
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -61,16 +63,17 @@ def kwok_cluster(bin_dir: Path, workdir: Path, nodes: int) -> Iterator[Kwok]:
             capture_output=True, text=True, check=False, timeout=timeout, env={**os.environ, **env},
         )  # fmt: skip
 
-    create = run(
-        "create", "cluster", "--runtime=binary", f"--kubeconfig={kubeconfig}",
-        f"--kube-apiserver-binary={bin_dir / 'kube-apiserver'}",
-        f"--kube-controller-manager-binary={bin_dir / 'kube-controller-manager'}",
-        f"--kube-scheduler-binary={bin_dir / 'kube-scheduler'}",
-        f"--kwok-controller-binary={bin_dir / 'kwok'}",
-        f"--etcd-binary={bin_dir / 'etcd'}",
-        "--wait=2m",
-        timeout=STARTUP_TIMEOUT_S + 60,
-    )  # fmt: skip
+    with _ports_lock():
+        create = run(
+            "create", "cluster", "--runtime=binary", f"--kubeconfig={kubeconfig}",
+            f"--kube-apiserver-binary={bin_dir / 'kube-apiserver'}",
+            f"--kube-controller-manager-binary={bin_dir / 'kube-controller-manager'}",
+            f"--kube-scheduler-binary={bin_dir / 'kube-scheduler'}",
+            f"--kwok-controller-binary={bin_dir / 'kwok'}",
+            f"--etcd-binary={bin_dir / 'etcd'}",
+            "--wait=2m",
+            timeout=STARTUP_TIMEOUT_S + 60,
+        )  # fmt: skip
     try:
         if create.returncode != 0:
             raise KwokError(
@@ -90,6 +93,17 @@ def kwok_cluster(bin_dir: Path, workdir: Path, nodes: int) -> Iterator[Kwok]:
         deleted = run("delete", "cluster", timeout=120)
         if deleted.returncode != 0:  # pragma: no cover - diagnostics only
             _kill_leftovers(workdir)
+
+
+@contextlib.contextmanager
+def _ports_lock() -> Iterator[None]:
+    """Held while kwokctl creates a cluster: it picks its components' ports by probing for free
+    ones, so two creations at once (two pytest-xdist workers, each with a part of the kwok tests,
+    or two runs on one machine) took the same port and one cluster failed to bind. Once created,
+    its components hold their ports and the next creation probes past them."""
+    with (Path(tempfile.gettempdir()) / "relayfleet-kwokctl-create.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def kube_version(bin_dir: Path) -> str:
