@@ -19,6 +19,7 @@ from relay.app import build_app, start_fleet
 from relay.fleet.routing import single_shard_map
 from relay.fleet.sharding import ShardMap
 from relay.settings import Settings
+from tests.support.durations import load_durations, split_group
 from tests.support.in_process_relay import RelayFactory, RelayTestServer, RunningRelay
 from tests.support.shared_redis import SharedRedis
 
@@ -47,11 +48,22 @@ _MISSING_TOOL = re.compile(
 
 # A test that uses one of these session fixtures runs on the worker that holds it (pytest-xdist,
 # --dist loadgroup): one control plane, one JVM, one agent toolchain per run, not one per worker.
-_SHARED_BY_GROUP = {"kube_apiserver": "kube-apiserver", "kwok_cluster": "kwok", "spark": "spark"}
+# The first fixture named wins: a test using a SparkSession and the bare API server (the Spark jobs
+# on Kubernetes) joins the Spark group, whose worker then also starts an API server (~10 s), rather
+# than an API server's group starting a JVM of its own (~30 s, 1 GB).
+_SHARED_BY_GROUP = {"spark": "spark", "kube_apiserver": "kube-apiserver", "kwok_cluster": "kwok"}
+
+
+# Groups split in parts (tests/support/xdist_groups.py, split_group), each part a work unit that
+# starts its own control plane or SparkSession on the worker it lands on (the k8s tests isolate
+# themselves by namespace): in one part each, the kwok, API-server and Spark groups were each
+# ~1/3 of the suite's wall time on one worker (docs/design-decisions.md, "The suite in parallel").
+_PARTS = {"kwok": 2, "kube-apiserver": 2, "spark": 2}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    grouped: dict[str, list[pytest.Item]] = {}
     for item in items:
         names = getattr(item, "fixturenames", ())
         group = next((g for f, g in _SHARED_BY_GROUP.items() if f in names), None)
@@ -60,7 +72,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if group is None and item.get_closest_marker("didcomm_agents") is not None:
             group = "didcomm-agents"
         if group is not None and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group))
+            grouped.setdefault(group, []).append(item)
+    seconds = load_durations()
+    for group, members in grouped.items():
+        parts = _PARTS.get(group, 1)
+        part = split_group([i.nodeid for i in members], parts, seconds) if parts > 1 else {}
+        for item in members:
+            name = f"{group}-{part[item.nodeid] + 1}" if parts > 1 else group
+            item.add_marker(pytest.mark.xdist_group(name))
 
 
 def _on_ci() -> bool:

@@ -243,6 +243,8 @@ def test_budget_and_idle_rules(redis_fleet: FleetFactory) -> None:
         assert m.slot_queues(5) == []
 
 
+# its own JVM in a subprocess, not the worker's session: a work unit apart from the spark group
+@pytest.mark.xdist_group("spark-retention-cli")
 def test_retention_command_line(redis_fleet: FleetFactory, tmp_path: Path) -> None:
     """`python -m spark_jobs.retention` as the CronJob runs it (its own local Spark)."""
     fleet = redis_fleet(["a", "b"])
