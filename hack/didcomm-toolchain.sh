@@ -7,7 +7,11 @@
 # Python 3.13 venv. Each part is cached under the cache root, keyed by its
 # version (or by the lockfile's hash), and the script is a no-op once they exist.
 #
-# Usage: hack/didcomm-toolchain.sh [all | askar | credo | credo-push | acapy | env | --help]
+# The DIDComm v2 clients (Hyperledger Identus SDK, Veramo's did-comm) are npm trees
+# installed from their lockfiles (e2e/didcomm/identus, e2e/didcomm/veramo), pure
+# JavaScript and WebAssembly, keyed by the lockfile and the node version.
+#
+# Usage: hack/didcomm-toolchain.sh [all | askar | credo | credo-push | acapy | identus | veramo | env | --help]
 #   all    (default) build what is missing (not credo-push), then print the env lines below
 #   credo-push  build the Credo 0.5 push agent and its Askar 0.3.1, then print the env lines
 #   env    print, without building, KEY=VALUE lines for the test:
@@ -15,7 +19,8 @@
 #          (dir with node_modules), DIDCOMM_ACAPY_BIN (the aca-py script),
 #          LIB_ASKAR_LEGACY_PATH and DIDCOMM_CREDO_PUSH_DIR (the Credo 0.5 agent of
 #          e2e/didcomm/credo-push: @credo-ts/push-notifications 0.7.1 needs Credo 0.5, whose
-#          aries-askar-nodejs 0.2 binds Askar 0.3's C ABI; it crashes on 0.4's)
+#          aries-askar-nodejs 0.2 binds Askar 0.3's C ABI; it crashes on 0.4's),
+#          DIDCOMM_IDENTUS_DIR, DIDCOMM_VERAMO_DIR (the v2 clients' dirs with node_modules)
 # Progress goes to stderr; stdout carries only the env lines.
 #
 # Environment:
@@ -35,7 +40,7 @@ ASKAR_LEGACY_FEATURES="ffi,logger,sqlite"
 # acapy-agent 1.7 needs Python >= 3.13.
 ACAPY_VERSION="1.7.0"
 
-usage() { sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 # shellcheck source=hack/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 rf_init didcomm-toolchain
@@ -164,12 +169,39 @@ build_node_modules() { # source dir (package.json + package-lock.json), cache di
   log "node_modules ready in $((SECONDS - t0)) s: ${dir}"
 }
 
+# The v2 clients: `npm ci` of a lockfile, no install scripts (none of their packages
+# needs one: core-js prints a banner, postinstall-postinstall is empty). Cached under
+# <name>-<key of lockfile and node version>; .done marks the tree whole.
+npm_tree_dir() {
+  echo "${cache_root}/$1-$(credo_key_of "${repo_root}/e2e/didcomm/$1")"
+}
+identus_dir="$(npm_tree_dir identus)"
+veramo_dir="$(npm_tree_dir veramo)"
+
+build_npm_tree() {
+  local name="$1" dir="$2" src="${repo_root}/e2e/didcomm/$1"
+  if [[ -f "${dir}/.done" ]]; then return 0; fi
+  rf_lock .didcomm.lock
+  if [[ -f "${dir}/.done" ]]; then return 0; fi  # built by another run meanwhile
+  command -v npm >/dev/null || die "node and npm are needed for the ${name} agent"
+  log "installing the ${name} agent's node_modules (${dir##*/})"
+  local t0=${SECONDS} work="${dir}.tmp"
+  rm -rf "${work}" && mkdir -p "${work}"
+  cp "${src}/package.json" "${src}/package-lock.json" "${work}/"
+  (cd "${work}" && rf_nice npm ci -s --ignore-scripts --no-audit --no-fund >&2)
+  rm -rf "${dir}" && mv "${work}" "${dir}"
+  touch "${dir}/.done"
+  log "${name} node_modules ready in $((SECONDS - t0)) s: ${dir}"
+}
+
 print_env() {
   echo "LIB_ASKAR_PATH=${askar_dir}/lib"
   echo "DIDCOMM_CREDO_DIR=${credo_dir}"
   echo "DIDCOMM_ACAPY_BIN=${acapy_bin}"
   echo "LIB_ASKAR_LEGACY_PATH=${askar_legacy_dir}/lib"
   echo "DIDCOMM_CREDO_PUSH_DIR=${credo_push_dir}"
+  echo "DIDCOMM_IDENTUS_DIR=${identus_dir}"
+  echo "DIDCOMM_VERAMO_DIR=${veramo_dir}"
 }
 
 cmd="${1:-all}"
@@ -179,9 +211,13 @@ case "${cmd}" in
   acapy) build_acapy ;;
   credo) build_credo ;;
   credo-push) build_credo_push && build_askar_legacy && print_env ;;
+  identus) build_npm_tree identus "${identus_dir}" ;;
+  veramo) build_npm_tree veramo "${veramo_dir}" ;;
   env) print_env ;;
   all)
     build_credo
+    build_npm_tree identus "${identus_dir}"
+    build_npm_tree veramo "${veramo_dir}"
     build_acapy
     build_askar
     print_env
