@@ -1,7 +1,8 @@
 """Real DIDComm agents for the mediator e2e test (tests/relay/didcomm/test_didcomm_agents.py).
 
 * ``toolchain()`` runs ``hack/didcomm-toolchain.sh`` (a no-op once built; see docs/e2e.md)
-  and returns where Askar, the Credo-ts node_modules and ACA-Py are. As a pytest plugin
+  and returns where Askar, the Credo-ts node_modules and ACA-Py are (and the DIDComm v2
+  clients' npm trees, driven by tests/support/didcomm_v2_agents.py). As a pytest plugin
   (tests/conftest.py) this module runs it at collection time when a selected test carries
   the ``didcomm_agents`` marker.
 * ``CredoAgent`` is the headless Credo-ts 0.6 agent of e2e/didcomm/credo/agent.mjs (a
@@ -46,6 +47,8 @@ class Toolchain:
     askar_lib_dir: str
     credo_dir: Path
     acapy_bin: str
+    identus_dir: Path  # the DIDComm v2 clients (tests/support/didcomm_v2_agents.py)
+    veramo_dir: Path
     # the Credo 0.5 agent with @credo-ts/push-notifications (e2e/didcomm/credo-push) and the
     # Askar 0.3 its aries-askar-nodejs binds
     askar_legacy_lib_dir: str = ""
@@ -73,6 +76,8 @@ def toolchain(part: str = "all") -> Toolchain:
                 env["LIB_ASKAR_PATH"],
                 Path(env["DIDCOMM_CREDO_DIR"]),
                 env["DIDCOMM_ACAPY_BIN"],
+                Path(env["DIDCOMM_IDENTUS_DIR"]),
+                Path(env["DIDCOMM_VERAMO_DIR"]),
                 env["LIB_ASKAR_LEGACY_PATH"],
                 Path(env["DIDCOMM_CREDO_PUSH_DIR"]),
             )

@@ -16,6 +16,9 @@ client still has open.
 
 ``restore()`` forwards again; connections starved during a blackhole are closed so
 the client reconnects rather than reading a torn stream.
+
+Given more than one target port, it hands each new connection to the next one in turn (what
+a Kubernetes Service's proxy does): two relays behind one public URL.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ _STOP_S = 30.0  # a loaded CI box may be slow to run the proxy's thread; never l
 
 
 class TcpProxy:
-    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+    def __init__(self, target_port: int, target_host: str = "127.0.0.1", also: tuple[int, ...] = ()) -> None:
         self.target = (target_host, target_port)
+        self.targets = [self.target, *((target_host, p) for p in also)]
         self.mode = "up"  # 'up' | 'reset' | 'blackhole' | 'mute'
         self.connections = 0
         self._loop = asyncio.new_event_loop()
@@ -126,9 +130,10 @@ class TcpProxy:
         if self.mode == "reset":
             return
         self._writers.add(writer)
+        target = self.targets[self.connections % len(self.targets)]
         self.connections += 1
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
+            up_reader, up_writer = await asyncio.open_connection(*target)
         except OSError:
             self._writers.discard(writer)
             return
