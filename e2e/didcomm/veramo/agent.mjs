@@ -16,10 +16,11 @@
 //        "hostDid", "routingDid"}; the grant is handled by Veramo's own 3.0 recipient handler
 //   {"id", "cmd": "new-did"}   a did:peer:2 whose DIDCommMessaging service names the routing DID
 //        (the service Veramo's grant handler would add), registered with a 3.0 recipient-update:
-//        {"did", "updates"} (the recipient-update-response's updates); before mediation, a
+//        {"did", "replyType", "body"} (the recipient-update-response's); before mediation, a
 //        did:peer:2 without a service (a sender's): {"did"}
-//   {"id", "cmd": "send", "from", "to", "content"}  a basic message (2.0) packed authcrypt and
-//        sent with sendDIDCommMessage (which wraps the forward): {"msgId", "t0Ms", "t1Ms"}
+//   {"id", "cmd": "send", "from", "to", "content", "packing"?}  a basic message (2.0) packed
+//        authcrypt (or "anoncrypt") and sent with sendDIDCommMessage (which wraps the forward):
+//        {"msgId", "t0Ms", "t1Ms"}
 //   {"id", "cmd": "poll", "limit"}  one Pickup 3.0 delivery-request; Veramo's recipient handler
 //        unpacks the delivery and answers messages-received itself: {"t0Ms", "t1Ms", "replyType",
 //        "items": [{"attachmentId", "msgId", "content"}]} in the delivery's order
@@ -160,9 +161,9 @@ const commands = {
       { recipient_did: did, action: UpdateAction.ADD },
     ])
     const reply = await exchange(update)
-    return { did, replyType: reply?.type ?? null, updates: reply?.data?.updates ?? null }
+    return { did, replyType: reply?.type ?? null, body: reply?.data ?? null }
   },
-  async send({ from, to, content }) {
+  async send({ from, to, content, packing }) {
     const message = {
       type: BASIC_MESSAGE,
       id: randomUUID(),
@@ -172,7 +173,7 @@ const commands = {
       body: { content },
     }
     const t0Ms = Date.now()
-    const packed = await agent.packDIDCommMessage({ message, packing: 'authcrypt' })
+    const packed = await agent.packDIDCommMessage({ message, packing: packing ?? 'authcrypt' })
     await agent.sendDIDCommMessage({ packedMessage: packed, recipientDidUrl: to, messageId: message.id })
     return { msgId: message.id, t0Ms, t1Ms: Date.now() }
   },
