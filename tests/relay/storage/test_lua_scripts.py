@@ -320,6 +320,7 @@ def test_fenced_scripts_answer_the_fence_and_write_nothing(r: redis.Redis) -> No
         assert list(run(r, scripts.DC_SET, dc, (NOW, 1000, 1, "f", "v"))) == reply
         assert list(run(r, scripts.DC_CLAIM, dc, ("k:x", "c1", "add", NOW, 1000, "0"))) == reply
         assert list(run(r, scripts.DC_LIST, dc, ("r:c1", "add", 5, "m"))) == reply
+        assert list(run(r, scripts.DC_STAMP, dc, (NOW, 1000, "w:c1"))) == reply
         assert sorted(r.keys()) == [k.state.encode()]
 
 
@@ -534,6 +535,28 @@ def test_didcomm_records_expire_when_idle(r: redis.Redis) -> None:
     r.hset(K.slot_didcomm(SLOT), "c:old", "{}")  # written before idle expiry existed
     assert list(run(r, scripts.DC_GET, dc, (t, idle, "c:old"))) == [b"ok", b"{}"]
     assert r.zscore(K.slot_didcomm_idle(SLOT), "c:old") == t + idle
+
+
+def test_didcomm_push_window_and_devices_live_with_their_connection(r: redis.Redis) -> None:
+    """dc_stamp takes a connection's push window at most once per interval (stamping the
+    time); the window ('w:') and the devices ('p:') read and expire with their connection."""
+    dc = (K.slot_state(SLOT), K.slot_didcomm(SLOT), K.slot_didcomm_idle(SLOT))
+    t, idle, interval = 1_000_000, 500, 100
+    run(r, scripts.DC_SET, dc, (t, idle, 2, "c:a", "{}", "p:a", '{"apns":{"t":"ab"}}'))
+    assert list(run(r, scripts.DC_STAMP, dc, (t, interval, "w:a"))) == [b"ok", 1]
+    assert list(run(r, scripts.DC_STAMP, dc, (t + interval - 1, interval, "w:a"))) == [b"ok", 0]
+    assert r.hget(K.slot_didcomm(SLOT), "w:a") == str(t).encode()  # a refusal stamps nothing
+    assert list(run(r, scripts.DC_STAMP, dc, (t + interval, interval, "w:a"))) == [b"ok", 1]
+    assert list(run(r, scripts.DC_STAMP, dc, (t + interval, 0, "w:a"))) == [b"ok", 1]  # no interval
+    fields = ("p:a", "w:a")
+    assert list(run(r, scripts.DC_GET, dc, (t + idle - 1, idle, *fields))) == [
+        b"ok",
+        b'{"apns":{"t":"ab"}}',
+        str(t + interval).encode(),
+    ]
+    assert list(run(r, scripts.DC_GET, dc, (t + idle, idle, *fields))) == [b"ok", None, None]
+    run(r, scripts.DC_SET, dc, (t + idle, idle, 1, "c:b", "{}"))  # the sweep takes all three
+    assert r.hkeys(K.slot_didcomm(SLOT)) == [b"c:b"]
 
 
 def test_didcomm_expire_sweeps_a_batch_of_slots_within_its_budget(r: redis.Redis) -> None:
