@@ -134,6 +134,16 @@ def test_operator_phase(kwok_cluster: KubeCluster, tmp_path: Path) -> None:
     assert growth["sizes"] == [1, 2]
 
 
+def test_a_phase_that_cannot_finish_is_one_line_and_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no-kubeconfig"
+    assert main(["--scale", "--phase", "operator", "--relayshards", "2", "--kubeconfig", str(missing)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("relayfleet bench --scale: ")
+    assert "Traceback" not in "\n".join(err)
+
+
 def test_bad_sizes_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--scale", "--queues", "0"]) == 2
     assert main(["--scale", "--phase", "nothing"]) == 2

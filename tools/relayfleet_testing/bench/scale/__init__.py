@@ -22,6 +22,7 @@ import datetime as dt
 import json
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -181,6 +182,11 @@ def main(argv: list[str]) -> int:
                 say(f"{name}: results written to {output}")
     except KeyboardInterrupt:
         print("relayfleet bench --scale: interrupted; every started process was stopped", file=sys.stderr)
+        return 1
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        # a phase that could not finish (a server that did not start, a wait that ran out): one
+        # line, every started process already stopped by the phase's own clean-up
+        print(f"relayfleet bench --scale: {exc}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
