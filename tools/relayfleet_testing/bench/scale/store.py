@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -182,6 +183,7 @@ def run(queues: int, payload_size: int, seed: int, say: Say) -> PhaseReport:
         raw = raw_bytes_per_message(url, anchor_n, payload, seed)
     finally:
         server.stop()
+        shutil.rmtree(server.dir, ignore_errors=True)  # its AOF: gigabytes at the default size
     fill_s, drain_s = got.fill_s, got.drain_s
     report.figures += [
         Figure(
