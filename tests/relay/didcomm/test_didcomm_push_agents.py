@@ -26,10 +26,10 @@ from relayfleet_testing.localredis import LocalRedis
 
 from relay.devicepush.wiring import DEVICE_NOTIFIER
 from relay.didcomm import keys as dk
-from tests.relay.didcomm.test_didcomm_push_delivery import APNS_TOKEN, FCM_TOKEN, phone, start_world
 from tests.support.didcomm_stock_agents import AcaPy, Toolchain, toolchain
 from tests.support.in_process_relay import RelayFactory
 from tests.support.push_providers import Webhook, apns_server, fcm_server, webhook_server
+from tests.support.push_world import APNS_TOKEN, FCM_TOKEN, phone, start_world
 from tests.support.tls_pki import Pki, make_pki
 from tests.support.waiting import until
 
