@@ -37,6 +37,9 @@ ASKAR_FEATURES="ffi,logger,sqlite,migration"
 # 0.3.2's C ABI, a GitHub-only release; 0.3.1 (crates.io, same ABI) is what can be built here.
 ASKAR_LEGACY_VERSION="0.3.1"
 ASKAR_LEGACY_FEATURES="ffi,logger,sqlite"
+# 0.3.1 was published without its Cargo.lock and asks for askar-crypto "0.3": today's 0.3.7
+# does not compile with it, the askar-crypto of its own release does
+ASKAR_LEGACY_PINS="askar-crypto@0.3.1"
 # acapy-agent 1.7 needs Python >= 3.13.
 ACAPY_VERSION="1.7.0"
 
@@ -50,15 +53,15 @@ askar_lib="${askar_dir}/lib/libaries_askar.so"
 askar_legacy_dir="${cache_root}/askar-${ASKAR_LEGACY_VERSION}"
 
 build_askar() {
-  build_askar_version "${ASKAR_VERSION}" "${ASKAR_FEATURES}"
+  build_askar_version "${ASKAR_VERSION}" "${ASKAR_FEATURES}" ""
 }
 
 build_askar_legacy() {
-  build_askar_version "${ASKAR_LEGACY_VERSION}" "${ASKAR_LEGACY_FEATURES}"
+  build_askar_version "${ASKAR_LEGACY_VERSION}" "${ASKAR_LEGACY_FEATURES}" "${ASKAR_LEGACY_PINS}"
 }
 
-build_askar_version() { # version features
-  local ASKAR_VERSION="$1" ASKAR_FEATURES="$2"
+build_askar_version() { # version features "crate@version ..." (pins for a crate published without Cargo.lock)
+  local ASKAR_VERSION="$1" ASKAR_FEATURES="$2" pins="$3"
   local askar_dir="${cache_root}/askar-${ASKAR_VERSION}"
   local askar_lib="${askar_dir}/lib/libaries_askar.so"
   if [[ -f "${askar_lib}" ]]; then return 0; fi
@@ -86,11 +89,16 @@ TOML
   src="${candidates[0]}"
   [[ -d "${src}" ]] || die "aries-askar ${ASKAR_VERSION} source not found after cargo fetch"
   cp -r "${src}" "${work}/src"
-  local t0=${SECONDS} locked=--locked
-  # a crate published without its Cargo.lock (0.3.1) builds on what cargo resolves today
-  [[ -f "${work}/src/Cargo.lock" ]] || locked=""
+  local t0=${SECONDS} pin
+  # a crate published without its Cargo.lock (0.3.1): resolved today, then the pins applied
+  if [[ ! -f "${work}/src/Cargo.lock" ]]; then
+    (cd "${work}/src" && cargo generate-lockfile -q)
+    for pin in ${pins}; do
+      (cd "${work}/src" && cargo update -q -p "${pin%@*}" --precise "${pin#*@}")
+    done
+  fi
   (cd "${work}/src" && CARGO_TARGET_DIR="${work}/target" rf_nice \
-    cargo build -q --release ${locked} --lib --no-default-features --features "${ASKAR_FEATURES}")
+    cargo build -q --release --locked --lib --no-default-features --features "${ASKAR_FEATURES}")
   mkdir -p "${askar_dir}/lib"
   cp "${work}/target/release/libaries_askar.so" "${askar_lib}.tmp"
   mv "${askar_lib}.tmp" "${askar_lib}"
@@ -210,7 +218,11 @@ case "${cmd}" in
   askar) build_askar ;;
   acapy) build_acapy ;;
   credo) build_credo ;;
-  credo-push) build_credo_push && build_askar_legacy && print_env ;;
+  credo-push)  # one command each: inside an && list a failing build would not stop the script
+    build_credo_push
+    build_askar_legacy
+    print_env
+    ;;
   identus) build_npm_tree identus "${identus_dir}" ;;
   veramo) build_npm_tree veramo "${veramo_dir}" ;;
   env) print_env ;;

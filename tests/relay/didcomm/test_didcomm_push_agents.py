@@ -1,7 +1,7 @@
 """Device push with stock agents: forwards from ACA-Py 1.7.0 to a wallet that is not picking
 up make one notification at the webhook and at each local provider (FCM, APNs; the real ones
-are out of reach here, tests/support/push_providers.py), with no payload; and the stock client
-`@credo-ts/push-notifications` 0.7.1 sets and reads its device info through relayfleet.
+are out of reach here, tests/support/push_providers.py), with no payload. (The stock client
+`@credo-ts/push-notifications` 0.7.1 cannot run here: docs/protocols.md, "Device push".)
 
 The wallet whose queue fills is the PyNaCl test agent (connected, mediated, its devices set,
 never picking up). ACA-Py is handed five OOB invitations naming the wallet's key behind
