@@ -185,6 +185,12 @@ DEVICE_PUSH_BURSTS = Counter(
     ["result"],
     registry=REGISTRY,
 )
+# every series present at 0 from the start: a dashboard shows 0, not "no data", before the first burst
+for _provider in ("webhook", "fcm", "apns"):
+    for _outcome in ("sent", "retried", "failed", "rejected", "unregistered", "coalesced"):
+        DEVICE_PUSH.labels(_provider, _outcome)
+for _result in ("merged", "dropped", "online", "no_device", "notified"):
+    DEVICE_PUSH_BURSTS.labels(_result)
 
 # Per-shard figures, refreshed by relay.shard_health (one series per shard: shards are few).
 SHARD_MEMORY_USED = Gauge(
