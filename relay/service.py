@@ -205,8 +205,11 @@ class QueueService:
                             if result.messages and waiter.woken_at_ms is not None:
                                 _WAKEUP_SECONDS.observe(max(0, now_ms() - waiter.woken_at_ms) / 1000)
                             return result
-                        if not parked and self.on_wait is not None:
-                            parked = True  # counted once it waits, not for reads that answer at once
+                        # counted once it waits, not for reads that answer at once, and only on a
+                        # queue that exists (last_seq 0: no meta), so that polls of unknown queues
+                        # leave Redis as they found it (tests/hostile/test_storage_attacks.py)
+                        if not parked and result.last_seq > 0 and self.on_wait is not None:
+                            parked = True
                             self.on_wait(recipient, channel, 1)
                         carried = await self._carried(waiter, result, deadline, read_at, early)
                         if carried is not None:

@@ -26,13 +26,18 @@ async def test_a_parked_long_poll_is_online_fleet_wide_until_its_lease_lapses(
     public, private = keypair()
     assert not await there.online(public, b"")
     async with a.client(private) as reader, b.client() as sender:
+        # a queue that exists (a poll of an unknown queue writes nothing: the storage attacks'
+        # reads-of-unknown-queues test): one message stored and acknowledged first
+        await sender.enqueue(public, b"first")
+        assert await reader.ack(up_to_seq=1) == 1
+        assert not await there.online(public, b"")
         poll = asyncio.create_task(reader.read(wait=5))
         await until("the poll online through the other relay", lambda: there.online(public, b""), 5, 0.02)
         assert a.app[CTX].presence.held_here(public, b"")
         assert not there.held_here(public, b"")
         assert not await there.live(public, b"")  # a poll is not a live socket
         await sender.enqueue(public, b"wake")
-        assert len((await poll).messages) == 1
+        assert [m.payload for m in (await poll).messages] == [b"wake"]
         ended = time.monotonic()
         assert await there.online(public, b"")  # between polls: still online
         await until("the poll lease lapsed", lambda: _offline(there, public), TTL_S + 3, 0.05)
