@@ -16,7 +16,8 @@ import logging
 import math
 import os
 import weakref
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from typing import TypeVar
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
@@ -38,6 +39,8 @@ from relay.didcomm.records import QUEUE_CHANNEL, Connection
 from relay.didcomm.sweep import RecordSweep
 from relay.service import Unavailable
 from relay.storage.store import Message
+
+_O = TypeVar("_O", Outcome, Outcome2)
 
 log = logging.getLogger("relay.didcomm")
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
@@ -144,17 +147,7 @@ async def _handle(m: Mediator, raw: bytes, session: DidcommSocket | None, caller
     except EnvelopeError as exc:
         _count("envelope", "undecryptable")
         raise ApiError(exc.status, exc.code, str(exc)) from None
-    try:
-        outcome = await m.handle(opened, session, caller)
-    except MediatorError as exc:
-        _count("unknown" if exc.code == "unsupported_message_type" else "message", exc.code)
-        raise _refusal(exc) from None
-    except ForwardRefused as exc:
-        _count("routing/1.0/forward", "refused")
-        err = enqueue_error(exc.outcome)
-        raise err if err is not None else ApiError(503, "unavailable", "the forward was not stored") from None
-    _count(outcome.type, "ok")
-    return outcome
+    return await _acted(m.handle(opened, session, caller), "routing/1.0/forward")
 
 
 async def _handle2(m2: Mediator2, raw: bytes, session: DidcommSocket | None, caller: Caller) -> Outcome2:
@@ -164,13 +157,18 @@ async def _handle2(m2: Mediator2, raw: bytes, session: DidcommSocket | None, cal
     except jwm.JwmError as exc:
         _count("v2-envelope", exc.code)
         raise ApiError(exc.status, exc.code, exc.text) from None
+    return await _acted(m2.handle(opened, session, caller), "routing/2.0/forward")
+
+
+async def _acted(acting: Awaitable[_O], forward_type: str) -> _O:
+    """A mediator's answer to an opened message (v1 or v2), counted; its refusals as ApiError."""
     try:
-        outcome = await m2.handle(opened, session, caller)
+        outcome = await acting
     except MediatorError as exc:
         _count("unknown" if exc.code == "unsupported_message_type" else "message", exc.code)
         raise _refusal(exc) from None
     except ForwardRefused as exc:
-        _count("routing/2.0/forward", "refused")
+        _count(forward_type, "refused")
         err = enqueue_error(exc.outcome)
         raise err if err is not None else ApiError(503, "unavailable", "the forward was not stored") from None
     _count(outcome.type, "ok")

@@ -118,6 +118,12 @@ class Caller:
     may_store: bool = True
     charge: Callable[[int], None] | None = None
 
+    def require_store(self) -> None:
+        """A forward (v1 or v2) needs the enqueue token when RELAY_ENQUEUE_TOKENS is on."""
+        if not self.may_store:
+            metrics.quota_refused("/v1/didcomm", "enqueue_token")
+            raise MediatorError("a forward requires a valid bearer token", "unauthorized", 401)
+
 
 class Mediator:
     def __init__(
@@ -186,9 +192,7 @@ class Mediator:
         rr = transport.get("return_route") if isinstance(transport, dict) else None
         out = Outcome(type=name, return_route=rr in ("all", "thread"), sender=opened.sender)
         if name == FORWARD:
-            if not caller.may_store:
-                metrics.quota_refused("/v1/didcomm", "enqueue_token")
-                raise MediatorError("a forward requires a valid bearer token", "unauthorized", 401)
+            caller.require_store()
             await self.forward(doc, opened.message, caller)
             return out
         if len(opened.message) > MAX_MESSAGE:

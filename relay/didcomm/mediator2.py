@@ -169,9 +169,7 @@ class Mediator2:
         wants = doc.get("return_route") in ("all", "thread") or name.endswith("/mediate-request")
         out = Outcome2(type=name or "other", return_route=wants)
         if name == FORWARD:
-            if not caller.may_store:
-                metrics.quota_refused("/v1/didcomm", "enqueue_token")
-                raise MediatorError("a forward requires a valid bearer token", "unauthorized", 401)
+            caller.require_store()
             await self.forward(doc, opened.raw, caller)
             return out
         if len(opened.raw) > MAX_MESSAGE:
