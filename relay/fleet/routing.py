@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -26,7 +27,8 @@ log = logging.getLogger("relay.routing")
 
 _RETIRE_AFTER_S = 90.0
 # queues whose route is kept (~760 B each): more than the waiters a relay holds, so a wake finds
-# its queue's route; when full, the oldest entry goes (emptying it made every lookup miss)
+# its queue's route; when full, the oldest entry goes (emptying it made every lookup miss; an
+# OrderedDict: a dict finds its oldest by skipping the deleted ones, ~60 µs at 1,000,000 queues)
 _ROUTES_MAX = 65536
 
 
@@ -56,7 +58,7 @@ class ShardRouter:
         self.hubs: dict[str, WakeupHub] = {}
         # (recipient, channel) -> its Route under the map, stores and hubs in use: emptied
         # whenever one of them changes (computing a route showed in enqueue profiles)
-        self._routes: dict[tuple[bytes, bytes], Route] = {}
+        self._routes: OrderedDict[tuple[bytes, bytes], Route] = OrderedDict()
         self._source: MapSource | None = None
         self._watch_task: asyncio.Task[None] | None = None
         self._reload_lock = asyncio.Lock()
@@ -112,7 +114,7 @@ class ShardRouter:
             await hub.start(wait_connected=1.0)
             old_store, old_hub = self.stores.get(name), self.hubs.get(name)
             self.stores[name], self.hubs[name] = new_store, hub
-            self._routes = {}
+            self._routes = OrderedDict()
             if old_store is not None and old_hub is not None:
                 self._retire(old_store, old_hub)
 
@@ -152,7 +154,7 @@ class ShardRouter:
         route = Route(keys, self.stores[shard], self.hubs[shard])
         routes = self._routes
         if len(routes) >= _ROUTES_MAX:
-            del routes[next(iter(routes))]
+            routes.popitem(last=False)
         routes[recipient, channel] = route
         return route
 
@@ -172,7 +174,7 @@ class ShardRouter:
                 return False
             await self._open_shards(new_map)
             self.map = new_map
-            self._routes = {}
+            self._routes = OrderedDict()
             for name in set(old.shards) - set(new_map.shards):
                 store, hub = self.stores.pop(name), self.hubs.pop(name)
                 self._retire(store, hub)
