@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from relay import metrics
 from relay.fleet.routing import Route, ShardRouter
@@ -27,7 +27,7 @@ from relay.storage.store import (
     StoreUnavailable,
     enqueue_outcome,
 )
-from relay.storage.wakeups import Waiter
+from relay.storage.wakeups import Stored, Waiter
 
 T = TypeVar("T")
 
@@ -241,7 +241,9 @@ class QueueService:
         while True:
             if early is not None and read_at is not None:
                 answer = partial(_answer_early, early, last.epoch)
-                waiter.expect(answer, last.epoch, last.last_seq, read_at[0], read_at[1], budget)
+                waiter.expect(
+                    answer, last.epoch, last.last_seq, read_at[0], read_at[1], budget, early.prepare
+                )
             woken = await waiter.wait(deadline - loop.time())
             got: list[Message] | None
             if waiter.taken is not None:  # handed to `early` as the wakeup arrived
@@ -487,9 +489,15 @@ _QUOTA_REASON = {
 }
 
 
-# A long-poll's answer made from the messages a wakeup carried, as it arrives (QueueService.read):
-# True when it answered (wrote) them. It runs inside a Redis reply's processing: never raises.
-EarlyAnswer = Callable[[ReadResult], bool]
+class EarlyAnswer(Protocol):
+    """A long-poll's answer made from the messages a wakeup carried, as it arrives
+    (QueueService.read): called with them, True when it answered (wrote) them; `prepare`
+    (relay.storage.wakeups.Prepare) is told of an enqueue this process sent to the queue while
+    Redis stores it. Both run inside a Redis reply's processing or an enqueue's: never raise."""
+
+    def __call__(self, result: ReadResult, /) -> bool: ...
+
+    def prepare(self, epoch: str, stored_ms: int, stored: Stored, /) -> None: ...
 
 
 def _answer_early(early: EarlyAnswer, epoch: str, got: list[Message]) -> bool:

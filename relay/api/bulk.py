@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import binascii
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import orjson
 from aiohttp import web
@@ -74,13 +75,48 @@ def after_seq(payload: bytes, received_ms: int, message_id: str | None) -> bytes
     return b',"payload":"%b%b' % (_b64(payload), _tail(received_ms, message_id))
 
 
-def answer_bytes(messages: list[Message], next_seq: int, epoch: str, more: bool | None = None) -> bytes:
+class Prepared(NamedTuple):
+    """The message object, but for its seq (`after_seq`), of a message an enqueue of this process
+    is storing, made while Redis stores it (relay.storage.wakeups.Waiter.expect's prepare), and
+    what it was made from: used only for the very message the wakeup carries (`matches`)."""
+
+    payload: bytes
+    stored_ms: int
+    message_id: str | None
+    epoch: str
+    after_seq: bytes
+
+    def matches(self, m: Message, epoch: str) -> bool:
+        """Whether `m`, stored in `epoch`, is the message this was made from (the same payload
+        object, time, messageId and epoch)."""
+        return (
+            m.payload is self.payload
+            and m.received_ms == self.stored_ms
+            and m.message_id == self.message_id
+            and epoch == self.epoch
+        )
+
+
+def prepare(epoch: str, stored_ms: int, payload: bytes, message_id: str) -> Prepared:
+    """`Prepared` of a message being stored (`message_id` "" when it has none)."""
+    mid = message_id or None
+    return Prepared(payload, stored_ms, mid, epoch, after_seq(payload, stored_ms, mid))
+
+
+def answer_bytes(
+    messages: list[Message],
+    next_seq: int,
+    epoch: str,
+    more: bool | None = None,
+    ready: Prepared | None = None,
+) -> bytes:
     """A read or drain answer built at once (one not worth streaming): the same bytes as
-    read_body's pieces joined."""
-    return b'{"messages":[%b%b' % (
-        b",".join([message_bytes(m) for m in messages]),
-        _end(next_seq, epoch, more),
-    )
+    read_body's pieces joined. `ready`: the one message's text made beforehand, if it matches."""
+    if ready is not None and len(messages) == 1 and ready.matches(messages[0], epoch):
+        body = b'{"seq":%d%b' % (messages[0].seq, ready.after_seq)
+    else:
+        body = b",".join([message_bytes(m) for m in messages])
+    return b'{"messages":[%b%b' % (body, _end(next_seq, epoch, more))
 
 
 def worth_streaming(messages: list[Message]) -> bool:

@@ -40,7 +40,7 @@ import os
 import random
 import struct
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -82,18 +82,6 @@ def message_frame(m: Message) -> bytes:
 def frame_with_seq(seq: int, after_seq: bytes) -> bytes:
     """`message_frame` of the message at `seq` from its `bulk.after_seq`."""
     return b'{"type":"message","seq":%d%b' % (seq, after_seq)
-
-
-class _Prepared(NamedTuple):
-    """The frame, but for its seq, of the message an enqueue of this process is storing in
-    the queue (Waiter.expect's prepare): used if it is the one the wakeup carries (the same
-    payload object, time, messageId and epoch)."""
-
-    payload: bytes
-    stored_ms: int
-    message_id: str | None
-    epoch: str
-    after_seq: bytes
 
 
 def text_frame(data: bytes) -> bytes:
@@ -148,7 +136,7 @@ class LiveSession:
         self.released = False
         self._parked = False  # the stream task waits in `_send_carried`, nothing else
         self._woken_next: int | None = None  # the seq after frames `_send_woken` wrote
-        self._prepared: _Prepared | None = None
+        self._prepared: bulk.Prepared | None = None
 
     def release(self) -> None:
         """This connection writes no more frames: its live lease goes, and its release notice
@@ -325,22 +313,14 @@ class LiveSession:
         """relay.storage.wakeups.Prepare: an enqueue to this queue is on its way to Redis;
         make its frame ready now, while Redis stores it. Runs in the enqueue's path: never raises."""
         try:
-            mid = stored.message_id or None
-            rest = bulk.after_seq(stored.payload, stored_ms, mid)
-            self._prepared = _Prepared(stored.payload, stored_ms, mid, epoch, rest)
+            self._prepared = bulk.prepare(epoch, stored_ms, stored.payload, stored.message_id)
         except Exception as exc:
             self._prepared = None
             log.error("live frame not prepared: %s", type(exc).__name__, exc_info=exc)
 
     def _frame(self, m: Message, epoch: str) -> bytes:
         p, self._prepared = self._prepared, None
-        if (
-            p is not None
-            and m.payload is p.payload
-            and m.received_ms == p.stored_ms
-            and m.message_id == p.message_id
-            and epoch == p.epoch
-        ):
+        if p is not None and p.matches(m, epoch):
             return frame_with_seq(m.seq, p.after_seq)
         return message_frame(m)
 

@@ -83,11 +83,14 @@ def next_seq(result: ReadResult, from_seq: int | None) -> int:
     return from_seq if from_seq is not None else result.last_seq + 1
 
 
-def read_bytes(result: ReadResult, from_seq: int | None, drained: bool = False) -> bytes:
+def read_bytes(
+    result: ReadResult, from_seq: int | None, drained: bool = False, ready: bulk.Prepared | None = None
+) -> bytes:
     """The JSON answer of a read (or drain) not worth streaming: {"messages": [...], "nextSeq",
-    "epoch"[, "more"]} (relay/api/bulk.py shapes it, streamed or not)."""
+    "epoch"[, "more"]} (relay/api/bulk.py shapes it, streamed or not; `ready`: its message's
+    text made while Redis stored it, bulk.answer_bytes)."""
     more = result.more if drained else None
-    return bulk.answer_bytes(result.messages, next_seq(result, from_seq), result.epoch, more)
+    return bulk.answer_bytes(result.messages, next_seq(result, from_seq), result.epoch, more, ready)
 
 
 async def read_response(

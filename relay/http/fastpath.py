@@ -75,6 +75,7 @@ from relay.http.memguard import CLAIM_FROM
 from relay.http.serving import MAX_LINE, GuardedServer
 from relay.metrics import RouteSeries
 from relay.storage.store import EnqueueOutcome, EnqueueRequest, ReadResult
+from relay.storage.wakeups import Stored
 
 MAX_HEAD = MAX_LINE  # aiohttp's line limit, for the whole head: a longer one is aiohttp's
 MAX_LINES = 64  # more header lines than any client sends: aiohttp's business
@@ -229,6 +230,32 @@ class _Answer:
         self.size = 0  # body bytes counted by the memory guard while it is owed
         self.task: asyncio.Task[None] | None = None  # its handler's
         self.turn: asyncio.Future[None] | None = None  # a streamed read's: set once it is first
+
+
+class _Woken:
+    """relay.service.EarlyAnswer of one long-poll: its answer written from the wakeup that
+    carries its messages (FastConnection._woken), the message's text made while Redis stores it
+    when this process sent the enqueue (`prepare`, relay/api/bulk.py Prepared). Measured with a
+    long-poll's answer made from scratch there instead: docs/design-decisions.md "The wake at
+    nchan parity"."""
+
+    __slots__ = ("answer", "conn", "from_seq", "ready")
+
+    def __init__(self, conn: FastConnection, answer: _Answer, from_seq: int | None) -> None:
+        self.conn = conn
+        self.answer = answer
+        self.from_seq = from_seq
+        self.ready: bulk.Prepared | None = None
+
+    def __call__(self, result: ReadResult, /) -> bool:
+        ready, self.ready = self.ready, None
+        return self.conn._woken(self.answer, self.from_seq, result, ready)
+
+    def prepare(self, epoch: str, stored_ms: int, stored: Stored, /) -> None:
+        try:
+            self.ready = bulk.prepare(epoch, stored_ms, stored.payload, stored.message_id)
+        except Exception:  # (in the enqueue's path) the answer is then made from scratch
+            self.ready = None
 
 
 class FastConnection(asyncio.Protocol):
@@ -773,7 +800,7 @@ class FastConnection(asyncio.Protocol):
             authorization = _text(head.fields.get(b"authorization"))
             await auth.verify_header(authorization, "GET", head.target.decode(), recipient, b"")
         result = await endpoint.service.read(
-            recipient, channel, start, lim, wait, partial(self._woken, answer, start)
+            recipient, channel, start, lim, wait, _Woken(self, answer, start)
         )
         if answer.data is not None:
             return None  # answered as the wakeup arrived
@@ -782,15 +809,17 @@ class FastConnection(asyncio.Protocol):
             return None
         return Reply(200, read_bytes(result, start))
 
-    def _woken(self, answer: _Answer, from_seq: int | None, result: ReadResult) -> bool:
-        """relay.service.EarlyAnswer: a long-poll answered from the wakeup that carried its
-        messages, as it arrives (inside the enqueue's Redis reply, when this process sent it),
-        not once its task resumes a loop turn later; a big answer is left to the task, which
-        streams it. Never raises: a failure closes the connection."""
+    def _woken(
+        self, answer: _Answer, from_seq: int | None, result: ReadResult, ready: bulk.Prepared | None
+    ) -> bool:
+        """A long-poll answered from the wakeup that carried its messages, as it arrives (inside
+        the enqueue's Redis reply, when this process sent it), not once its task resumes a loop
+        turn later (`_Woken`); a big answer is left to the task, which streams it. Never raises:
+        a failure closes the connection."""
         try:
             if answer.data is not None or self.transport is None or bulk.worth_streaming(result.messages):
                 return False
-            self._answer(answer, Reply(200, read_bytes(result, from_seq)))
+            self._answer(answer, Reply(200, read_bytes(result, from_seq, ready=ready)))
         except Exception:
             self._broken()
             return False
@@ -839,11 +868,12 @@ class FastConnection(asyncio.Protocol):
         series.observe(time.perf_counter() - answer.start)
 
     def _answer(self, answer: _Answer, reply: Reply) -> None:
-        """`reply` is `answer`'s: counted, and written once the answers before it are."""
-        self._count(answer, reply.status)
+        """`reply` is `answer`'s: written once the answers before it are, and counted (after the
+        write: on a wake's path the answer is the critical part)."""
         answer.close = answer.close or reply.close
         answer.data = reply_bytes(reply)
         self.flush()
+        self._count(answer, reply.status)
 
     def flush(self) -> None:
         """Write the answers that are ready, in request order."""

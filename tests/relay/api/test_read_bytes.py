@@ -57,6 +57,37 @@ def test_answers_are_orjsons_bytes_at_once_and_streamed(
     assert length == len(want)
 
 
+@settings(derandomize=True, database=None, max_examples=200)
+@given(messages, st.integers(0, 2**63 - 1), st.text(max_size=20))
+def test_an_answer_from_its_prepared_message_is_the_same(
+    ms: list[Message], next_seq: int, epoch: str
+) -> None:
+    """A woken long-poll's answer made from the text prepared while Redis stored its message
+    (bulk.Prepared) is orjson's; one prepared for another message, time, messageId or epoch
+    is not used."""
+    want = document(ms, next_seq, epoch, None)
+    for m in ms:
+        ready = bulk.prepare(epoch, m.received_ms, m.payload, m.message_id or "")
+        if m.message_id == "":  # (a message without one has None: "" is never stored)
+            continue
+        assert ready.matches(m, epoch)
+        assert bulk.answer_bytes([m], next_seq, epoch, ready=ready) == document([m], next_seq, epoch, None)
+        assert bulk.answer_bytes(ms, next_seq, epoch, ready=ready) == want
+    if ms:
+        m = ms[0]
+        other = [
+            bulk.prepare(epoch, m.received_ms, m.payload + b"x", m.message_id or ""),
+            bulk.prepare(epoch, m.received_ms + 1, m.payload, m.message_id or ""),
+            bulk.prepare(epoch, m.received_ms, m.payload, "another id"),
+            bulk.prepare(epoch + "x", m.received_ms, m.payload, m.message_id or ""),
+        ]
+        for ready in other:
+            assert not ready.matches(m, epoch)
+            assert bulk.answer_bytes([m], next_seq, epoch, ready=ready) == document(
+                [m], next_seq, epoch, None
+            )
+
+
 def test_a_streamed_payload_is_split_in_slices() -> None:
     big = Message(1, bytes(range(256)) * 1000, 1_700_000_000_000, "id")
     _, pieces = bulk.read_body([big], 2, "e", None)

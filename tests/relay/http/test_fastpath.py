@@ -22,6 +22,7 @@ import redis
 from relayfleet_testing.localredis import LocalRedis
 
 from relay import metrics
+from relay.api import bulk
 from relay.app import begin_shutdown
 from relay.http.fastpath import FastConnection
 from relay.http.serving import GuardedRequestHandler, GuardedServer
@@ -523,16 +524,24 @@ async def test_woken_long_poll_answered_as_the_enqueue_reply_arrives(
     relay: RunningRelay, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The long-poll's answer is written from inside the enqueue's Redis reply (FastConnection
-    ._woken, before its task resumes), with the bytes its task would have written."""
+    ._woken, before its task resumes), from its message's text made while Redis stored it
+    (bulk.Prepared), with the bytes its task would have written."""
     woken: list[bool] = []
+    matched: list[bool] = []
     original = FastConnection._woken
+    matches = bulk.Prepared.matches
 
     def spy(self: FastConnection, *args: Any) -> bool:
         answered = original(self, *args)
         woken.append(answered)
         return answered
 
+    def spy_matches(self: bulk.Prepared, *args: Any) -> bool:
+        matched.append(matches(self, *args))
+        return matched[-1]
+
     monkeypatch.setattr(FastConnection, "_woken", spy)
+    monkeypatch.setattr(bulk.Prepared, "matches", spy_matches)
     r = os.urandom(32)
     reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
     try:
@@ -544,6 +553,7 @@ async def test_woken_long_poll_answered_as_the_enqueue_reply_arrives(
         assert answers[0].status == 201
         got = await read_answer(reader)
         assert woken == [True]
+        assert matched == [True]
         again, _ = await exchange(relay, read_request(r))  # what a plain read answers
         assert (got.status, got.body) == (200, again[0].body)
         assert b'"seq":1' in got.body
