@@ -703,12 +703,9 @@ class FastConnection(asyncio.Protocol):
     def _dispatch(self, head: Head, body: bytes, start: float) -> None:
         """Serve a complete request: its answer slot in order; a read's coroutine in a task, an
         enqueue sent to Redis now and answered as its outcome arrives."""
-        if body:
-            self._parser.feed_data(body)  # the message's end: the parser is at the next head
-        self._fed = self._at
-        self._next_head()
         endpoint = self.endpoint
         if head.read:
+            self._next_message(body)
             answer = _Answer(start, endpoint.read_series, read=True)
             self._answers.append(answer)
             self._blocked_by = answer
@@ -720,23 +717,36 @@ class FastConnection(asyncio.Protocol):
             self._guard.timed_out(self)
             answer.task = self._loop.create_task(self._answered(answer, self._read(head, answer)))
             return
+        # sent before its answer slot and the parser's step past it are set up: on a wake's path
+        # Redis's round trip is what every other step waits for (nothing here runs in between)
+        refused: Exception | None = None
+        try:
+            sent = self._send(head, body)
+        except Exception as exc:
+            refused = exc
+        self._next_message(body)
         answer = _Answer(start, endpoint.series)
         answer.size = len(body)
         endpoint.memory.held += answer.size  # released when its answer leaves (flush)
         self._answers.append(answer)
+        if refused is not None:
+            self._answer(answer, self._refusal(refused))
+            return
         channel = head.query.get(b"channel")
         if channel and endpoint.service.admits_first(channel):
             # answered after an admit round trip: the next request waits for it (as on
             # aiohttp's path), or it could be stored or read before this one is stored
             self._blocked_by = answer
-        try:
-            sent = self._send(head, body)
-        except Exception as exc:
-            self._answer(answer, self._refusal(exc))
-            return
         # the outcome's future, not a task awaiting it: a task per enqueue cost 10-32 % of the
         # relay process's CPU per message (docs/design-decisions.md, "One HTTP stack")
         sent.add_done_callback(partial(self._enqueued, answer))
+
+    def _next_message(self, body: bytes) -> None:
+        """The parser past the request just served (its body fed: llhttp is at the next head)."""
+        if body:
+            self._parser.feed_data(body)
+        self._fed = self._at
+        self._next_head()
 
     def _enqueued(self, answer: _Answer, sent: asyncio.Future[EnqueueOutcome]) -> None:
         """An enqueue's answer from its outcome (relay/api/queues.py enqueue_answer)."""
