@@ -33,8 +33,8 @@ import pytest_asyncio
 from e2e.env import Env
 from e2e.probes import http_get, phase, relay_url, shard, wait_for
 from relay.didcomm import keys as dk
-from tests.support.didcomm_stock_agents import AcaPy, CredoAgent, Toolchain, tail, toolchain
-from tests.support.didcomm_v2_agents import ClientHistory, IdentusAgent, verdict_summary
+from tests.support.client_history import ClientHistory, verdict_summary
+from tests.support.didcomm_stock_agents import AcaPy, CredoAgent, IdentusAgent, Toolchain, tail, toolchain
 
 pytestmark = [
     pytest.mark.didcomm_agents,
@@ -185,7 +185,7 @@ async def test_live_mode_over_the_fleet_service(agents: Agents) -> None:
 async def _identus_round_trip(agents: Agents, live: bool, count: int) -> dict[str, Any]:
     """A stock Identus SDK agent mediated by the fleet (DIDComm v2: Coordinate Mediation 2.0,
     Pickup 3.0) receives `count` basic messages from a second Identus agent, sent paced; the
-    history checker judges what it saw (tests/support/didcomm_v2_agents.py, ClientHistory)."""
+    history checker judges what it saw (tests/support/client_history.py, ClientHistory)."""
     async with aiohttp.ClientSession() as http, http.get(agents.url + "/v1/didcomm/v2/invitation") as resp:
         assert resp.status == 200, await resp.text()
         mediator_did = (await resp.json())["did"]

@@ -13,6 +13,7 @@ importing one another or a conftest, so shared helpers land here).
 - Observability: observability (the chart's rules and dashboards as data), prometheus (a real
   Prometheus).
 - Spark: spark_session (plugin: one local SparkSession, small shard fleets), naive_planner.
-- DIDComm: didcomm_test_agent (a PyNaCl agent), didcomm_stock_agents (plugin: Credo-ts, ACA-Py).
+- DIDComm: didcomm_test_agent (a PyNaCl agent), didcomm_stock_agents (plugin: Credo-ts, ACA-Py,
+  the Identus and Veramo v2 clients), client_history (a stock v2 client's run as a history).
 - soak_option (plugin: `--soak`).
 """

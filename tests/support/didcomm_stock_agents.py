@@ -1,16 +1,21 @@
-"""Real DIDComm agents for the mediator e2e test (tests/relay/didcomm/test_didcomm_agents.py).
+"""Stock DIDComm agents for the mediators' tests (tests/relay/didcomm/, tests/relay/didcomm_v2/,
+e2e/): one driver for the Node agents of e2e/didcomm/, the agent-specific parts thin.
 
 * ``toolchain()`` runs ``hack/didcomm-toolchain.sh`` (a no-op once built; see docs/e2e.md)
-  and returns where Askar, the Credo-ts node_modules and ACA-Py are (and the DIDComm v2
-  clients' npm trees, driven by tests/support/didcomm_v2_agents.py). As a pytest plugin
+  and returns where Askar, the npm trees of the Node agents and ACA-Py are. As a pytest plugin
   (tests/conftest.py) this module runs it at collection time when a selected test carries
   the ``didcomm_agents`` marker.
-* ``CredoAgent`` is the headless Credo-ts 0.6 agent of e2e/didcomm/credo/agent.mjs (a
-  mediation recipient with a persistent Askar sqlite wallet), driven over JSON lines.
+* ``NodeAgent`` runs one e2e/didcomm/<kind>/agent.mjs beside a link to its cached npm tree and
+  drives it over JSON lines (the command list is at the top of each agent.mjs):
+  ``CredoAgent``, the headless Credo-ts 0.6 agent (a mediation recipient with a persistent
+  Askar sqlite wallet); ``IdentusAgent``, a Hyperledger Identus SDK 7.0.0 Agent over an
+  in-memory store, mediated (Coordinate Mediation 2.0, Pickup 3.0 polling or live over the
+  WebSocket) or sending only; ``VeramoAgent``, Veramo 7.0.1 with @veramo/did-comm
+  (Coordinate Mediation 3.0, Pickup 3.0 by polling; one `poll` command per delivery-request).
 * ``AcaPy`` is ``aca-py start`` on loopback, driven through its admin API.
 
-Every agent writes its log to a file of the test's directory; ``logs()`` gathers them for
-a failure message.
+Every agent writes its log to a file of the test's directory; ``tail()`` reads one for a
+failure message.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +41,7 @@ from tests.support.procs import stop_process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOOLCHAIN_SCRIPT = REPO_ROOT / "hack" / "didcomm-toolchain.sh"
-CREDO_AGENT = REPO_ROOT / "e2e" / "didcomm" / "credo" / "agent.mjs"
+AGENTS = REPO_ROOT / "e2e" / "didcomm"
 
 
 class AgentError(RuntimeError):
@@ -47,7 +53,7 @@ class Toolchain:
     askar_lib_dir: str
     credo_dir: Path
     acapy_bin: str
-    identus_dir: Path  # the DIDComm v2 clients (tests/support/didcomm_v2_agents.py)
+    identus_dir: Path  # the DIDComm v2 clients
     veramo_dir: Path
     # the Credo 0.5 agent with @credo-ts/push-notifications (e2e/didcomm/credo-push) and the
     # Askar 0.3 its aries-askar-nodejs binds
@@ -100,13 +106,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             toolchain("credo-push")
 
 
-def _open_log(path: Path, header: str) -> int:
-    """An append-only descriptor on the agent's log, a header line written."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.write(fd, f"\n{header}\n".encode())
-    return fd
-
-
 def tail(path: Path, limit: int = 12000) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -115,49 +114,75 @@ def tail(path: Path, limit: int = 12000) -> str:
     return text if len(text) <= limit else "...\n" + text[-limit:]
 
 
-class CredoAgent:
-    """One run of the Credo-ts agent; ``data_dir`` (the Askar wallet) outlives runs."""
+@cache
+def node_major() -> int:
+    out = subprocess.run(["node", "--version"], capture_output=True, text=True, check=True).stdout
+    return int(out.strip().lstrip("v").split(".")[0])
 
-    def __init__(self, tools: Toolchain, data_dir: Path, log_path: Path, label: str = "credo-e2e") -> None:
+
+class NodeAgent:
+    """One run of e2e/didcomm/<kind>/agent.mjs: commands answered by id, events queued, stderr
+    to a log file. A subclass names its npm tree, its node flags and environment, and the
+    events it keeps apart (`on_event`); its own `start` builds the command line."""
+
+    kind = ""
+
+    def __init__(self, tools: Toolchain, run_dir: Path, log_path: Path, name: str) -> None:
         self.tools = tools
-        self.data_dir = data_dir
+        self.name = name
+        self.run_dir = run_dir
         self.log_path = log_path
-        self.label = label
         self.proc: asyncio.subprocess.Process | None = None
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self.basic_messages: list[dict[str, Any]] = []
+        self.errors: list[str] = []  # unhandled rejections inside the agent
         self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._next_id = 0
         self._reader: asyncio.Task[None] | None = None
-        self._new_message = asyncio.Event()
 
-    async def start(self, strategy: str, poll_ms: int = 200, timeout: float = 120.0) -> None:
-        # The agent imports from node_modules next to it: run a copy beside the cached tree.
-        run_dir = self.data_dir.parent / f"{self.data_dir.name}-run"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copy(CREDO_AGENT, run_dir / "agent.mjs")
-        shutil.copy(CREDO_AGENT.parent / "package.json", run_dir / "package.json")
-        link = run_dir / "node_modules"
+    def node_modules(self) -> Path:
+        raise NotImplementedError
+
+    def node_args(self) -> list[str]:
+        return []
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def on_event(self, event: dict[str, Any]) -> bool:
+        """True when the event was consumed (not queued)."""
+        return False
+
+    def _install(self) -> Path:
+        """A copy of e2e/didcomm's layout in run_dir: the agent (its node_modules a link to the
+        cached tree); returns the agent's script."""
+        agent_dir = self.run_dir / self.kind
+        agent_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("agent.mjs", "package.json"):
+            shutil.copy(AGENTS / self.kind / name, agent_dir / name)
+        link = agent_dir / "node_modules"
         if not link.exists():
-            link.symlink_to(self.tools.credo_dir / "node_modules")
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "LIB_ASKAR_PATH": self.tools.askar_lib_dir}
-        argv = ["node", str(run_dir / "agent.mjs"), "--data", str(self.data_dir), "--label", self.label]
-        argv += ["--strategy", strategy, "--poll-ms", str(poll_ms)]
-        log = _open_log(self.log_path, f"===== start {strategy} at {time.strftime('%H:%M:%S')} =====")
+            link.symlink_to(self.node_modules())
+        return agent_dir / "agent.mjs"
+
+    async def launch(self, args: list[str], timeout: float) -> dict[str, Any]:
+        """Start the agent with `args`; its "ready" event."""
+        argv = ["node", *self.node_args(), str(self._install()), *args]
+        header = f"===== start {' '.join(args)[:200]} at {time.strftime('%H:%M:%S')} ====="
+        log = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
+            os.write(log, f"\n{header}\n".encode())
             self.proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,
-                env=env,
+                env={**os.environ, **self.env()},
                 limit=16 * 1024 * 1024,
             )
         finally:
             os.close(log)
         self._reader = asyncio.create_task(self._read())
-        await self.wait_event("ready", timeout)
+        return await self.wait_event("ready", timeout)
 
     async def _read(self) -> None:
         assert self.proc is not None
@@ -171,14 +196,15 @@ class CredoAgent:
                 fut = self._replies.pop(obj["id"])
                 if not fut.done():
                     fut.set_result(obj)
-            elif obj.get("event") == "basicmessage":
-                self.basic_messages.append(obj)
-                self._new_message.set()
-            else:
+                continue
+            if obj.get("event") == "error":
+                self.errors.append(str(obj.get("error")))
+            if not self.on_event(obj):
                 await self.events.put(obj)
         for fut in self._replies.values():
             if not fut.done():
-                fut.set_exception(AgentError(f"the Credo agent exited ({self.proc.returncode})"))
+                fut.set_exception(AgentError(f"the {self.name} agent exited ({self.proc.returncode})"))
+        await self.events.put({"event": "exit", "code": self.proc.returncode})
 
     async def command(self, cmd: str, timeout: float = 60.0, **args: Any) -> dict[str, Any]:
         assert self.proc is not None
@@ -191,9 +217,9 @@ class CredoAgent:
         try:
             reply = await asyncio.wait_for(fut, timeout)
         except TimeoutError:
-            raise AgentError(f"Credo command {cmd} timed out after {timeout} s") from None
+            raise AgentError(f"{self.name}: {cmd} timed out after {timeout} s") from None
         if not reply.get("ok"):
-            raise AgentError(f"Credo command {cmd} failed: {reply.get('error')}")
+            raise AgentError(f"{self.name}: {cmd} failed: {reply.get('error')}")
         return reply
 
     async def wait_event(self, name: str, timeout: float) -> dict[str, Any]:
@@ -201,42 +227,29 @@ class CredoAgent:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AgentError(f"no {name!r} event from the Credo agent in {timeout} s")
+                raise AgentError(f"no {name!r} event from {self.name} in {timeout} s")
             try:
                 event = await asyncio.wait_for(self.events.get(), left)
             except TimeoutError:
                 continue
             if event.get("event") == name:
                 return event
-
-    async def wait_messages(self, count: int, timeout: float) -> list[dict[str, Any]]:
-        """Wait until at least `count` basic messages have arrived in this run."""
-        deadline = time.monotonic() + timeout
-        while len(self.basic_messages) < count:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                have = len(self.basic_messages)
-                raise AgentError(f"{have} of {count} basic messages reached the Credo agent in {timeout} s")
-            self._new_message.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._new_message.wait(), left)
-        return self.basic_messages[:count]
+            if event.get("event") in ("fatal", "exit"):
+                raise AgentError(f"{self.name} ended before {name!r}: {event}")
 
     async def stop(self) -> None:
         if self.proc is None:
             return
-        if self.proc.returncode is not None:
-            # exited already (killed by the test): still read its stdout to EOF so asyncio
-            # closes the pipe now, not at garbage collection during some later test
-            await self._join_reader()
-            return
-        with contextlib.suppress(AgentError, ConnectionError):
-            await self.command("stop", timeout=20)
-        try:
-            await asyncio.wait_for(self.proc.wait(), 10)
-        except TimeoutError:
-            self.kill()
-            await self.proc.wait()
+        # exited already (killed by the test): its stdout is still read to EOF, so asyncio
+        # closes the pipe now, not at garbage collection during some later test
+        if self.proc.returncode is None:
+            with contextlib.suppress(AgentError, ConnectionError):
+                await self.command("stop", timeout=20)
+            try:
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except TimeoutError:
+                self.kill()
+                await self.proc.wait()
         await self._join_reader()
 
     def kill(self) -> None:
@@ -251,9 +264,135 @@ class CredoAgent:
 
     async def _join_reader(self) -> None:
         if self._reader is not None:
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(self._reader, 5)
             self._reader = None
+
+    def log_tail(self, limit: int = 12000) -> str:
+        return tail(self.log_path, limit)
+
+
+class CredoAgent(NodeAgent):
+    """The Credo-ts 0.6 agent; ``data_dir`` (the Askar wallet) outlives runs. `basic_messages`
+    holds every basic message of this run, in arrival order."""
+
+    kind = "credo"
+
+    def __init__(self, tools: Toolchain, data_dir: Path, log_path: Path, label: str = "credo-e2e") -> None:
+        super().__init__(tools, data_dir.parent / f"{data_dir.name}-run", log_path, "Credo")
+        self.data_dir = data_dir
+        self.label = label
+        self.basic_messages: list[dict[str, Any]] = []
+        self._new_message = asyncio.Event()
+
+    def node_modules(self) -> Path:
+        return self.tools.credo_dir / "node_modules"
+
+    def env(self) -> dict[str, str]:
+        return {"LIB_ASKAR_PATH": self.tools.askar_lib_dir}
+
+    def on_event(self, event: dict[str, Any]) -> bool:
+        if event.get("event") == "basicmessage":
+            self.basic_messages.append(event)
+            self._new_message.set()
+            return True
+        return False
+
+    async def start(self, strategy: str, poll_ms: int = 200, timeout: float = 120.0) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = ["--data", str(self.data_dir), "--label", self.label]
+        await self.launch([*args, "--strategy", strategy, "--poll-ms", str(poll_ms)], timeout)
+
+    async def wait_messages(self, count: int, timeout: float) -> list[dict[str, Any]]:
+        """Wait until at least `count` basic messages have arrived in this run."""
+        deadline = time.monotonic() + timeout
+        while len(self.basic_messages) < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                have = len(self.basic_messages)
+                raise AgentError(f"{have} of {count} basic messages reached the Credo agent in {timeout} s")
+            self._new_message.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._new_message.wait(), left)
+        return self.basic_messages[:count]
+
+
+class IdentusAgent(NodeAgent):
+    """The Identus SDK agent of a test's `workdir`. `batches` holds every batch of received
+    messages (a Pickup delivery, after its messages-received was answered): {"atMs", "items"}."""
+
+    kind = "identus"
+
+    def __init__(self, tools: Toolchain, workdir: Path, name: str) -> None:
+        super().__init__(tools, workdir / name, workdir / f"{name}.log", name)
+        self.batches: list[dict[str, Any]] = []
+        self.http: list[dict[str, Any]] = []
+        self._batch = asyncio.Event()
+
+    def node_modules(self) -> Path:
+        return self.tools.identus_dir / "node_modules"
+
+    def node_args(self) -> list[str]:
+        # the SDK's live mode opens the global WebSocket, behind a flag below Node 22
+        return ["--experimental-websocket"] if node_major() < 22 else []
+
+    def on_event(self, event: dict[str, Any]) -> bool:
+        if event.get("event") == "messages":
+            self.batches.append(event)
+            self._batch.set()
+            return True
+        if event.get("event") == "http":
+            self.http.append(event)
+            return True
+        return False
+
+    async def start_agent(
+        self, mediator_did: str | None = None, live: bool = False, poll_ms: int = 300
+    ) -> dict[str, Any]:
+        args = ["--poll-ms", str(poll_ms)]
+        if mediator_did:
+            args += ["--mediator-did", mediator_did]
+        if live:
+            args.append("--live")
+        return await self.launch(args, 120.0)
+
+    def contents(self) -> list[str]:
+        """Basic-message contents in the order the agent was handed them."""
+        return [
+            str(item["content"])
+            for batch in self.batches
+            for item in batch["items"]
+            if str(item.get("piuri", "")).endswith("/basicmessage/2.0/message")
+        ]
+
+    async def wait_contents(self, wanted: set[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not wanted <= set(self.contents()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(wanted - set(self.contents()))
+                raise AgentError(f"{self.name}: {len(missing)} not received in {timeout} s: {missing[:10]}")
+            self._batch.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._batch.wait(), left)
+
+    def http_failures(self) -> list[dict[str, Any]]:
+        return [h for h in self.http if not 200 <= int(h["status"]) < 300]
+
+
+class VeramoAgent(NodeAgent):
+    """The Veramo agent of a test's `workdir`."""
+
+    kind = "veramo"
+
+    def __init__(self, tools: Toolchain, workdir: Path, name: str) -> None:
+        super().__init__(tools, workdir / name, workdir / f"{name}.log", name)
+
+    def node_modules(self) -> Path:
+        return self.tools.veramo_dir / "node_modules"
+
+    async def start_agent(self, mediator_did: str | None = None) -> dict[str, Any]:
+        return await self.launch(["--mediator-did", mediator_did] if mediator_did else [], 120.0)
 
 
 class AcaPy:

@@ -1,5 +1,5 @@
 // A headless Hyperledger Identus SDK 7.0.0 agent for relayfleet's DIDComm v2 tests
-// (tests/relay/didcomm_v2/, tests/support/didcomm_v2_agents.py).
+// (tests/relay/didcomm_v2/, tests/support/didcomm_stock_agents.py).
 //
 // A stock Identus Agent (Apollo, Castor, Mercury, Pluto from the SDK) over a small in-memory
 // store: the SDK ships no store, only its Pluto.Store interface (query/insert/update/delete with

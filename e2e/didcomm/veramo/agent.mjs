@@ -1,5 +1,5 @@
 // A headless Veramo 7.0.1 agent with @veramo/did-comm for relayfleet's DIDComm v2 tests
-// (tests/relay/didcomm_v2/, tests/support/didcomm_v2_agents.py).
+// (tests/relay/didcomm_v2/, tests/support/didcomm_stock_agents.py).
 //
 // Stock Veramo plugins, all in memory: key manager (kms-local), DID manager with the did:peer
 // provider (num_algo 2), the did:peer resolver, the DIDComm plugin with its HTTP transport, and

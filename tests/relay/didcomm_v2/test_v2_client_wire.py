@@ -1,6 +1,6 @@
 """What the stock DIDComm v2 clients put on the wire, pinned without a mediator.
 
-The Identus SDK 7.0.0 and Veramo 7.0.1 agents (tests/support/didcomm_v2_agents.py) send basic
+The Identus SDK 7.0.0 and Veramo 7.0.1 agents (tests/support/didcomm_stock_agents.py) send basic
 messages to did:peer:2 DIDs this test makes, whose DIDCommMessaging service is a local HTTP
 endpoint that records each request: directly (the service's uri is the endpoint) and through a
 mediator (the uri is a mediator DID whose own service is the endpoint, so the client wraps a
@@ -26,8 +26,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from relay.didcomm import keys as dk
-from tests.support.didcomm_stock_agents import Toolchain, toolchain
-from tests.support.didcomm_v2_agents import IdentusAgent, NodeAgent, VeramoAgent
+from tests.support.didcomm_stock_agents import IdentusAgent, NodeAgent, Toolchain, VeramoAgent, toolchain
 
 pytestmark = [
     pytest.mark.didcomm_agents,

@@ -4,7 +4,7 @@ Veramo's @veramo/did-comm 7.0.1, with the history checker's verdict on what they
 One fleet: two Debian redis-server shards, a shard-map file, two `python -m relay` processes
 with one DIDComm seed behind one public URL (a round-robin TCP proxy standing for the fleet
 Service, tests/support/tcp_proxy.py), so every client reaches both relays. The clients
-(tests/support/didcomm_v2_agents.py) take the mediator's DID from its v2 invitation.
+(tests/support/didcomm_stock_agents.py) take the mediator's DID from its v2 invitation.
 
 The interop matrix (client x protocol x transport), each row N basic messages sent paced (each
 send once the one before was answered) and judged by the history checker (ClientHistory: lost,
@@ -45,14 +45,8 @@ import pytest_asyncio
 import redis
 
 from relay.fleet.routing import load_file
-from tests.support.didcomm_stock_agents import Toolchain, toolchain
-from tests.support.didcomm_v2_agents import (
-    ClientHistory,
-    IdentusAgent,
-    NodeAgent,
-    VeramoAgent,
-    verdict_summary,
-)
+from tests.support.client_history import ClientHistory, verdict_summary
+from tests.support.didcomm_stock_agents import IdentusAgent, NodeAgent, Toolchain, VeramoAgent, toolchain
 from tests.support.fleet_harness import FleetProcs, relay_logs
 from tests.support.tcp_proxy import TcpProxy
 
