@@ -154,11 +154,13 @@ class NodeAgent:
 
     def _install(self) -> Path:
         """A copy of e2e/didcomm's layout in run_dir: the agent (its node_modules a link to the
-        cached tree); returns the agent's script."""
+        cached tree) and the modules the agents share (lib/); returns the agent's script. Copied
+        at every start, so an edited agent needs no toolchain rebuild."""
         agent_dir = self.run_dir / self.kind
         agent_dir.mkdir(parents=True, exist_ok=True)
         for name in ("agent.mjs", "package.json"):
             shutil.copy(AGENTS / self.kind / name, agent_dir / name)
+        shutil.copytree(AGENTS / "lib", self.run_dir / "lib", dirs_exist_ok=True)
         link = agent_dir / "node_modules"
         if not link.exists():
             link.symlink_to(self.node_modules())

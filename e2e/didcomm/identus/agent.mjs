@@ -14,7 +14,7 @@
 // Without it the agent only sends.
 //
 // Commands (one JSON object a line, each answered by {"id": <same>, "ok": true, ...} or
-// {"id", "ok": false, "error"}):
+// {"id", "ok": false, "error"}; the loop is ../lib/command-loop.mjs, shared with the other agent):
 //   {"id", "cmd": "new-did"}   a new peer DID; when mediated, registered with the mediator
 //                              (keylist-update) and routed through it: {"did"}
 //   {"id", "cmd": "send", "from", "to", "content"}  a basic message (2.0) from one of our DIDs:
@@ -29,8 +29,8 @@
 //   unhandled rejection.
 
 import SDK from '@hyperledger/identus-sdk'
-import readline from 'node:readline'
 import { parseArgs } from 'node:util'
+import { emit, run, serveCommands } from '../lib/command-loop.mjs'
 
 const { values: opts } = parseArgs({
   options: {
@@ -40,10 +40,6 @@ const { values: opts } = parseArgs({
   },
 })
 
-function emit(obj) {
-  process.stdout.write(`${JSON.stringify(obj)}\n`)
-}
-
 // stdout is the control channel: the SDK's console output goes to stderr, time-stamped.
 const toStderr = console.error.bind(console)
 const stamped = (...args) => toStderr(new Date().toISOString().slice(11, 23), ...args)
@@ -52,10 +48,6 @@ console.info = stamped
 console.debug = stamped
 console.warn = stamped
 console.error = stamped
-
-process.on('unhandledRejection', (err) => {
-  emit({ event: 'error', error: String(err?.stack ?? err) })
-})
 
 // ---- Pluto.Store in memory ----
 // Selectors the SDK's repositories use: field equality, $and, $or (an empty $or matches
@@ -235,9 +227,7 @@ const commands = {
   },
 }
 
-const pending = new Set()
-
-async function main() {
+run(async () => {
   await agent.start()
   if (agent.connections.mediator && !opts.live) {
     // Agent.start polls every 5 s; the tests choose the period.
@@ -245,39 +235,5 @@ async function main() {
     await agent.startFetchingMessages(Number(opts['poll-ms']))
   }
   emit({ event: 'ready', mediation: mediatorInfo().state })
-  const lines = readline.createInterface({ input: process.stdin })
-  for await (const line of lines) {
-    if (!line.trim()) continue
-    let request
-    try {
-      request = JSON.parse(line)
-    } catch {
-      emit({ ok: false, error: 'not JSON' })
-      continue
-    }
-    if (request.cmd === 'stop') {
-      await Promise.allSettled(pending)
-      await agent.stop()
-      emit({ id: request.id, ok: true })
-      process.exit(0)
-    }
-    const handler = commands[request.cmd]
-    if (!handler) {
-      emit({ id: request.id, ok: false, error: `unknown command ${request.cmd}` })
-      continue
-    }
-    // Commands run concurrently (a send does not wait for the one before): the test paces them.
-    const run = handler(request)
-      .then((result) => emit({ id: request.id, ok: true, ...result }))
-      .catch((err) => emit({ id: request.id, ok: false, error: String(err?.stack ?? err) }))
-      .finally(() => pending.delete(run))
-    pending.add(run)
-  }
-  await agent.stop()
-  process.exit(0)
-}
-
-main().catch((err) => {
-  emit({ event: 'fatal', error: String(err?.stack ?? err) })
-  process.exit(1)
+  await serveCommands(commands, () => agent.stop())
 })

@@ -10,7 +10,7 @@
 //   node agent.mjs [--mediator-did DID]
 //
 // Commands (one JSON object a line, each answered by {"id": <same>, "ok": true, ...} or
-// {"id", "ok": false, "error"}):
+// {"id", "ok": false, "error"}; the loop is ../lib/command-loop.mjs, shared with the other agent):
 //   {"id", "cmd": "mediate"}   a host did:peer:2 and a 3.0 mediate-request from it (packed
 //        authcrypt, built by createV3MediateRequestMessage): {"state": "granted"|<reply type>,
 //        "hostDid", "routingDid"}; the grant is handled by Veramo's own 3.0 recipient handler
@@ -49,23 +49,15 @@ import { KeyManager, MemoryKeyStore, MemoryPrivateKeyStore } from '@veramo/key-m
 import { KeyManagementSystem } from '@veramo/kms-local'
 import { AbstractMessageHandler, MessageHandler } from '@veramo/message-handler'
 import { Resolver } from 'did-resolver'
-import readline from 'node:readline'
 import { parseArgs } from 'node:util'
 import { randomUUID } from 'node:crypto'
+import { emit, run, serveCommands } from '../lib/command-loop.mjs'
 
 const BASIC_MESSAGE = 'https://didcomm.org/basicmessage/2.0/message'
 const MEDIATE_GRANT = 'https://didcomm.org/coordinate-mediation/3.0/mediate-grant'
 const DELIVERY = 'https://didcomm.org/messagepickup/3.0/delivery'
 
 const { values: opts } = parseArgs({ options: { 'mediator-did': { type: 'string' } } })
-
-function emit(obj) {
-  process.stdout.write(`${JSON.stringify(obj)}\n`)
-}
-
-process.on('unhandledRejection', (err) => {
-  emit({ event: 'error', error: String(err?.stack ?? err) })
-})
 
 // Basic messages unpacked from deliveries, by the mediator's attachment id.
 const received = new Map()
@@ -201,41 +193,7 @@ const commands = {
   },
 }
 
-const pending = new Set()
-
-async function main() {
+run(async () => {
   emit({ event: 'ready' })
-  const lines = readline.createInterface({ input: process.stdin })
-  for await (const line of lines) {
-    if (!line.trim()) continue
-    let request
-    try {
-      request = JSON.parse(line)
-    } catch {
-      emit({ ok: false, error: 'not JSON' })
-      continue
-    }
-    if (request.cmd === 'stop') {
-      await Promise.allSettled(pending)
-      emit({ id: request.id, ok: true })
-      process.exit(0)
-    }
-    const handler = commands[request.cmd]
-    if (!handler) {
-      emit({ id: request.id, ok: false, error: `unknown command ${request.cmd}` })
-      continue
-    }
-    // Commands run concurrently: the test paces them.
-    const run = handler(request)
-      .then((result) => emit({ id: request.id, ok: true, ...result }))
-      .catch((err) => emit({ id: request.id, ok: false, error: String(err?.stack ?? err) }))
-      .finally(() => pending.delete(run))
-    pending.add(run)
-  }
-  process.exit(0)
-}
-
-main().catch((err) => {
-  emit({ event: 'fatal', error: String(err?.stack ?? err) })
-  process.exit(1)
+  await serveCommands(commands)
 })
