@@ -350,11 +350,23 @@ class ApnsServer(_Served):
 
 @dataclass
 class Webhook:
-    """The operator's own gateway (RELAY_PUSH_WEBHOOK): records each call, answers 204."""
+    """The operator's own gateway (RELAY_PUSH_WEBHOOK, or the queue push hook's): records each
+    call, then answers with the next of `answers` (204 once they are used up), after `delay_s`."""
 
     url: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
     raw: list[bytes] = field(default_factory=list)
+    answers: list[int] = field(default_factory=list)  # statuses to answer, in order; then 204
+    delay_s: float = 0.0
+    answered: int = 0
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def wait_for(self, n: int, timeout: float = 5.0) -> None:
+        """Until `n` calls have arrived (answered or not)."""
+        async with asyncio.timeout(timeout):
+            while len(self.calls) < n:
+                self.arrived.clear()
+                await self.arrived.wait()
 
 
 @asynccontextmanager
@@ -365,7 +377,12 @@ async def webhook_server() -> AsyncIterator[Webhook]:
         body = await request.read()
         hook.raw.append(body)
         hook.calls.append(json.loads(body))
-        return web.Response(status=204)
+        hook.arrived.set()
+        if hook.delay_s:
+            await asyncio.sleep(hook.delay_s)
+        status = hook.answers.pop(0) if hook.answers else 204
+        hook.answered += 1
+        return web.Response(status=status)
 
     app = web.Application()
     app.router.add_post("/push", receive)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +18,14 @@ from relay.devicepush.wiring import DEVICE_NOTIFIER
 from relay.didcomm import keys as dk
 from tests.support.didcomm_test_agent import Agent, msg
 from tests.support.in_process_relay import RelayFactory, RunningRelay
-from tests.support.push_providers import ApnsServer, FcmServer, Webhook, write_credentials
+from tests.support.push_providers import (
+    ApnsServer,
+    FcmServer,
+    Webhook,
+    apns_server,
+    fcm_server,
+    write_credentials,
+)
 from tests.support.tls_pki import Pki
 from tests.support.waiting import until
 
@@ -49,32 +58,38 @@ class World:
         await asyncio.sleep(COALESCE_S + 0.3)  # a send in flight when the map emptied
 
 
-async def start_world(
+@asynccontextmanager
+async def push_world(
     redis_server: LocalRedis,
     relay_factory: RelayFactory,
     seed_file: str,
     pki: Pki,
     webhook: Webhook,
-    fcm: FcmServer,
-    apns: ApnsServer,
     http: aiohttp.ClientSession,
     tmp_path: Path,
     min_interval_s: float = 60.0,
-) -> World:
-    creds = write_credentials(tmp_path / "push-secret", fcm, apns)
-    relay = await relay_factory(
-        redis_server.url,
-        didcomm_seed_file=seed_file,
-        public_url=PUBLIC,
-        push_webhook=webhook.url,
-        push_credentials_dir=str(creds),
-        push_fcm_url=fcm.url,
-        push_apns_url=apns.url,
-        push_ca_file=str(pki.ca),
-        push_coalesce_s=COALESCE_S,
-        push_min_interval_s=min_interval_s,
-    )
-    return World(relay, webhook, fcm, apns, http)
+) -> AsyncIterator[World]:
+    """The local FCM and APNs servers and a relay pushing to them and to `webhook` (the fixtures
+    of tests/relay/conftest.py); closed in order afterwards (World.close)."""
+    async with fcm_server(pki) as fcm, apns_server(pki) as apns:
+        creds = write_credentials(tmp_path / "push-secret", fcm, apns)
+        relay = await relay_factory(
+            redis_server.url,
+            didcomm_seed_file=seed_file,
+            public_url=PUBLIC,
+            push_webhook=webhook.url,
+            push_credentials_dir=str(creds),
+            push_fcm_url=fcm.url,
+            push_apns_url=apns.url,
+            push_ca_file=str(pki.ca),
+            push_coalesce_s=COALESCE_S,
+            push_min_interval_s=min_interval_s,
+        )
+        world = World(relay, webhook, fcm, apns, http)
+        try:
+            yield world
+        finally:
+            await world.close()
 
 
 async def phone(

@@ -1,7 +1,7 @@
 """Push hook: offline queues get a webhook call ({recipient, channel, seq}, never the payload).
 
-The webhook is a real HTTP server on a real socket; the relay a real aiohttp app
-over a real redis-server.
+The webhook is a real HTTP server on a real socket (the `webhook` fixture of
+tests/relay/conftest.py); the relay a real aiohttp app over a real redis-server.
 """
 
 from __future__ import annotations
@@ -9,13 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 from relayfleet_testing.localredis import LocalRedis, free_port
 
 from relay import metrics
@@ -24,6 +19,7 @@ from relay.protocol import b64encode, keypair
 from relay.push import NOTIFIER, PushNotifier
 from relay.retrying import PUSH_WEBHOOK
 from tests.support.in_process_relay import RelayFactory, RunningRelay
+from tests.support.push_providers import Webhook
 
 FAST = dataclasses.replace(PUSH_WEBHOOK, first_s=0.01, cap_s=0.04, jitter_s=0.0)
 ATTEMPTS = PUSH_WEBHOOK.attempts or 0
@@ -32,47 +28,6 @@ ATTEMPTS = PUSH_WEBHOOK.attempts or 0
 def pushes(outcome: str) -> float:
     value = metrics.REGISTRY.get_sample_value("relayfleet_push_notifications_total", {"outcome": outcome})
     return value or 0.0
-
-
-@dataclass
-class Webhook:
-    url: str
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    raw: list[bytes] = field(default_factory=list)
-    answers: list[int] = field(default_factory=list)  # statuses to answer, in order; then 204
-    delay_s: float = 0.0
-    answered: int = 0
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def wait_for(self, n: int) -> None:
-        async with asyncio.timeout(5.0):
-            while len(self.calls) < n:
-                self.arrived.clear()
-                await self.arrived.wait()
-
-
-@pytest.fixture
-async def webhook() -> AsyncIterator[Webhook]:
-    hook = Webhook(url="")
-
-    async def receive(request: web.Request) -> web.Response:
-        body = await request.read()
-        hook.raw.append(body)
-        hook.calls.append(await request.json())
-        hook.arrived.set()
-        if hook.delay_s:
-            await asyncio.sleep(hook.delay_s)
-        status = hook.answers.pop(0) if hook.answers else 204
-        hook.answered += 1
-        return web.Response(status=status)
-
-    app = web.Application()
-    app.router.add_post("/push", receive)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    hook.url = str(server.make_url("/push"))
-    yield hook
-    await server.close()
 
 
 async def fast_relay(factory: RelayFactory, redis_url: str, url: str) -> RunningRelay:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -26,13 +24,6 @@ from tests.support.waiting import until
 PUBLIC = "https://relay.example.test"
 REDELIVER_S = 3.0  # the delivery lease: long enough for a loaded machine's next two requests
 BASE = "https://didcomm.org/"
-
-
-@pytest.fixture
-def seed_file(tmp_path: Path) -> str:
-    path = tmp_path / "seed"
-    path.write_text(os.urandom(32).hex() + "\n")
-    return str(path)
 
 
 @pytest.fixture

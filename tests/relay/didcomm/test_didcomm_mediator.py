@@ -26,13 +26,6 @@ PUBLIC = "https://relay.example.test"
 
 
 @pytest.fixture
-def seed_file(tmp_path: Path) -> str:
-    path = tmp_path / "seed"
-    path.write_text(os.urandom(32).hex() + "\n")
-    return str(path)
-
-
-@pytest.fixture
 async def relay(redis_server: LocalRedis, relay_factory: RelayFactory, seed_file: str) -> RunningRelay:
     return await relay_factory(
         redis_server.url, didcomm_seed_file=seed_file, public_url=PUBLIC, didcomm_redeliver_s=0.5

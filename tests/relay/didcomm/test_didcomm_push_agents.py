@@ -16,7 +16,6 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +27,9 @@ from relay.devicepush.wiring import DEVICE_NOTIFIER
 from relay.didcomm import keys as dk
 from tests.support.didcomm_stock_agents import AcaPy, Toolchain, toolchain
 from tests.support.in_process_relay import RelayFactory
-from tests.support.push_providers import Webhook, apns_server, fcm_server, webhook_server
-from tests.support.push_world import APNS_TOKEN, FCM_TOKEN, phone, start_world
-from tests.support.tls_pki import Pki, make_pki
+from tests.support.push_providers import Webhook
+from tests.support.push_world import APNS_TOKEN, FCM_TOKEN, phone, push_world
+from tests.support.tls_pki import Pki
 from tests.support.waiting import until
 
 pytestmark = [pytest.mark.didcomm_agents, pytest.mark.timeout(420)]
@@ -39,24 +38,6 @@ pytestmark = [pytest.mark.didcomm_agents, pytest.mark.timeout(420)]
 @pytest.fixture
 def tools() -> Toolchain:
     return toolchain()
-
-
-@pytest.fixture
-def seed_file(tmp_path: Path) -> str:
-    path = tmp_path / "seed"
-    path.write_text(os.urandom(32).hex() + "\n")
-    return str(path)
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    return make_pki(tmp_path / "pki")
-
-
-@pytest.fixture
-async def webhook() -> AsyncIterator[Webhook]:
-    async with webhook_server() as hook:
-        yield hook
 
 
 def invitation(endpoint: str, key: bytes, routing_key: str) -> dict[str, Any]:
@@ -89,10 +70,8 @@ async def test_five_forwards_from_acapy_make_one_notification_per_provider(
     tmp_path: Path,
 ) -> None:
     acapy = AcaPy(tools, tmp_path / "acapy", label="acapy-push")
-    async with fcm_server(pki) as fcm, apns_server(pki) as apns:
-        world = await start_world(
-            redis_server, relay_factory, seed_file, pki, webhook, fcm, apns, http, tmp_path
-        )
+    async with push_world(redis_server, relay_factory, seed_file, pki, webhook, http, tmp_path) as world:
+        fcm, apns = world.fcm, world.apns
         try:
             await acapy.start()
             agent, key = await phone(world)
@@ -144,7 +123,6 @@ async def test_five_forwards_from_acapy_make_one_notification_per_provider(
             print(f"device push figures: {json.dumps({'first_notification_s': round(first_s, 2), **counts})}")
         finally:
             acapy.stop()
-            await world.close()
 
 
 async def _equals(check: Any, n: int) -> bool:

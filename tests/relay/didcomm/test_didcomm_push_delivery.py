@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,14 +21,9 @@ from relay.devicepush.wiring import DEVICE_NOTIFIER
 from relay.didcomm import keys as dk
 from tests.support.didcomm_test_agent import Agent, forward_envelope, inner_message, msg
 from tests.support.in_process_relay import RelayFactory
-from tests.support.push_providers import (
-    Webhook,
-    apns_server,
-    fcm_server,
-    webhook_server,
-)
-from tests.support.push_world import APNS_TOKEN, FCM_TOKEN, PUBLIC, World, phone, start_world
-from tests.support.tls_pki import Pki, make_pki
+from tests.support.push_providers import Webhook, apns_server, fcm_server
+from tests.support.push_world import APNS_TOKEN, FCM_TOKEN, PUBLIC, World, phone, push_world
+from tests.support.tls_pki import Pki
 from tests.support.waiting import until
 
 
@@ -45,24 +39,6 @@ def bursts(result: str) -> float:
 
 
 @pytest.fixture
-def seed_file(tmp_path: Path) -> str:
-    path = tmp_path / "seed"
-    path.write_text(os.urandom(32).hex() + "\n")
-    return str(path)
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    return make_pki(tmp_path / "pki")
-
-
-@pytest.fixture
-async def webhook() -> AsyncIterator[Webhook]:
-    async with webhook_server() as hook:
-        yield hook
-
-
-@pytest.fixture
 async def world(
     redis_server: LocalRedis,
     relay_factory: RelayFactory,
@@ -72,10 +48,8 @@ async def world(
     http: aiohttp.ClientSession,
     tmp_path: Path,
 ) -> AsyncIterator[World]:
-    async with fcm_server(pki) as fcm, apns_server(pki) as apns:
-        w = await start_world(redis_server, relay_factory, seed_file, pki, webhook, fcm, apns, http, tmp_path)
+    async with push_world(redis_server, relay_factory, seed_file, pki, webhook, http, tmp_path) as w:
         yield w
-        await w.close()
 
 
 async def burst(agent: Agent, key: bytes, n: int, tag: str) -> list[dict[str, Any]]:
@@ -213,19 +187,10 @@ async def test_apns_410_unregisters_and_fcm_invalid_token_too(
     http: aiohttp.ClientSession,
     tmp_path: Path,
 ) -> None:
-    async with fcm_server(pki) as fcm, apns_server(pki) as apns:
-        w = await start_world(
-            redis_server,
-            relay_factory,
-            seed_file,
-            pki,
-            webhook,
-            fcm,
-            apns,
-            http,
-            tmp_path,
-            min_interval_s=0.0,
-        )
+    async with push_world(
+        redis_server, relay_factory, seed_file, pki, webhook, http, tmp_path, min_interval_s=0.0
+    ) as w:
+        fcm, apns = w.fcm, w.apns
         apns.unregistered.add(APNS_TOKEN)
         agent, key = await phone(w, fcm_token="no-colon-token")  # FCM: INVALID_ARGUMENT on message.token
         await burst(agent, key, 1, "gone")
@@ -239,7 +204,6 @@ async def test_apns_410_unregisters_and_fcm_invalid_token_too(
             report = await agent.send(msg(family + "/get-device-info"))
             assert report is not None
             assert report["description"]["code"] == "not-registered-for-push-notifications"
-        await w.close()
 
 
 async def test_a_live_socket_on_another_relay_means_no_notification(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -26,13 +25,6 @@ FCM = "push-notifications-fcm/1.0/"
 APNS = "push-notifications-apns/1.0/"
 FCM_TOKEN = "dXk3Fq0:APA91bH-ExampleToken_of.fcm-shape"
 APNS_TOKEN = "ab" * 32
-
-
-@pytest.fixture
-def seed_file(tmp_path: Path) -> str:
-    path = tmp_path / "seed"
-    path.write_text(os.urandom(32).hex() + "\n")
-    return str(path)
 
 
 @pytest.fixture

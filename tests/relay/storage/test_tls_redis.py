@@ -23,17 +23,12 @@ from relay.storage.maintenance import ShardMaintenance
 from relay.storage.store import EnqueueRequest, QueueLimits, ShardStore
 from relay.storage.wakeups import WakeupHub
 from tests.support.in_process_relay import RelayFactory
-from tests.support.tls_pki import Pki, make_pki, tls_redis
+from tests.support.tls_pki import Pki, tls_redis
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 PASSWORD = "tls-secret-pw"
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    return make_pki(tmp_path / "pki")
 
 
 @pytest.fixture
