@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
-import requests
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -22,13 +20,12 @@ from relay.didcomm import jwm, peer2
 from relay.didcomm import keys as dk
 from relay.didcomm.mediator2 import HANDLED_TYPES
 from tests.hostile.didcomm_attacker import serving
-from tests.hostile.fuzzing import B58, budget, json_values, timed
+from tests.hostile.fuzzing import B58, Poster, budget, json_values, timed
 from tests.hostile.harness import Relay, report
 from tests.support.didcomm2_test_agent import Agent2, forward, inner, new_recipient
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("didcomm2-fuzz")]
 
-REQUEST_S = 3.0
 AGENT = Agent2("http://unused.test", None)  # type: ignore[arg-type]  # keys and DIDs only
 RECIPIENT, RECIPIENT_KEY = new_recipient()
 
@@ -146,18 +143,7 @@ async def _mediated(relay: Relay) -> Agent2:
 
 def test_v2_messages_through_the_relay(relay: Relay) -> None:
     agent = asyncio.run(_mediated(relay))
-    session = requests.Session()
-    statuses: dict[int, int] = {}
-
-    def post(body: bytes, kind: str = jwm.ENCRYPTED) -> None:
-        started = time.perf_counter()
-        resp = session.post(relay.url + "/v1/didcomm", data=body, headers={"Content-Type": kind})
-        assert time.perf_counter() - started < REQUEST_S
-        statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
-        assert resp.status_code < 500, resp.text[:300]
-        if resp.status_code >= 400:
-            assert resp.headers["Content-Type"].startswith("application/json")
-            assert "Traceback" not in resp.text
+    post = Poster(relay.url + "/v1/didcomm", jwm.ENCRYPTED)
 
     @budget(60)
     @given(
@@ -192,7 +178,7 @@ def test_v2_messages_through_the_relay(relay: Relay) -> None:
     post(forward(agent.mediator_did, RECIPIENT, good))
     delivered = asyncio.run(_deliver(agent, relay))
     assert good in delivered
-    report("DIDComm v2 fuzz through the relay", statuses=dict(sorted(statuses.items())))
+    report("DIDComm v2 fuzz through the relay", statuses=post.sorted_statuses())
 
 
 async def _deliver(agent: Agent2, relay: Relay) -> list[Any]:

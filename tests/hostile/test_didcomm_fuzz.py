@@ -14,13 +14,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
-import requests
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -30,13 +28,11 @@ from relay.didcomm.attachments import AttachmentError, attached_document, signed
 from relay.didcomm.envelope import EnvelopeError, pack, parse, unpack
 from relay.didcomm.mediator import HANDLED_TYPES
 from tests.hostile.didcomm_attacker import Mediated, mediated, serving
-from tests.hostile.fuzzing import B58, budget, json_values, timed
+from tests.hostile.fuzzing import B58, Poster, budget, json_values, timed
 from tests.hostile.harness import Relay, report
 from tests.support.didcomm_test_agent import msg
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("didcomm-fuzz")]  # one relay per module
-
-REQUEST_S = 3.0  # one envelope through the relay
 
 
 # -- strategies ------------------------------------------------------------------------------
@@ -262,20 +258,7 @@ async def _mediated(relay: Relay) -> Mediated:
 
 def test_plaintext_messages_and_envelopes_through_the_relay(relay: Relay) -> None:
     m = asyncio.run(_mediated(relay))
-    session = requests.Session()
-    statuses: dict[int, int] = {}
-
-    def post(body: bytes) -> None:
-        started = time.perf_counter()
-        resp = session.post(
-            relay.url + "/v1/didcomm", data=body, headers={"Content-Type": "application/didcomm-envelope-enc"}
-        )
-        assert time.perf_counter() - started < REQUEST_S
-        statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
-        assert resp.status_code < 500, resp.text[:300]
-        if resp.status_code >= 400:
-            assert resp.headers["Content-Type"].startswith("application/json")
-            assert "Traceback" not in resp.text
+    post = Poster(relay.url + "/v1/didcomm", "application/didcomm-envelope-enc")
 
     @budget(40)
     @given(
@@ -305,7 +288,7 @@ def test_plaintext_messages_and_envelopes_through_the_relay(relay: Relay) -> Non
     post(m.forward(good))
     delivery = asyncio.run(_deliver(m, relay))
     assert json.dumps(good).encode() in delivery
-    report("DIDComm fuzz through the relay", statuses=dict(sorted(statuses.items())))
+    report("DIDComm fuzz through the relay", statuses=post.sorted_statuses())
 
 
 async def _deliver(m: Mediated, relay: Relay) -> list[bytes]:

@@ -3,7 +3,8 @@
 `FleetProcs` starts Debian redis-server processes, writes the shard-map file and starts
 `python -m relay --shard-map FILE --port P --auth none` subprocesses (stopped by pid);
 `spawn_relay`, `wait_ready` and `stop_relays` run such relay processes for other tests too,
-on a map file, a ConfigMap or a single Redis URL.
+on a map file, a ConfigMap or a single Redis URL; `didcomm_slots` says where the DIDComm
+mediator's records are.
 `Workload` drives producers (uniquely numbered payloads, Idempotency-Key retries),
 read+ack consumers, drain consumers and long-polls through every relay, recording each
 response into a `tests.support.history.History`, and finally reads every queue to its end.
@@ -24,17 +25,19 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import redis
 from relayfleet_testing.localredis import LocalRedis, free_port
 
 from relay.fleet.migration import MigrationReport, file_publisher, migrate_slots, write_map_file
 from relay.fleet.routing import load_file
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, even_split, slot_of
+from relay.storage import keys as K
 from tests.support.history import History
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
@@ -180,6 +183,17 @@ def fleet_procs(tmp_path: Path, **kw: Any) -> Iterator[FleetProcs]:
         yield fleet
     finally:
         fleet.stop()
+
+
+def didcomm_slots(servers: Mapping[str, LocalRedis]) -> dict[int, str]:
+    """Every slot holding DIDComm mediator records (K.slot_didcomm) -> the shard holding it."""
+    placement: dict[int, str] = {}
+    for name, server in servers.items():
+        with redis.Redis.from_url(server.url) as client:
+            for raw in client.scan_iter(match=K.PREFIX + ":{rf*}:didcomm", count=1000):
+                key = raw.decode()
+                placement[int(key[key.index("{rf") + 3 : key.index("}")])] = name
+    return placement
 
 
 def retries(fleet: FleetProcs) -> dict[str, float]:

@@ -48,8 +48,9 @@ from relay.didcomm.envelope import pack
 from relay.fleet.migration import write_map_file
 from relay.fleet.routing import load_file
 from relay.fleet.sharding import even_split
+from relay.storage import keys as K
 from tests.support.didcomm_stock_agents import AcaPy, AgentError, CredoAgent, Toolchain, tail, toolchain
-from tests.support.fleet_harness import RelayProc, spawn_relay, stop_relays, wait_ready
+from tests.support.fleet_harness import RelayProc, didcomm_slots, spawn_relay, stop_relays, wait_ready
 
 pytestmark = [
     pytest.mark.didcomm_agents,
@@ -152,16 +153,12 @@ class World:
     def registered_keys(self) -> list[str]:
         """Every recipient key registered with the mediator (unpadded base64url), from Redis."""
         found: list[str] = []
-        for server in self.shards.values():
-            client = redis.Redis.from_url(server.url)
-            try:
-                for raw in client.scan_iter(match="rf:{rf*}:didcomm", count=1000):
-                    for field_ in client.hkeys(raw):
-                        name = field_.decode() if isinstance(field_, bytes) else str(field_)
-                        if name.startswith("k:"):
-                            found.append(name[2:])
-            finally:
-                client.close()
+        for slot, shard in didcomm_slots(self.shards).items():
+            with redis.Redis.from_url(self.shards[shard].url) as client:
+                for field_ in client.hkeys(K.slot_didcomm(slot)):
+                    name = field_.decode() if isinstance(field_, bytes) else str(field_)
+                    if name.startswith("k:"):
+                        found.append(name[2:])
         return found
 
     def queue_report(self) -> list[str]:
@@ -180,16 +177,7 @@ class World:
     def didcomm_slots(self) -> dict[int, str]:
         """Every slot holding DIDComm records (all of them the Credo agent's: its mediator
         connection and every key it registered, so every queue it is sent to) -> its shard."""
-        placement: dict[int, str] = {}
-        for name, server in self.shards.items():
-            client = redis.Redis.from_url(server.url)
-            try:
-                for raw in client.scan_iter(match="rf:{rf*}:didcomm", count=1000):
-                    key = raw.decode()
-                    placement[int(key[len("rf:{rf") : key.index("}")])] = name
-            finally:
-                client.close()
-        return placement
+        return didcomm_slots(self.shards)
 
 
 # shaped like a packed message, opens for nobody: stored, handed to Credo, which drops it

@@ -42,12 +42,11 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-import redis
 
 from relay.fleet.routing import load_file
 from tests.support.client_history import ClientHistory, verdict_summary
 from tests.support.didcomm_stock_agents import IdentusAgent, NodeAgent, Toolchain, VeramoAgent, toolchain
-from tests.support.fleet_harness import FleetProcs, relay_logs
+from tests.support.fleet_harness import FleetProcs, didcomm_slots, relay_logs
 from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = [
@@ -112,16 +111,7 @@ class World:
 
     def didcomm_slots(self) -> dict[int, str]:
         """Every slot holding DIDComm records -> the shard holding it."""
-        placement: dict[int, str] = {}
-        for name, server in self.fleet.servers.items():
-            client = redis.Redis.from_url(server.url)
-            try:
-                for raw in client.scan_iter(match="rf:{rf*}:didcomm", count=1000):
-                    key = raw.decode()
-                    placement[int(key[len("rf:{rf") : key.index("}")])] = name
-            finally:
-                client.close()
-        return placement
+        return didcomm_slots(self.fleet.servers)
 
 
 @pytest.fixture(scope="module")
