@@ -228,7 +228,17 @@ async def veramo_poll_until(
     return got
 
 
-def row(
+async def identus_received(
+    agent: IdentusAgent, record: ClientHistory, contents: list[str], timeout: float
+) -> list[str]:
+    """Once all of `contents` arrived and a late repeat had time to show, what the Identus agent
+    was handed, fed to the record."""
+    await agent.wait_contents(set(contents), timeout=timeout)
+    await asyncio.sleep(1.0)  # a late repeat would show now
+    return identus_deliveries(agent, record, set(contents))
+
+
+def judged(
     world: World,
     recipient: str,
     pickup: str,
@@ -236,8 +246,11 @@ def row(
     sent: list[str],
     got: list[str],
     record: ClientHistory,
-    seconds: float,
+    t0: float,
+    **figures: Any,
 ) -> dict[str, Any]:
+    """The run's matrix row (with any further `figures`), its history verdict printed; the verdict
+    must be valid and the messages handed over in send order."""
     verdict = record.check()
     entry = {
         "recipient": recipient,
@@ -251,10 +264,13 @@ def row(
         "duplicates": len(got) - len(set(got)),
         "in_order": got == sent,
         "verdict": verdict_summary(verdict),
-        "seconds": round(seconds, 1),
+        "seconds": round(time.monotonic() - t0, 1),
+        **figures,
     }
     world.matrix.append(entry)
     print(verdict.render())
+    assert entry["verdict"] == "valid", verdict.render()
+    assert entry["in_order"]
     return entry
 
 
@@ -268,21 +284,8 @@ async def test_identus_receives_from_identus_by_polling(world: World) -> None:
         record = ClientHistory(alice_did)
         t0 = time.monotonic()
         await send_paced(bob, bob_did, alice_did, contents, record)
-        await alice.wait_contents(set(contents), timeout=90)
-        await asyncio.sleep(1.0)  # a late repeat would show now
-        got = identus_deliveries(alice, record, set(contents))
-        entry = row(
-            world,
-            "Identus",
-            "Pickup 3.0 HTTP polling",
-            "Identus",
-            contents,
-            got,
-            record,
-            time.monotonic() - t0,
-        )
-        assert entry["verdict"] == "valid", record.check().render()
-        assert entry["in_order"]
+        got = await identus_received(alice, record, contents, timeout=90)
+        judged(world, "Identus", "Pickup 3.0 HTTP polling", "Identus", contents, got, record, t0)
         assert not alice.http_failures(), alice.http_failures()
         assert not alice.errors
         assert not bob.errors
@@ -304,22 +307,11 @@ async def test_identus_receives_live_over_the_websocket(world: World) -> None:
             sent_at = record.history.events[-1]["t1"] * 1000
             await carol.wait_contents({content}, timeout=20)
             latencies.append(carol.batches[-1]["atMs"] - sent_at)
-        await asyncio.sleep(1.0)
-        got = identus_deliveries(carol, record, set(contents))
-        entry = row(
-            world,
-            "Identus",
-            "Pickup 3.0 live, WebSocket",
-            "Identus",
-            contents,
-            got,
-            record,
-            time.monotonic() - t0,
-        )
-        entry["latency_ms"] = sorted(round(x) for x in latencies)
-        print(f"live delivery latency (send answered -> handed to the app), ms: {entry['latency_ms']}")
-        assert entry["verdict"] == "valid", record.check().render()
-        assert entry["in_order"]
+        got = await identus_received(carol, record, contents, timeout=20)
+        latency_ms = sorted(round(x) for x in latencies)
+        print(f"live delivery latency (send answered -> handed to the app), ms: {latency_ms}")
+        pickup = "Pickup 3.0 live, WebSocket"
+        judged(world, "Identus", pickup, "Identus", contents, got, record, t0, latency_ms=latency_ms)
         # no delivery-request in live mode: the agent's only POSTs are mediation, the keylist
         # update and one messages-received per live delivery (the SDK acks those over HTTP)
         assert not carol.http_failures(), carol.http_failures()
@@ -349,11 +341,7 @@ async def test_veramo_mediation_3_0_and_pickup_by_polling(world: World) -> None:
         status = await dave.command("status")
         assert status["replyType"] == "https://didcomm.org/messagepickup/3.0/status", status
         assert status["body"]["message_count"] == 0, status  # messages-received removed them
-        entry = row(
-            world, "Veramo", "Pickup 3.0 HTTP polling", "Veramo", contents, got, record, time.monotonic() - t0
-        )
-        assert entry["verdict"] == "valid", record.check().render()
-        assert entry["in_order"]
+        judged(world, "Veramo", "Pickup 3.0 HTTP polling", "Veramo", contents, got, record, t0)
         assert not dave.errors
         assert not erin.errors
 
@@ -448,10 +436,9 @@ async def test_identus_round_trip_across_two_relays_while_its_slots_migrate(worl
                 moves += 1
         migration_s = time.monotonic() - t0
         await sender
-        await frank.wait_contents(set(contents), timeout=120)
-        await asyncio.sleep(1.0)
-        got = identus_deliveries(frank, record, set(contents))
-        entry = row(
+        got = await identus_received(frank, record, contents, timeout=120)
+        print(f"migration: {moves} slot moves in {migration_s:.1f} s while {len(contents)} messages flowed")
+        entry = judged(
             world,
             "Identus (2 relays, slots migrating)",
             "Pickup 3.0 HTTP polling",
@@ -459,15 +446,12 @@ async def test_identus_round_trip_across_two_relays_while_its_slots_migrate(worl
             contents,
             got,
             record,
-            time.monotonic() - t0,
+            t0,
+            slot_moves=moves,
+            migration_s=round(migration_s, 1),
         )
-        entry["slot_moves"] = moves
-        entry["migration_s"] = round(migration_s, 1)
-        print(f"migration: {moves} slot moves in {migration_s:.1f} s while {len(contents)} messages flowed")
-        assert entry["verdict"] == "valid", record.check().render()
         assert entry["received"] == len(contents)
         assert entry["duplicates"] == 0
-        assert entry["in_order"]
         shard_map = load_file(world.fleet.map_path)
         for slot, shard in before.items():
             assert shard_map.shard_for_slot(slot) == shard
