@@ -180,8 +180,8 @@ build_node_modules() { # source dir (package.json + package-lock.json), cache di
 # The v2 clients: `npm ci` of a lockfile, no install scripts (none of their packages
 # needs one: core-js prints a banner, postinstall-postinstall is empty). Cached under
 # <name>-<key of lockfile and node version>; .done marks the tree whole. Only what npm installs
-# is cached: the agents' scripts (agent.mjs, the shared e2e/didcomm/lib/) are copied beside a link
-# to the tree at every start (tests/support/didcomm_stock_agents.py), so they are not in the key.
+# is cached: the agents' scripts (agent.mjs, the shared e2e/didcomm/lib/; Credo's too) are copied
+# beside a link to the tree at every start (tests/support/didcomm_stock_agents.py): not in the key.
 npm_tree_dir() {
   echo "${cache_root}/$1-$(credo_key_of "${repo_root}/e2e/didcomm/$1")"
 }

@@ -7,7 +7,7 @@
 //   node agent.mjs --data DIR --label NAME --strategy PickUpV2|PickUpV2LiveMode [--poll-ms N]
 //
 // Commands (one JSON object a line, each answered by {"id": <same>, "ok": true, ...} or
-// {"id", "ok": false, "error"}):
+// {"id", "ok": false, "error"}; the loop is ../lib/command-loop.mjs, shared with the other agents):
 //   {"id", "cmd": "mediate", "url": <mediator OOB invitation URL>}  connect (DID Exchange),
 //        request mediation, set it as default mediator, start pickup with --strategy;
 //        answers {"connectionId", "routingKeys", "endpoint"}
@@ -43,9 +43,9 @@ import {
 import { EventEmitter } from 'node:events'
 import { promises as fs } from 'node:fs'
 import path from 'node:path'
-import readline from 'node:readline'
 import { parseArgs } from 'node:util'
 import WebSocket from 'ws'
+import { consoleToStderr, emit, run, serveCommands } from '../lib/command-loop.mjs'
 
 const DELIVERY_TYPE = 'https://didcomm.org/messagepickup/2.0/delivery'
 
@@ -66,10 +66,6 @@ const strategy = DidCommMediatorPickupStrategy[opts.strategy]
 if (strategy === undefined) {
   process.stderr.write(`unknown --strategy ${opts.strategy}\n`)
   process.exit(2)
-}
-
-function emit(obj) {
-  process.stdout.write(`${JSON.stringify(obj)}\n`)
 }
 
 // ---- agent dependencies (what @credo-ts/node provides for 0.5; it has no 0.6 release) ----
@@ -146,15 +142,7 @@ class HoldableTransport {
 // ---- the agent ----
 
 const logLevel = LogLevel[opts['log-level']] ?? LogLevel.debug
-// ConsoleLogger writes to stdout; stdout is the control channel, so send it to stderr,
-// each line stamped with the wall-clock time (to line it up with the relay's log).
-const toStderr = console.error.bind(console)
-const stamped = (...args) => toStderr(new Date().toISOString().slice(11, 23), ...args)
-console.log = stamped
-console.info = stamped
-console.debug = stamped
-console.warn = stamped
-console.error = stamped
+consoleToStderr() // ConsoleLogger writes to stdout, the control channel
 
 const agent = new Agent({
   config: { logger: new ConsoleLogger(logLevel), allowInsecureHttpUrls: true },
@@ -201,7 +189,6 @@ agent.didcomm.registerMessageHandlerMiddleware(async (inboundMessageContext, nex
   await next()
 })
 let holdNextDelivery = false
-let stopping = false
 
 agent.events.on(DidCommBasicMessageEventTypes.DidCommBasicMessageStateChanged, (event) => {
   const record = event.payload.basicMessageRecord
@@ -289,50 +276,10 @@ const commands = {
     holdNextDelivery = true
     return {}
   },
-  async stop() {
-    stopping = true
-    await agent.shutdown()
-    return {}
-  },
 }
 
-async function main() {
+run(async () => {
   await agent.initialize()
   emit({ event: 'ready', strategy: opts.strategy })
-  const lines = readline.createInterface({ input: process.stdin })
-  for await (const line of lines) {
-    if (!line.trim()) continue
-    let request
-    try {
-      request = JSON.parse(line)
-    } catch (error) {
-      emit({ ok: false, error: `not JSON: ${error.message}` })
-      continue
-    }
-    const handler = commands[request.cmd]
-    if (!handler) {
-      emit({ id: request.id, ok: false, error: `unknown command ${request.cmd}` })
-      continue
-    }
-    // Commands run concurrently: a long "mediate" must not hold up the others.
-    handler(request)
-      .then((result) => {
-        emit({ id: request.id, ok: true, ...result })
-        if (request.cmd === 'stop') process.exit(0)
-      })
-      .catch((error) => {
-        process.stderr.write(`command ${request.cmd} failed: ${error?.stack ?? error}\n`)
-        emit({ id: request.id, ok: false, error: String(error?.message ?? error) })
-      })
-  }
-  // stdin closed: the test went away (a "stop" in flight exits by itself).
-  if (!stopping) {
-    await agent.shutdown().catch(() => {})
-    process.exit(0)
-  }
-}
-
-main().catch((error) => {
-  process.stderr.write(`agent failed: ${error?.stack ?? error}\n`)
-  process.exit(1)
+  await serveCommands(commands, () => agent.shutdown())
 })

@@ -14,7 +14,7 @@
 // Without it the agent only sends.
 //
 // Commands (one JSON object a line, each answered by {"id": <same>, "ok": true, ...} or
-// {"id", "ok": false, "error"}; the loop is ../lib/command-loop.mjs, shared with the other agent):
+// {"id", "ok": false, "error"}; the loop is ../lib/command-loop.mjs, shared with the other agents):
 //   {"id", "cmd": "new-did"}   a new peer DID; when mediated, registered with the mediator
 //                              (keylist-update) and routed through it: {"did"}
 //   {"id", "cmd": "send", "from", "to", "content"}  a basic message (2.0) from one of our DIDs:
@@ -30,7 +30,7 @@
 
 import SDK from '@hyperledger/identus-sdk'
 import { parseArgs } from 'node:util'
-import { emit, run, serveCommands } from '../lib/command-loop.mjs'
+import { consoleToStderr, emit, run, serveCommands } from '../lib/command-loop.mjs'
 
 const { values: opts } = parseArgs({
   options: {
@@ -40,14 +40,7 @@ const { values: opts } = parseArgs({
   },
 })
 
-// stdout is the control channel: the SDK's console output goes to stderr, time-stamped.
-const toStderr = console.error.bind(console)
-const stamped = (...args) => toStderr(new Date().toISOString().slice(11, 23), ...args)
-console.log = stamped
-console.info = stamped
-console.debug = stamped
-console.warn = stamped
-console.error = stamped
+consoleToStderr() // the SDK logs with console.*
 
 // ---- Pluto.Store in memory ----
 // Selectors the SDK's repositories use: field equality, $and, $or (an empty $or matches

@@ -10,7 +10,7 @@
 //   node agent.mjs [--mediator-did DID]
 //
 // Commands (one JSON object a line, each answered by {"id": <same>, "ok": true, ...} or
-// {"id", "ok": false, "error"}; the loop is ../lib/command-loop.mjs, shared with the other agent):
+// {"id", "ok": false, "error"}; the loop is ../lib/command-loop.mjs, shared with the other agents):
 //   {"id", "cmd": "mediate"}   a host did:peer:2 and a 3.0 mediate-request from it (packed
 //        authcrypt, built by createV3MediateRequestMessage): {"state": "granted"|<reply type>,
 //        "hostDid", "routingDid"}; the grant is handled by Veramo's own 3.0 recipient handler
