@@ -80,6 +80,14 @@ def _headers(scope: Scope) -> dict[str, str]:
     return {k.decode().lower(): v.decode() for k, v in scope["headers"]}
 
 
+async def _arrivals(arrived: asyncio.Event, count: Callable[[], int], n: int, timeout: float) -> None:
+    """Until `count()` reaches `n`; a server sets `arrived` at each arrival."""
+    async with asyncio.timeout(timeout):
+        while count() < n:
+            arrived.clear()
+            await arrived.wait()
+
+
 @dataclass
 class _Served:
     notifications: list[dict[str, Any]] = field(default_factory=list)
@@ -92,10 +100,7 @@ class _Served:
         self.arrived.set()
 
     async def wait_for(self, n: int, timeout: float = 10.0) -> None:
-        async with asyncio.timeout(timeout):
-            while len(self.notifications) < n:
-                self.arrived.clear()
-                await self.arrived.wait()
+        await _arrivals(self.arrived, lambda: len(self.notifications), n, timeout)
 
 
 @asynccontextmanager
@@ -363,10 +368,7 @@ class Webhook:
 
     async def wait_for(self, n: int, timeout: float = 5.0) -> None:
         """Until `n` calls have arrived (answered or not)."""
-        async with asyncio.timeout(timeout):
-            while len(self.calls) < n:
-                self.arrived.clear()
-                await self.arrived.wait()
+        await _arrivals(self.arrived, lambda: len(self.calls), n, timeout)
 
 
 @asynccontextmanager

@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import aiohttp
 from relayfleet_testing.localredis import LocalRedis
@@ -56,6 +57,12 @@ class World:
         notifier = self.relay.app[DEVICE_NOTIFIER]
         await until("it", lambda: notifier.pending() == 0)
         await asyncio.sleep(COALESCE_S + 0.3)  # a send in flight when the map emptied
+
+
+class OpenPushWorld(Protocol):
+    """push_world() of a test's fixtures (the `open_push_world` fixture, tests/relay/conftest.py)."""
+
+    def __call__(self, min_interval_s: float = 60.0) -> AbstractAsyncContextManager[World]: ...
 
 
 @asynccontextmanager

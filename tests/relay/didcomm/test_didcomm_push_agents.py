@@ -27,9 +27,7 @@ from relay.devicepush.wiring import DEVICE_NOTIFIER
 from relay.didcomm import keys as dk
 from tests.support.didcomm_stock_agents import AcaPy, Toolchain, toolchain
 from tests.support.in_process_relay import RelayFactory
-from tests.support.push_providers import Webhook
-from tests.support.push_world import APNS_TOKEN, FCM_TOKEN, phone, push_world
-from tests.support.tls_pki import Pki
+from tests.support.push_world import APNS_TOKEN, FCM_TOKEN, OpenPushWorld, phone
 from tests.support.waiting import until
 
 pytestmark = [pytest.mark.didcomm_agents, pytest.mark.timeout(420)]
@@ -60,18 +58,11 @@ def invitation(endpoint: str, key: bytes, routing_key: str) -> dict[str, Any]:
 
 
 async def test_five_forwards_from_acapy_make_one_notification_per_provider(
-    tools: Toolchain,
-    redis_server: LocalRedis,
-    relay_factory: RelayFactory,
-    seed_file: str,
-    pki: Pki,
-    webhook: Webhook,
-    http: aiohttp.ClientSession,
-    tmp_path: Path,
+    tools: Toolchain, open_push_world: OpenPushWorld, tmp_path: Path
 ) -> None:
     acapy = AcaPy(tools, tmp_path / "acapy", label="acapy-push")
-    async with push_world(redis_server, relay_factory, seed_file, pki, webhook, http, tmp_path) as world:
-        fcm, apns = world.fcm, world.apns
+    async with open_push_world() as world:
+        fcm, apns, webhook = world.fcm, world.apns, world.webhook
         try:
             await acapy.start()
             agent, key = await phone(world)

@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 from relayfleet_testing.localredis import LocalRedis
 
@@ -21,8 +19,8 @@ from relay.devicepush.wiring import DEVICE_NOTIFIER
 from relay.didcomm import keys as dk
 from tests.support.didcomm_test_agent import Agent, forward_envelope, inner_message, msg
 from tests.support.in_process_relay import RelayFactory
-from tests.support.push_providers import Webhook, apns_server, fcm_server
-from tests.support.push_world import APNS_TOKEN, FCM_TOKEN, PUBLIC, World, phone, push_world
+from tests.support.push_providers import apns_server, fcm_server
+from tests.support.push_world import APNS_TOKEN, FCM_TOKEN, PUBLIC, OpenPushWorld, World, phone
 from tests.support.tls_pki import Pki
 from tests.support.waiting import until
 
@@ -39,16 +37,8 @@ def bursts(result: str) -> float:
 
 
 @pytest.fixture
-async def world(
-    redis_server: LocalRedis,
-    relay_factory: RelayFactory,
-    seed_file: str,
-    pki: Pki,
-    webhook: Webhook,
-    http: aiohttp.ClientSession,
-    tmp_path: Path,
-) -> AsyncIterator[World]:
-    async with push_world(redis_server, relay_factory, seed_file, pki, webhook, http, tmp_path) as w:
+async def world(open_push_world: OpenPushWorld) -> AsyncIterator[World]:
+    async with open_push_world() as w:
         yield w
 
 
@@ -178,18 +168,8 @@ async def test_dead_tokens_unregister_their_devices(world: World) -> None:
     assert len(world.webhook.calls) == 1  # the gateway got its one call before
 
 
-async def test_apns_410_unregisters_and_fcm_invalid_token_too(
-    redis_server: LocalRedis,
-    relay_factory: RelayFactory,
-    seed_file: str,
-    pki: Pki,
-    webhook: Webhook,
-    http: aiohttp.ClientSession,
-    tmp_path: Path,
-) -> None:
-    async with push_world(
-        redis_server, relay_factory, seed_file, pki, webhook, http, tmp_path, min_interval_s=0.0
-    ) as w:
+async def test_apns_410_unregisters_and_fcm_invalid_token_too(open_push_world: OpenPushWorld) -> None:
+    async with open_push_world(min_interval_s=0.0) as w:
         fcm, apns = w.fcm, w.apns
         apns.unregistered.add(APNS_TOKEN)
         agent, key = await phone(w, fcm_token="no-colon-token")  # FCM: INVALID_ARGUMENT on message.token
