@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
@@ -13,8 +13,8 @@ import pytest
 from relayfleet_testing.localredis import LocalRedis
 
 from tests.support.in_process_relay import RelayFactory
-from tests.support.push_providers import Webhook, webhook_server
-from tests.support.push_world import OpenPushWorld, World, push_world
+from tests.support.push_providers import Webhook, apns_server, fcm_server, webhook_server, write_credentials
+from tests.support.push_world import COALESCE_S, PUBLIC, OpenPushWorld, World
 from tests.support.tls_pki import Pki, make_pki
 
 
@@ -48,11 +48,29 @@ def open_push_world(
     http: aiohttp.ClientSession,
     tmp_path: Path,
 ) -> OpenPushWorld:
-    """Opens the device-push world (tests/support/push_world.py) on this test's fixtures."""
+    """Opens the device-push world (tests/support/push_world.py): the local FCM and APNs servers
+    and a relay pushing to them and to `webhook`, closed in order afterwards (World.close)."""
 
-    def open_world(min_interval_s: float = 60.0) -> AbstractAsyncContextManager[World]:
-        return push_world(
-            redis_server, relay_factory, seed_file, pki, webhook, http, tmp_path, min_interval_s
-        )
+    @asynccontextmanager
+    async def open_world(min_interval_s: float = 60.0) -> AsyncIterator[World]:
+        async with fcm_server(pki) as fcm, apns_server(pki) as apns:
+            creds = write_credentials(tmp_path / "push-secret", fcm, apns)
+            relay = await relay_factory(
+                redis_server.url,
+                didcomm_seed_file=seed_file,
+                public_url=PUBLIC,
+                push_webhook=webhook.url,
+                push_credentials_dir=str(creds),
+                push_fcm_url=fcm.url,
+                push_apns_url=apns.url,
+                push_ca_file=str(pki.ca),
+                push_coalesce_s=COALESCE_S,
+                push_min_interval_s=min_interval_s,
+            )
+            world = World(relay, webhook, fcm, apns, http)
+            try:
+                yield world
+            finally:
+                await world.close()
 
     return open_world

@@ -1,33 +1,27 @@
 """The device-push world the push tests share: a real relay over a real redis-server with the
 three providers (the webhook, local FCM HTTP v1 and APNs servers from
-tests/support/push_providers.py) and a wallet (the PyNaCl test agent) whose devices are set."""
+tests/support/push_providers.py), opened by the `open_push_world` fixture of tests/relay/conftest.py,
+and a wallet (the PyNaCl test agent) whose devices are set."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import aiohttp
-from relayfleet_testing.localredis import LocalRedis
 
 from relay.devicepush.wiring import DEVICE_NOTIFIER
 from relay.didcomm import keys as dk
 from tests.support.didcomm_test_agent import Agent, msg
-from tests.support.in_process_relay import RelayFactory, RunningRelay
+from tests.support.in_process_relay import RunningRelay
 from tests.support.push_providers import (
     ApnsServer,
     FcmServer,
     Webhook,
-    apns_server,
-    fcm_server,
-    write_credentials,
 )
-from tests.support.tls_pki import Pki
 from tests.support.waiting import until
 
 PUBLIC = "https://relay.example.test"
@@ -60,43 +54,9 @@ class World:
 
 
 class OpenPushWorld(Protocol):
-    """push_world() of a test's fixtures (the `open_push_world` fixture, tests/relay/conftest.py)."""
+    """Opens a World on a test's fixtures: the `open_push_world` fixture (tests/relay/conftest.py)."""
 
     def __call__(self, min_interval_s: float = 60.0) -> AbstractAsyncContextManager[World]: ...
-
-
-@asynccontextmanager
-async def push_world(
-    redis_server: LocalRedis,
-    relay_factory: RelayFactory,
-    seed_file: str,
-    pki: Pki,
-    webhook: Webhook,
-    http: aiohttp.ClientSession,
-    tmp_path: Path,
-    min_interval_s: float = 60.0,
-) -> AsyncIterator[World]:
-    """The local FCM and APNs servers and a relay pushing to them and to `webhook` (the fixtures
-    of tests/relay/conftest.py); closed in order afterwards (World.close)."""
-    async with fcm_server(pki) as fcm, apns_server(pki) as apns:
-        creds = write_credentials(tmp_path / "push-secret", fcm, apns)
-        relay = await relay_factory(
-            redis_server.url,
-            didcomm_seed_file=seed_file,
-            public_url=PUBLIC,
-            push_webhook=webhook.url,
-            push_credentials_dir=str(creds),
-            push_fcm_url=fcm.url,
-            push_apns_url=apns.url,
-            push_ca_file=str(pki.ca),
-            push_coalesce_s=COALESCE_S,
-            push_min_interval_s=min_interval_s,
-        )
-        world = World(relay, webhook, fcm, apns, http)
-        try:
-            yield world
-        finally:
-            await world.close()
 
 
 async def phone(
