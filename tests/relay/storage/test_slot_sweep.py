@@ -15,7 +15,6 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import aiohttp
 import pytest
@@ -30,7 +29,7 @@ from relay.storage import maintenance, scripts
 from relay.storage.limits import QueueLimits
 from relay.storage.maintenance import SWEEP_SLOTS, ShardMaintenance, SlotStats, SweepMismatch
 from relay.storage.script_runner import evalsha
-from relay.storage.store import ShardStore
+from relay.storage.store import EnqueueRequest, ShardStore
 from tests.support.in_process_relay import RunningRelay
 
 NOW = 1_700_000_030_000
@@ -38,41 +37,32 @@ MINUTE = NOW - NOW % 60_000
 ALL = list(range(SLOT_COUNT))
 
 
-def enqueue_call(k: K.QueueKeys, payload: bytes, now_ms: int, message_id: str, token: str) -> tuple[Any, ...]:
-    """EVALSHA's numkeys, keys and arguments for an enqueue.lua call of one item with the default
-    limits (the order relay/storage/lua/enqueue.lua declares)."""
-    limits = QueueLimits()
-    fixed = (
-        limits.rate_count,
-        limits.rate_window_ms,
-        limits.max_messages,
-        limits.max_bytes,
-        limits.retention_ms,
-        limits.recipient_max_messages,
-        limits.recipient_max_bytes,
-        limits.recipient_rate_count,
-        0,  # the shard is not within its reserve
-    )
-    keys = (k.state, k.meta, k.msgs, k.idem, k.idemx, k.rate, k.index, k.stats, K.slot_recipients(k.slot))
-    return (len(keys), *keys, *fixed, payload, now_ms, "", "", message_id, k.qid, k.wake, token, "")
+async def populate(url: str, queues: int, now_ms: int) -> None:
+    """`queues` queues of one 256-byte message each, enqueued at `now_ms` through the storage
+    layer's own enqueue (ShardStore.enqueue, which batches the calls of a tick into one
+    enqueue.lua call): a thousand at a time, each call given the slack of a seeding tool's
+    bulk write on a loaded machine (the relay's own deadline, 2 s, is for a client's write)."""
+    store = ShardStore("populate", url, QueueLimits(write_timeout_s=60.0))
+    await store.start()
+    try:
+        for done in range(0, queues, 1000):
+            recipients = [os.urandom(32) for _ in range(min(1000, queues - done))]
+            outcomes = await asyncio.gather(
+                *(
+                    store.enqueue(
+                        K.queue_keys(r, b""), EnqueueRequest(r, b"", b"x" * 256, message_id="mid"), now_ms
+                    )
+                    for r in recipients
+                )
+            )
+            assert {o.kind for o in outcomes} == {"stored"}
+    finally:
+        await store.close()
 
 
-def populate(r: redis.Redis, queues: int, now_ms: int) -> None:
-    """`queues` queues of one 256-byte message each, enqueued at `now_ms` by the relay's script
-    (pipelined straight to Redis: 20,000 queues in well under a second)."""
-    r.script_load(scripts.ENQUEUE.source)
-    pipe = r.pipeline(transaction=False)
-    for n in range(queues):
-        k = K.queue_keys(os.urandom(32), b"")
-        pipe.evalsha(scripts.ENQUEUE.sha, *enqueue_call(k, b"x" * 256, now_ms, "mid", f"t{n}"))
-        if len(pipe) >= 500:
-            pipe.execute()
-    pipe.execute()
-
-
-def varied_shard(r: redis.Redis) -> dict[str, int]:
+async def varied_shard(url: str, r: redis.Redis) -> dict[str, int]:
     """2,000 queues, then slots of every kind the readers must tell apart; their slot numbers."""
-    populate(r, 2000, NOW)
+    await populate(url, 2000, NOW)
     # slots of one queue each: 2,000 random keys share a slot now and then, and the expected
     # totals take the moved slot's one queue away
     held = [s for s in ALL if r.scard(K.slot_index(s)) == 1]
@@ -147,8 +137,8 @@ def script_calls(r: redis.Redis) -> int:
     return int(stats.get("calls", 0)) - refused
 
 
-def test_maintenance_slot_stats_match_each_slots_keys(redis_server: LocalRedis, r: redis.Redis) -> None:
-    kinds = varied_shard(r)
+async def test_maintenance_slot_stats_match_each_slots_keys(redis_server: LocalRedis, r: redis.Redis) -> None:
+    kinds = await varied_shard(redis_server.url, r)
     expected = one_by_one(r, ALL, NOW)
     by_slot = {s.slot: s for s in expected}
     # the reference is pinned by hand where the rule has a case
@@ -170,7 +160,7 @@ def test_maintenance_slot_stats_match_each_slots_keys(redis_server: LocalRedis, 
 
 
 async def test_read_load_totals_match_each_slots_keys(redis_server: LocalRedis, r: redis.Redis) -> None:
-    kinds = varied_shard(r)
+    kinds = await varied_shard(redis_server.url, r)
     counted = [s for s in one_by_one(r, ALL, NOW) if not (s.state or "").startswith("moved")]
     expected = ShardLoad(
         messages=sum(s.msgs for s in counted),
@@ -203,7 +193,7 @@ async def test_read_load_reads_totals_in_small_calls_beside_the_store(
     store's bulk lane: a stream of store calls on the hot lane keeps being answered while it
     runs (the sweep never holds either for more than one small call), and a Redis that lost
     its scripts (a restart, a failover) is given them again."""
-    populate(r, 2000, NOW)
+    await populate(redis_server.url, 2000, NOW)
     slots = ALL[: 64 * LOAD_SLOTS]
     store = ShardStore("s", redis_server.url, QueueLimits())
     await store.start()
@@ -241,8 +231,8 @@ async def test_the_loop_serves_requests_between_a_sweeps_batches(
     slots, the way the sweep was before."""
     (shard,) = relay.fleet.stores
     await asyncio.wait_for(relay.app[MONITOR].first_round.wait(), 10)
+    await populate(redis_server.url, 20_000, int(time.time() * 1000))
     with redis.Redis.from_url(redis_server.url) as r:
-        populate(r, 20_000, int(time.time() * 1000))
         r.config_resetstat()
     slots = relay.fleet.map.slots_of(shard)
     served = 0
@@ -295,7 +285,7 @@ async def test_a_caller_out_of_step_with_the_script_fails_loudly(
     """Arguments the script does not take are refused, and a reply of another shape than the
     reader's is not read by position into numbers: either way SweepMismatch (the relay logs it
     as an error; a Spark job or `relayfleet plan` stops with it), never a wrong load."""
-    populate(r, 200, NOW)
+    await populate(redis_server.url, 200, NOW)
     some = ALL[:256]
     store = ShardStore("s", redis_server.url, QueueLimits())
     await store.start()
