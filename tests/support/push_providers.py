@@ -80,6 +80,16 @@ def _headers(scope: Scope) -> dict[str, str]:
     return {k.decode().lower(): v.decode() for k, v in scope["headers"]}
 
 
+async def _lifespan(scope: Scope, receive: Receive, send: Send) -> bool:
+    """Answer hypercorn's lifespan scope (startup, then shutdown); False for any other scope."""
+    if scope["type"] != "lifespan":
+        return False
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+    return True
+
+
 async def _arrivals(arrived: asyncio.Event, count: Callable[[], int], n: int, timeout: float) -> None:
     """Until `count()` reaches `n`; a server sets `arrived` at each arrival."""
     async with asyncio.timeout(timeout):
@@ -163,10 +173,7 @@ class FcmServer(_Served):
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+        if await _lifespan(scope, receive, send):
             return
         self.http_versions.add(scope["http_version"])
         body = await _body(receive)
@@ -278,10 +285,7 @@ class ApnsServer(_Served):
         ).decode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+        if await _lifespan(scope, receive, send):
             return
         body = await _body(receive)
         headers = _headers(scope)
