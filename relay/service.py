@@ -462,8 +462,8 @@ class QueueService:
         metrics.MESSAGES.labels("acked").inc(removed)
         return removed
 
-    async def status(self, recipient: bytes, channel: bytes) -> StatusResult:
-        return await self.call(recipient, channel, lambda r: r.store.status(r.keys))
+    async def status(self, recipient: bytes, channel: bytes, above_seq: int | None = None) -> StatusResult:
+        return await self.call(recipient, channel, lambda r: r.store.status(r.keys, above_seq))
 
     async def use_nonce(self, recipient: bytes, member: str, lifetime_ms: int) -> bool:
         """Record a signature nonce on the recipient's shard; False when replayed."""

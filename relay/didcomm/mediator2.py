@@ -425,11 +425,9 @@ class Mediator2:
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
                 raise MediatorError("delivery-request needs body.limit, an integer >= 1")
             queues = await self.queues(body, conn)
-            leases = await self.pickup.leases(queues)
-            batch = await self.pickup.pending(queues, min(limit, 1000), leases)
+            batch = await self.pickup.take(queues, min(limit, 1000))
             if not batch:
                 return await self.status(doc, body, queues, live, in_flight)
-            await self.pickup.lease_out(batch, leases)
             return self.delivery(doc, body, batch)
         if short == "messages-received":
             ids = body.get("message_id_list")

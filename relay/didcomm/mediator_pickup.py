@@ -1,6 +1,8 @@
 """Pickup 2.0 for the mediator: status, delivery-request, messages-received and
 live-delivery-change. A delivered message stays in its queue until acknowledged; a lease per
-queue keeps it from going out twice until `redeliver_ms` have passed without an ack."""
+queue keeps it from going out twice until `redeliver_ms` have passed without an ack. The lease
+is taken by compare-and-set and what waits is counted in the queue, so any number of relays
+(and of requests on one) can serve one agent's polls (records.Lease)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ __all__ = ["MAX_IDS", "LiveSession", "Pickup", "Render", "message_id", "packable
 log = logging.getLogger("relay.didcomm")
 MAX_IDS = 10_000
 SWEEPS = 8  # reads per delivery while what is read holds messages that must be dropped
+TAKES = 4  # tries of a delivery whose lease another delivery took meanwhile
 
 
 Render = Callable[[list[tuple[bytes, Message]]], bytes]
@@ -115,15 +118,15 @@ class Pickup:
         return reply(doc, prefix, "messagepickup/2.0/status", body)
 
     async def counts(self, queues: list[bytes], live: bool, in_flight: int = 0) -> dict[str, Any]:
-        """A status's fields (Pickup 2.0 and 3.0 share them): what waits in `queues`."""
-        results, leases, elsewhere = await asyncio.gather(
-            asyncio.gather(*(self.service.status(k, QUEUE_CHANNEL) for k in queues)),
-            self.leases(queues),
-            self.live_elsewhere(queues, live),
-        )
+        """A status's fields (Pickup 2.0 and 3.0 share them): what waits in `queues`, i.e. past
+        each queue's active lease (counted by the queue's own shard: lua/status.lua)."""
+        leases, elsewhere = await asyncio.gather(self.leases(queues), self.live_elsewhere(queues, live))
         now = now_ms()
-        leased = sum(lease.held for lease in leases.values() if lease.active(now))
-        count = max(0, sum(r.count for r in results) - in_flight - leased)
+        cursors = {k: lease.cursor for k, lease in leases.items() if lease.active(now)}
+        results = await asyncio.gather(
+            *(self.service.status(k, QUEUE_CHANNEL, cursors.get(k)) for k in queues)
+        )
+        count = max(0, sum(r.above for r in results) - in_flight)
         total = sum(r.bytes for r in results)
         oldest = min((r.oldest_ms for r in results if r.oldest_ms is not None), default=None)
         newest = max((r.newest_ms for r in results if r.newest_ms is not None), default=None)
@@ -187,47 +190,47 @@ class Pickup:
         metrics.DIDCOMM_MESSAGES.labels("messagepickup/2.0/delivery", "dropped").inc(len(unpackable))
         log.warning("didcomm pickup removed %d stored messages that are not packed messages", len(unpackable))
 
-    async def lease_out(self, batch: list[tuple[bytes, Message]], leases: dict[bytes, Lease]) -> None:
-        """Record that `batch` went out: its queues' leases move past it."""
-        now = now_ms()
-        per_key: dict[bytes, list[int]] = {}
-        for key, m in batch:
-            per_key.setdefault(key, []).append(m.seq)
-        updates = []
-        for key, seqs in per_key.items():
-            old = leases.get(key)
-            held = old.held if old is not None and old.active(now) else 0
-            updates.append(
-                self.records.set_lease(key, Lease(max(seqs), now + self.redeliver_ms, held + len(seqs)))
-            )
-        await asyncio.gather(*updates)
+    async def take(self, queues: list[bytes], limit: int) -> list[tuple[bytes, Message]]:
+        """A delivery-request's batch: up to `limit` messages past the queues' leases, each
+        queue's lease moved past what is handed out of it. A lease another delivery moved since
+        it was read is not taken: that queue's messages went to that delivery, and when none are
+        left to this one it reads again (at most TAKES times; then nothing: the agent asks again)."""
+        for _ in range(TAKES):
+            leases = await self.leases(queues)
+            batch = await self.pending(queues, limit, leases)
+            if not batch:
+                return []
+            won = await self.lease_out(batch, leases)
+            taken = [(k, m) for k, m in batch if k in won]
+            if taken:
+                return taken
+        return []
 
-    async def lease_back(self, removed: dict[bytes, int]) -> None:
-        """Acknowledged messages leave their queue's lease."""
-        keys = [k for k, n in removed.items() if n > 0]
-        leases = await self.leases(keys)
-        now = now_ms()
-        updates = []
-        for key, lease in leases.items():
-            if not lease.active(now):
-                continue
-            held = max(0, lease.held - removed[key])
-            updates.append(self.records.set_lease(key, Lease(lease.cursor, lease.expiry_ms, held)))
-        await asyncio.gather(*updates)
+    async def lease_out(self, batch: list[tuple[bytes, Message]], seen: dict[bytes, Lease]) -> set[bytes]:
+        """Move each batch queue's lease past its part of `batch`, if the lease is still the one
+        `seen`; the queues whose lease this moved."""
+        expiry = now_ms() + self.redeliver_ms
+        tops: dict[bytes, int] = {}
+        for key, m in batch:
+            tops[key] = max(tops.get(key, 0), m.seq)
+        keys = list(tops)
+        swapped = await asyncio.gather(
+            *(self.records.swap_lease(k, seen.get(k), Lease(tops[k], expiry)) for k in keys)
+        )
+        return {k for k, ok in zip(keys, swapped, strict=True) if ok}
 
     async def acknowledge(self, ids: list[str], held: set[bytes]) -> None:
         """messages-received: remove the listed messages of the queues `held` (others' ids are
-        ignored) and take them out of their leases."""
+        ignored). Their lease needs no change: it covers seqs, and what it covers that is gone
+        is simply no longer counted (`counts`)."""
         by_key: dict[bytes, list[int]] = {}
         for i in ids:
             parsed = parse_message_id(i)
             if parsed is not None and parsed[0] in held:
                 by_key.setdefault(parsed[0], []).append(parsed[1])
-        keys = list(by_key)
-        counts = await asyncio.gather(
-            *(self.service.ack(k, QUEUE_CHANNEL, None, sorted(by_key[k])) for k in keys)
+        await asyncio.gather(
+            *(self.service.ack(k, QUEUE_CHANNEL, None, sorted(seqs)) for k, seqs in by_key.items())
         )
-        await self.lease_back(dict(zip(keys, counts, strict=True)))
 
     def delivery(
         self, doc: dict[str, Any] | None, prefix: str, batch: list[tuple[bytes, Message]]
@@ -261,11 +264,9 @@ class Pickup:
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
                 raise MediatorError("delivery-request needs limit, an integer >= 1")
             queues = await self.queues(doc, conn)
-            leases = await self.leases(queues)
-            batch = await self.pending(queues, min(limit, 1000), leases)
+            batch = await self.take(queues, min(limit, 1000))
             if not batch:
                 return await self.status(doc, prefix, queues, live, in_flight)
-            await self.lease_out(batch, leases)
             return self.delivery(doc, prefix, batch)
         if short == "messages-received":
             ids = doc.get("message_id_list")

@@ -75,25 +75,35 @@ class Connection:
 @dataclass(frozen=True)
 class Lease:
     """Messages of a queue handed out by a delivery and not yet acknowledged: every seq up to
-    `cursor`, `held` of them still in the queue, not offered again until `expiry_ms`. Agents
-    poll (status-request → delivery-request) faster than their acks arrive; without this each
+    `cursor` still in the queue, not offered again until `expiry_ms`. Agents poll
+    (status-request → delivery-request) faster than their acks arrive; without this each
     message went out many times. After the expiry everything unacknowledged goes out again (an
-    agent that died before acking gets its messages back)."""
+    agent that died before acking gets its messages back). What waits is what is above the
+    cursor, counted in the queue itself (lua/status.lua), never a count kept here: a count
+    beside the queue drifted when an ack and a delivery met (status said 0 with messages
+    waiting, until the lease ran out). `raw` is the record as read, what a swap compares."""
 
     cursor: int
     expiry_ms: int
-    held: int
+    raw: str = ""
 
     def active(self, now_ms: int) -> bool:
         return self.expiry_ms > now_ms
 
+    def dump(self) -> str:
+        # a third field, 0: relays before the count moved into the queue read 'cursor expiry held'
+        return f"{self.cursor} {self.expiry_ms} 0"
+
     @classmethod
     def parse(cls, raw: bytes | None) -> Lease | None:
-        try:
-            cursor, expiry, held = (int(x) for x in raw.split()) if raw else (0, 0, 0)
-        except ValueError:
+        """The lease in a record (None: none; an unreadable one as run out), `raw` kept for
+        `Records.swap_lease`."""
+        if not raw:
             return None
-        return cls(cursor, expiry, held) if raw else None
+        fields = raw.split()
+        if len(fields) < 2 or not all(f.isdigit() for f in fields[:2]):
+            return cls(0, 0, raw.decode(errors="replace"))
+        return cls(int(fields[0]), int(fields[1]), raw.decode())
 
 
 PUSH_SERVICES = ("fcm", "apns")  # push-notifications-fcm/1.0, push-notifications-apns/1.0
@@ -257,12 +267,17 @@ class Records:
     async def lease(self, recipient: bytes) -> Lease | None:
         return Lease.parse(await self._get(recipient, "d:" + b64url(recipient)))
 
-    async def set_lease(self, recipient: bytes, lease: Lease | None) -> None:
-        """Replace the queue's lease (last writer wins: a race costs a duplicate delivery)."""
-        field = "d:" + b64url(recipient)
-        pairs = ((field, f"{lease.cursor} {lease.expiry_ms} {lease.held}"),) if lease is not None else ()
-        deletes = () if lease is not None else (field,)
-        await self._set(recipient, pairs, deletes)
+    async def swap_lease(self, recipient: bytes, seen: Lease | None, lease: Lease) -> bool:
+        """Replace the queue's lease with `lease` only if it is still `seen` (None: none): of two
+        deliveries that read one lease (two relays, or two requests on one), one takes the
+        messages past it and the other finds the new lease (dc_swap.lua). False: it changed."""
+        field, now, idle = "d:" + b64url(recipient), now_ms(), self.idle_ms
+        expected, new = seen.raw if seen is not None else "", lease.dump()
+        return await self.service.call(
+            recipient,
+            RECORD_CHANNEL,
+            lambda r: r.store.record_swap(r.keys.slot, field, expected, new, now, idle),
+        )
 
     async def devices(self, conn_key: bytes) -> dict[str, Device]:
         """The push devices the connection set, by service (none once it expired)."""

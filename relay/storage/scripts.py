@@ -86,6 +86,7 @@ DC_SET = _load("dc_set", _PRELUDE)
 DC_CLAIM = _load("dc_claim", _PRELUDE)
 DC_LIST = _load("dc_list", _PRELUDE)
 DC_STAMP = _load("dc_stamp", _PRELUDE)
+DC_SWAP = _load("dc_swap", _PRELUDE)
 # Their periodic idle-expiry sweep over a batch of slots (relay/didcomm/sweep.py).
 DC_EXPIRE = _load("dc_expire", _PRELUDE)
 
@@ -113,6 +114,7 @@ ALL: tuple[Script, ...] = (
     DC_CLAIM,
     DC_LIST,
     DC_STAMP,
+    DC_SWAP,
     DC_EXPIRE,
     SLOT_SWEEP,
     PRESENCE,

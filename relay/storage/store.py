@@ -120,6 +120,7 @@ class StatusResult:
     last_seq: int
     oldest_ms: int | None
     newest_ms: int | None
+    above: int = 0  # messages with a seq above the one `status` was given (else `count`)
 
 
 _ENQUEUE_KEYS = 9  # per item (lua/enqueue.lua)
@@ -702,8 +703,10 @@ class ShardStore:
         )
         return bool(reply[0] == b"ok")
 
-    async def status(self, q: K.QueueKeys) -> StatusResult:
-        r = _check(await self._batcher.call(scripts.STATUS, (q.state, q.meta, q.msgs, q.stats), (q.qid,)))
+    async def status(self, q: K.QueueKeys, above_seq: int | None = None) -> StatusResult:
+        """`above_seq`: also count the messages past that seq (`above`; a Pickup lease's cursor)."""
+        args = (q.qid,) if above_seq is None else (q.qid, above_seq)
+        r = _check(await self._batcher.call(scripts.STATUS, (q.state, q.meta, q.msgs, q.stats), args))
         return StatusResult(
             count=int(r[1]),
             bytes=int(r[2]),
@@ -711,6 +714,7 @@ class ShardStore:
             last_seq=int(r[4]),
             oldest_ms=int(r[5]) if r[5] else None,
             newest_ms=int(r[6]) if r[6] else None,
+            above=int(r[7]),
         )
 
     async def memory(self) -> tuple[int, int]:
@@ -822,6 +826,13 @@ class ShardStore:
         """False when adding would pass `cap` (nothing added)."""
         reply = await self._records(scripts.DC_LIST, slot, (field, "add" if add else "remove", cap, *members))
         return bool(reply[0] == b"ok")
+
+    async def record_swap(
+        self, slot: int, field: str, expected: str, new: str, now_ms: int, idle_ms: int
+    ) -> bool:
+        """dc_swap.lua: write `new` only if `field` holds `expected` ('' = absent or expired)."""
+        reply = await self._records(scripts.DC_SWAP, slot, (now_ms, idle_ms, field, expected, new))
+        return bool(reply[1])
 
     async def record_stamp(self, slot: int, field: str, now_ms: int, interval_ms: int) -> bool:
         """dc_stamp.lua: True when `field`'s last stamp is `interval_ms` old or more (now stamped)."""

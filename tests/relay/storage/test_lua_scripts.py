@@ -321,6 +321,7 @@ def test_fenced_scripts_answer_the_fence_and_write_nothing(r: redis.Redis) -> No
         assert list(run(r, scripts.DC_CLAIM, dc, ("k:x", "c1", "add", NOW, 1000, "0"))) == reply
         assert list(run(r, scripts.DC_LIST, dc, ("r:c1", "add", 5, "m"))) == reply
         assert list(run(r, scripts.DC_STAMP, dc, (NOW, 1000, "w:c1"))) == reply
+        assert list(run(r, scripts.DC_SWAP, dc, (NOW, 1000, "d:x", "", "1 2 0"))) == reply
         assert sorted(r.keys()) == [k.state.encode()]
 
 
@@ -333,14 +334,17 @@ def test_read_status_drain_ack(r: redis.Redis) -> None:
     assert empty[2:] == [0, []]
     assert len(empty[1]) == 16
     status = list(run(r, scripts.STATUS, four, (QID,)))
-    assert status == [b"ok", 0, 0, empty[1], 0, b"", b""]
+    assert status == [b"ok", 0, 0, empty[1], 0, b"", b"", 0]
     assert list(run(r, scripts.DRAIN, four, (10, 1000, QID))) == [b"ok", empty[1], 0, [], 0]
     assert r.keys() == []
     for i in range(1, 6):
         enqueue(r, b"m%d" % i, token=f"t{i}", now=NOW + i)
     assert r.hget(k.meta, "epoch") == empty[1]  # the first enqueue keeps the epoch reads answered
     status = list(run(r, scripts.STATUS, four, (QID,)))
-    assert status == [b"ok", 5, 10, empty[1], 5, str(NOW + 1).encode(), str(NOW + 5).encode()]
+    assert status == [b"ok", 5, 10, empty[1], 5, str(NOW + 1).encode(), str(NOW + 5).encode(), 5]
+    # above a seq (a Pickup lease's cursor): none, some, all of them past it
+    aboves = [run(r, scripts.STATUS, four, (QID, c))[7] for c in (0, 1, 3, 5, 10**15)]
+    assert aboves == [5, 4, 2, 0, 0]
     # read: from a seq, a limit, and a byte budget that still returns one message
     got = list(run(r, scripts.READ, four, (2, 2, 1000, QID)))
     assert [e[0] for e in got[3]] == [b"2-0", b"3-0"]
@@ -535,6 +539,23 @@ def test_didcomm_records_expire_when_idle(r: redis.Redis) -> None:
     r.hset(K.slot_didcomm(SLOT), "c:old", "{}")  # written before idle expiry existed
     assert list(run(r, scripts.DC_GET, dc, (t, idle, "c:old"))) == [b"ok", b"{}"]
     assert r.zscore(K.slot_didcomm_idle(SLOT), "c:old") == t + idle
+
+
+def test_didcomm_lease_swap_writes_only_over_what_was_read(r: redis.Redis) -> None:
+    """dc_swap: a Pickup delivery lease ('d:<key>') is replaced only when it still holds what its
+    writer read ('' = none, or its registration 'k:<key>' expired): of two relays that read one
+    lease, one moves it and the other is told to read again."""
+    dc = (K.slot_state(SLOT), K.slot_didcomm(SLOT), K.slot_didcomm_idle(SLOT))
+    t, idle = 1_000_000, 500
+    run(r, scripts.DC_SET, dc, (t, idle, 1, "c:a", "{}"))
+    assert list(run(r, scripts.DC_CLAIM, dc, ("k:q", "a", "add", t, idle, "0")))[1] == 1
+    assert list(run(r, scripts.DC_SWAP, dc, (t, idle, "d:q", "", "5 100 0"))) == [b"ok", 1]
+    assert list(run(r, scripts.DC_SWAP, dc, (t, idle, "d:q", "", "6 100 0"))) == [b"ok", 0]  # lost
+    assert list(run(r, scripts.DC_SWAP, dc, (t, idle, "d:q", "5 100 0", "7 200 0"))) == [b"ok", 1]
+    assert r.hget(K.slot_didcomm(SLOT), "d:q") == b"7 200 0"
+    # once the registration expired the lease reads as none, and '' takes it
+    assert list(run(r, scripts.DC_SWAP, dc, (t + idle, idle, "d:q", "7 200 0", "8 1 0"))) == [b"ok", 0]
+    assert list(run(r, scripts.DC_SWAP, dc, (t + idle, idle, "d:q", "", "8 1 0"))) == [b"ok", 1]
 
 
 def test_didcomm_push_window_and_devices_live_with_their_connection(r: redis.Redis) -> None:
