@@ -73,7 +73,13 @@ async def agents(e2e: Env) -> AsyncIterator[Agents]:
         "stringData": {"seed": seed},
     }
     e2e.kubectl("apply", "-f", "-", input=json.dumps(secret))
-    relay: dict[str, Any] = {"didcommSeedSecretRef": {"name": "didcomm", "key": "seed"}}
+    relay: dict[str, Any] = {
+        "didcommSeedSecretRef": {"name": "didcomm", "key": "seed"},
+        # Credo-ts handles what it receives one message at a time: polling every 200 ms on the
+        # loaded node its inbound queue ran 18-31 s behind, so a 10 s lease sent each message
+        # again before its ack arrived and Credo showed it twice (docs/protocols.md, Pickup 2.0)
+        "env": [{"name": "RELAY_DIDCOMM_REDELIVER_S", "value": "60"}],
+    }
     e2e.kubectl("apply", "-f", "-", input=shard(SHARD, replicas=2, relay=relay))
     url = await asyncio.to_thread(wait_for, "fleet service", lambda: relay_url(e2e), 180)
     if url.startswith("http://127.0.0.1:"):
