@@ -33,6 +33,7 @@ pyspark is never imported here: `relayfleet plan` runs this without Spark.
 from __future__ import annotations
 
 import bisect
+import heapq
 import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -52,6 +53,9 @@ DEFAULT_TOLERANCE = 0.10
 MIN_BYTES = 64 * 1024 * 1024
 MIN_RATE = 60.0  # enqueues per minute, the whole fleet
 _MAX_ROUNDS = 512
+# Receivers offered each round by room and by utilisation (each), besides the hot shard's
+# neighbours: see _receivers.
+_RECEIVERS = 4
 
 
 class PlanningError(ValueError):
@@ -378,11 +382,10 @@ def _greedy(
         hot = max(shards, key=lambda s: (util[s], s))
         if util[hot] <= ceiling + eps:
             return
-        segments = _segments(hot, owner, movable)
+        segments = _segments(hot, owner, movable, load, nbytes)
         pool: list[_Candidate] = []
-        for cold in shards:
-            if cold != hot:
-                pool.extend(_candidates(segments, hot, cold, per_shard, w, ceiling, owner, load, nbytes, eps))
+        for cold in _receivers(hot, shards, util, per_shard, w, ceiling, segments, owner):
+            pool.extend(_candidates(segments, hot, cold, per_shard, w, ceiling, owner, load, eps))
         best = _choose(pool, util[hot])
         if best is None:
             notes.append(
@@ -397,8 +400,19 @@ def _greedy(
     notes.append(f"stopped after {_MAX_ROUNDS} rounds")
 
 
-def _segments(hot: str, owner: Sequence[str], movable: Sequence[bool]) -> list[list[int]]:
-    """Maximal runs of consecutive slots the hot shard owns and may move."""
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """A maximal run of consecutive slots the hot shard owns and may move, with the prefix
+    sums of their load and bytes (computed once a round, shared by every receiver)."""
+
+    slots: list[int]
+    prefix: list[float]
+    bprefix: list[int]
+
+
+def _segments(
+    hot: str, owner: Sequence[str], movable: Sequence[bool], load: Sequence[float], nbytes: Sequence[int]
+) -> list[_Segment]:
     runs: list[list[int]] = []
     cur: list[int] = []
     for slot in range(SLOT_COUNT):
@@ -409,7 +423,41 @@ def _segments(hot: str, owner: Sequence[str], movable: Sequence[bool]) -> list[l
             cur = []
     if cur:
         runs.append(cur)
-    return runs
+    out = []
+    for run in runs:
+        prefix = [0.0]
+        bprefix = [0]
+        for slot in run:
+            prefix.append(prefix[-1] + load[slot])
+            bprefix.append(bprefix[-1] + nbytes[slot])
+        out.append(_Segment(run, prefix, bprefix))
+    return out
+
+
+def _receivers(
+    hot: str,
+    shards: Sequence[str],
+    util: Mapping[str, float],
+    per_shard: Mapping[str, float],
+    w: Mapping[str, float],
+    ceiling: float,
+    segments: Sequence[_Segment],
+    owner: Sequence[str],
+) -> list[str]:
+    """The shards worth offering the hot shard's slots this round: the ones with the most room
+    under the ceiling and the least utilised (they take the most load and lower the pair's
+    maximum most), and the owners of the slots next to the hot shard's runs (the only ones a
+    window can join without a new map range). Offering every shard made a round cost O(slots)
+    whatever the fleet's size, and the rounds grow with the shards: the plan's time grew as
+    shards^1.5 (docs/design-decisions.md, "Rebalance planning in near-linear time")."""
+    others = [s for s in shards if s != hot]
+    chosen = set(heapq.nsmallest(_RECEIVERS, others, key=lambda s: (per_shard[s] - ceiling * w[s], s)))
+    chosen.update(heapq.nsmallest(_RECEIVERS, others, key=lambda s: (util[s], s)))
+    for seg in segments:
+        for nb in (seg.slots[0] - 1, seg.slots[-1] + 1):
+            if 0 <= nb < SLOT_COUNT and owner[nb] != hot:
+                chosen.add(owner[nb])
+    return sorted(chosen)
 
 
 def _frag(first: int, last: int, hot: str, cold: str, owner: Sequence[str]) -> int:
@@ -430,7 +478,7 @@ class _Candidate:
 
 
 def _candidates(
-    segments: Sequence[Sequence[int]],
+    segments: Sequence[_Segment],
     hot: str,
     cold: str,
     per_shard: Mapping[str, float],
@@ -438,7 +486,6 @@ def _candidates(
     ceiling: float,
     owner: Sequence[str],
     load: Sequence[float],
-    nbytes: Sequence[int],
     eps: float,
 ) -> list[_Candidate]:
     """Windows of the hot shard's movable slots worth giving to `cold`.
@@ -457,20 +504,16 @@ def _candidates(
     targets = sorted({t for t in (min(need, room), room, equal, need) if t > eps})
     windows: dict[tuple[int, int, int], _Window] = {}
     for k, seg in enumerate(segments):
-        prefix = [0.0]
-        bprefix = [0]
-        for slot in seg:
-            prefix.append(prefix[-1] + load[slot])
-            bprefix.append(bprefix[-1] + nbytes[slot])
-        n = len(seg)
+        prefix = seg.prefix
+        n = len(seg.slots)
         for i in range(n):
-            if load[seg[i]] <= 0:
+            if load[seg.slots[i]] <= 0:
                 continue  # windows start on a loaded slot; zero slots join through the variants
             for t in targets:
                 j = bisect.bisect_left(prefix, prefix[i] + t - eps, i + 1)
                 for end in (j - 1, j):
                     if i < end <= n:
-                        _add_variants(windows, k, seg, prefix, bprefix, i, end, hot, cold, owner)
+                        _add_variants(windows, k, seg, i, end, hot, cold, owner)
     out = []
     for win in windows.values():
         if win.load <= eps or win.load >= limit - eps:
@@ -504,9 +547,7 @@ def _choose(pool: Sequence[_Candidate], u_hot: float) -> _Candidate | None:
 def _add_variants(
     windows: dict[tuple[int, int, int], _Window],
     k: int,
-    seg: Sequence[int],
-    prefix: Sequence[float],
-    bprefix: Sequence[int],
+    seg: _Segment,
     i: int,
     j: int,
     hot: str,
@@ -515,13 +556,14 @@ def _add_variants(
 ) -> None:
     """Window seg[i:j], and the same load widened over adjacent zero-load slots
     (costs nothing and may join the receiver's neighbouring range)."""
+    prefix, bprefix = seg.prefix, seg.bprefix
     lo = bisect.bisect_left(prefix, prefix[i], 0, i + 1)
     hi = bisect.bisect_right(prefix, prefix[j], j) - 1
     for a in {i, lo}:
         for b in {j, hi}:
             if (k, a, b) in windows:
                 continue
-            first, last = seg[a], seg[b - 1]
+            first, last = seg.slots[a], seg.slots[b - 1]
             frag = _frag(first, last, hot, cold, owner)
             windows[(k, a, b)] = _Window(first, last, prefix[b] - prefix[a], bprefix[b] - bprefix[a], frag)
 
