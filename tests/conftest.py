@@ -31,6 +31,7 @@ pytest_plugins = [
     "tests.support.didcomm_stock_agents",
     "tests.support.serial",
     "tests.support.xdist_groups",
+    "tests.support.cpu_usage",
 ]
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
