@@ -1,5 +1,6 @@
 """The Spark jobs' side of the dashboard and rules: the real retention and rebalance jobs
-(`python -m spark_jobs.…`, as the CronJobs run them) push their run summaries to a real
+(their `main()` with a CronJob's arguments, in the worker's shared SparkSession: a JVM of their
+own each is what test_retention_command_line runs) push their run summaries to a real
 Pushgateway (Debian prometheus-pushgateway), which a real Prometheus scrapes with the chart's
 rendered rules. Every dashboard query over `relayfleet_spark_job_*` returns data; a failed
 retention run makes RelayfleetRetentionJobFailing's expression true while the last success
@@ -11,15 +12,14 @@ import contextlib
 import os
 import random
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.support.chart import ROOT
 from tests.support.observability import (
     alert_rules,
     dashboard_queries,
@@ -30,17 +30,19 @@ from tests.support.observability import (
 from tests.support.prometheus import NEEDS_PROMETHEUS, Proc, free_port, run_prometheus, wait_until
 from tests.support.spark_session import FleetFactory, Seed, recipient_on, seed
 
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
 PUSHGATEWAY = "/usr/bin/prometheus-pushgateway"
 
 pytestmark = [
     *NEEDS_PROMETHEUS,
     pytest.mark.skipif(not os.path.exists(PUSHGATEWAY), reason="apt-get install prometheus-pushgateway"),
-    # Two local[2] Spark jobs take ~80 s on an idle 2-core machine and several times that
-    # while other suites share it; the deadlines only guard against a hang.
+    # Two Spark jobs and a Prometheus take tens of seconds on an idle 2-core machine and several
+    # times that while other suites share it; the deadlines only guard against a hang.
     pytest.mark.timeout(1200),
 ]
 
-JOB_TIMEOUT_S = 600
 WAIT_S = 60  # for the Pushgateway to start and for Prometheus's 1 s scrapes: many even when starved
 
 
@@ -74,22 +76,15 @@ def pushgateway() -> Iterator[str]:
         proc.stop()
 
 
-def run_job(module: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        capture_output=True,
-        text=True,
-        timeout=JOB_TIMEOUT_S,
-        env=env,
-        check=False,
-    )
-
-
 def test_spark_summaries_through_a_pushgateway(
-    redis_fleet: FleetFactory, pushgateway: str, tmp_path: Path
+    spark: SparkSession,
+    redis_fleet: FleetFactory,
+    pushgateway: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    pytest.importorskip("pyspark", reason="the [spark] extra is not installed")
+    from spark_jobs import rebalance, retention
+
     fleet = redis_fleet(["a", "b"])
     rng = random.Random(7)
     now = int(time.time() * 1000)
@@ -103,13 +98,13 @@ def test_spark_summaries_through_a_pushgateway(
     shard_map.write_text(fleet.dumps())
 
     common = ["--shard-map", str(shard_map), "--master", "local[2]", "--quiet", "--pushgateway", pushgateway]
-    ok = run_job("spark_jobs.retention", *common, "--max-age", "3600")
-    assert ok.returncode == 0, ok.stderr[-3000:]
-    assert "retention: run summary {" in ok.stderr
-    assert '"messages_removed": 24.0' in ok.stderr
-    plan = run_job("spark_jobs.rebalance", *common, "--dry-run")
-    assert plan.returncode == 0, plan.stderr[-3000:]
-    assert "cannot push" not in ok.stderr + plan.stderr
+    assert retention.main([*common, "--max-age", "3600"]) == 0
+    ok = capsys.readouterr().err
+    assert "retention: run summary {" in ok
+    assert '"messages_removed": 24.0' in ok
+    assert rebalance.main([*common, "--dry-run"]) == 0
+    plan = capsys.readouterr().err
+    assert "cannot push" not in ok + plan
 
     prom_dir = tmp_path / "prom"
     prom_dir.mkdir()
@@ -140,10 +135,9 @@ def test_spark_summaries_through_a_pushgateway(
 
         # A failed run (a shard map that does not parse) is pushed as such; the last success stays.
         shard_map.write_text("{not json")
-        failed = run_job("spark_jobs.retention", *common)
-        assert failed.returncode == 2
+        assert retention.main(common) == 2
         # bad input answers with exactly one line (CLI contract); the failure is still pushed
-        assert len(failed.stderr.strip().splitlines()) == 1
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
         failing = next(
             r for r in alert_rules(rendered_rule_groups()) if r["alert"] == "RelayfleetRetentionJobFailing"
         )

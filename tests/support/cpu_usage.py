@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,14 +30,28 @@ class _Processes:
     """The CPU of this process's descendants, and of the daemons its tests start (kwokctl's
     control plane runs under init: a process whose command line names the worker's
     temporary directory is counted too). A process once counted stays counted until it ends;
-    one that ends under init takes its seconds along, so they are kept here."""
+    one that ends under init (a JVM its Python driver left behind) takes its seconds along, so
+    they are kept here, as last seen: a thread looks every SAMPLE_S."""
+
+    SAMPLE_S = 0.5
 
     def __init__(self, marker: str) -> None:
         self.marker = marker.encode()
         self.seen: dict[int, tuple[int, float]] = {}  # pid -> (parent, CPU seconds)
         self.ended = 0.0
+        self.lock = threading.Lock()
+        threading.Thread(target=self._sample, name="cpu-usage", daemon=True).start()
+
+    def _sample(self) -> None:
+        while True:
+            time.sleep(self.SAMPLE_S)
+            self.cpu()
 
     def cpu(self) -> float:
+        with self.lock:
+            return self._cpu()
+
+    def _cpu(self) -> float:
         parent: dict[int, int] = {}
         cpu: dict[int, float] = {}
         for entry in os.scandir("/proc"):
@@ -66,13 +81,12 @@ class _Processes:
             if pid not in counted and pid in cpu:
                 counted.add(pid)
                 todo.extend(children.get(pid, ()))
-        for pid, (was_parent, seconds) in list(self.seen.items()):
-            if pid in counted:
-                continue
+        gone = {pid: seen for pid, seen in self.seen.items() if pid not in counted}
+        for pid, (was_parent, seconds) in gone.items():
             del self.seen[pid]
-            # reaped by this process (RUSAGE_CHILDREN has it) or by one still counted (its
+            # reaped by this process (RUSAGE_CHILDREN has it) or by one counted here (its
             # cutime has it), or else by init: then its seconds would be lost
-            if was_parent != me and was_parent not in counted:
+            if was_parent != me and was_parent not in counted and was_parent not in gone:
                 self.ended += seconds
         for pid in counted:
             self.seen[pid] = (parent[pid], cpu[pid])

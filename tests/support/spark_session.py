@@ -27,6 +27,13 @@ if TYPE_CHECKING:
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 
+# Every JVM the tests start (the session below, and `python -m spark_jobs.…` in a subprocess,
+# which inherits this) runs for seconds on a few rows: compiling with C2 and a parallel
+# collector costs more CPU than it saves. C1 only and the serial collector halve a local
+# session's CPU (start and a few small jobs: 45 s -> 21 s, docs/design-decisions.md, "The suite
+# in parallel"). spark-submit adds SPARK_SUBMIT_OPTS to the driver's command line.
+os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
