@@ -134,7 +134,9 @@ class QueueKeys:
         """Hash: seq (last seq handed out), epoch, bytes (payload bytes held), created (ms; only
         in metas written before docs/memory.md's change: no longer written),
         r (the Redis run id that last wrote the queue: the lost-tail check, lua/_prelude.lua),
-        tseen ("<seq>:<ms>": the enqueue of <seq> was at or before <ms>; trim.lua's idle check)."""
+        tseen ("<seq>:<ms>": the enqueue of <seq> was at or before <ms>; trim.lua's idle check),
+        w ("<ms>:<seq>:<attempt token>": the rate window while it holds one enqueue, in place of
+        the `rate` key; lua/_prelude.lua inline_rate, docs/memory.md)."""
         return self._base + ":meta"
 
     @property
@@ -156,7 +158,8 @@ class QueueKeys:
     def rate(self) -> str:
         """Sorted set: "<seq>:<attempt token>" -> enqueue time ms (sliding rate window: the
         limit-th newest decides, older entries are trimmed lazily; the token finds a resent
-        attempt's outcome, lua/enqueue.lua)."""
+        attempt's outcome, lua/enqueue.lua). Only while the window holds two enqueues or more
+        (a window of one is the meta's field 'w'); it expires one window after its newest."""
         return self._base + ":rate"
 
     @property

@@ -162,6 +162,28 @@ local function pending_epoch(stats_key, qid)
   return epoch_of(boot_run(), redis.call('HGET', stats_key, 'qgen'), qid)
 end
 
+-- A queue's rate window while it holds one enqueue (enqueue.lua; docs/memory.md): the meta
+-- field 'w' = "<ms>:<seq>:<attempt token>", the entry its sorted set (keys.QueueKeys.rate)
+-- would hold ("<seq>:<token>" scored <ms>), without that key's ~190 B. Returns the entry's time
+-- (the caller's string), its sorted-set member, and its time as a number when that is inside
+-- the window (now - window, now] (nil otherwise). Nothing for no field.
+local function inline_rate(w, now, window)
+  if not w then return nil end
+  local sep = string.find(w, ':', 1, true)
+  if not sep then return nil end
+  local at = string.sub(w, 1, sep - 1)
+  local t = tonumber(at)
+  if t and t > now - window then return at, string.sub(w, sep + 1), t end
+  return at, string.sub(w, sep + 1), nil
+end
+
+-- The seq a rate-window member "<seq>:<token>" records, when it is attempt `token`'s.
+local function attempt_seq(member, token)
+  local sep = string.find(member, ':', 1, true)
+  if sep and string.sub(member, sep + 1) == token then return tonumber(string.sub(member, 1, sep - 1)) end
+  return nil
+end
+
 -- A recipient's rate ring (keys.slot_recipients, field '<r>|w'): the admits of its non-default
 -- channels per bucket of a tenth of the rate window, "<bucket>:<count>" pairs separated by
 -- ','. A bucket counts while any part of it is inside the window, so the count may include up

@@ -19,7 +19,8 @@
 -- Per item i, 9 keys from k = 9 * (i - 1) and 9 arguments from a = 9 + 9 * (i - 1):
 -- KEYS[k+1] slot state (string)        KEYS[k+2] queue meta (hash)
 -- KEYS[k+3] queue messages (stream)    KEYS[k+4] idempotency keys (hash)
--- KEYS[k+5] idempotency expiry (zset)  KEYS[k+6] rate-limit window (zset)
+-- KEYS[k+5] idempotency expiry (zset)  KEYS[k+6] rate-limit window (zset; a window of one
+--           enqueue is the meta's field 'w' instead: lua/_prelude.lua inline_rate)
 -- KEYS[k+7] slot queue index (set)     KEYS[k+8] slot statistics (hash)
 -- KEYS[k+9] slot recipient records (hash; read for a default-channel item, whose slot is its
 --           recipient's home: keys.slot_recipients)
@@ -51,6 +52,8 @@ local cap_msgs, cap_bytes = tonumber(ARGV[3]), tonumber(ARGV[4])
 -- the rate_limit-th newest rate-window entry as an index from the oldest: ZRANGE's "-n"
 -- (none when fewer are held)
 local nth_newest = '-' .. ARGV[1]
+-- and the one before it ('-0' for a limit of 1: not read), for a window partly in the meta
+local nth_before = fmt('-%d', tonumber(ARGV[1]) - 1)
 -- the recipient-wide limits (docs/design-decisions.md, "Per-recipient quotas"): a
 -- default-channel item checks them with its recipient's record in the same slot; a
 -- non-default one was admitted by that record's shard before it was sent (rcpt_admit.lua)
@@ -115,15 +118,17 @@ local function enqueue_one(k, a)
   if f then return f end
   if resend == '1' then
     -- the lost attempt ran with the same `now`: its rate-window entry "<seq>:<token>" is
-    -- scored `now` and stays for the rate window, within which the relay resends
+    -- scored `now` and stays for the rate window, within which the relay resends; it is in
+    -- the sorted set, or in the meta's 'w' when it was the window's only one (below)
     for _, member in ipairs(redis.call('ZRANGEBYSCORE', rate_key, now_s, now_s)) do
-      local sep = string.find(member, ':', 1, true)
-      if sep and string.sub(member, sep + 1) == token then
-        return {'ok', tonumber(string.sub(member, 1, sep - 1)), 0}
-      end
+      local s = attempt_seq(member, token)
+      if s then return {'ok', s, 0} end
     end
+    local at, member = inline_rate(redis.call('HGET', meta_key, 'w'), 0, 0)
+    local s = at == now_s and attempt_seq(member, token)
+    if s then return {'ok', s, 0} end
   end
-  local meta = redis.call('HMGET', meta_key, 'epoch', 'r', 'seq', 'bytes')
+  local meta = redis.call('HMGET', meta_key, 'epoch', 'r', 'seq', 'bytes', 'w')
   if ikey ~= '' then
     local prev = redis.call('HGET', idem_key, ikey)
     if prev then
@@ -137,11 +142,28 @@ local function enqueue_one(k, a)
   -- i.e. while the rate_limit-th newest is; retry when it leaves the window. Ranked by
   -- score (the enqueue time), so relays whose clocks disagree still count the same set.
   -- Old entries are trimmed lazily (below): the rank lookup ignores them.
+  -- A window holding a single enqueue is the meta's field 'w' instead of the sorted set
+  -- (docs/memory.md: the set's key cost a queue ~190 B); with a second one inside the window
+  -- both move to the set (below). Both are read as one window: one a relay of an earlier
+  -- version wrote to the set may sit beside the field.
   local now = tonumber(now_s)
   local trim = false
+  local w_at, w_member, wt = nil, nil, nil
+  if meta[5] then w_at, w_member, wt = inline_rate(meta[5], now, tonumber(window_s)) end
   local nth = redis.call('ZRANGE', rate_key, nth_newest, nth_newest, 'WITHSCORES')
-  if nth[2] then
-    local t, window = tonumber(nth[2]), tonumber(window_s)
+  local t = nth[2] and tonumber(nth[2])
+  if wt then
+    -- the limit-th newest of the set and the field: the set's, or the field's when that is
+    -- newer and the set's (limit-1)-th newest (none for a limit of 1) is newer still
+    local above = wt
+    if nth_before ~= '-0' then
+      local before = redis.call('ZRANGE', rate_key, nth_before, nth_before, 'WITHSCORES')
+      above = before[2] and math.min(tonumber(before[2]), wt)
+    end
+    if above and (not t or above > t) then t = above end
+  end
+  if t then
+    local window = tonumber(window_s)
     if t > now - window then return {'rate', math.max(1, t + window - now)} end
     trim = true
   end
@@ -166,10 +188,12 @@ local function enqueue_one(k, a)
       local window = tonumber(window_s)
       local others, leaves = ring_count(h[3], now, window)
       local from = '(' .. fmt('%d', now - window)
-      if others + redis.call('ZCOUNT', rate_key, from, '+inf') >= rrate then
+      if others + redis.call('ZCOUNT', rate_key, from, '+inf') + (wt and 1 or 0) >= rrate then
         local first = redis.call('ZRANGEBYSCORE', rate_key, from, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-        if first[2] then
-          local mine = tonumber(first[2]) + window - now
+        local oldest = first[2] and tonumber(first[2])
+        if wt and (not oldest or wt < oldest) then oldest = wt end
+        if oldest then
+          local mine = oldest + window - now
           if leaves == 0 or mine < leaves then leaves = mine end
         end
         return {'rrate', math.max(1, leaves)}
@@ -213,23 +237,29 @@ local function enqueue_one(k, a)
     -- (no 'created' any more: only trim.lua reads it, for a queue of seq 0, which an enqueue
     -- never leaves; its 19 bytes took the meta's listpack from 96 to 128 B: docs/memory.md.
     -- A meta an earlier version wrote keeps it, and trim.lua still reads it there.)
-    if stamp then
-      redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', held_s, 'epoch', epoch, 'r', stamp)
-    else
-      redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', held_s, 'epoch', epoch)
-    end
-  elseif epoch then
-    redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', held_s, 'epoch', epoch, 'r', stamp)
-  elseif stamp then
-    redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', held_s, 'r', stamp)
-  else
-    redis.call('HSET', meta_key, 'seq', seq_s, 'bytes', held_s)
   end
-  redis.call('ZADD', rate_key, now_s, seq_s .. ':' .. token)
-  redis.call('PEXPIRE', rate_key, window_s)
-  -- bounded: entries past the window go when the rank lookup met one, and every 10th seq
-  if trim or string.sub(seq_s, -1) == '0' then
-    redis.call('ZREMRANGEBYSCORE', rate_key, '-inf', fmt('%d', now - tonumber(window_s)))
+  -- This enqueue's rate-window entry: the meta's field when the window holds no other (no
+  -- field inside the window, no sorted set: it expires one window after its last entry; a
+  -- set the rank lookup found an entry in exists), else the set, the field's entry with it.
+  local member = seq_s .. ':' .. token
+  local in_set = wt or nth[1] or redis.call('EXISTS', rate_key) == 1
+  local m = {'seq', seq_s, 'bytes', held_s}
+  if epoch then m[5], m[6] = 'epoch', epoch end
+  if stamp then m[#m + 1], m[#m + 2] = 'r', stamp end
+  if not in_set then m[#m + 1], m[#m + 2] = 'w', now_s .. ':' .. member end
+  redis.call('HSET', meta_key, unpack(m))
+  if in_set then
+    if wt then
+      redis.call('ZADD', rate_key, w_at, w_member, now_s, member)
+    else
+      redis.call('ZADD', rate_key, now_s, member)
+    end
+    redis.call('PEXPIRE', rate_key, window_s)
+    if meta[5] then redis.call('HDEL', meta_key, 'w') end  -- (moved, or out of the window)
+    -- bounded: entries past the window go when the rank lookup met one, and every 10th seq
+    if trim or string.sub(seq_s, -1) == '0' then
+      redis.call('ZREMRANGEBYSCORE', rate_key, '-inf', fmt('%d', now - tonumber(window_s)))
+    end
   end
   if ikey ~= '' then
     redis.call('HSET', idem_key, ikey, seq_s .. ':' .. digest)

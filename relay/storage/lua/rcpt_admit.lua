@@ -6,7 +6,7 @@
 -- shard next, and refunds (rcpt_refund.lua) when that refuses it.
 -- KEYS[1] slot state (string)             KEYS[2] slot recipient records (hash)
 -- KEYS[3] default queue meta (hash)       KEYS[4] default queue messages (stream)
--- KEYS[5] default queue rate window (zset)
+-- KEYS[5] default queue rate window (zset; with the meta's 'w': lua/_prelude.lua inline_rate)
 -- ARGV[1] the recipient's field prefix "<b64 recipient>|"   ARGV[2] channel (b64url)
 -- ARGV[3] payload bytes   ARGV[4] now, ms
 -- ARGV[5] channel cap   ARGV[6] messages cap   ARGV[7] bytes cap   ARGV[8] rate, per window
@@ -40,11 +40,15 @@ local ring = h[4]
 if rate > 0 then
   -- the default queue's window plus the ring of the other channels (as enqueue.lua counts)
   local others, leaves = ring_count(ring, now, window)
+  -- (its window: the sorted set, and the meta's field 'w' while it holds one enqueue)
+  local _, _, wt = inline_rate(redis.call('HGET', meta_key, 'w'), now, window)
   local from = '(' .. string.format('%d', now - window)
-  if others + redis.call('ZCOUNT', rate_key, from, '+inf') >= rate then
+  if others + redis.call('ZCOUNT', rate_key, from, '+inf') + (wt and 1 or 0) >= rate then
     local first = redis.call('ZRANGEBYSCORE', rate_key, from, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-    if first[2] then
-      local mine = tonumber(first[2]) + window - now
+    local oldest = first[2] and tonumber(first[2])
+    if wt and (not oldest or wt < oldest) then oldest = wt end
+    if oldest then
+      local mine = oldest + window - now
       if leaves == 0 or mine < leaves then leaves = mine end
     end
     return {'rrate', math.max(1, leaves)}

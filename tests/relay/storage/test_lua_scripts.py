@@ -156,6 +156,44 @@ def test_enqueue_rate_window_is_exact_and_ranked_by_time(r: redis.Redis) -> None
     assert enqueue(r, now=NOW + 60_010, token="t4", resend="1") == [b"ok", 5, 0]
 
 
+def test_enqueue_keeps_a_window_of_one_in_the_meta(r: redis.Redis) -> None:
+    """A rate window holding one enqueue is the meta's field 'w', with no rate key (its key cost
+    a queue ~190 B: docs/memory.md); a second enqueue inside the window moves both entries to
+    the sorted set. The limit, its retryAfterMs and resends read them as one window."""
+    k = q()
+    assert enqueue(r, rate=2, now=NOW, token="a")[:2] == [b"ok", 1]
+    assert not r.exists(k.rate)
+    assert r.hget(k.meta, "w") == b"%d:1:a" % NOW
+    assert enqueue(r, rate=1, now=NOW + 10) == [b"rate", 59_990]  # the field is the 1st newest
+    assert enqueue(r, now=NOW, token="a", resend="1") == [b"ok", 1, 0]
+    assert enqueue(r, now=NOW + 1, token="a", resend="1")[:2] == [b"ok", 2]  # not that attempt: stored
+    assert r.hget(k.meta, "w") is None
+    assert r.zrange(k.rate, 0, -1, withscores=True) == [(b"1:a", NOW), (b"2:a", NOW + 1)]
+    assert 0 < r.pttl(k.rate) <= 60_000
+    assert enqueue(r, rate=2, now=NOW + 20) == [b"rate", 59_980]
+    assert enqueue(r, now=NOW, token="a", resend="1") == [b"ok", 1, 0]
+    # once the set expired (one window after its newest entry), a window of one is the field again
+    r.delete(k.rate)
+    assert enqueue(r, rate=1, now=NOW + 60_001, token="c")[:2] == [b"ok", 3]
+    assert (r.exists(k.rate), r.hget(k.meta, "w")) == (0, b"%d:3:c" % (NOW + 60_001))
+    # a field the window has left counts for nothing and is replaced
+    assert enqueue(r, rate=1, now=NOW + 120_001, token="d")[:2] == [b"ok", 4]
+    assert (r.exists(k.rate), r.hget(k.meta, "w")) == (0, b"%d:4:d" % (NOW + 120_001))
+    # an entry a relay of an earlier version added to the set beside the field: one window of two
+    r.zadd(k.rate, {"9:old": NOW + 120_011})
+    assert enqueue(r, rate=2, now=NOW + 120_021) == [b"rate", 59_980]  # its 2nd newest: the field's
+    assert enqueue(r, rate=3, now=NOW + 120_021, token="e")[:2] == [b"ok", 5]
+    assert r.hget(k.meta, "w") is None
+    assert r.zrange(k.rate, 0, -1) == [b"4:d", b"9:old", b"5:e"]
+    # the recipient's rate counts the field too, and retries when it leaves
+    d = K.queue_keys_for_id(SLOT, K.queue_id(RCPT, b""))
+    assert enqueue(r, token="f", k=d, recipient=(0, 0, 1))[:2] == [b"ok", 1]
+    assert not r.exists(d.rate)
+    assert enqueue(r, k=d, now=NOW + 10, recipient=(0, 0, 1)) == [b"rrate", 59_990]
+    assert admit(r, b"a", now=NOW + 10, caps=(2, 5, 100, 1)) == [b"rrate", 59_990]
+    assert admit(r, b"a", now=NOW + 10, caps=(2, 5, 100, 2))[0] == b"ok"
+
+
 def test_enqueue_counts_each_minute_and_keeps_the_last_two(r: redis.Redis) -> None:
     def load(now: int) -> tuple[int, int, float]:
         """SLOT's messages, bytes and enqueues per minute as slot_sweep.lua reads them."""
