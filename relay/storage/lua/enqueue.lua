@@ -239,10 +239,11 @@ local function enqueue_one(k, a)
     -- A meta an earlier version wrote keeps it, and trim.lua still reads it there.)
   end
   -- This enqueue's rate-window entry: the meta's field when the window holds no other (no
-  -- field inside the window, no sorted set: it expires one window after its last entry; a
-  -- set the rank lookup found an entry in exists), else the set, the field's entry with it.
+  -- field inside the window, and no sorted set: it expires one window after its newest
+  -- entry, and PEXPIRE, which it needs anyway, answers whether it exists), else the set, the
+  -- field's entry with it.
   local member = seq_s .. ':' .. token
-  local in_set = wt or nth[1] or redis.call('EXISTS', rate_key) == 1
+  local in_set = wt or redis.call('PEXPIRE', rate_key, window_s) == 1
   local m = {'seq', seq_s, 'bytes', held_s}
   if epoch then m[5], m[6] = 'epoch', epoch end
   if stamp then m[#m + 1], m[#m + 2] = 'r', stamp end
@@ -251,10 +252,10 @@ local function enqueue_one(k, a)
   if in_set then
     if wt then
       redis.call('ZADD', rate_key, w_at, w_member, now_s, member)
+      redis.call('PEXPIRE', rate_key, window_s)
     else
       redis.call('ZADD', rate_key, now_s, member)
     end
-    redis.call('PEXPIRE', rate_key, window_s)
     if meta[5] then redis.call('HDEL', meta_key, 'w') end  -- (moved, or out of the window)
     -- bounded: entries past the window go when the rank lookup met one, and every 10th seq
     if trim or string.sub(seq_s, -1) == '0' then
