@@ -39,7 +39,9 @@ class MemoryFigures:
     per_queue: int  # messages held by each queue
     size: int  # payload bytes of each message
     queue_bytes: float  # per queue, right after the enqueues (its rate state included)
-    held_queue_bytes: float  # per queue once the rate window passed (its rate state expired)
+    # per queue once the rate window passed: its rate key expired (a window of two enqueues or
+    # more; a window of one is a field of the queue's meta, which stays: docs/memory.md)
+    held_queue_bytes: float
     # per queue, where the bytes go ("rate", "stream", "meta", "index entry", the rest), when
     # measured (queue_figures(..., breakdown=True) deletes the queues to weigh each part)
     parts: tuple[tuple[str, float], ...] = ()
