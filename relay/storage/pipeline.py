@@ -65,11 +65,14 @@ def bulk(a: Arg) -> bytes:
 
 
 def encode(*args: Arg) -> bytes:
-    """One command in RESP."""
-    parts = [b"*%d\r\n" % len(args)]
-    for a in args:
-        parts.append(bulk(a))
-    return b"".join(parts)
+    """One command in RESP, packed by hiredis (in C: a presence renewal's 11 arguments 3.4
+    against 10.3 us, a load sweep's 75 arguments 17 against 87 us, on the loaded machine);
+    hiredis takes no bool (an int to Python), which is written as its digit as before."""
+    try:
+        packed: bytes = hiredis.pack_command(cast(Any, args))  # (its stub types a 1-tuple)
+        return packed
+    except TypeError:
+        return b"".join([b"*%d\r\n" % len(args), *[bulk(a) for a in args]])
 
 
 class Conn:
@@ -356,23 +359,9 @@ class Deferred(Protocol):
 _Queued = tuple["bytes | Deferred", ReplySink]
 
 
-_HEADS: dict[tuple[str, int], bytes] = {}
-
-
-def _evalsha_head(script: Script, nkeys: int) -> bytes:
-    """EVALSHA, the script's SHA and the key count, encoded once per script shape."""
-    head = _HEADS.get((script.sha, nkeys))
-    if head is None:
-        head = _HEADS[(script.sha, nkeys)] = bulk_str("EVALSHA") + bulk_str(script.sha) + bulk(nkeys)
-    return head
-
-
 def encode_evalsha(script: Script, keys: tuple[str, ...], args: tuple[Arg, ...]) -> bytes:
-    """EVALSHA of `script` as RESP; parts of it may be cached by callers (see ShardStore)."""
-    parts = [b"*%d\r\n" % (3 + len(keys) + len(args)), _evalsha_head(script, len(keys))]
-    parts += [bulk_str(k) for k in keys]
-    parts += [bulk(a) for a in args]
-    return b"".join(parts)
+    """EVALSHA of `script` as RESP (`encode`)."""
+    return encode("EVALSHA", script.sha, len(keys), *keys, *args)
 
 
 # Replies of a node that cannot take writes now: a demoted primary (READONLY), one still
