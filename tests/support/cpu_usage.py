@@ -1,4 +1,4 @@
-"""Pytest plugin: the CPU seconds each test costs, its processes' included (`--cpu-report DIR`).
+"""Pytest plugin: the CPU seconds each test costs, its processes' included (`--cpu-report=DIR`).
 
 Wall time on a shared 2-core machine says more about the neighbours than about the test; what
 the suite's length is made of is CPU work divided by the cores. A test's CPU here is that of
@@ -116,7 +116,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--cpu-report",
         metavar="DIR",
         default=None,
-        help="write each test's CPU seconds (its processes' included) to DIR/<worker>.json",
+        # as --cpu-report=DIR: a DIR of its own, before the plugin is loaded, reads as a test path
+        help="write each test's CPU seconds (its processes' included) to DIR/<worker>.jsonl",
     )
 
 

@@ -2,7 +2,7 @@
 
 Register it from ``tests/conftest.py`` with ``pytest_plugins = ["tests.support.k8s_cluster"]``.
 
-Session-scoped fixtures (both yield a :class:`KubeCluster`):
+Fixtures (both give a :class:`KubeCluster`, one per process, started on first use):
 
 ``kube_apiserver``
     A bare etcd + kube-apiserver on free loopback ports, with self-generated
@@ -20,6 +20,12 @@ yield that existing cluster instead and start nothing. Otherwise the binaries
 come from ``hack/control-plane.sh`` (a no-op once built; see
 docs/control-plane.md), which runs at collection time when any selected test
 needs them, so a cold build does not eat into a test's timeout.
+
+On a pytest-xdist worker a control plane is stopped as soon as the next test the worker runs
+does not use it: the tests sharing one run there one after the other (a group, one work unit;
+tests/conftest.py), and an idle API server, etcd and kwok's controllers, kept until the
+session's end, used CPU the rest of the suite needed (the suite is bound by CPU on 2 cores). A
+later test that asks again gets a new one. Run without xdist, it stays up until the end.
 """
 
 from __future__ import annotations
@@ -197,36 +203,58 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 # -------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="session")
-def kube_apiserver(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[KubeCluster]:
+@pytest.fixture
+def kube_apiserver(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> KubeCluster:
     """A bare etcd + kube-apiserver (or the external cluster)."""
-    yield from _cluster(request, tmp_path_factory, "kube-apiserver", _bare_apiserver)
+    return _cluster(request, tmp_path_factory, "kube_apiserver", "kube-apiserver", _bare_apiserver)
 
 
-@pytest.fixture(scope="session")
-def kwok_cluster(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[KubeCluster]:
+@pytest.fixture
+def kwok_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> KubeCluster:
     """A kwokctl binary-runtime cluster with fake nodes (or the external cluster)."""
-    yield from _cluster(request, tmp_path_factory, "kwok", _kwok)
+    return _cluster(request, tmp_path_factory, "kwok_cluster", "kwok", _kwok)
+
+
+#: fixture name -> the control plane this process runs for it, and what stops it
+_RUNNING: dict[str, tuple[KubeCluster, contextlib.ExitStack]] = {}
 
 
 def _cluster(
     request: pytest.FixtureRequest,
     tmp_path_factory: pytest.TempPathFactory,
+    fixture: str,
     name: str,
     start: Callable[[Path, Path], contextlib.AbstractContextManager[KubeCluster]],
-) -> Iterator[KubeCluster]:
-    """The external cluster if one is given, else `start(bin_dir, workdir)` with the pinned binaries."""
-    external = external_kubeconfig(request.config)
-    if external is not None:
-        yield external_cluster(external)
-        return
-    bin_dir = control_plane_bin_dir()
-    with start(bin_dir, tmp_path_factory.mktemp(name)) as cluster:
-        yield cluster
+) -> KubeCluster:
+    """The external cluster if one is given, else `start(bin_dir, workdir)` with the pinned
+    binaries; the one already running for `fixture` if there is one."""
+    if fixture not in _RUNNING:
+        stack = contextlib.ExitStack()
+        external = external_kubeconfig(request.config)
+        if external is not None:
+            cluster = external_cluster(external)
+        else:
+            cluster = stack.enter_context(start(control_plane_bin_dir(), tmp_path_factory.mktemp(name)))
+        _RUNNING[fixture] = (cluster, stack)
+    return _RUNNING[fixture][0]
+
+
+def _stop(fixture: str) -> None:
+    _RUNNING.pop(fixture)[1].close()
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures (namespaces, operators) are gone
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if not hasattr(item.config, "workerinput"):
+        return  # one process in file order: the tests using a control plane are not together
+    after = set(getattr(nextitem, "fixturenames", ())) if nextitem is not None else set()
+    for fixture in [f for f in _RUNNING if f not in after]:
+        _stop(fixture)
+
+
+def pytest_sessionfinish() -> None:
+    for fixture in list(_RUNNING):
+        _stop(fixture)
 
 
 # ------------------------------------------------------------------- external
