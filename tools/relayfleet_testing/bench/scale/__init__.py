@@ -62,7 +62,16 @@ def _parser() -> argparse.ArgumentParser:
         help="retention: queues holding them (default 1,000,000)",
     )
     g.add_argument(
+        "--retention-payload", type=int, default=256, help="retention: bytes per message (default 256)"
+    )
+    g.add_argument(
         "--executors", type=int, default=2, help="retention: Spark executor cores, local[N] (default 2)"
+    )
+    g.add_argument(
+        "--retention-snapshot",
+        type=Path,
+        metavar="FILE",
+        help="retention: keep the seeded shard in this RDB file and, when it matches, start from it",
     )
     g = p.add_argument_group("rebalance")
     g.add_argument("--shards", type=int, default=64, help="rebalance: shards (default 64)")
@@ -120,7 +129,15 @@ def run_phase(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
     if name == "retention":
         from relayfleet_testing.bench.scale import retention
 
-        return retention.run(args.retention_messages, args.retention_queues, args.executors, args.seed, say)
+        return retention.run(
+            args.retention_messages,
+            args.retention_queues,
+            args.executors,
+            args.seed,
+            say,
+            payload=args.retention_payload,
+            keep=args.retention_snapshot,
+        )
     if name == "rebalance":
         from relayfleet_testing.bench.scale import rebalance
 
@@ -135,7 +152,8 @@ def main(argv: list[str]) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:
         return 2 if exc.code not in (0, None) else 0
-    for flag in ("queues", "payload", "retention_messages", "retention_queues", "executors", "relayshards"):
+    sizes = ("queues", "payload", "retention_messages", "retention_queues", "retention_payload", "executors")
+    for flag in (*sizes, "relayshards"):
         if getattr(args, flag) < 1:
             print(f"relayfleet bench --scale: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
