@@ -71,6 +71,10 @@ MIGRATION_RESUME = Policy(first_s=0.5, cap_s=0.5)
 PUSH_WEBHOOK = Policy(first_s=0.2, cap_s=1.6, attempts=4, jitter_s=0.2)
 # A request the relay answered 429/503 (relay/client.py): it waits what the relay asked.
 RELAY_ASKED = Policy(first_s=1.0, cap_s=1.0)
+# The operator's PING of a shard's external Redis (relayfleet_operator/shard_redis.py): three
+# tries over ~1.5 s of waits before the shard is called Degraded (one late answer on a loaded
+# node is not an outage: it flapped 100 shards Ready -> Degraded under load).
+REDIS_PING = Policy(first_s=0.5, cap_s=1.0, attempts=3)
 # A server coming up (relay/client.py wait_ready, the tools' local servers): polled until ready.
 READY_POLL = Policy(first_s=0.01, cap_s=0.05)
 

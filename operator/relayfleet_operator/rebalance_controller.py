@@ -184,11 +184,14 @@ async def _execute(ctx: fleet_state.Context, body: Mapping[str, Any]) -> None:
     fleet_name = str(spec.get("fleet") or "")
     status = body.get("status") or {}
     entries: list[Obj] = [dict(e) for e in status.get("moves") or ()]
-    lock = ctx.locks.fleet(namespace, fleet_name)
-    if lock.locked():
-        return  # a drain or a shard-map write holds the fleet; the timer comes back
-    async with lock:
-        key = (namespace, fleet_name)
+    key = (namespace, fleet_name)
+    if key in ctx.moving:
+        return  # a drain or another rebalance is moving this fleet's slots; the timer comes back
+    # A shard-map write holds the lock for a moment: wait for it (the lock is fair), never skip
+    # the step for it. Skipping whenever the lock was held starved a rebalance for good once
+    # 100 shards' resyncs kept it busy (docs/design-decisions.md, "The fleet lock guards
+    # shard-map writes only").
+    async with ctx.locks.fleet(namespace, fleet_name):
         ctx.moving[key] = f"RelayRebalance {name} is moving slots"
         metrics.REBALANCES_ACTIVE.inc()
         persist_lock = asyncio.Lock()

@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 from relay.fleet import migration as fleet_migration
 from relay.fleet.contract import Move
 from relay.fleet.sharding import ShardMap
+from relay.retrying import REDIS_PING, retrying
 from relay.storage import keys
 from relay.storage.sentinel import async_client
 
@@ -70,13 +71,19 @@ def _client(url: str, timeout: float) -> aioredis.Redis:
 
 
 async def ping(url: str, limit_s: float = 2.0) -> bool:
-    client = _client(url, limit_s)
+    """Does the Redis answer PING (each try within `limit_s`, REDIS_PING's tries)?"""
+
+    async def once() -> bool:
+        client = _client(url, limit_s)
+        try:
+            return bool(await asyncio.wait_for(client.ping(), limit_s))
+        finally:
+            await client.aclose()
+
     try:
-        return bool(await asyncio.wait_for(client.ping(), limit_s))
+        return await retrying(REDIS_PING, (RedisError, OSError, TimeoutError))(once)
     except (RedisError, OSError, TimeoutError):
         return False
-    finally:
-        await client.aclose()
 
 
 async def holds_data(url: str, slots: Iterable[int], limit_s: float = 5.0) -> bool:

@@ -57,7 +57,10 @@ async def write_status(ctx: fleet_state.Context, body: Mapping[str, Any], status
             raise
 
 
-async def _observe(ctx: fleet_state.Context, shard: ShardSpec, url: str | None) -> Observed:
+async def _observe(
+    ctx: fleet_state.Context, shard: ShardSpec, url: str | None, shard_map: ShardMap | None
+) -> Observed:
+    """What the shard's children and Redis show now; `shard_map` is the map this reconcile read."""
     kube = ctx.kube
     dep = await kube.get("apps/v1", "Deployment", shard.namespace, builders.relay_name(shard.name))
     sts = None
@@ -77,7 +80,6 @@ async def _observe(ctx: fleet_state.Context, shard: ShardSpec, url: str | None) 
     if shard.backup is not None:
         cron = await kube.get("batch/v1", "CronJob", shard.namespace, builders.backup_name(shard.name))
         last_backup = ((cron or {}).get("status") or {}).get("lastSuccessfulTime")
-    shard_map, _ = await fleet_state.read_shard_map(kube, shard.namespace, shard.fleet)
     return Observed(
         last_backup=last_backup if isinstance(last_backup, str) else None,
         deployment=dep,
@@ -124,33 +126,40 @@ async def reconcile(ctx: fleet_state.Context, body: Mapping[str, Any], *, announ
     previous = body.get("status") or {}
     url: str | None = None
     try:
-        async with ctx.locks.fleet(shard.namespace, shard.fleet):
-            url = await fleet_state.redis_url(ctx.kube, shard)
-            digest = await relay_secrets_digest(ctx, shard)
-            members = await fleet_state.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
-            owners = fleet_state.specs_of(members)
-            for obj in builders.reconcile_objects(shard, owners, digest, ctx.neighbours):
-                await ctx.kube.apply(obj)
-            for group in builders.retired_children(shard):
-                if await ctx.kube.get(*group[0][:2], shard.namespace, group[0][2]) is not None:
-                    for api_version, kind, name in group:
-                        await ctx.kube.delete(api_version, kind, shard.namespace, name)
-            spark = ctx.neighbours.spark_for(shard.namespace, shard.fleet)
-            await fleet_state.set_credentials(
-                ctx.kube, shard.namespace, shard.fleet, shard.name, url, owners, spark
-            )
-            public = builders.strip_credentials(url)
-            founder = fleet_state.founder(members)
+        url = await fleet_state.redis_url(ctx.kube, shard)
+        digest = await relay_secrets_digest(ctx, shard)
+        members = await fleet_state.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
+        owners = fleet_state.specs_of(members)
+        for obj in builders.reconcile_objects(shard, owners, digest, ctx.neighbours):
+            await ctx.kube.apply(obj)
+        for group in builders.retired_children(shard):
+            if await ctx.kube.get(*group[0][:2], shard.namespace, group[0][2]) is not None:
+                for api_version, kind, name in group:
+                    await ctx.kube.delete(api_version, kind, shard.namespace, name)
+        spark = ctx.neighbours.spark_for(shard.namespace, shard.fleet)
+        await fleet_state.set_credentials(
+            ctx.kube, shard.namespace, shard.fleet, shard.name, url, owners, spark
+        )
+        public = builders.strip_credentials(url)
+        founder = fleet_state.founder(members)
 
-            def join(m: ShardMap | None) -> ShardMap | None:
-                if m is None and founder not in (None, shard.name):
-                    return None  # the founder creates the map; this shard joins it afterwards
-                return builders.join_shard_map(m, shard.fleet, shard.name, public)
+        def join(m: ShardMap | None) -> ShardMap | None:
+            if m is None and founder not in (None, shard.name):
+                return None  # the founder creates the map; this shard joins it afterwards
+            return builders.join_shard_map(m, shard.fleet, shard.name, public)
 
-            before, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
-            after, written = await fleet_state.update_shard_map(
-                ctx.kube, shard.namespace, shard.fleet, join, owners
-            )
+        # Only a shard-map write takes the fleet's lock (slot moves publish under it), and only
+        # when the map must change: held for a whole reconcile, 100 shards' resyncs queued on
+        # it for minutes and a RelayRebalance never found it free (docs/design-decisions.md,
+        # "The fleet lock guards shard-map writes only").
+        before, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
+        after, written = before, False
+        if join(before) != before:
+            async with ctx.locks.fleet(shard.namespace, shard.fleet):
+                before, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
+                after, written = await fleet_state.update_shard_map(
+                    ctx.kube, shard.namespace, shard.fleet, join, owners
+                )
         if written and after is not None:
             joined = before is None or shard.name not in before.shards
             if joined:
@@ -164,7 +173,7 @@ async def reconcile(ctx: fleet_state.Context, body: Mapping[str, Any], *, announ
                     await _propose_join_rebalance(ctx, shard, body)
             else:
                 notify(body, "ShardMapUpdated", f"Redis URL updated in the shard map (epoch {after.epoch})")
-        seen = await _observe(ctx, shard, url)
+        seen = await _observe(ctx, shard, url, after)
     except (KubeError, fleet_state.FleetError, ShardMapError) as exc:
         metrics.ERRORS.labels("RelayShard", type(exc).__name__).inc()
         metrics.RECONCILES.labels("RelayShard", "error").inc()

@@ -3,12 +3,15 @@ shared library and publishes only its own slots; the data and statistics probes 
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
+import time
 from collections.abc import Iterator, Sequence
 
 import pytest
 from relayfleet_operator import shard_redis
-from relayfleet_testing.localredis import LocalRedis
+from relayfleet_testing.localredis import LocalRedis, redis_server_binary
 
 from relay.fleet.contract import Move
 from relay.fleet.sharding import ShardMap, SlotRange
@@ -35,6 +38,23 @@ def two_shards() -> Iterator[ShardMap]:
     finally:
         a.stop()
         b.stop()
+
+
+async def test_one_late_answer_does_not_make_a_redis_unreachable() -> None:
+    """A Redis that misses one PING's limit (stopped for a moment, as a loaded node's can be)
+    and answers the next try is reachable: one late answer flapped shards Ready -> Degraded."""
+    server = LocalRedis(binary=redis_server_binary()).start()
+    assert server.proc is not None
+    pid = server.proc.pid
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        asyncio.get_running_loop().call_later(0.8, os.kill, pid, signal.SIGCONT)
+        started = time.monotonic()
+        assert await shard_redis.ping(server.url, limit_s=0.5)
+        assert time.monotonic() - started >= 0.5  # the first try went unanswered
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        server.stop()
 
 
 async def test_probes_see_data_and_bytes(two_shards: ShardMap) -> None:
