@@ -89,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
         help="operator: the window API requests are counted in at rest",
     )
     g.add_argument(
+        "--migration-timeout",
+        type=float,
+        default=600.0,
+        help="operator: seconds a migration may take before it is reported as not finished (default 600)",
+    )
+    g.add_argument(
         "--kubeconfig", type=Path, help="operator: an existing (kwok) cluster instead of starting one"
     )
     g.add_argument(
@@ -144,7 +150,9 @@ def run_phase(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
         return rebalance.run(args.shards, args.skew, args.seed, say)
     from relayfleet_testing.bench.scale import operator
 
-    return operator.run(args.relayshards, args.rest_seconds, args.kubeconfig, dict(args.operator_env), say)
+    env = dict(args.operator_env)
+    n, rest, timeout = args.relayshards, args.rest_seconds, args.migration_timeout
+    return operator.run(n, rest, args.kubeconfig, env, say, timeout)
 
 
 def main(argv: list[str]) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -42,6 +43,13 @@ REPO = Path(__file__).resolve().parents[4]
 FLEET = "main"
 MOVES = 8  # moves of the several-moves rebalance, all at once (the CRD allows 16 at once)
 _REQUESTS = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>[0-9.e+]+)$", re.M)
+# the operator's own log line when a shard's phase leaves Ready (shards.reconcile's PhaseChanged)
+_LEFT_READY = re.compile(r"PhaseChanged: phase Ready -> (?!Ready)")
+_RECONCILE = re.compile(
+    r"^relayfleet_operator_reconcile_duration_seconds_(?P<what>sum|count)"
+    r'\{kind="RelayShard"\} (?P<v>\S+)$',
+    re.M,
+)
 _RESOURCE = re.compile(r'resource="([^"]*)"')
 
 
@@ -103,7 +111,9 @@ class Scene:
         self.ns = f"rf-scale-{uuid.uuid4().hex[:6]}"
         self.servers: dict[str, LocalRedis] = {}
         self.operator: subprocess.Popen[bytes] | None = None
+        self.metrics_port = 0
         self.next_slot = 0  # the founder's slots from here on have not moved
+        self.stuck: list[str] = []  # migrations that did not finish in time
         # outside the work folder, which goes with the cluster: kept for a failed run's reader
         fd, log = tempfile.mkstemp(prefix="relayfleet-scale-operator-", suffix=".log")
         os.close(fd)
@@ -140,13 +150,13 @@ class Scene:
 
     def start_operator(self) -> float:
         """Start the operator; seconds until its liveness endpoint answers (kopf is up)."""
-        health = free_port()
+        health, self.metrics_port = free_port(), free_port()
         env = {
             **os.environ,
             "KUBECONFIG": str(self.k.kubeconfig),
             **self.env,
             "RELAYFLEET_OPERATOR_HEALTH_PORT": str(health),
-            "RELAYFLEET_OPERATOR_METRICS_PORT": str(free_port()),
+            "RELAYFLEET_OPERATOR_METRICS_PORT": str(self.metrics_port),
         }
         with self.log.open("ab") as log:
             self.operator = subprocess.Popen(
@@ -160,6 +170,17 @@ class Scene:
         if self.operator.poll() is not None:
             raise RuntimeError(f"the operator exited ({self.operator.returncode}); see {self.log}")
         return rss_bytes(self.operator.pid)
+
+    def flaps(self) -> int:
+        """Times a shard left Ready so far (the operator's log)."""
+        return len(_LEFT_READY.findall(self.log.read_text(errors="replace")))
+
+    def reconciles(self) -> tuple[float, float]:
+        """(seconds, count) of the RelayShard reconciles so far (the operator's /metrics)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        got = {m.group("what"): float(m.group("v")) for m in _RECONCILE.finditer(text)}
+        return got.get("sum", 0.0), got.get("count", 0.0)
 
     def wait(self, what: str, done: Callable[[], bool], timeout: float) -> float:
         """Seconds until `done()`; polled every second (the poll's own requests are not in the
@@ -176,15 +197,22 @@ class Scene:
         items = json.loads(self.kubectl("get", "rshard", "-o", "json"))["items"]
         return sum(1 for i in items if (i.get("status") or {}).get("phase") == "Ready")
 
-    def move(self, name: str, pairs: list[tuple[str, str]]) -> float:
+    def move(self, name: str, pairs: list[tuple[str, str]], timeout: float) -> float:
         """Seconds until an approved RelayRebalance moving 64 of the founder's slots to each
-        `to` is Ready (each call moves slots no call moved before)."""
+        `to` is Ready (each call moves slots no call moved before); NaN when it is not Ready
+        within `timeout` (said in the notes: the run goes on, the figures after it still count)."""
         moves = []
         for src, dst in pairs:
             moves.append({"slots": f"{self.next_slot}-{self.next_slot + 63}", "from": src, "to": dst})
             self.next_slot += 64
         self.apply(rebalance_doc(name, concurrency=len(pairs), proposal={"moves": moves}))
-        return self.wait(f"rebalance {name}", partial(self.rebalance_ready, name), 600 + 60 * len(pairs))
+        try:
+            return self.wait(f"rebalance {name}", partial(self.rebalance_ready, name), timeout)
+        except RuntimeError:
+            phase = self.rebalance_phase(name)
+            self.stuck.append(f"rebalance {name} was still {phase} after {timeout:.0f} s")
+            self.say(f"operator: {self.stuck[-1]}")
+            return math.nan
 
     def rebalance_ready(self, name: str) -> bool:
         return self.rebalance_phase(name) == "Ready"
@@ -237,9 +265,15 @@ def cluster(kubeconfig: Path | None, workdir: Path, nodes: int, say: Say) -> Ite
 
 
 def run(
-    shards: int, rest_seconds: float, kubeconfig: Path | None, env: dict[str, str], say: Say
+    shards: int,
+    rest_seconds: float,
+    kubeconfig: Path | None,
+    env: dict[str, str],
+    say: Say,
+    migration_timeout: float = 600.0,
 ) -> PhaseReport:
     report = PhaseReport("operator", {"RelayShards": shards, "rest window s": rest_seconds})
+    resync = float(env.get("RELAYFLEET_OPERATOR_RESYNC_SECONDS", 30.0))
     names = [f"s{i:03d}" for i in range(shards)]
     # joined in batches: the founder (all slots), up to a tenth, the rest
     batches = [b for b in (1, shards // 10 - 1) if b > 0]
@@ -272,17 +306,23 @@ def run(
                 if done == 1:
                     rss_one = scene.rss()
                 elif not anchor_shards:  # one migration in the small fleet: the anchor of the big one's
-                    anchor_shards, anchor_move = done, scene.move("anchor", [(names[0], names[done - 1])])
+                    anchor_shards = done
+                    anchor_move = scene.move("anchor", [(names[0], names[done - 1])], migration_timeout)
             say(f"operator: at rest for {rest_seconds:.0f} s")
             time.sleep(min(10.0, rest_seconds))  # the last status writes settle
+            reconciled = scene.reconciles()
             at_rest, per_resource = scene.rest_rate(rest_seconds)
+            after_rest = scene.reconciles()
+            spent, count = after_rest[0] - reconciled[0], after_rest[1] - reconciled[1]
             rss_rest = scene.rss()
-            before = api_requests(k)
-            one = scene.move("one", [(names[0], names[-1])])
-            during = sum(delta(api_requests(k), before).values()) * 60 / one
-            several = scene.move(
-                "several", [(names[0], names[-2 - i]) for i in range(min(MOVES, shards - 2))]
-            )
+            before, t0 = api_requests(k), time.monotonic()
+            one = scene.move("one", [(names[0], names[-1])], migration_timeout)
+            during = sum(delta(api_requests(k), before).values()) * 60 / (time.monotonic() - t0)
+            several = math.nan  # not tried after one that did not finish: it would wait as long
+            if not math.isnan(one):
+                pairs = [(names[0], names[-2 - i]) for i in range(min(MOVES, shards - 2))]
+                several = scene.move("several", pairs, 2 * migration_timeout)
+            flaps = scene.flaps()
             rss_migrated = scene.rss()
             say(f"operator: one migration {one:.1f} s ({anchor_move:.1f} s with {anchor_shards} shards), "
                 f"{MOVES} at once {several:.1f} s")  # fmt: skip
@@ -308,6 +348,10 @@ def run(
                "at rest, everything", at_rest),
         Figure("operator RSS after the migrations", rss_migrated / mib, "MiB",
                "at rest before them", rss_rest / mib),
+        Figure("mean RelayShard reconcile time at rest (lock waits included)",
+               spent / count if count else math.nan, "s", "the resync period", resync),
+        Figure("shards that left Ready during the run (flaps)", float(flaps), "",
+               "none: every Redis answered throughout", None),
     ]  # fmt: skip
     settings = ", ".join(f"{k}={v}" for k, v in env.items()) or "its production settings (resync 30 s)"
     report.growth.append(Growth("time to Ready per batch of shards", "s", tuple(batches), tuple(times)))
@@ -316,4 +360,5 @@ def run(
         f"{started:.1f} s after start. Requests at rest by resource (operator and control plane, "
         f"{rest_seconds:.0f} s): " + ", ".join(f"{r} {v:.0f}" for r, v in top)
     )
+    report.notes += [f"Not finished: {why}." for why in scene.stuck]
     return report

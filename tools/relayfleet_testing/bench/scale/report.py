@@ -21,8 +21,8 @@ class Figure:
 
     @property
     def ratio(self) -> float | None:
-        if self.anchor_value is None or self.anchor_value == 0:
-            return None
+        if self.anchor_value is None or self.anchor_value == 0 or math.isnan(self.value):
+            return None  # no anchor, or no figure (a step that did not finish)
         return self.value / self.anchor_value
 
 
