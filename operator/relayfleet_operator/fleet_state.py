@@ -34,6 +34,7 @@ from relayfleet_operator.spec import (
 )
 
 _MAP_WRITE_ATTEMPTS = 8
+RECONCILES_AT_ONCE = 8
 _log = logging.getLogger(__name__)
 
 
@@ -66,6 +67,10 @@ class Context:
     # (OperatorSettings.neighbours): the Redis NetworkPolicies and the credentials' copy
     neighbours: Neighbours = field(default_factory=Neighbours)
     locks: Locks = field(default_factory=Locks)
+    # RelayShard reconciles talking to the API at once. One at a time (under the fleet lock)
+    # left 100 shards' resyncs queued for minutes; all at once, 90 shards applied together
+    # sent ~1,000 requests in a burst and the API server's answers ran past their 30 s limit.
+    reconciling: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(RECONCILES_AT_ONCE))
     # Which fleets are moving slots right now, and for what (shown in shard conditions).
     moving: dict[tuple[str, str], str] = field(default_factory=dict)
 

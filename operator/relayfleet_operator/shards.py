@@ -126,33 +126,36 @@ async def reconcile(ctx: fleet_state.Context, body: Mapping[str, Any], *, announ
     previous = body.get("status") or {}
     url: str | None = None
     try:
-        url = await fleet_state.redis_url(ctx.kube, shard)
-        digest = await relay_secrets_digest(ctx, shard)
-        members = await fleet_state.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
-        owners = fleet_state.specs_of(members)
-        for obj in builders.reconcile_objects(shard, owners, digest, ctx.neighbours):
-            await ctx.kube.apply(obj)
-        for group in builders.retired_children(shard):
-            if await ctx.kube.get(*group[0][:2], shard.namespace, group[0][2]) is not None:
-                for api_version, kind, name in group:
-                    await ctx.kube.delete(api_version, kind, shard.namespace, name)
-        spark = ctx.neighbours.spark_for(shard.namespace, shard.fleet)
-        await fleet_state.set_credentials(
-            ctx.kube, shard.namespace, shard.fleet, shard.name, url, owners, spark
-        )
-        public = builders.strip_credentials(url)
-        founder = fleet_state.founder(members)
+        # A bounded number of reconciles talk to the API at once (a fleet applied in one go,
+        # or every shard's resync falling due together, is a burst, not a stampede).
+        async with ctx.reconciling:
+            url = await fleet_state.redis_url(ctx.kube, shard)
+            digest = await relay_secrets_digest(ctx, shard)
+            members = await fleet_state.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
+            owners = fleet_state.specs_of(members)
+            for obj in builders.reconcile_objects(shard, owners, digest, ctx.neighbours):
+                await ctx.kube.apply(obj)
+            for group in builders.retired_children(shard):
+                if await ctx.kube.get(*group[0][:2], shard.namespace, group[0][2]) is not None:
+                    for api_version, kind, name in group:
+                        await ctx.kube.delete(api_version, kind, shard.namespace, name)
+            spark = ctx.neighbours.spark_for(shard.namespace, shard.fleet)
+            await fleet_state.set_credentials(
+                ctx.kube, shard.namespace, shard.fleet, shard.name, url, owners, spark
+            )
+            public = builders.strip_credentials(url)
+            founder = fleet_state.founder(members)
 
-        def join(m: ShardMap | None) -> ShardMap | None:
-            if m is None and founder not in (None, shard.name):
-                return None  # the founder creates the map; this shard joins it afterwards
-            return builders.join_shard_map(m, shard.fleet, shard.name, public)
+            def join(m: ShardMap | None) -> ShardMap | None:
+                if m is None and founder not in (None, shard.name):
+                    return None  # the founder creates the map; this shard joins it afterwards
+                return builders.join_shard_map(m, shard.fleet, shard.name, public)
 
+            before, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
         # Only a shard-map write takes the fleet's lock (slot moves publish under it), and only
         # when the map must change: held for a whole reconcile, 100 shards' resyncs queued on
         # it for minutes and a RelayRebalance never found it free (docs/design-decisions.md,
         # "The fleet lock guards shard-map writes only").
-        before, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
         after, written = before, False
         if join(before) != before:
             async with ctx.locks.fleet(shard.namespace, shard.fleet):
@@ -173,7 +176,8 @@ async def reconcile(ctx: fleet_state.Context, body: Mapping[str, Any], *, announ
                     await _propose_join_rebalance(ctx, shard, body)
             else:
                 notify(body, "ShardMapUpdated", f"Redis URL updated in the shard map (epoch {after.epoch})")
-        seen = await _observe(ctx, shard, url, after)
+        async with ctx.reconciling:
+            seen = await _observe(ctx, shard, url, after)
     except (KubeError, fleet_state.FleetError, ShardMapError) as exc:
         metrics.ERRORS.labels("RelayShard", type(exc).__name__).inc()
         metrics.RECONCILES.labels("RelayShard", "error").inc()
