@@ -10,7 +10,9 @@ How a plan is built (greedy, one move per round):
   1. every shard's utilisation u = load / weight; T = total load / total weight;
      the allowed ceiling is T * (1 + tolerance);
   2. the hottest shard gives one contiguous window of its movable slots to one
-     colder shard. Windows are scored, best first:
+     colder shard (of the few with the most room, the least utilised, or owning a
+     slot next to the hot shard's: a round costs O(slots / shards)). Windows are
+     scored, best first:
        a. hot ends under the ceiling and the receiver stays under it: fewest
           bytes (within 5%), then fewest new map fragments, then fewest slots;
        b. receiver stays under the ceiling: the most load moved (within 10%),
