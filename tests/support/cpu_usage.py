@@ -123,14 +123,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 class _Recorder:
     """Appends one line per test to DIR/<worker>.jsonl as it ends (a run cut short keeps what
-    it measured): {"test": node id, "cpu": s, "wall": s}, and the process's own lines
-    {"worker": id, "phase": "collected" | "end", "cpu": s, "wall": s since it started}."""
+    it measured): {"test": node id, "cpu": s, "wall": s, "outcome": passed|failed|error|skipped},
+    and the process's own lines {"worker": id, "phase": "collected" | "end", "cpu": s, "wall": s
+    since it started}."""
 
     def __init__(self, out: Path, worker: str) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.path = out / f"{worker}.jsonl"
         self.worker = worker
         self.processes = _Processes("")
+        self.outcome = "passed"
 
     def write(self, line: dict[str, Any]) -> None:
         with self.path.open("a") as f:
@@ -145,12 +147,20 @@ class _Recorder:
     def pytest_collection_finish(self) -> None:
         self.phase("collected")
 
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed or (report.skipped and report.when != "teardown"):
+            self.outcome = "error" if report.failed and report.when != "call" else report.outcome
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item) -> Iterator[None]:
+        self.outcome = "passed"
         cpu, wall = cpu_seconds(self.processes), time.monotonic()
         yield
         took = cpu_seconds(self.processes) - cpu
-        self.write({"test": item.nodeid, "cpu": round(took, 3), "wall": round(time.monotonic() - wall, 3)})
+        wall = time.monotonic() - wall
+        self.write(
+            {"test": item.nodeid, "cpu": round(took, 3), "wall": round(wall, 3), "outcome": self.outcome}
+        )
 
     @pytest.hookimpl(trylast=True)
     def pytest_unconfigure(self) -> None:  # after the session fixtures' teardown
@@ -178,18 +188,21 @@ def _cpu_usage_marker(request: pytest.FixtureRequest, tmp_path_factory: pytest.T
 
 def _summary(out: Path, top: int) -> None:
     tests: dict[str, tuple[float, float]] = {}
+    outcomes: dict[str, str] = {}
     for path in sorted(out.glob("*.jsonl")):
         for line in path.read_text().splitlines():
             row = json.loads(line)
             if "test" in row:
                 tests[row["test"]] = (row["cpu"], row["wall"])
+                outcomes[row["test"]] = row.get("outcome", "")
             else:
                 who, phase = row["worker"], row["phase"]
                 print(f"{who:>5} {phase:>9}: {row['cpu']:7.1f} s CPU, {row['wall']:7.1f} s wall")
     cpu = sum(c for c, _ in tests.values())
     print(f"tests: {len(tests)}, {cpu:.0f} s CPU, {sum(w for _, w in tests.values()):.0f} s wall (summed)")
     for nodeid, (c, w) in sorted(tests.items(), key=lambda t: -t[1][0])[:top]:
-        print(f"{c:7.1f} s CPU {w:7.1f} s wall  {nodeid}")
+        mark = "" if outcomes[nodeid] in ("passed", "") else f"  ({outcomes[nodeid]})"
+        print(f"{c:7.1f} s CPU {w:7.1f} s wall  {nodeid}{mark}")
 
 
 if __name__ == "__main__":
