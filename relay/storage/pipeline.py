@@ -13,9 +13,8 @@ wakeups cost the hand-written subscriber (`Conn`) 0.9 us per message and redis-p
 
 What is here: RESP encoding (commands pre-encoded as bytes, parts cached by callers), the
 raw connection (TCP or unix socket, TLS from redis-py's own context for the URL, AUTH,
-SELECT, PING), `Conn` (a stream read as it arrives: the snapshot's replication stream, the
-wakeup subscriber's connect), `Pushed` (the wakeup subscriber's messages, each dispatched as it
-is read) and `ScriptBatcher`, which coalesces concurrent script calls into
+SELECT, PING), `Conn` (a stream read as it arrives: the wakeup subscriber, the snapshot's
+replication stream) and `ScriptBatcher`, which coalesces concurrent script calls into
 pipelines: one awaited round trip per request caps a process near 9k req/s; sending every
 call that arrived while the previous pipeline was in flight as one batch lifts that
 ceiling (docs/architecture.md). URLs are parsed by redis-py (relay/storage/connection.py).
@@ -25,10 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import socket
 import ssl
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar, cast
@@ -42,8 +39,6 @@ from relay.storage import sentinel
 from relay.storage.boot import mark_boot
 from relay.storage.connection import RedisConnectError, RedisTarget, ssl_reason
 from relay.storage.scripts import ALL, Script
-
-log = logging.getLogger("relay.storage.pipeline")
 
 # -- RESP -------------------------------------------------------------------------------
 
@@ -125,52 +120,6 @@ class Conn:
 
     def close(self) -> None:
         self.writer.close()
-
-
-class Pushed(asyncio.Protocol):
-    """What a server pushes on a connection (a pub/sub subscriber's messages): each reply, parsed
-    by hiredis, handed to `on_reply` in the loop turn its bytes are read, with no task to resume
-    and no timer per read (relay/storage/wakeups.py). `lost` is done once the connection ends;
-    `last_data` is the monotonic time it last sent anything. A stream hiredis cannot parse, or an
-    `on_reply` that raises, aborts the connection (its type logged, never its text)."""
-
-    def __init__(self, on_reply: Callable[[Any], None]) -> None:
-        self._on_reply = on_reply
-        self._rd = hiredis.Reader()
-        self.transport: asyncio.Transport | None = None
-        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.last_data = time.monotonic()
-
-    @classmethod
-    def take_over(cls, conn: Conn, on_reply: Callable[[Any], None]) -> Pushed:
-        """`conn`'s stream from now on, read by a new `Pushed` (nothing may be left unread in it;
-        keep `conn.writer` to write, and to close it)."""
-        pushed = cls(on_reply)
-        transport = conn.writer.transport
-        transport.set_protocol(pushed)
-        pushed.connection_made(transport)
-        return pushed
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no asyncio subclass
-
-    def data_received(self, data: bytes) -> None:
-        self.last_data = time.monotonic()
-        try:
-            self._rd.feed(data)
-            while (reply := self._rd.gets()) is not False:
-                self._on_reply(reply)
-        except Exception as exc:  # a stream out of step, or a bug: the connection starts over
-            log.error("pushed stream aborted: %s", type(exc).__name__)
-            if self.transport is not None:
-                self.transport.abort()
-
-    def eof_received(self) -> bool | None:
-        return None  # the transport closes
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.lost.done():
-            self.lost.set_result(None)
 
 
 # -- connecting -------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from relay.storage import keys as K
 from relay.storage import sentinel
 from relay.storage.connection import RedisConnectError, RedisTarget
 from relay.storage.message import Message
-from relay.storage.pipeline import Conn, Pushed, encode, open_connection
+from relay.storage.pipeline import Conn, encode, open_connection
 
 log = logging.getLogger("relay.wakeups")
 
@@ -475,13 +475,9 @@ class WakeupHub:
             sessions += 1
             if sessions > 1 and self._on_reconnect is not None:
                 self._on_reconnect()
-            # each message dispatched as its bytes are read (nothing was sent since the login and
-            # ROLE, so nothing is left unread): a wake from another relay, or this relay's own
-            # PUBLISH coming back, costs no task resumed a loop turn later, no timer per read
-            sub = Pushed.take_over(conn, self._received)
             self._writer = conn.writer
             try:
-                await self._session(sub)
+                await self._session(conn)
             except (OSError, ConnectionError, TimeoutError) as exc:
                 self.last_error = f"connection lost: {type(exc).__name__}"
                 log.warning("wakeup subscriber for shard %s lost: %s", self.shard, type(exc).__name__)
@@ -493,7 +489,7 @@ class WakeupHub:
                     chan.subscribed = False
                 self.wake_all()  # waiters poll until we are back
 
-    async def _session(self, sub: Pushed) -> None:
+    async def _session(self, conn: Conn) -> None:
         # resubscribe everything still wanted, then let every waiter re-read
         for chan in list(self._channels.values()):
             if chan.waiters or chan.confirm is not None:
@@ -505,25 +501,32 @@ class WakeupHub:
         if self.on_map_moved is not None:
             self._send(encode("SUBSCRIBE", K.SHARD_MAP_MOVED))
         self._send(encode("PING"))
+        last_data = time.monotonic()
+        last_ping = last_data
+        first = True
         while True:
-            # the messages are dispatched as they arrive (`sub`); this wakes to ping and sweep
-            done, _ = await asyncio.wait((sub.lost,), timeout=_PING_EVERY_S)
-            if done:
-                raise ConnectionError("closed by server")
+            try:
+                data = await conn.read(_PING_EVERY_S)
+            except TimeoutError:
+                data = None
             now = time.monotonic()
-            if now - sub.last_data > _DEAD_AFTER_S:
+            if data == b"":
+                raise ConnectionError("closed by server")
+            if data:
+                last_data = now
+                for msg in conn.received(data):
+                    self._dispatch(msg)
+                    if first:
+                        first = False
+                        self.healthy = True
+                        self._connected.set()
+                        self.wake_all()
+            elif now - last_data > _DEAD_AFTER_S:
                 raise TimeoutError("no reply to PING")
-            self._send(encode("PING"))
-            self._sweep(now)
-
-    def _received(self, msg: object) -> None:
-        """One message of the subscriber connection (pipeline.Pushed); the session's first
-        makes the hub healthy and lets every waiter re-read."""
-        self._dispatch(msg)
-        if not self.healthy:
-            self.healthy = True
-            self._connected.set()
-            self.wake_all()
+            if now - last_ping >= _PING_EVERY_S:
+                last_ping = now
+                self._send(encode("PING"))
+                self._sweep(now)
 
     def _dispatch(self, msg: object) -> None:
         if not isinstance(msg, list) or not msg:

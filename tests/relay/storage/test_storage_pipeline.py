@@ -18,7 +18,6 @@ from relay.storage import store as store_module
 from relay.storage.pipeline import ScriptBatcher, StoreOutcomeUnknown, StoreUnavailable, bulk_str
 from relay.storage.scripts import STATUS
 from relay.storage.store import EnqueueOutcome, EnqueueRequest, QueueLimits, ShardStore, SlotMoved
-from tests.support.waiting import until
 
 REDIS = "/usr/bin/redis-server"
 
@@ -308,35 +307,3 @@ def test_an_enqueue_item_s_fixed_parts_are_its_key_names_encoded(slot: int) -> N
         b"".join([bulk_str(name) for name in names]),
         bulk_str(q.qid) + bulk_str(q.wake),
     )
-
-
-async def test_pushed_hands_each_reply_over_as_read_and_aborts_a_broken_stream() -> None:
-    """pipeline.Pushed (the wakeup subscriber's messages): replies reach `on_reply` as their
-    bytes arrive, one cut across writes once whole; bytes that are no RESP end the connection."""
-    sent: asyncio.Queue[bytes] = asyncio.Queue()
-
-    async def serve(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while (data := await sent.get()) != b"":
-            writer.write(data)
-        await writer.wait_closed()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    got: list[object] = []
-    try:
-        conn = pipeline.Conn(*await asyncio.open_connection("127.0.0.1", port))
-        pushed = pipeline.Pushed.take_over(conn, got.append)
-        sent.put_nowait(b"*3\r\n$7\r\nmessage\r\n$1\r\nc\r\n$2\r\nhi\r\n*3\r\n$7\r\nmess")
-        await until("the first message", lambda: got)
-        assert got == [[b"message", b"c", b"hi"]]
-        sent.put_nowait(b"age\r\n$1\r\nc\r\n$1\r\n!\r\n")
-        await until("the second message, cut across writes", lambda: len(got) == 2)
-        assert got[1] == [b"message", b"c", b"!"]
-        sent.put_nowait(b"\x00 no RESP\r\n")
-        await asyncio.wait_for(asyncio.shield(pushed.lost), 5.0)
-        assert len(got) == 2
-        conn.close()
-    finally:
-        sent.put_nowait(b"")
-        server.close()
-        await server.wait_closed()
