@@ -62,8 +62,9 @@ KUBE_API = Policy(first_s=0.2, cap_s=3.0, attempts=6, jitter_s=0.1)
 # The shard-map ConfigMap watch of a relay (relay/fleet/configmap.py): until the relay stops.
 CONFIGMAP_WATCH = Policy(first_s=0.5, cap_s=10.0)
 # A shard-map write that lost a race to another writer (relay/fleet/contract.py): re-read and
-# recompute; the writer says how many attempts.
-MAP_WRITE = Policy(first_s=0.05, cap_s=0.4)
+# recompute; the writer says how many attempts. Jittered: two writers that collided and then
+# waited alike collided again (two migrations publishing at once lost 8 times in a row in CI).
+MAP_WRITE = Policy(first_s=0.05, cap_s=0.4, jitter_s=0.05)
 # A migration whose shard failed over mid-run, started again (relay/fleet/migration/protocol.py).
 MIGRATION_RESUME = Policy(first_s=0.5, cap_s=0.5)
 # The push webhook (relay/push.py) and the device push providers (relay/devicepush: webhook,

@@ -43,8 +43,9 @@ from relay.retrying import MAP_WRITE, MIGRATION_RESUME, retrying
 
 __all__ = ["migrate_slots", "validate_request"]
 
-# A batch's map offered again this many times in all when other migrations keep publishing first.
-_PUBLISH_ATTEMPTS = 8
+# A batch's map offered again this many times in all when other migrations keep publishing first
+# (each loss is another migration's progress, so many losses in a row are rare, not a fault).
+_PUBLISH_ATTEMPTS = 16
 
 
 @dataclass

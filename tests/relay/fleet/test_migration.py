@@ -116,8 +116,8 @@ async def _fill(
 
 
 def _dump(c: redis.Redis, keys: list[bytes]) -> dict[bytes, object]:
-    """Every key byte for byte, except: the rate window (volatile) and the meta hash's
-    'r' (the Redis run that last wrote the queue, re-stamped on import by design)."""
+    """Every key byte for byte, except: sets by their members, the rate window (volatile) and
+    the meta hash's 'r' (the Redis run that last wrote the queue, re-stamped on import by design)."""
     out: dict[bytes, object] = {}
     for k in keys:
         if k.endswith(b":rate"):
@@ -126,6 +126,10 @@ def _dump(c: redis.Redis, keys: list[bytes]) -> dict[bytes, object]:
             meta = c.hgetall(k)
             meta.pop(b"r", None)
             out[k] = meta
+        elif c.type(k) == b"set":
+            # a hashtable set's DUMP lists members in bucket order, which each Redis process
+            # seeds at random: two queues in one slot may dump in either order
+            out[k] = c.smembers(k)
         else:
             out[k] = c.dump(k)
     return out
