@@ -9,6 +9,7 @@ from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from relay import metrics
+from relay.bounded import Bounded
 from relay.fleet.routing import Route, ShardRouter
 from relay.retrying import OUTCOME_UNKNOWN, SHARD_FAILOVER, SLOT_FENCED, retrying
 from relay.settings import Settings
@@ -84,7 +85,8 @@ class QueueService:
         self.closing = False
         self._waiters = 0
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._reconciled: dict[bytes, float] = {}  # recipient -> last reconciliation (monotonic)
+        # recipient -> last reconciliation (monotonic)
+        self._reconciled: Bounded[bytes, float] = Bounded(4096)
 
     # -- plumbing ------------------------------------------------------------
     def call(
@@ -338,9 +340,7 @@ class QueueService:
         last = self._reconciled.get(recipient)
         if last is not None and now - last < 1.0:
             return False
-        if len(self._reconciled) >= 4096:
-            self._reconciled.pop(next(iter(self._reconciled)))
-        self._reconciled[recipient] = now
+        self._reconciled.put(recipient, now)
         return True
 
     async def _refund(self, recipient: bytes, messages: int, size: int, admitted_ms: int = 0) -> None:

@@ -6,13 +6,13 @@ import asyncio
 import hashlib
 import itertools
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 
+from relay.bounded import Bounded
 from relay.fleet.sharding import is_sentinel_url, min_replicas_of
 from relay.storage import keys as K
 from relay.storage import scripts
@@ -385,10 +385,8 @@ class ShardStore:
         self.on_auth_failure: Callable[[], None] | None = None
         self._batcher.on_connect_failure = self._bulk.on_connect_failure = self._connect_failed
         # per hot queue, the encoded parts of its enqueue command that never change (enqueue
-        # only: an entry per idle long-poll would cost ~1 KiB each); bounded, the oldest goes.
-        # An OrderedDict: a dict's oldest entry is found by skipping its deleted ones, so past
-        # the bound each new queue cost ~60 µs at 1,000,000 queues (docs/benchmarks.md, Scale)
-        self._enqueue_parts: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
+        # only: an entry per idle long-poll would cost ~1 KiB each); bounded, the oldest goes
+        self._enqueue_parts: Bounded[str, tuple[bytes, bytes]] = Bounded(_ENQUEUE_PARTS_MAX)
         self._call: _EnqueueCall | None = None  # the enqueue call still taking items
         self.in_reserve = False  # within the shard's reserve (set_reserve)
         self._enqueue_fixed = self._fixed_args()
@@ -559,10 +557,7 @@ class ShardStore:
             ),
             _QID_WAKE % (len(qid), qid.encode(), n + _WAKE_EXTRA, base),
         )
-        cache = self._enqueue_parts
-        if len(cache) >= _ENQUEUE_PARTS_MAX:
-            cache.popitem(last=False)
-        cache[q.qid] = parts
+        self._enqueue_parts.put(q.qid, parts)
         return parts
 
     async def read(self, q: K.QueueKeys, from_seq: int | None, limit: int) -> ReadResult:

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from relayfleet_testing.localredis import LocalRedis
 
-from relay.fleet import routing
 from relay.fleet.migration import file_publisher, migrate_slots, write_map_file
 from relay.fleet.routing import MapSource, ShardRouter, file_source, load_file
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, even_split, slot_of
@@ -58,7 +57,7 @@ async def fleet(two_redis: tuple[LocalRedis, LocalRedis], map_path: str) -> Asyn
 async def test_a_full_route_cache_drops_its_oldest_entry_only(
     fleet: ShardRouter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(routing, "_ROUTES_MAX", 3)
+    monkeypatch.setattr(fleet._routes, "most", 3)
     queues = [(os.urandom(32), b"") for _ in range(5)]
     routes = [fleet.route(*q) for q in queues]
     assert len(fleet._routes) == 3  # bounded
