@@ -5,6 +5,7 @@ tests/relay/didcomm/test_didcomm_agents.py; this one makes every protocol step o
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import uuid
@@ -27,6 +28,12 @@ class Agent:
         self.mediator_key: bytes | None = None  # the key of the mediator's DID, after DID Exchange
         self.invitation: dict[str, Any] = {}
         self.grant: dict[str, Any] = {}
+
+    def on(self, base_url: str) -> Agent:
+        """The same agent (keys, DID, mediator, grant, HTTP session) talking to another relay."""
+        other = copy.copy(self)
+        other.base = base_url
+        return other
 
     def lookup(self, verkey: bytes) -> dk.KeyPair | None:
         return self.kp if verkey == self.kp.verkey else None

@@ -180,13 +180,7 @@ async def _run(fleet: FleetProcs, http: aiohttp.ClientSession) -> None:
     assert not await final_placement_problems(fleet, slots)
     # the records went with their slots: the keylist is still there, through either relay
     for url in urls:
-        other = Agent2(url, agent.http)
-        other.did, other.key, other.sign, other.mediator_did = (
-            agent.did,
-            agent.key,
-            agent.sign,
-            agent.mediator_did,
-        )
+        other = agent.on(url)
         listed = await other.send(other.message("coordinate-mediation/2.0/keylist-query"))
         assert listed is not None
         assert sorted(k["recipient_did"] for k in listed["body"]["keys"]) == sorted(d for d, _ in recipients)

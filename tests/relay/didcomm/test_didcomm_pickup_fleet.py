@@ -37,18 +37,6 @@ POLLERS = 4  # status → delivery → ack cycles in flight at once
 DEADLINE_S = 40.0  # everything acknowledged by then; the lease below is longer
 
 
-def _on(agent: Agent, url: str) -> Agent:
-    """The same agent (keys, connection) talking to another relay."""
-    other = Agent(url, agent.http)
-    other.kp, other.did, other.mediator_key, other.grant = (
-        agent.kp,
-        agent.did,
-        agent.mediator_key,
-        agent.grant,
-    )
-    return other
-
-
 async def test_pickup_2_polling_alternating_between_two_relays_delivers_each_once(
     tmp_path: Path, redis_server: LocalRedis, http: aiohttp.ClientSession
 ) -> None:
@@ -74,7 +62,7 @@ async def _run(urls: list[str], http: aiohttp.ClientSession, relays: list[RelayP
     first = Agent(urls[0], http)
     await first.connect()
     await first.mediate()
-    agents = [first, _on(first, urls[1])]
+    agents = [first, first.on(urls[1])]
     key = dk.KeyPair.from_seed(os.urandom(32)).verkey
     reply = await agents[1].register(key)
     assert reply["updated"][0]["result"] == "success"
