@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from relay.retrying import READY_POLL, retrying
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -231,23 +233,20 @@ async def wait_exit(child: Child, within: float) -> int:
 
 async def wait_port(port: int, child: Child, within: float = 20.0) -> None:
     """Wait until something accepts TCP connections on 127.0.0.1:port; fail fast if the child died."""
-    deadline = time.monotonic() + within
-    while True:
-        if not child.alive():
+
+    async def connect() -> None:
+        if not child.alive():  # not retried: fails at once
             raise BenchError(
                 f"{child.name} exited with status {child.popen.returncode} before listening:\n"
                 + child.log_tail()
             )
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            if time.monotonic() > deadline:
-                raise BenchError(
-                    f"{child.name} did not listen on port {port} within {within:.0f} s"
-                ) from None
-            await asyncio.sleep(0.05)
-            continue
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
-        return
+
+    deadline = asyncio.get_running_loop().time() + within
+    try:
+        await retrying(READY_POLL, OSError, deadline=deadline)(connect)
+    except OSError:
+        raise BenchError(f"{child.name} did not listen on port {port} within {within:.0f} s") from None

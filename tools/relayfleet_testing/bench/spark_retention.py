@@ -33,6 +33,7 @@ import redis
 from relayfleet_testing.localredis import free_port, redis_server_binary
 
 from relay.fleet.sharding import ShardMap, even_split
+from relay.retrying import READY_POLL, retrying_blocking
 from relay.storage import keys as K
 from relay.storage.store import EnqueueRequest, QueueLimits, ShardStore
 from spark_jobs.retention import RetentionPolicy, run_sweep, sweep_sequential
@@ -63,15 +64,18 @@ class Server:
              "--maxmemory-policy", "noeviction", "--logfile", str(self.dir / "redis.log")],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                with redis.Redis(port=self.port, socket_connect_timeout=0.5) as r:
-                    r.ping()
-                    return
-            except (redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError):
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server on port {self.port} did not come up; see {self.dir}/redis.log")
+
+        def ping() -> None:
+            with redis.Redis(port=self.port, socket_connect_timeout=0.5) as r:
+                r.ping()
+
+        not_up = (redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError)
+        try:
+            retrying_blocking(READY_POLL, not_up, deadline=time.monotonic() + 120)(ping)
+        except not_up:
+            raise RuntimeError(
+                f"redis-server on port {self.port} did not come up; see {self.dir}/redis.log"
+            ) from None
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

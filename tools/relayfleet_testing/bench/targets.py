@@ -31,6 +31,7 @@ from relayfleet_testing.bench.procs import (
     wait_port,
 )
 
+from relay.retrying import READY_POLL, retrying
 from relay.storage.keys import b64
 
 REDIS_SERVER = "/usr/bin/redis-server"
@@ -223,26 +224,28 @@ async def wait_http(
     """Wait until `method path` answers 2xx (readiness, or a first publish that works), failing
     fast if the child exits."""
     await wait_port(port, child, within)
-    deadline = time.monotonic() + within
-    last = "no answer"
-    while time.monotonic() < deadline:
-        if not child.alive():
-            break
+
+    async def answered() -> None:
+        if not child.alive():  # not retried: fails at once
+            raise BenchError(f"{child.name} exited with status {child.popen.returncode}:\n{child.log_tail()}")
+        conn = await Conn.open("127.0.0.1", port)
         try:
-            conn = await Conn.open("127.0.0.1", port)
-            try:
-                resp = await asyncio.wait_for(conn.request(method, path, body), 2.0)
-            finally:
-                conn.close()
-            if 200 <= resp.status < 300:
-                return
-            last = f"status {resp.status}"
-        except (OSError, HttpError, TimeoutError) as exc:
-            last = type(exc).__name__
-        await asyncio.sleep(0.1)
-    if not child.alive():
-        raise BenchError(f"{child.name} exited with status {child.popen.returncode}:\n{child.log_tail()}")
-    raise BenchError(f"{child.name}: {method} {path} not ready within {within:.0f} s ({last})")
+            resp = await asyncio.wait_for(conn.request(method, path, body), 2.0)
+        finally:
+            conn.close()
+        if not 200 <= resp.status < 300:
+            raise _NotReady(f"status {resp.status}")
+
+    not_ready = (OSError, HttpError, TimeoutError, _NotReady)
+    try:
+        await retrying(READY_POLL, not_ready, deadline=asyncio.get_running_loop().time() + within)(answered)
+    except not_ready as exc:
+        last = str(exc) if isinstance(exc, _NotReady) else type(exc).__name__
+        raise BenchError(f"{child.name}: {method} {path} not ready within {within:.0f} s ({last})") from None
+
+
+class _NotReady(Exception):
+    """A server that answered, but not 2xx yet."""
 
 
 async def start_ceiling(procs: Procs, processes: int) -> Target:
