@@ -106,12 +106,8 @@ async def _one(c: Context, text: Any, channel: bytes, payload: bytes, message_id
 @routes.post(ROUTE)
 async def fanout(request: web.Request) -> web.Response:
     c = ctx(request)
-    c.auth.verify_enqueue(request, ROUTE)
-    limiter = c.quota
-    if limiter is not None:  # a client whose quota is spent is refused before its body is read
-        quota.admit_ready(limiter, request, ROUTE)
     cap = c.settings.max_payload
-    doc, _ = await params.json_body(request, body_cap(cap))
+    doc = await params.storing_json_body(request, ROUTE, body_cap(cap))
     if not isinstance(doc, dict):
         raise bad_request('body must be {"recipients": [...], "payload": "<base64url>", ...}')
     recipients = doc.get("recipients")
@@ -130,7 +126,7 @@ async def fanout(request: web.Request) -> web.Response:
         raise bad_request("messageId must be 1-128 printable ASCII characters", "bad_message_id")
     _check_fanout(len(recipients), doc.get("payload"), c.settings.max_fanout_bytes)
     payload = _payload(doc.get("payload"), cap)
-    if limiter is not None:  # every recipient's copy counts: all or nothing, before Redis
+    if (limiter := c.quota) is not None:  # every recipient's copy counts: all or nothing, before Redis
         quota.admit(limiter, request, ROUTE, len(recipients), len(recipients) * len(payload))
     results = await asyncio.gather(*(_one(c, r, channel, payload, message_id) for r in recipients))
     return json_response({"results": list(results)})

@@ -86,20 +86,16 @@ def _ciphertext(text: Any, cap: int) -> bytes:
 async def append(request: web.Request) -> web.Response:
     c = ctx(request)
     recipient = _inbox(request)
-    # a storing route: the enqueue token when those are on (reads stay X-Inbox-ID alone)
-    c.auth.verify_enqueue(request, APPEND_ROUTE)
-    limiter = c.quota
-    if limiter is not None:  # a client whose quota is spent is refused before its body is read
-        quota.admit_ready(limiter, request, APPEND_ROUTE)
     cap = c.settings.max_payload
-    doc, _ = await params.json_body(request, body_cap(cap))
+    # a storing route: the enqueue token when those are on (reads stay X-Inbox-ID alone)
+    doc = await params.storing_json_body(request, APPEND_ROUTE, body_cap(cap))
     if not isinstance(doc, dict):
         raise bad_request('body must be {"messageId": "...", "ciphertext": "<base64url>"}')
     message_id = doc.get("messageId")
     if not isinstance(message_id, str) or not _MESSAGE_ID.fullmatch(message_id):
         raise bad_request("messageId must be 1-128 printable ASCII characters", "bad_message_id")
     payload = _ciphertext(doc.get("ciphertext"), cap)
-    if limiter is not None:
+    if (limiter := c.quota) is not None:
         quota.admit(limiter, request, APPEND_ROUTE, 1, len(payload))
     stored_ms = now_ms()  # the createdAt the message is stored with, so storedAt = createdAt
     outcome = await c.service.enqueue(

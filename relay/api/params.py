@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import hdrs, web
 
 from relay import boundedjson
+from relay.api import quota
 from relay.api.context import CTX
 from relay.api.errors import ApiError, bad_request, overloaded
 from relay.http.memguard import CLAIM, CLAIM_FROM
@@ -348,6 +349,18 @@ async def json_body(request: web.Request, cap: int) -> tuple[Any, bytes]:
     except boundedjson.JsonLimitError as exc:
         text = "request body must be valid JSON" if exc.code == "bad_json" else exc.text
         raise ApiError(exc.status, exc.code, text) from None
+
+
+async def storing_json_body(request: web.Request, route: str, cap: int) -> Any:
+    """A storing route's decoded JSON body (fan-out, inbox append): the enqueue token checked
+    when those are on, a client whose quota is spent refused before the body is read (nothing
+    charged: its cost is known once parsed), then the body read within `cap` bytes."""
+    c = request.app[CTX]
+    c.auth.verify_enqueue(request, route)
+    if c.quota is not None:
+        quota.admit_ready(c.quota, request, route)
+    doc, _ = await json_body(request, cap)
+    return doc
 
 
 _SECONDS: dict[int, str] = {}  # formatted "YYYY-MM-DDTHH:MM:SS." per second; bounded
