@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from relay.fleet.migration import MigrationReport, file_publisher, migrate_slots
 from relay.fleet.routing import load_file
 from relay.fleet.sharding import SLOT_COUNT, ShardMap, SlotRange, even_split, slot_of
 from relay.storage import keys as K
-from tests.support.history import History
+from tests.support.history import History, Verdict
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 SHARD_NAMES = ("a", "b", "c", "d", "e")
@@ -344,6 +344,26 @@ class Workload:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Workload]:
+        """The load runs for the block: started on entry; on leaving, stopped with every queue
+        read to its end (`stop`), or, when the block raised, ended at once (`cancel`: the
+        failure is the result, no drain)."""
+        await self.start()
+        try:
+            yield self
+        except BaseException:
+            await self.cancel()
+            raise
+        await self.stop()
+
+    def verdict(self, saved_in: Path, exactly_once: bool = True, allow_unanswered: bool = False) -> Verdict:
+        """The history checker's verdict on this run, its history saved as
+        `saved_in`/history.jsonl (the test's tmp_path: kept for reading a failure)."""
+        verdict = self.history.check(exactly_once, allow_unanswered)
+        self.history.save(str(saved_in / "history.jsonl"))
+        return verdict
 
     # -- producers ----------------------------------------------------------------
     async def _producer(self, p: int) -> None:

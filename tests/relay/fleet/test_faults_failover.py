@@ -77,10 +77,9 @@ async def _failovers(tmp_path: Path, min_replicas: int, kills: int = 3) -> dict[
         work = Workload(
             [r.url for r in relays], make_queues(8, seed=41, drain_share=0.0), producers=4, max_wait_s=2.0
         )
-        await work.start()
         failover_s: list[float] = []
         kill_times: list[float] = []
-        try:
+        async with work.running():
             for _ in range(kills):
                 await work.until_stored(50)  # traffic before each kill (and after the last rejoin)
                 t_kill = time.monotonic()
@@ -90,12 +89,7 @@ async def _failovers(tmp_path: Path, min_replicas: int, kills: int = 3) -> dict[
                 failover_s.append(time.monotonic() - t_kill)
                 await asyncio.to_thread(shard.rejoin, killed, new_port)
             await work.until_stored(50)
-        except BaseException:
-            await work.cancel()  # the failure is the result: no drain
-            raise
-        await work.stop()
-        verdict = work.history.check(allow_unanswered=True)
-        work.history.save(str(tmp_path / "history.jsonl"))
+        verdict = work.verdict(tmp_path, allow_unanswered=True)
         if keep := os.environ.get("RELAY_FAULTS_KEEP_HISTORY"):
             work.history.save(os.path.join(keep, f"failover-{min_replicas}.jsonl"))
         events = work.history.events

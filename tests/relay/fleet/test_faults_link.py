@@ -89,31 +89,24 @@ async def test_link_cut_and_restored_under_load(tmp_path: Path) -> None:
                 probe_q = make_queues(1, seed=99)[0]
                 wake_q = make_queues(1, seed=98)[0]
                 work = Workload([relay.url], queues, producers=3, seed=5, max_wait_s=2.0)
-                await work.start()
                 numbers: dict[str, object] = {}
-                async with aiohttp.ClientSession() as http:
-                    try:
-                        await work.until_stored(30)
-                        numbers["wakeup_before_s"] = round(await _wakeup_latency(http, relay.url, wake_q), 3)
-                        for how, limit in (("reset", FAST_S), ("blackhole", BLACKHOLE_S)):
-                            proxy.cut(how)
-                            await asyncio.sleep(0.3)
-                            took = await _probe_down(http, relay.url, probe_q, limit)
-                            await work.until_refused(5)  # the load keeps hitting the cut link
-                            proxy.restore()
-                            rec = await _until_stored(http, relay.url, probe_q, f"rec-{how}")
-                            wake = await _wakeup_latency(http, relay.url, wake_q)
-                            numbers[f"{how}_enqueue_503_s"] = round(took["enqueue_s"], 2)
-                            numbers[f"{how}_longpoll_end_s"] = round(took["longpoll_s"], 2)
-                            numbers[f"{how}_write_recovery_s"] = round(rec, 2)
-                            numbers[f"{how}_wakeup_after_s"] = round(wake, 3)
-                            await work.until_stored(20)
-                    except BaseException:
-                        await work.cancel()  # the failure is the result: no drain
-                        raise
-                    await work.stop()
-                verdict = work.history.check()
-                work.history.save(str(tmp_path / "history.jsonl"))
+                async with aiohttp.ClientSession() as http, work.running():
+                    await work.until_stored(30)
+                    numbers["wakeup_before_s"] = round(await _wakeup_latency(http, relay.url, wake_q), 3)
+                    for how, limit in (("reset", FAST_S), ("blackhole", BLACKHOLE_S)):
+                        proxy.cut(how)
+                        await asyncio.sleep(0.3)
+                        took = await _probe_down(http, relay.url, probe_q, limit)
+                        await work.until_refused(5)  # the load keeps hitting the cut link
+                        proxy.restore()
+                        rec = await _until_stored(http, relay.url, probe_q, f"rec-{how}")
+                        wake = await _wakeup_latency(http, relay.url, wake_q)
+                        numbers[f"{how}_enqueue_503_s"] = round(took["enqueue_s"], 2)
+                        numbers[f"{how}_longpoll_end_s"] = round(took["longpoll_s"], 2)
+                        numbers[f"{how}_write_recovery_s"] = round(rec, 2)
+                        numbers[f"{how}_wakeup_after_s"] = round(wake, 3)
+                        await work.until_stored(20)
+                verdict = work.verdict(tmp_path)
                 report("link-cut", verdict, **numbers, retryable_503=verdict.counts.get("retryable_503", 0))
                 assert verdict.ok, verdict.render()
                 assert verdict.counts.get("retryable_503", 0) > 0  # the load did meet the cut

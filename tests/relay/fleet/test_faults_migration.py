@@ -72,11 +72,10 @@ async def _run(tmp_path: Path, rounds: int, seed: int) -> None:
     with fleet_procs(tmp_path, shards=2, relays=2, all_on_first=True) as fleet:
         fillers = await post_fillers(fleet)
         work = moving_workload(fleet, seed)
-        await work.start()
         src, tgt = "a", "b"
         killed = 0
         delays: list[float] = []
-        try:
+        async with work.running():
             full = await asyncio.to_thread(_complete, fleet, tgt)  # one clean move: how long one takes
             src, tgt = tgt, src
             for n in range(rounds):
@@ -93,12 +92,7 @@ async def _run(tmp_path: Path, rounds: int, seed: int) -> None:
                 await asyncio.to_thread(_complete, fleet, tgt)
                 assert fleet.shard_map().shard_for_slot(LO) == tgt
                 src, tgt = tgt, src
-        except BaseException:
-            await work.cancel()  # the failure is the result: no drain
-            raise
-        await work.stop()
-        verdict = work.history.check()
-        work.history.save(str(tmp_path / "history.jsonl"))
+        verdict = work.verdict(tmp_path)
         report(
             "migration-sigkill-random",
             verdict,

@@ -111,19 +111,13 @@ async def _redis_kills(tmp_path: Path, appendfsync: str, kills: int) -> None:
         work = Workload(
             [r.url for r in relays], make_queues(8, seed=31, drain_share=0.0), producers=4, max_wait_s=2.0
         )
-        await work.start()
         away: list[float] = []
-        try:
+        async with work.running():
             for _ in range(kills):
                 await work.until_stored(50)  # traffic before each kill (and after the last restart)
                 away.append(await asyncio.to_thread(_kill_and_restart, redis))
             await work.until_stored(40)
-        except BaseException:
-            await work.cancel()  # the failure is the result: no drain
-            raise
-        await work.stop()
-        verdict = work.history.check()
-        work.history.save(str(tmp_path / "history.jsonl"))
+        verdict = work.verdict(tmp_path)
         report(
             f"redis-sigkill-{appendfsync}",
             verdict,

@@ -45,19 +45,13 @@ async def _run(tmp_path: Path, seconds: float, kills: int) -> None:
         work = Workload(
             fleet.urls, make_queues(8, seed=21, drain_share=0.0), producers=4, seed=9, max_wait_s=2.0
         )
-        await work.start()
         rnd = random.Random(4)
         restarts: list[float] = []
-        try:
+        async with work.running():
             for _ in range(kills):
                 await asyncio.sleep(rnd.uniform(0.5, 2 * seconds / kills - 0.5))
                 restarts.append(await asyncio.to_thread(_restart, fleet, rnd.randrange(len(fleet.relays))))
-        except BaseException:
-            await work.cancel()  # the failure is the result: no drain
-            raise
-        await work.stop()
-        verdict = work.history.check(allow_unanswered=True)
-        work.history.save(str(tmp_path / "history.jsonl"))
+        verdict = work.verdict(tmp_path, allow_unanswered=True)
         report(
             "relay-sigkill",
             verdict,

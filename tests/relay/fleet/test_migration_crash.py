@@ -77,9 +77,8 @@ async def test_migration_killed_at_every_step_resumes_and_loses_nothing(tmp_path
     with fleet_procs(tmp_path, shards=2, relays=1, all_on_first=True) as fleet:
         fillers = await post_fillers(fleet)
         work = moving_workload(fleet, seed=3)
-        await work.start()
         src, tgt = "a", "b"
-        try:
+        async with work.running():
             for step in STEPS:
                 await asyncio.sleep(0.5)
                 crashed = await asyncio.to_thread(migrate, fleet, tgt, step)
@@ -101,15 +100,10 @@ async def test_migration_killed_at_every_step_resumes_and_loses_nothing(tmp_path
                 assert fleet.shard_map().shard_for_slot(HI) == tgt
                 assert _shape(await _states(fleet, LO), src, tgt) == ("moved", "owned")
                 src, tgt = tgt, src
-        except BaseException:
-            await work.cancel()  # the failure is the result: no drain
-            raise
-        await work.stop()
         retried = retries(fleet)
         assert retried.get("migrating", 0) > 0, retried
         assert retried.get("moved", 0) > 0, retried
-        verdict = work.history.check()
-        work.history.save(str(tmp_path / "history.jsonl"))
+        verdict = work.verdict(tmp_path)
         assert verdict.ok, f"{verdict.render()}\n{fleet.relay_logs()}"
         assert verdict.counts["messages_acknowledged"] > 100
         assert not await final_placement_problems(fleet, list(range(LO, HI + 1)))

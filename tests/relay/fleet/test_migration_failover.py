@@ -101,10 +101,9 @@ async def _migrate_with_failover(tmp_path: Path, phase: str) -> None:
         queues = make_queues(16, seed=53)
         slots = sorted({q.slot for q in queues})
         work = Workload([r.url for r in relays], queues, producers=6, seed=53, max_wait_s=2.0)
-        await work.start()
         kill = _KillAt(shard, phase, after_slots=len(slots) // 2)
         migration: MigrationReport | None = None
-        try:
+        async with work.running():
             await work.until_stored(100)  # queues with history on the source before it moves
             t0 = time.monotonic()
             migration = await migrate_slots(
@@ -117,12 +116,7 @@ async def _migrate_with_failover(tmp_path: Path, phase: str) -> None:
             new_port = await asyncio.to_thread(shard.wait_failover, killed.port)
             await asyncio.to_thread(shard.rejoin, killed, new_port)
             await work.until_stored(60)  # traffic on the target after the run
-        except BaseException:
-            await work.cancel()  # the failure is the result: no drain
-            raise
-        await work.stop()
-        verdict = work.history.check(allow_unanswered=True)
-        work.history.save(str(tmp_path / "history.jsonl"))
+        verdict = work.verdict(tmp_path, allow_unanswered=True)
         assert migration is not None
         report(
             f"migration-source-failover-{phase}",
