@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -26,6 +27,7 @@ from relay import metrics
 from relay.api.context import CTX, Context
 from relay.protocol import b64encode
 from relay.retrying import PUSH_WEBHOOK, Policy, retrying
+from relay.service import OnStored
 from relay.storage.keys import MEDIATOR_CHANNEL
 
 log = logging.getLogger("relay.push")
@@ -96,11 +98,7 @@ class PushNotifier:
         self._tasks = [loop.create_task(self._work()) for _ in range(self.workers)]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_all(self._tasks)
         self._tasks = []
         if self._session is not None:
             await self._session.close()
@@ -156,20 +154,34 @@ class PushNotifier:
 NOTIFIER = web.AppKey("relayfleet_push", PushNotifier)
 
 
-def install(app: web.Application, notifier: PushNotifier) -> None:
-    """Hook `notifier` into the app's queue service (after any hook already there)."""
-    c: Context = app[CTX]
-    previous = c.service.on_stored
+async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel a notifier's workers and wait until each has ended."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+
+
+class Notifier(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def hook(app: web.Application, offer: OnStored, notifier: Notifier) -> None:
+    """Call `offer` for every stored message, after any hook already on the app's queue
+    service, and run `notifier` from the app's start-up to its clean-up (the webhook's and
+    relay/devicepush's)."""
+    service = app[CTX].service
+    previous = service.on_stored
 
     def on_stored(recipient: bytes, channel: bytes, seq: int, subscribers: int) -> None:
         if previous is not None:
             previous(recipient, channel, seq, subscribers)
-        # a mediated key's queue is notified per device instead (relay/devicepush)
-        if subscribers == 0 and channel != MEDIATOR_CHANNEL and (recipient, channel) not in c.live.by_queue:
-            notifier.offer(recipient, channel, seq)
+        offer(recipient, channel, seq, subscribers)
 
-    c.service.on_stored = on_stored
-    app[NOTIFIER] = notifier
+    service.on_stored = on_stored
 
     async def start(_: web.Application) -> None:
         await notifier.start()
@@ -179,6 +191,19 @@ def install(app: web.Application, notifier: PushNotifier) -> None:
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
+
+
+def install(app: web.Application, notifier: PushNotifier) -> None:
+    """Hook `notifier` into the app's queue service (after any hook already there)."""
+    c: Context = app[CTX]
+
+    def offer(recipient: bytes, channel: bytes, seq: int, subscribers: int) -> None:
+        # a mediated key's queue is notified per device instead (relay/devicepush)
+        if subscribers == 0 and channel != MEDIATOR_CHANNEL and (recipient, channel) not in c.live.by_queue:
+            notifier.offer(recipient, channel, seq)
+
+    hook(app, offer, notifier)
+    app[NOTIFIER] = notifier
 
 
 def setup(app: web.Application) -> None:

@@ -17,7 +17,6 @@ So a burst of N stores costs one notification per device at most, carrying the c
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from relay import metrics
 from relay.devicepush.providers import Outcome, Provider
 from relay.didcomm.records import QUEUE_CHANNEL, Records
+from relay.push import cancel_all
 
 log = logging.getLogger("relay.devicepush")
 
@@ -94,11 +94,7 @@ class DeviceNotifier:
         self._tasks += [loop.create_task(self._work()) for _ in range(self.workers)]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_all(self._tasks)
         self._tasks = []
         for p in self.providers:
             await p.close()

@@ -14,6 +14,7 @@ from relay.devicepush.credentials import load_apns, load_fcm
 from relay.devicepush.notifier import DeviceNotifier
 from relay.devicepush.providers import ApnsProvider, FcmProvider, Provider, WebhookProvider, http_client
 from relay.didcomm.records import QUEUE_CHANNEL
+from relay.push import hook
 
 log = logging.getLogger("relay.devicepush")
 
@@ -50,23 +51,11 @@ def setup(app: web.Application) -> None:
         coalesce_s=c.settings.push_coalesce_s,
         min_interval_s=c.settings.push_min_interval_s,
     )
-    previous = c.service.on_stored
 
-    def on_stored(recipient: bytes, channel: bytes, seq: int, subscribers: int) -> None:
-        if previous is not None:
-            previous(recipient, channel, seq, subscribers)
+    def offer(recipient: bytes, channel: bytes, seq: int, subscribers: int) -> None:
         if channel == QUEUE_CHANNEL and subscribers == 0:
             notifier.offer(recipient)
 
-    c.service.on_stored = on_stored
+    hook(app, offer, notifier)
     app[DEVICE_NOTIFIER] = notifier
-
-    async def start(_: web.Application) -> None:
-        await notifier.start()
-
-    async def stop(_: web.Application) -> None:
-        await notifier.stop()
-
-    app.on_startup.append(start)
-    app.on_cleanup.append(stop)
     log.info("device push for mediated keys through %s", ", ".join(p.name for p in chosen))
