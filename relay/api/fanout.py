@@ -63,11 +63,7 @@ def _payload(text: Any, cap: int) -> bytes:
         data = params.b64decode(text)
     except ValueError:
         raise bad_request("payload must be base64url without padding", "bad_payload") from None
-    if not data:
-        raise bad_request("payload must not be empty", "empty_payload")
-    if len(data) > cap:
-        raise ApiError(413, "payload_too_large", f"payload exceeds max size ({cap} bytes)")
-    return data
+    return params.payload_within(data, cap)
 
 
 def _check_fanout(count: int, text: Any, budget: int) -> None:

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from relay.api import params, quota
 from relay.api.context import ctx
-from relay.api.errors import ApiError, bad_request, json_response
+from relay.api.errors import bad_request, json_response
 from relay.api.queues import enqueue_error
 from relay.service import now_ms
 from relay.storage.store import EnqueueRequest
@@ -75,11 +75,7 @@ def _ciphertext(text: Any, cap: int) -> bytes:
         data = params.b64decode(unpadded)
     except ValueError:
         raise bad_request("ciphertext must be base64url", "bad_ciphertext") from None
-    if not data:
-        raise bad_request("payload must not be empty", "empty_payload")
-    if len(data) > cap:
-        raise ApiError(413, "payload_too_large", f"payload exceeds max size ({cap} bytes)")
-    return data
+    return params.payload_within(data, cap)
 
 
 @routes.post(APPEND_ROUTE)

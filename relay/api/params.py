@@ -263,7 +263,7 @@ async def payload(request: web.Request, cap: int) -> bytes:
     except ApiError as exc:
         if exc.status != 413:
             raise
-        raise ApiError(413, "payload_too_large", f"payload exceeds max size ({cap} bytes)") from exc
+        raise _payload_too_large(cap) from exc
     return non_empty(body)
 
 
@@ -272,6 +272,18 @@ def non_empty(body: bytes) -> bytes:
     if not body:
         raise bad_request("payload must not be empty", "empty_payload")
     return body
+
+
+def payload_within(data: bytes, cap: int) -> bytes:
+    """A payload decoded from a JSON body (fan-out, inbox append) as the contract wants it:
+    400 empty_payload when empty, 413 past `cap` bytes."""
+    if len(data) > cap:
+        raise _payload_too_large(cap)
+    return non_empty(data)
+
+
+def _payload_too_large(cap: int) -> ApiError:
+    return ApiError(413, "payload_too_large", f"payload exceeds max size ({cap} bytes)")
 
 
 async def raw_body(request: web.Request, cap: int) -> bytes:
