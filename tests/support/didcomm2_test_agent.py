@@ -5,7 +5,6 @@ clients (Identus, Veramo) are driven by the v2agents tests; this one makes every
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import os
@@ -21,11 +20,12 @@ from joserfc.jwk import OKPKey
 
 from relay.didcomm import jwm, peer2
 from relay.didcomm import keys as dk
+from tests.support.didcomm_test_agent import OnAnyRelay
 
 BASE = "https://didcomm.org/"
 
 
-class Agent2:
+class Agent2(OnAnyRelay):
     def __init__(
         self,
         base_url: str,
@@ -63,12 +63,6 @@ class Agent2:
         self.key = jwm.AgreementKey(self.did + "#key-1", secret, public)
         self.mediator_did = ""
         self.grant: dict[str, Any] = {}
-
-    def on(self, base_url: str) -> Agent2:
-        """The same agent (keys, DID, mediator, grant, HTTP session) talking to another relay."""
-        other = copy.copy(self)
-        other.base = base_url
-        return other
 
     def lookup(self, kid: str) -> jwm.AgreementKey | None:
         return self.key if peer2.resolve(self.did).key(kid) == peer2.resolve(self.did).agreement[0] else None

@@ -9,7 +9,7 @@ import copy
 import json
 import os
 import uuid
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 
@@ -19,7 +19,19 @@ from relay.didcomm.envelope import pack, parse, unpack
 WIRE = "application/didcomm-envelope-enc"
 
 
-class Agent:
+class OnAnyRelay:
+    """A test agent that may talk to another relay of the fleet as itself."""
+
+    base: str
+
+    def on(self, base_url: str) -> Self:
+        """The same agent (keys, DID, mediator, grant, HTTP session) talking to `base_url`."""
+        other = copy.copy(self)
+        other.base = base_url
+        return other
+
+
+class Agent(OnAnyRelay):
     def __init__(self, base_url: str, http: aiohttp.ClientSession) -> None:
         self.base = base_url
         self.http = http
@@ -28,12 +40,6 @@ class Agent:
         self.mediator_key: bytes | None = None  # the key of the mediator's DID, after DID Exchange
         self.invitation: dict[str, Any] = {}
         self.grant: dict[str, Any] = {}
-
-    def on(self, base_url: str) -> Agent:
-        """The same agent (keys, DID, mediator, grant, HTTP session) talking to another relay."""
-        other = copy.copy(self)
-        other.base = base_url
-        return other
 
     def lookup(self, verkey: bytes) -> dk.KeyPair | None:
         return self.kp if verkey == self.kp.verkey else None
