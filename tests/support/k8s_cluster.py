@@ -48,9 +48,10 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
+import urllib3
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
@@ -107,6 +108,31 @@ class KubeCluster:
         api: ApiClient = kubeapi.api_client(str(self.kubeconfig))
         return api
 
+    def read(self, ns: str, kind: str, name: str) -> dict[str, Any] | None:
+        """`kubectl -n NS get KIND NAME -o json` through this process's API client (None if
+        there is no such object), for the kinds in `KIND_PATHS`: a test polling an object every
+        half second paid a kubectl process each time (~60 ms of CPU, the API server's
+        discovery answers besides), a GET here costs a few ms. An error other than the
+        object's NotFound raises CalledProcessError, as the kubectl call did (`wait_for` takes
+        it as "not yet")."""
+        path = KIND_PATHS[kind].format(ns=ns, name=name)
+        api = _api_client(self.kubeconfig)
+        request = api.param_serialize(
+            "GET", path, header_params={"Accept": "application/json"}, auth_settings=["BearerToken"]
+        )
+        try:
+            response = api.call_api(*request)
+            body: bytes = response.read()  # type: ignore[no-untyped-call]
+        except (OSError, urllib3.exceptions.HTTPError) as exc:
+            raise subprocess.CalledProcessError(1, ["GET", path], "", str(exc)) from None
+        if response.status == 200:
+            doc: dict[str, Any] = json.loads(body)
+            return doc
+        text = body.decode(errors="replace")
+        if response.status == 404 and _names(text, name):
+            return None
+        raise subprocess.CalledProcessError(response.status, ["GET", path], "", text)
+
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120.0
     ) -> subprocess.CompletedProcess[str]:
@@ -120,6 +146,47 @@ class KubeCluster:
             timeout=timeout,
             env={**os.environ, **self.env},
         )
+
+
+#: kind (as the tests name it to kubectl) -> the object's API path, for `KubeCluster.read`
+KIND_PATHS = {
+    "configmap": "/api/v1/namespaces/{ns}/configmaps/{name}",
+    "secret": "/api/v1/namespaces/{ns}/secrets/{name}",
+    "service": "/api/v1/namespaces/{ns}/services/{name}",
+    "persistentvolumeclaim": "/api/v1/namespaces/{ns}/persistentvolumeclaims/{name}",
+    "deployment": "/apis/apps/v1/namespaces/{ns}/deployments/{name}",
+    "statefulset": "/apis/apps/v1/namespaces/{ns}/statefulsets/{name}",
+    "networkpolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies/{name}",
+    "rshard": "/apis/relayfleet.dev/v1alpha1/namespaces/{ns}/relayshards/{name}",
+    "rrebalance": "/apis/relayfleet.dev/v1alpha1/namespaces/{ns}/relayrebalances/{name}",
+}
+
+#: kubeconfig -> this process's API client of that cluster (closed when the cluster stops)
+_CLIENTS: dict[Path, ApiClient] = {}
+
+
+def _api_client(kubeconfig: Path) -> ApiClient:
+    if kubeconfig not in _CLIENTS:
+        _CLIENTS[kubeconfig] = kubeapi.api_client(str(kubeconfig))
+    return _CLIENTS[kubeconfig]
+
+
+def _close_api_client(kubeconfig: Path) -> None:
+    client = _CLIENTS.pop(kubeconfig, None)
+    if client is not None:
+        client.close()  # type: ignore[no-untyped-call]
+
+
+def _names(status: str, name: str) -> bool:
+    """Is this 404 body the NotFound Status of the object `name` (not a path the server does
+    not serve, such as a custom resource whose definition is not established yet)?"""
+    try:
+        doc = json.loads(status)
+    except ValueError:
+        return False
+    if not isinstance(doc, dict):
+        return False
+    return doc.get("reason") == "NotFound" and (doc.get("details") or {}).get("name") == name
 
 
 class ControlPlaneError(RuntimeError):
@@ -235,6 +302,7 @@ def _cluster(
             cluster = external_cluster(external)
         else:
             cluster = stack.enter_context(start(control_plane_bin_dir(), tmp_path_factory.mktemp(name)))
+        stack.callback(_close_api_client, cluster.kubeconfig)  # before the cluster stops
         _RUNNING[fixture] = (cluster, stack)
     return _RUNNING[fixture][0]
 

@@ -38,7 +38,7 @@ from tests.support.fleet_harness import (
     stop_relays,
     wait_ready,
 )
-from tests.support.k8s_cluster import KubeCluster
+from tests.support.k8s_cluster import KIND_PATHS, KubeCluster
 from tests.support.procs import stop_process
 from tests.support.shard_specs import shard
 from tests.support.waiting import wait_for as wait_for  # the operator tests import it from here
@@ -51,6 +51,8 @@ Queues = dict[bytes, list[tuple[int, bytes]]]  # recipient -> (seq, payload) of 
 
 
 def get(cluster: KubeCluster, ns: str, *what: str) -> dict[str, Any] | None:
+    if len(what) == 2 and what[0] in KIND_PATHS:  # one object by name: no kubectl process
+        return cluster.read(ns, *what)
     proc = cluster.kubectl("-n", ns, "get", *what, "-o", "json", check=False)
     if proc.returncode != 0:
         if "NotFound" in proc.stderr:
