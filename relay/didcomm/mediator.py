@@ -86,6 +86,15 @@ MAX_UPDATES = 1000
 MAX_MESSAGE_ID = 100
 
 
+def forward_id(value: Any) -> str:
+    """A forward's message id (v1 `@id`, v2 `id`) when a queue may keep it: printable, at most
+    MAX_MESSAGE_ID characters; else "" (the forward is stored without one). It makes a resent
+    forward a duplicate, as Idempotency-Key does."""
+    if isinstance(value, str) and 0 < len(value) <= MAX_MESSAGE_ID and value.isprintable():
+        return value
+    return ""
+
+
 class ForwardRefused(Exception):
     """The forward's enqueue was refused (rate limit, full queue, conflict): the caller maps
     the outcome exactly as for any enqueue."""
@@ -280,10 +289,7 @@ class Mediator:
             raise MediatorError(
                 "forward 'to' is not a key registered with this mediator", "unknown_recipient", 404
             )
-        # the forward's @id makes a resent forward a duplicate, as Idempotency-Key does
-        mid = doc.get("@id")
-        if not (isinstance(mid, str) and 0 < len(mid) <= MAX_MESSAGE_ID and mid.isprintable()):
-            mid = ""
+        mid = forward_id(doc.get("@id"))
         if caller.charge is not None:  # the sender's client quota, as an enqueue's
             caller.charge(len(payload))
         outcome = await self.service.enqueue(

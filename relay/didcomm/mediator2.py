@@ -25,7 +25,7 @@ from relay import boundedjson, metrics
 from relay.didcomm import jwm, peer2
 from relay.didcomm import keys as dk
 from relay.didcomm.envelope import shaped
-from relay.didcomm.mediator import Caller, ForwardRefused, Mediator
+from relay.didcomm.mediator import Caller, ForwardRefused, Mediator, forward_id
 from relay.didcomm.mediator_pickup import MAX_IDS, LiveSession, message_id
 from relay.didcomm.messages import MediatorError
 from relay.didcomm.records import QUEUE_CHANNEL, Connection
@@ -66,7 +66,6 @@ PROTOCOLS = (
 MAX_MESSAGE = 1 << 20
 MAX_UPDATES = 1000
 MAX_ATTACHMENTS = 16
-MAX_MESSAGE_ID = 100
 ACCEPT = ["didcomm/v2"]
 
 
@@ -263,9 +262,7 @@ class Mediator2:
             raise MediatorError(
                 "forward next is not a DID registered with this mediator", "unknown_recipient", 404
             )
-        mid = doc.get("id")
-        if not (isinstance(mid, str) and 0 < len(mid) <= MAX_MESSAGE_ID and mid.isprintable()):
-            mid = ""
+        mid = forward_id(doc.get("id"))
         if caller.charge is not None:  # the sender's client quota, as an enqueue's
             caller.charge(sum(len(p) for p in payloads))
         for i, payload in enumerate(payloads):
