@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
 
 import aiohttp
@@ -90,6 +90,21 @@ def check_base_url(url: str) -> str:
 Key = bytes | str  # raw 32 bytes, or the base64url text `relayfleet keygen` prints
 
 
+class _ClosedOnExit:
+    """`async with` returns the object itself and closes it on the way out."""
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+
 @dataclass(frozen=True)
 class Received:
     seq: int
@@ -113,7 +128,7 @@ def _batch(doc: dict[str, Any]) -> Batch:
     return Batch(msgs, doc["nextSeq"], doc["epoch"], bool(doc.get("more", False)))
 
 
-class RelayClient:
+class RelayClient(_ClosedOnExit):
     """A relay's HTTP API. `private_key` (raw, base64url text as `relayfleet keygen` prints it,
     or a `keypair()`) signs this client's own queue requests; its public key, the queue's name,
     is derived. `retries` (default 0: off) retries a request answered 429/503 after the wait
@@ -142,14 +157,6 @@ class RelayClient:
         self.max_retry_wait = max_retry_wait
         self._session = session
         self._own_session = session is None
-
-    async def __aenter__(self) -> RelayClient:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -362,19 +369,11 @@ class LiveClosed(Exception):
         self.code = code
 
 
-class LiveConnection:
+class LiveConnection(_ClosedOnExit):
     """A queue's live WebSocket: JSON frames in, acks and Pickup messages out."""
 
     def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         self.ws = ws
-
-    async def __aenter__(self) -> LiveConnection:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
 
     @property
     def close_code(self) -> int | None:
