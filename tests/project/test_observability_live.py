@@ -17,7 +17,6 @@ import contextlib
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -37,6 +36,7 @@ from tests.support.observability import (
     promql,
     rendered_rule_groups,
 )
+from tests.support.procs import RELAYFLEET
 from tests.support.prometheus import (
     FAST_ALERT,
     NEEDS_PROMETHEUS,
@@ -66,7 +66,7 @@ def fleet() -> Iterator[Fleet]:
         "RELAY_RATE_LIMIT": "20",  # so a burst of enqueues gets 429s
         "PYTHONUNBUFFERED": "1",
     }
-    cli = [sys.executable, "-c", "import sys; from relay.cli import main; sys.exit(main())"]
+    cli = RELAYFLEET
     popen = subprocess.Popen(
         [*cli, "dev", "--shards", "2", "--no-demo", "--port", str(port), "--auth", "none"],
         stdout=subprocess.PIPE,

@@ -9,7 +9,6 @@ import asyncio
 import os
 import re
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from relay.storage import keys as K
 from tests.support.fleet_harness import DEBIAN_REDIS, RelayProc, b64, spawn_relay, stop_relays, wait_ready
 from tests.support.k8s_cluster import KubeCluster
 from tests.support.operator_harness import install_crds
+from tests.support.procs import RELAYFLEET
 
 pytestmark = pytest.mark.k8s
 
@@ -35,7 +35,6 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNBOOK = ROOT / "docs" / "runbook.md"
 FLEET = "rb"
 RELEASE = "relayfleet"
-MAIN = "import sys; from relay.cli import main; sys.exit(main())"
 # the Fix commands this test runs and checks; a new one in the runbook fails the test until
 # it is added here
 KNOWN = {
@@ -106,7 +105,7 @@ class Fleet:
         argv = cmd.split()
         full_env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig), **(env or {})}
         if argv[0] == "relayfleet":
-            argv = [sys.executable, "-c", MAIN, *argv[1:]]
+            argv = [*RELAYFLEET, *argv[1:]]
         elif argv[0] == "kubectl":
             argv = [self.cluster.tool("kubectl"), "--kubeconfig", str(self.cluster.kubeconfig), *argv[1:]]
         else:

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from relayfleet_testing.localredis import LocalRedis
 from relay import backup as B
 from relay.storage import keys as K
 from relay.storage.store import EnqueueRequest, QueueLimits, ShardStore
+from tests.support.procs import RELAYFLEET
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 PASSWORD = "backup-pw"
@@ -50,7 +50,7 @@ def node() -> Iterator[LocalRedis]:
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "operator")])}
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from relay.cli import main; sys.exit(main())", *args],
+        [*RELAYFLEET, *args],
         capture_output=True,
         text=True,
         env=env,

@@ -9,16 +9,14 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from relay import cli
+from tests.support.procs import RELAYFLEET
 from tests.support.prometheus import free_port
-
-MAIN = "import sys; from relay.cli import main; sys.exit(main())"
 
 
 def commands() -> list[str]:
@@ -32,9 +30,7 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("RELAY_", "KUBECONFIG"))}
     full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-c", MAIN, *args], capture_output=True, text=True, timeout=timeout, env=full_env
-    )
+    return subprocess.run([*RELAYFLEET, *args], capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
 def assert_one_line(out: subprocess.CompletedProcess[str], code: int, command: str) -> str:

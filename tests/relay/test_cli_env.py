@@ -7,7 +7,6 @@ import logging
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from relay import cli
 from relay.envconfig import resolve_flags
 from relay.settings import DEPRECATED_ENV, RELAY_SETTINGS, REMOVED_ENV, Settings
 from tests.support.in_process_relay import RelayFactory
+from tests.support.procs import RELAYFLEET
 
 
 def test_every_flag_of_every_subcommand_names_its_variable_and_default() -> None:
@@ -34,7 +34,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     full = {k: v for k, v in os.environ.items() if not k.startswith(("RELAY_", "RELAYFLEET_"))}
     full.update(env or {})
     return subprocess.run(
-        [sys.executable, "-c", "import sys; from relay.cli import main; sys.exit(main())", *args],
+        [*RELAYFLEET, *args],
         env=full,
         capture_output=True,
         text=True,

@@ -26,6 +26,7 @@ from relayfleet_testing.localredis import LocalRedis, free_port
 
 from tests.support.k8s_cluster import KubeCluster
 from tests.support.operator_harness import namespace, wait_for
+from tests.support.procs import RELAYFLEET
 
 pytestmark = pytest.mark.k8s
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,7 +131,7 @@ def fleet_objects(ns: str, fleet: str, address: str, port: int) -> list[dict[str
 
 def top(cluster: KubeCluster, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", "import sys; from relay.cli import main; sys.exit(main())", "top", "--kube",
+        [*RELAYFLEET, "top", "--kube",
          "--kubeconfig", str(cluster.kubeconfig), "--once", *args],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from typing import Any
+
+# `relayfleet` run as a subprocess by this interpreter: the checkout first on its path, not the
+# installed console script (an editable install may point at another tree)
+RELAYFLEET = (sys.executable, "-c", "import sys; from relay.cli import main; sys.exit(main())")
 
 
 def stop_process(proc: subprocess.Popen[Any] | None, grace: float, kill_wait: float | None = 5.0) -> None:

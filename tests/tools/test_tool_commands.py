@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from relay import cli
-from tests.support.procs import stop_process
+from tests.support.procs import RELAYFLEET, stop_process
 from tests.support.prometheus import free_port
 
 
@@ -43,7 +43,7 @@ def test_a_missing_tool_command_is_one_line_and_exit_2(
 
 def test_an_unknown_command_is_still_argparse_s_one_line() -> None:
     out = subprocess.run(
-        [sys.executable, "-c", "import sys; from relay.cli import main; sys.exit(main())", "nosuch"],
+        [*RELAYFLEET, "nosuch"],
         capture_output=True,
         text=True,
         timeout=60,
