@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -64,6 +65,21 @@ def loads(
         return orjson.loads(data)
     except orjson.JSONDecodeError:
         raise JsonLimitError(f"{what} is not valid JSON", "bad_json") from None
+
+
+def loads_as(
+    raw: bytes | str,
+    max_bytes: int | None,
+    what: str,
+    error: Callable[[str, str, int], Exception],
+    bad_json: str,
+) -> Any:
+    """`loads`, a refusal raised as `error(text, code, status)`, with the caller's own code
+    `bad_json` for unparseable JSON (a DIDComm envelope's: "bad_envelope")."""
+    try:
+        return loads(raw, max_bytes, what)
+    except JsonLimitError as exc:
+        raise error(exc.text, bad_json if exc.code == "bad_json" else exc.code, exc.status) from None
 
 
 def _deeper_than(skeleton: bytes, limit: int) -> bool:

@@ -119,11 +119,7 @@ def _b64(text: str, what: str, limit: int | None = MAX_SEALED) -> bytes:
 
 
 def _json(raw: bytes, max_bytes: int | None, what: str) -> Any:
-    try:
-        return boundedjson.loads(raw, max_bytes, what)
-    except boundedjson.JsonLimitError as exc:
-        code = "bad_envelope" if exc.code == "bad_json" else exc.code
-        raise EnvelopeError(exc.text, code, exc.status) from None
+    return boundedjson.loads_as(raw, max_bytes, what, EnvelopeError, "bad_envelope")
 
 
 def shaped(doc: Any) -> dict[str, Any]:

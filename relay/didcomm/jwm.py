@@ -243,11 +243,7 @@ def media_type_of(doc: dict[str, Any]) -> str:
 
 
 def _json(raw: bytes, max_bytes: int | None, what: str) -> Any:
-    try:
-        return boundedjson.loads(raw, max_bytes, what)
-    except boundedjson.JsonLimitError as exc:
-        code = "bad_envelope" if exc.code == "bad_json" else exc.code
-        raise JwmError(exc.text, code, exc.status) from None
+    return boundedjson.loads_as(raw, max_bytes, what, JwmError, "bad_envelope")
 
 
 def unpack(raw: bytes, lookup: Callable[[str], AgreementKey | None]) -> Opened:
