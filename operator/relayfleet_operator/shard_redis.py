@@ -88,11 +88,14 @@ async def ping(url: str, limit_s: float = 2.0) -> bool:
 
 async def holds_data(url: str, slots: Iterable[int], limit_s: float = 5.0) -> bool:
     """True if any of `slots` has a queue on this shard (per-slot index, no SCAN)."""
+    indexes = [keys.slot_index(slot) for slot in slots]
     client = _client(url, limit_s)
     try:
         pipe = client.pipeline(transaction=False)
-        for slot in slots:
-            pipe.scard(keys.slot_index(slot))
+        # Redis deletes a set with its last member: an index exists iff its slot holds a
+        # queue. One EXISTS per 4096 of them, not a SCARD each (16,384 replies, each timed).
+        for i in range(0, len(indexes), 4096):
+            pipe.exists(*indexes[i : i + 4096])
         return any(int(n) > 0 for n in await pipe.execute())
     finally:
         await client.aclose()
