@@ -112,8 +112,12 @@ OPERATOR_SETTINGS: tuple[Setting[Any], ...] = (
             lo=0, hi=65535, refuse=_PORT_REFUSED, field="health_port"),
     Setting("RELAYFLEET_OPERATOR_METRICS_PORT", PORT_NUMBER, 9090, "Prometheus /metrics (0 disables)",
             lo=0, hi=65535, refuse=_PORT_REFUSED, field="metrics_port"),
-    Setting("RELAYFLEET_OPERATOR_RESYNC_SECONDS", FLOAT, 30.0, "re-apply period of every RelayShard",
+    Setting("RELAYFLEET_OPERATOR_RESYNC_SECONDS", FLOAT, 30.0,
+            "resync period of every RelayShard (drift, status)",
             lo=0, lo_open=True, refuse=_SECONDS_REFUSED, field="resync_seconds"),
+    Setting("RELAYFLEET_OPERATOR_REAPPLY_SECONDS", FLOAT, 300.0,
+            "an unchanged child is written again at most this often (a changed one at once)",
+            lo=0, lo_open=True, refuse=_SECONDS_REFUSED, field="reapply_seconds"),
     Setting("RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS", FLOAT, 2.0, "step period of every RelayRebalance",
             lo=0, lo_open=True, refuse=_SECONDS_REFUSED, field="rebalance_tick_seconds"),
     Setting("RELAYFLEET_OPERATOR_RETRY_SECONDS", FLOAT, 15.0, "wait before retrying a failed or blocked step",
@@ -161,6 +165,7 @@ class OperatorSettings:
     health_port: int = _d("health_port")
     metrics_port: int = _d("metrics_port")  # 0: no metrics endpoint
     resync_seconds: float = _d("resync_seconds")
+    reapply_seconds: float = _d("reapply_seconds")
     rebalance_tick_seconds: float = _d("rebalance_tick_seconds")
     retry_seconds: float = _d("retry_seconds")
     # the images of a RelayShard that names none (the chart sets them from its values)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import copy
 import logging
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
@@ -20,6 +21,8 @@ from relay.fleet import contract
 from relay.fleet.contract import MapChange, MapWriteConflict, Move, Obj
 from relay.fleet.sharding import ShardMap
 from relayfleet_operator import builders, metrics, shard_redis
+from relayfleet_operator.applied import Written, digest
+from relayfleet_operator.config import OperatorSettings
 from relayfleet_operator.kube import Conflict, Kube, KubeError
 from relayfleet_operator.spec import (
     API_VERSION,
@@ -73,6 +76,9 @@ class Context:
     reconciling: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(RECONCILES_AT_ONCE))
     # Which fleets are moving slots right now, and for what (shown in shard conditions).
     moving: dict[tuple[str, str], str] = field(default_factory=dict)
+    # What was last written to each child and shared object (applied.py): an unchanged
+    # resync writes nothing until an entry falls due (OperatorSettings.reapply_seconds).
+    written: Written = field(default_factory=lambda: Written(OperatorSettings().reapply_seconds))
 
 
 # --- reading ----------------------------------------------------------------------------------
@@ -87,6 +93,25 @@ async def fleet_shards(kube: Kube, namespace: str, fleet: str) -> list[Obj]:
     """Every RelayShard object of `fleet` in `namespace` (deleting ones included)."""
     items = await kube.list(API_VERSION, SHARD_KIND, namespace)
     return [o for o in items if (o.get("spec") or {}).get("fleet") == fleet]
+
+
+_MEMBER_META = ("name", "namespace", "uid", "generation", "creationTimestamp", "deletionTimestamp")
+
+
+def member_entry(body: Mapping[str, Any]) -> tuple[tuple[str, str], Obj]:
+    """A RelayShard as the operator's fleet index keeps it, under (namespace, fleet): what
+    `specs_of`, `founder` and `deleting` read (its spec and identity), not its status or
+    managed fields. The index replaces a list of the fleet's shards in every reconcile
+    (docs/design-decisions.md, "Unchanged applies cost nothing")."""
+    meta = body.get("metadata") or {}
+    spec = body.get("spec") or {}
+    entry: Obj = {
+        "apiVersion": API_VERSION,
+        "kind": SHARD_KIND,
+        "metadata": {k: meta[k] for k in _MEMBER_META if meta.get(k) is not None},
+        "spec": copy.deepcopy(dict(spec)),
+    }
+    return (str(meta.get("namespace") or "default"), str(spec.get("fleet") or "")), entry
 
 
 def specs_of(objs: Sequence[Mapping[str, Any]]) -> list[ShardSpec]:
@@ -240,10 +265,16 @@ async def set_credentials(
     url: str | None,
     owners: Sequence[ShardSpec],
     spark_namespace: str | None = None,
+    written: Written | None = None,
 ) -> None:
     """Add, update (url) or remove (None) one shard's key in the fleet credentials Secret,
-    and keep its copy in the Spark jobs' namespace (`spark_namespace`) the same."""
+    and keep its copy in the Spark jobs' namespace (`spark_namespace`) the same. With
+    `written`, the same key set again within its period reads and writes nothing."""
     name = builders.credentials_name(fleet)
+    key = ("v1", "Secret", namespace, name, shard)
+    content = digest([url, spark_namespace])
+    if written is not None and written.fresh(key, content):
+        return
     current = await kube.get("v1", "Secret", namespace, name)
     encoded = base64.b64encode(url.encode()).decode() if url is not None else None
     data: dict[str, str] = dict((current or {}).get("data") or {})
@@ -256,31 +287,31 @@ async def set_credentials(
         patch: Obj = {"data": {shard: encoded}}
         if owners:
             patch["metadata"] = {"ownerReferences": builders.fleet_owner_references(owners)}
-        written = await kube.merge_patch("v1", "Secret", namespace, name, patch)
-        data = dict(written.get("data") or {})
-    if spark_namespace is not None:
-        await _copy_credentials(kube, spark_namespace, namespace, fleet, data)
+        answer = await kube.merge_patch("v1", "Secret", namespace, name, patch)
+        data = dict(answer.get("data") or {})
+    copied = spark_namespace is None or await _copy_credentials(kube, spark_namespace, namespace, fleet, data)
+    if written is not None and copied:
+        written.record(key, content)
 
 
 async def _copy_credentials(
     kube: Kube, spark_namespace: str, namespace: str, fleet: str, data: Mapping[str, str]
-) -> None:
+) -> bool:
     """The Spark namespace's copy holds what the fleet's Secret holds. A failure is logged and
     the shard's reconcile goes on: relays never wait on Spark; the next resync tries again."""
     name = builders.credentials_name(fleet)
     try:
         copy = await kube.get("v1", "Secret", spark_namespace, name)
         if copy is None:
-            if not data:
-                return
-            await kube.create(builders.spark_credentials_secret(spark_namespace, namespace, fleet, data))
-            return
+            if data:
+                await kube.create(builders.spark_credentials_secret(spark_namespace, namespace, fleet, data))
+            return True
         held = copy.get("data") or {}
-        if held == data:
-            return
-        # merge patch: null removes a key the fleet no longer has
-        patch: Obj = {"data": {k: data.get(k) for k in {*held, *data}}}
-        await kube.merge_patch("v1", "Secret", spark_namespace, name, patch)
+        if held != data:
+            # merge patch: null removes a key the fleet no longer has
+            patch: Obj = {"data": {k: data.get(k) for k in {*held, *data}}}
+            await kube.merge_patch("v1", "Secret", spark_namespace, name, patch)
+        return True
     except KubeError as exc:
         # the status and reason only: never the Secret's content
         _log.warning(
@@ -292,6 +323,7 @@ async def _copy_credentials(
             exc.reason,
         )
         metrics.ERRORS.labels("Secret", "SparkCredentialsCopy").inc()
+        return False
 
 
 # --- the shard map ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any
 import kopf
 
 from relayfleet_operator import fleet_state, rebalance_controller, shards
+from relayfleet_operator.applied import Written
 from relayfleet_operator.config import OperatorSettings
 from relayfleet_operator.kube import Kube
 from relayfleet_operator.spec import GROUP, REBALANCE_PLURAL, SHARD_PLURAL, VERSION
@@ -54,6 +55,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         images=config.images,
         limit_defaults=config.limit_defaults,
         neighbours=config.neighbours,
+        written=Written(config.reapply_seconds),
     )
     memo["rebalancing"] = set()
 
@@ -74,13 +76,29 @@ async def probe_kube(memo: kopf.Memo, **_: Any) -> str:
 # --- RelayShard ---------------------------------------------------------------------------------
 
 
-async def shard_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    await shards.reconcile(_ctx(memo), body, announce=True)
+INDEX = "fleet_members"  # the index's id: kopf hands it to every handler as a keyword
 
 
-async def shard_resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Periodic re-apply: corrects drift in child objects and refreshes status."""
-    await shards.reconcile(_ctx(memo), body, announce=False)
+def fleet_members(body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    """The index of RelayShards by (namespace, fleet), kept from the watch kopf has anyway."""
+    key, entry = fleet_state.member_entry(body)
+    return {key: entry}
+
+
+def _members(body: kopf.Body, kwargs: dict[str, Any]) -> list[Any]:
+    """This shard's fleet as the index holds it now (a copy: the index moves on)."""
+    key, _ = fleet_state.member_entry(body)
+    index: kopf.Index[tuple[str, str], Any] = kwargs[INDEX]
+    return list(index.get(key) or ())
+
+
+async def shard_changed(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    await shards.reconcile(_ctx(memo), body, announce=True, members=_members(body, kwargs))
+
+
+async def shard_resync(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    """Periodic resync: corrects drift in child objects and refreshes status."""
+    await shards.reconcile(_ctx(memo), body, announce=False, members=_members(body, kwargs))
 
 
 async def shard_deleted(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
@@ -101,6 +119,7 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
     kopf.on.startup(registry=registry)(startup)
     kopf.on.cleanup(registry=registry)(cleanup)
     kopf.on.probe(id="kube", registry=registry)(probe_kube)
+    kopf.index(GROUP, VERSION, SHARD_PLURAL, id=INDEX, registry=registry)(fleet_members)
     for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
         on(GROUP, VERSION, SHARD_PLURAL, registry=registry)(shard_changed)
     resync = settings.resync_seconds

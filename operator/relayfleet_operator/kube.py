@@ -90,7 +90,11 @@ class Kube:
             resource = await dyn.resources.get(api_version=api_version, kind=kind)
             if subresource is not None:
                 resource = resource.subresources[subresource]
-            return _dict(await getattr(dyn, verb)(resource, _request_timeout=_TIMEOUT_S, **params))
+            # The answer as json.loads gives it: the client's default wraps every answer in
+            # ResourceInstance (a ResourceField per mapping) that _dict turned back into dicts,
+            # three copies of each answer at once (docs/design-decisions.md, "Operator memory").
+            call = getattr(dyn, verb)
+            return _dict(await call(resource, _request_timeout=_TIMEOUT_S, serializer=_as_is, **params))
 
         try:
             return await kubeapi.retrying(attempt)
@@ -132,7 +136,11 @@ class Kube:
                 limit=self._page,
                 _continue=token,
             )
-            items.extend(page.get("items") or [])
+            for item in page.get("items") or ():
+                # a list's items carry no apiVersion and kind of their own; callers expect them
+                item.setdefault("apiVersion", api_version)
+                item.setdefault("kind", kind)
+                items.append(item)
             token = (page.get("metadata") or {}).get("continue")
             if not token:
                 return items

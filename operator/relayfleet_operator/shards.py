@@ -7,14 +7,14 @@ import base64
 import datetime
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import kopf
 
 from relay.fleet.contract import Move, Obj, PlanError, move_from_json
 from relay.fleet.sharding import ShardMap, ShardMapError
-from relayfleet_operator import builders, fleet_state, metrics, shard_redis
+from relayfleet_operator import applied, builders, fleet_state, metrics, shard_redis
 from relayfleet_operator.kube import KubeError
 from relayfleet_operator.replication import probe as probe_replication
 from relayfleet_operator.spec import API_VERSION, SHARD_KIND, ManagedRedis, ShardSpec, SpecError, parse_shard
@@ -62,13 +62,17 @@ async def _observe(
 ) -> Observed:
     """What the shard's children and Redis show now; `shard_map` is the map this reconcile read."""
     kube = ctx.kube
-    dep = await kube.get("apps/v1", "Deployment", shard.namespace, builders.relay_name(shard.name))
+    relay, redis = builders.relay_name(shard.name), builders.redis_name(shard.name)
+    dep = await kube.get("apps/v1", "Deployment", shard.namespace, relay)
+    # a spec moved since our write (its generation) or a child gone: written again next time
+    ctx.written.observed(("apps/v1", "Deployment", shard.namespace, relay), dep)
     sts = None
     reachable = None
     replication = None
     storage = None
     if isinstance(shard.redis, ManagedRedis):
-        sts = await kube.get("apps/v1", "StatefulSet", shard.namespace, builders.redis_name(shard.name))
+        sts = await kube.get("apps/v1", "StatefulSet", shard.namespace, redis)
+        ctx.written.observed(("apps/v1", "StatefulSet", shard.namespace, redis), sts)
         if url is not None and sts is not None:
             replication = await probe_replication(url, now_rfc3339())
         if not ((sts or {}).get("status") or {}).get("readyReplicas"):
@@ -109,11 +113,42 @@ async def relay_secrets_digest(ctx: fleet_state.Context, shard: ShardSpec) -> st
     return builders.secrets_hash(shard, values)
 
 
-async def reconcile(ctx: fleet_state.Context, body: Mapping[str, Any], *, announce: bool) -> Obj:
-    """Make the world match one RelayShard; returns the status written.
+async def apply(ctx: fleet_state.Context, obj: Obj) -> None:
+    """Server-side apply `obj`, unless the same content was applied to it and is not due again."""
+    key, content = applied.object_key(obj), applied.digest(obj)
+    if ctx.written.fresh(key, content):
+        return
+    ctx.written.record(key, content, await ctx.kube.apply(obj))
+
+
+async def _delete_retired(ctx: fleet_state.Context, shard: ShardSpec) -> None:
+    """Delete the children the spec no longer asks for (a group's first member says whether
+    the group exists); once seen gone, a group is looked for again only when due."""
+    for group in builders.retired_children(shard):
+        api_version, kind, name = group[0]
+        key = (api_version, kind, shard.namespace, name)
+        if ctx.written.fresh(key, applied.ABSENT):
+            continue
+        if await ctx.kube.get(api_version, kind, shard.namespace, name) is not None:
+            for member in group:
+                await ctx.kube.delete(member[0], member[1], shard.namespace, member[2])
+                ctx.written.forget((member[0], member[1], shard.namespace, member[2]))
+        ctx.written.record(key, applied.ABSENT)
+
+
+async def reconcile(
+    ctx: fleet_state.Context,
+    body: Mapping[str, Any],
+    *,
+    announce: bool,
+    members: Sequence[Mapping[str, Any]] | None = None,
+) -> Obj:
+    """Make the world match one RelayShard; returns its status.
 
     Idempotent: the change handlers and the periodic resync both call it, and the resync is
-    what corrects drift (server-side apply resets every field we own)."""
+    what corrects drift (server-side apply resets every field we own; an unchanged write is
+    skipped until it falls due, `ctx.written`). `members`: the fleet's RelayShards as the
+    operator's index holds them (fleet_state.member_entry); None lists them."""
     started = time.monotonic()
     try:
         shard = parse_shard(body, ctx.images, ctx.limit_defaults)
@@ -131,17 +166,18 @@ async def reconcile(ctx: fleet_state.Context, body: Mapping[str, Any], *, announ
         async with ctx.reconciling:
             url = await fleet_state.redis_url(ctx.kube, shard)
             digest = await relay_secrets_digest(ctx, shard)
-            members = await fleet_state.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
+            before, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
+            if members is None or before is None:
+                # No map yet: the founder must be the same whoever asks, so the API's list
+                # decides, not an index that may not hold every shard applied together yet.
+                members = await fleet_state.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
             owners = fleet_state.specs_of(members)
             for obj in builders.reconcile_objects(shard, owners, digest, ctx.neighbours):
-                await ctx.kube.apply(obj)
-            for group in builders.retired_children(shard):
-                if await ctx.kube.get(*group[0][:2], shard.namespace, group[0][2]) is not None:
-                    for api_version, kind, name in group:
-                        await ctx.kube.delete(api_version, kind, shard.namespace, name)
+                await apply(ctx, obj)
+            await _delete_retired(ctx, shard)
             spark = ctx.neighbours.spark_for(shard.namespace, shard.fleet)
             await fleet_state.set_credentials(
-                ctx.kube, shard.namespace, shard.fleet, shard.name, url, owners, spark
+                ctx.kube, shard.namespace, shard.fleet, shard.name, url, owners, spark, ctx.written
             )
             public = builders.strip_credentials(url)
             founder = fleet_state.founder(members)
@@ -151,7 +187,6 @@ async def reconcile(ctx: fleet_state.Context, body: Mapping[str, Any], *, announ
                     return None  # the founder creates the map; this shard joins it afterwards
                 return builders.join_shard_map(m, shard.fleet, shard.name, public)
 
-            before, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
         # Only a shard-map write takes the fleet's lock (slot moves publish under it), and only
         # when the map must change: held for a whole reconcile, 100 shards' resyncs queued on
         # it for minutes and a RelayRebalance never found it free (docs/design-decisions.md,
@@ -188,7 +223,8 @@ async def reconcile(ctx: fleet_state.Context, body: Mapping[str, Any], *, announ
             notify(body, "ReconcileError", str(exc), warning=True)
         raise kopf.TemporaryError(str(exc), delay=ctx.retry_seconds) from None
     status = shard_status(shard, previous, seen)
-    await write_status(ctx, body, status)
+    if any(previous.get(key) != value for key, value in status.items()):
+        await write_status(ctx, body, status)  # a merge patch: the same values change nothing
     _export_redis(shard, previous, status)
     if after is None:
         # Not in a map yet: the fleet's founder has not written it. Come back soon rather
@@ -316,6 +352,7 @@ async def drain(ctx: fleet_state.Context, body: Mapping[str, Any]) -> None:
             None,
             [],
             ctx.neighbours.spark_for(shard.namespace, shard.fleet),
+            ctx.written,
         )
     notify(body, "LeftFleet", f"left fleet {shard.fleet}" + ("" if left else "; it was the last shard"))
     await _delete_children(ctx, shard)
@@ -330,6 +367,7 @@ async def _delete_children(ctx: fleet_state.Context, shard: ShardSpec) -> None:
             continue  # the backups outlive the shard
         meta = obj["metadata"]
         await ctx.kube.delete(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        ctx.written.forget(applied.object_key(obj))
 
 
 def _deleting_names(members: list[Obj]) -> set[str]:

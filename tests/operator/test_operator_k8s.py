@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import subprocess
 import time
 import urllib.request
@@ -347,6 +348,63 @@ def test_operator_creates_children_and_reports_status(kwok_fleet: KwokFleet) -> 
         text = resp.read().decode()
     assert 'relayfleet_operator_reconciles_total{kind="RelayShard",result="ok"}' in text
     assert f'relayfleet_operator_shard_map_epoch{{fleet="main",namespace="{ns}"}}' in text
+
+
+_REQUESTS = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$", re.M)
+
+
+def _writes(fleet: KwokFleet) -> dict[str, float]:
+    """The API server's count of server-side applies per resource and of patches of RelayShards
+    and Secrets: the operator's writes (the controllers and kwok write with PUT, or PATCH
+    other resources)."""
+    text = fleet.cluster.kubectl("get", "--raw", "/metrics").stdout
+    out: dict[str, float] = {}
+    for m in _REQUESTS.finditer(text):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group("labels")))
+        verb, resource = labels.get("verb"), labels.get("resource", "")
+        if verb == "APPLY" or (verb == "PATCH" and resource in ("relayshards", "secrets")):
+            key = f"{verb} {resource}"
+            out[key] = out.get(key, 0.0) + float(m.group("value"))
+    return out
+
+
+def test_an_unchanged_resync_writes_nothing_and_a_moved_deployment_is_applied_again(
+    kwok_fleet: KwokFleet,
+) -> None:
+    """At rest a resync reads (the shard map, the Deployment) and writes nothing: its children,
+    the fleet's shared objects and its status are as last written (docs/operator.md, Drift).
+    A Deployment whose spec someone changed (its generation moved) is written again at the
+    next resync, however far the re-apply period is."""
+    fleet = kwok_fleet
+    fleet.redis("a")
+    fleet.operator.start(RELAYFLEET_OPERATOR_RESYNC_SECONDS="1", RELAYFLEET_OPERATOR_REAPPLY_SECONDS="3600")
+    fleet.apply(fleet.external("a"))
+    wait_for(
+        "shard a Ready",
+        lambda: (a := fleet.get("rshard", "a")) and (a.get("status") or {}).get("phase") == "Ready",
+    )
+    time.sleep(2)  # the status write that said Ready has landed
+    before = _writes(fleet)
+    time.sleep(5)  # five resyncs
+    after = _writes(fleet)
+    assert before, "the API server counted no apply at all: the filter is wrong"
+    assert {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k)} == {}
+
+    fleet.cluster.kubectl(
+        "-n",
+        fleet.ns,
+        "patch",
+        "deployment",
+        "relayfleet-a-relay",
+        "--type=merge",
+        "-p",
+        '{"spec":{"replicas":4}}',
+    )
+    wait_for(
+        "the Deployment's replicas to be restored",
+        lambda: (d := fleet.get("deployment", "relayfleet-a-relay")) and d["spec"]["replicas"] == 1,
+        timeout=30,
+    )
 
 
 def test_spark_namespace_gets_the_credentials_copy_and_a_redis_peer(kwok_fleet: KwokFleet) -> None:

@@ -179,6 +179,9 @@ class Operator:
             "RELAYFLEET_OPERATOR_RESYNC_SECONDS": "3",
             "RELAYFLEET_OPERATOR_REBALANCE_TICK_SECONDS": "1",
             "RELAYFLEET_OPERATOR_RETRY_SECONDS": "2",
+            # unchanged children are written again this often: drift no read notices (a
+            # deleted fleet Service) is corrected within a test's wait
+            "RELAYFLEET_OPERATOR_REAPPLY_SECONDS": "4",
             **env,
         }
         with self.log.open("ab") as out:
