@@ -1,6 +1,5 @@
-"""Fixtures of the relay's tests that several files share: a signed relay, the DIDComm seed
-file, a private CA with its server certificates, the operator's push webhook, the device-push
-world."""
+"""Fixtures of the relay's tests that several files share: the DIDComm seed file, a private CA
+with its server certificates, the operator's push webhook, the device-push world."""
 
 from __future__ import annotations
 
@@ -13,17 +12,10 @@ import aiohttp
 import pytest
 from relayfleet_testing.localredis import LocalRedis
 
-from tests.support.in_process_relay import RelayFactory, RunningRelay
+from tests.support.in_process_relay import RelayFactory
 from tests.support.push_providers import Webhook, apns_server, fcm_server, webhook_server, write_credentials
 from tests.support.push_world import COALESCE_S, PUBLIC, OpenPushWorld, World
 from tests.support.tls_pki import Pki, make_pki
-
-
-@pytest.fixture
-async def relay(redis_server: LocalRedis, relay_factory: RelayFactory) -> RunningRelay:
-    """An in-process relay over the worker's Redis checking Ed25519 signatures, as deployed (a
-    test file that needs another kind defines its own `relay`)."""
-    return await relay_factory(redis_server.url, auth="ed25519")
 
 
 @pytest.fixture

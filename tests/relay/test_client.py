@@ -19,6 +19,11 @@ from tests.support.in_process_relay import RelayFactory, RunningRelay
 from tests.support.prometheus import free_port
 
 
+@pytest.fixture
+async def relay(redis_server: LocalRedis, relay_factory: RelayFactory) -> RunningRelay:
+    return await relay_factory(redis_server.url, auth="ed25519")
+
+
 def keygen(capsys: pytest.CaptureFixture[str]) -> dict[str, str]:
     assert cli.main(["keygen"]) == 0
     keys: dict[str, str] = json.loads(capsys.readouterr().out)

@@ -34,6 +34,11 @@ def derived_inbox_id(room_key: bytes) -> str:
 
 
 @pytest.fixture
+async def relay(redis_server: LocalRedis, relay_factory: RelayFactory) -> RunningRelay:
+    return await relay_factory(redis_server.url, auth="ed25519")
+
+
+@pytest.fixture
 async def http(relay: RunningRelay) -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(relay.base_url) as session:
         yield session

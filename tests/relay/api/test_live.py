@@ -26,6 +26,11 @@ PICKUP = "https://didcomm.org/messagepickup/2.0/"
 
 
 @pytest.fixture
+async def relay(redis_server: LocalRedis, relay_factory: RelayFactory) -> RunningRelay:
+    return await relay_factory(redis_server.url, auth="ed25519")
+
+
+@pytest.fixture
 async def owner(relay: RunningRelay) -> AsyncIterator[RelayClient]:
     _public, private = keypair()
     async with relay.client(private) as client:

@@ -15,10 +15,11 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from relayfleet_testing.localredis import LocalRedis
 
 from relay.client import RelayClient, RelayError
 from relay.protocol import b64decode, b64encode, keypair, sign_headers
-from tests.support.in_process_relay import RunningRelay
+from tests.support.in_process_relay import RelayFactory, RunningRelay
 
 KEY = "<key for messages>"
 RFC_STATUS_REQUEST = {
@@ -76,6 +77,11 @@ def with_key(example: dict[str, Any], key: str, **changes: Any) -> dict[str, Any
 
 def is_time(text: str) -> bool:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).tzinfo is not None
+
+
+@pytest.fixture
+async def relay(redis_server: LocalRedis, relay_factory: RelayFactory) -> RunningRelay:
+    return await relay_factory(redis_server.url, auth="ed25519")
 
 
 @pytest.fixture
