@@ -103,6 +103,20 @@ def prepare(epoch: str, stored_ms: int, payload: bytes, message_id: str) -> Prep
     return Prepared(payload, stored_ms, mid, epoch, after_seq(payload, stored_ms, mid))
 
 
+def lone_answer_parts(ready: Prepared) -> tuple[bytes, bytes]:
+    """The answer of a read that gets `ready`'s message alone, but for its two numbers (the
+    message's seq, and nextSeq one past it): the text between them and the text after
+    nextSeq. Made while Redis stores the message, so a woken long-poll's answer is one format
+    (`lone_answer`) once Redis has said the seq."""
+    return ready.after_seq + b'],"nextSeq":', _after_next_seq(ready.epoch, None)
+
+
+def lone_answer(seq: int, parts: tuple[bytes, bytes]) -> bytes:
+    """`answer_bytes([m], m.seq + 1, epoch, ready=ready)` for the message `ready` was made from,
+    stored as `seq`, with `parts` = lone_answer_parts(ready)."""
+    return b'{"messages":[{"seq":%d%b%d%b' % (seq, parts[0], seq + 1, parts[1])
+
+
 def answer_bytes(
     messages: list[Message],
     next_seq: int,

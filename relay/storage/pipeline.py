@@ -412,12 +412,15 @@ def _with_wait(
 
 
 class _Batch:
-    __slots__ = ("deadline", "items", "may_reload", "pos", "retry")
+    __slots__ = ("deadline", "items", "may_reload", "paced", "pos", "retry")
 
-    def __init__(self, items: list[_Item], may_reload: bool) -> None:
+    def __init__(self, items: list[_Item], may_reload: bool, paced: bool = False) -> None:
         self.items = items
         self.pos = 0
         self.may_reload = may_reload
+        # holds a command sent with at_once (an enqueue call): its answer says the connection
+        # is busy with them (ScriptBatcher.submit_to)
+        self.paced = paced
         self.retry: list[_Item] = []
         self.deadline = 0.0  # loop time by which its replies must have come (_Resp.send)
 
@@ -553,7 +556,8 @@ class _Resp(asyncio.Protocol):
             self.owner._batch_done(batch)
 
 
-# A connection with no batch answered for this long is idle: submit_to(at_once=True) sends at once.
+# A connection with no at_once command (an enqueue call) answered for this long is idle:
+# submit_to(at_once=True) and write_now send at once.
 IDLE_SEND_S = 0.001
 
 # Reply deadlines grow with the bytes a batch moves at this rate (a floor well under
@@ -604,7 +608,8 @@ class ScriptBatcher:
         self._pending: deque[_Queued] = deque()
         self._inflight = 0
         self._scheduled = False
-        self._last_done = 0.0  # loop time the last batch was answered (see submit_to)
+        self._last_done = 0.0  # loop time the last batch with an at_once command was answered
+        self._paced_pending = False  # an at_once command is pending (see submit_to)
         self._conn: _Resp | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -639,13 +644,18 @@ class ScriptBatcher:
         write the client is told about) waits for WAIT when the shard has minReplicas;
         ReplicationTimeout when too few replicas confirm it.
 
-        `at_once`: when nothing is in flight and no batch was answered for IDLE_SEND_S, send
-        it now, not at the next loop turn: a lone request on a quiet connection (the enqueue a
-        long-poll waits for) saves a loop turn, while requests that arrive busily still gather
-        into batches (one script call each, relay/storage/store.py)."""
+        `at_once`: when nothing is in flight and no batch holding an at_once command was
+        answered for IDLE_SEND_S, send it now, not at the next loop turn: a lone request on a
+        quiet connection (the enqueue a long-poll waits for) saves a loop turn, while requests
+        that arrive busily still gather into batches (one script call each,
+        relay/storage/store.py). Other commands' answers (a presence lease, INFO) do not make
+        the connection busy: counted, a bench wake's enqueue waited a loop turn after the
+        follow-up's lease in about a fifth of the wakes (docs/design-decisions.md)."""
         if durable and self.min_replicas:
             sink = _Hold(sink)
         self._pending.append((command, sink))
+        if at_once:
+            self._paced_pending = True
         if (
             at_once
             and self._inflight == 0
@@ -657,10 +667,10 @@ class ScriptBatcher:
             self._kick()
 
     def write_now(self, command: bytes) -> bool:
-        """Write `command` now if the connection is idle: up, nothing in flight or pending, none
-        answered for IDLE_SEND_S, no replica to confirm it; False (nothing done) otherwise. Once
-        written, the caller hands its reply sink to `written` before it yields to the loop (no
-        reply is read sooner). The write comes before any bookkeeping: on an idle relay each
+        """Write `command` now if the connection is idle: up, nothing in flight or pending, no
+        at_once command answered for IDLE_SEND_S, no replica to confirm it; False (nothing done)
+        otherwise. Once written, the caller hands its reply sink to `written` before it yields to
+        the loop (no reply is read sooner). The write comes before any bookkeeping: on an idle relay each
         statement runs from cold caches, and before the write it is in the wake's critical path."""
         conn = self._conn
         if (
@@ -682,7 +692,7 @@ class ScriptBatcher:
         conn = self._conn
         assert conn is not None
         self._inflight += 1
-        conn.track(_Batch([(command, sink)], may_reload=True), len(command))
+        conn.track(_Batch([(command, sink)], may_reload=True, paced=True), len(command))
 
     async def close(self) -> None:
         self._closed = True
@@ -715,17 +725,21 @@ class ScriptBatcher:
             if self._connecting is None:
                 self._connecting = self._spawn(self._connect())
             return
+        paced, self._paced_pending = self._paced_pending, False
         while self._pending and self._inflight < self._max_inflight:
             n = min(len(self._pending), self._max_batch)
             items = [_sealed(self._pending.popleft()) for _ in range(n)]
             if self.min_replicas:
                 items = _with_wait(items, self.min_replicas, self._wait_timeout_ms, self._fenced)
             self._inflight += 1
-            conn.send(_Batch(items, may_reload=True))
+            conn.send(_Batch(items, may_reload=True, paced=paced))
+        if self._pending:  # (left for a later flush: it still holds them)
+            self._paced_pending = self._paced_pending or paced
 
     def _batch_done(self, batch: _Batch) -> None:
         self._inflight -= 1
-        self._last_done = asyncio.get_running_loop().time()
+        if batch.paced:
+            self._last_done = asyncio.get_running_loop().time()
         if batch.retry:
             self._reload_and_resend(batch.retry)
         if self._pending:

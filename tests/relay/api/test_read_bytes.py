@@ -72,6 +72,9 @@ def test_an_answer_from_its_prepared_message_is_the_same(
             continue
         assert ready.matches(m, epoch)
         assert bulk.answer_bytes([m], next_seq, epoch, ready=ready) == document([m], next_seq, epoch, None)
+        # the woken long-poll's: the answer but for its seq and nextSeq, filled in once stored
+        parts = bulk.lone_answer_parts(ready)
+        assert bulk.lone_answer(m.seq, parts) == document([m], m.seq + 1, epoch, None)
         assert bulk.answer_bytes(ms, next_seq, epoch, ready=ready) == want
     if ms:
         m = ms[0]

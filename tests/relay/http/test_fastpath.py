@@ -24,7 +24,7 @@ from relayfleet_testing.localredis import LocalRedis
 from relay import metrics
 from relay.api import bulk
 from relay.app import begin_shutdown
-from relay.http.fastpath import FastConnection
+from relay.http.fastpath import FastConnection, Reply, ok_json_bytes, reply_bytes
 from relay.http.serving import GuardedRequestHandler, GuardedServer
 from relay.protocol import b64encode, keypair, sign_headers
 from relay.storage.store import QueueLimits, ReadResult, ShardStore
@@ -559,6 +559,18 @@ async def test_woken_long_poll_answered_as_the_enqueue_reply_arrives(
         assert b'"seq":1' in got.body
     finally:
         writer.close()
+
+
+@pytest.mark.parametrize(
+    "body", [b"", b"{}", b'{"messages":[],"nextSeq":1,"epoch":"e"}', bytes(range(256)) * 300]
+)
+def test_a_woken_long_polls_answer_is_reply_bytes(body: bytes) -> None:
+    """ok_json_bytes (the woken long-poll's answer in one format) writes what reply_bytes
+    writes for the same 200 JSON answer (the Date of the same second)."""
+    for _ in range(3):  # a second may turn between the two: one of three calls is in one
+        if ok_json_bytes(body) == reply_bytes(Reply(200, body)):
+            return
+    raise AssertionError(ok_json_bytes(body)[:200])
 
 
 async def test_long_poll_whose_client_leaves_stops_waiting(relay: RunningRelay) -> None:

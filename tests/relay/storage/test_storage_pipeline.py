@@ -173,6 +173,30 @@ async def test_an_enqueue_on_an_idle_connection_is_sent_at_once(monkeypatch: pyt
         server.stop()
 
 
+async def test_only_an_enqueue_answered_makes_the_connection_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another command's answer (a status, a presence lease) does not hold the next lone enqueue
+    for a loop turn; an enqueue answered within IDLE_SEND_S does."""
+    server = LocalRedis(binary=REDIS).start()
+    store = ShardStore("t", server.url, QueueLimits())
+    loop = asyncio.get_running_loop()
+    try:
+        await store.start()
+        monkeypatch.setattr(pipeline, "IDLE_SEND_S", 0.5)
+        q = queue()
+        await store.status(q)  # answered just now, on the same (hot) connection
+        sink: asyncio.Future[list[object]] = loop.create_future()
+        store.enqueue_to(sink, q, EnqueueRequest(b"", b"", b"one"), 1000)
+        assert store._batcher._inflight == 1  # written at once
+        assert (await sink)[:2] == [b"ok", 1]
+        sink = loop.create_future()
+        store.enqueue_to(sink, q, EnqueueRequest(b"", b"", b"two"), 1001)
+        assert store._batcher._inflight == 0  # an enqueue was answered within 0.5 s: its tick's
+        assert (await sink)[:2] == [b"ok", 2]
+    finally:
+        await store.close()
+        server.stop()
+
+
 async def test_one_script_call_carries_a_ticks_enqueues_each_with_its_outcome(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -237,6 +261,7 @@ async def test_large_payloads_are_written_as_parts_and_stored_exactly(
         await store.start()
         q, other = queue(), queue()
         payloads = [os.urandom(64 * 1024), os.urandom(16 * 1024 - 1), b"small", os.urandom(16 * 1024)]
+        await store.enqueue(queue(), EnqueueRequest(b"", b"", b"first"), 999)  # an enqueue answered: busy
         await store.client.config_resetstat()
         monkeypatch.setattr(pipeline._Resp, "send", spy)
         # started in one loop tick: one batch
