@@ -610,6 +610,7 @@ class ScriptBatcher:
         self._scheduled = False
         self._last_done = 0.0  # loop time the last batch with an at_once command was answered
         self._paced_pending = False  # an at_once command is pending (see submit_to)
+        self._paced_inflight = 0  # batches in flight holding one
         self._conn: _Resp | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -644,12 +645,12 @@ class ScriptBatcher:
         write the client is told about) waits for WAIT when the shard has minReplicas;
         ReplicationTimeout when too few replicas confirm it.
 
-        `at_once`: when nothing is in flight and no batch holding an at_once command was
-        answered for IDLE_SEND_S, send it now, not at the next loop turn: a lone request on a
-        quiet connection (the enqueue a long-poll waits for) saves a loop turn, while requests
-        that arrive busily still gather into batches (one script call each,
-        relay/storage/store.py). Other commands' answers (a presence lease, INFO) do not make
-        the connection busy: counted, a bench wake's enqueue waited a loop turn after the
+        `at_once`: when no batch holding an at_once command is in flight or was answered
+        for IDLE_SEND_S, send it now, not at the next loop turn: a lone request on a quiet
+        connection (the enqueue a long-poll waits for) saves a loop turn, while requests that
+        arrive busily still gather into batches (one script call each, relay/storage/store.py).
+        Other commands in flight or just answered (a presence lease, INFO) do not make the
+        connection busy: counted, a bench wake's enqueue waited a loop turn behind the
         follow-up's lease in about a fifth of the wakes (docs/design-decisions.md)."""
         if durable and self.min_replicas:
             sink = _Hold(sink)
@@ -658,7 +659,8 @@ class ScriptBatcher:
             self._paced_pending = True
         if (
             at_once
-            and self._inflight == 0
+            and self._paced_inflight == 0
+            and self._inflight < self._max_inflight
             and not self._scheduled  # (else this tick's others are pending: it joins them)
             and asyncio.get_running_loop().time() - self._last_done >= IDLE_SEND_S
         ):
@@ -667,8 +669,8 @@ class ScriptBatcher:
             self._kick()
 
     def write_now(self, command: bytes) -> bool:
-        """Write `command` now if the connection is idle: up, nothing in flight or pending, no
-        at_once command answered for IDLE_SEND_S, no replica to confirm it; False (nothing done)
+        """Write `command` now if the connection is idle: up, nothing pending, no at_once command
+        in flight or answered for IDLE_SEND_S, no replica to confirm it; False (nothing done)
         otherwise. Once written, the caller hands its reply sink to `written` before it yields to
         the loop (no reply is read sooner). The write comes before any bookkeeping: on an idle relay each
         statement runs from cold caches, and before the write it is in the wake's critical path."""
@@ -676,7 +678,8 @@ class ScriptBatcher:
         if (
             conn is None
             or conn.lost
-            or self._inflight
+            or self._paced_inflight
+            or self._inflight >= self._max_inflight
             or self._scheduled
             or self._pending
             or self.min_replicas
@@ -692,6 +695,7 @@ class ScriptBatcher:
         conn = self._conn
         assert conn is not None
         self._inflight += 1
+        self._paced_inflight += 1
         conn.track(_Batch([(command, sink)], may_reload=True, paced=True), len(command))
 
     async def close(self) -> None:
@@ -732,6 +736,7 @@ class ScriptBatcher:
             if self.min_replicas:
                 items = _with_wait(items, self.min_replicas, self._wait_timeout_ms, self._fenced)
             self._inflight += 1
+            self._paced_inflight += paced
             conn.send(_Batch(items, may_reload=True, paced=paced))
         if self._pending:  # (left for a later flush: it still holds them)
             self._paced_pending = self._paced_pending or paced
@@ -739,6 +744,7 @@ class ScriptBatcher:
     def _batch_done(self, batch: _Batch) -> None:
         self._inflight -= 1
         if batch.paced:
+            self._paced_inflight -= 1
             self._last_done = asyncio.get_running_loop().time()
         if batch.retry:
             self._reload_and_resend(batch.retry)

@@ -18,6 +18,7 @@ from relay.storage import store as store_module
 from relay.storage.pipeline import ScriptBatcher, StoreOutcomeUnknown, StoreUnavailable, bulk_str
 from relay.storage.scripts import STATUS
 from relay.storage.store import EnqueueOutcome, EnqueueRequest, QueueLimits, ShardStore, SlotMoved
+from tests.support.waiting import until
 
 REDIS = "/usr/bin/redis-server"
 
@@ -173,9 +174,16 @@ async def test_an_enqueue_on_an_idle_connection_is_sent_at_once(monkeypatch: pyt
         server.stop()
 
 
+# Lua that keeps Redis busy for 0.2 s (TIME is allowed in scripts since Redis 5)
+_BUSY_LUA = (
+    "local t = redis.call('TIME') local start = t[1] * 1000000 + t[2] "
+    "repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - start > 200000 return 1"
+)
+
+
 async def test_only_an_enqueue_answered_makes_the_connection_busy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Another command's answer (a status, a presence lease) does not hold the next lone enqueue
-    for a loop turn; an enqueue answered within IDLE_SEND_S does."""
+    """Another command in flight or just answered (a status, a presence lease) does not hold the
+    next lone enqueue for a loop turn; an enqueue answered within IDLE_SEND_S does."""
     server = LocalRedis(binary=REDIS).start()
     store = ShardStore("t", server.url, QueueLimits())
     loop = asyncio.get_running_loop()
@@ -184,10 +192,15 @@ async def test_only_an_enqueue_answered_makes_the_connection_busy(monkeypatch: p
         monkeypatch.setattr(pipeline, "IDLE_SEND_S", 0.5)
         q = queue()
         await store.status(q)  # answered just now, on the same (hot) connection
+        # a command that keeps Redis busy for 0.2 s: in flight while the enqueue comes
+        slow = store._batcher.submit(pipeline.encode("EVAL", _BUSY_LUA, 0))
+        await until("the busy command sent", lambda: store._batcher._inflight == 1, interval=0.005)
         sink: asyncio.Future[list[object]] = loop.create_future()
         store.enqueue_to(sink, q, EnqueueRequest(b"", b"", b"one"), 1000)
-        assert store._batcher._inflight == 1  # written at once
+        assert store._batcher._inflight == 2  # written at once, behind it
         assert (await sink)[:2] == [b"ok", 1]
+        assert slow.done()  # answered first: each its own reply, in order
+        assert slow.result() == 1
         sink = loop.create_future()
         store.enqueue_to(sink, q, EnqueueRequest(b"", b"", b"two"), 1001)
         assert store._batcher._inflight == 0  # an enqueue was answered within 0.5 s: its tick's
