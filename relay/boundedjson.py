@@ -5,7 +5,9 @@ and a loop over at most `max_tokens` brackets: the size; the structural characte
 escapes are cut out (`"` `,` `[` `]` `{` `}`: an upper bound on values and keys); and the
 nesting depth, counted over the brackets outside strings. A nesting bomb is refused in
 microseconds and never reaches a recursive parser (json's raised RecursionError, a 500);
-what passes is parsed by orjson.
+what passes is parsed by orjson. Numbers as orjson reads them, which RFC 8259 (section 6)
+allows: integers in [-2**63, 2**64 - 1] exactly, beyond that range the nearest float
+(docs/api.md, "Input limits").
 """
 
 from __future__ import annotations

@@ -178,11 +178,40 @@ def test_bounded_json_returns_or_refuses_with_its_code(raw: bytes) -> None:
     assert 400 <= refused.status < 500
 
 
+def _as_parsed(value: Any) -> Any:
+    """`value` as docs/api.md says the relay reads it: an integer beyond [-2**63, 2**64 - 1]
+    as the nearest float (json keeps it exact)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value if -(2**63) <= value < 2**64 else float(value)
+    if isinstance(value, list):
+        return [_as_parsed(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_parsed(v) for k, v in value.items()}
+    return value
+
+
 @budget(150)
 @given(json_values)
 def test_bounded_json_agrees_with_json_within_the_bounds(value: Any) -> None:
     text = json.dumps(value).encode()
-    assert boundedjson.loads(text, 1 << 20) == json.loads(text)
+    assert boundedjson.loads(text, 1 << 20) == _as_parsed(json.loads(text))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (b"-9223372036854775808", -(2**63)),
+        (b"18446744073709551615", 2**64 - 1),
+        (b"-9223372036854775809", float(-(2**63) - 1)),
+        (b"[18446744073709551616]", [float(2**64)]),
+    ],
+)
+def test_bounded_json_reads_integers_exactly_within_64_bits(text: bytes, expected: Any) -> None:
+    parsed = boundedjson.loads(text, 1 << 20)
+    assert parsed == expected
+    assert type(parsed) is type(expected)
 
 
 @budget(150)
