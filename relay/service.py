@@ -213,7 +213,6 @@ class QueueService:
                         if not parked and result.last_seq > 0 and self.on_wait is not None:
                             parked = True
                             self.on_wait(recipient, channel, 1)
-                        route.store.expect_enqueue(route.keys)
                         carried = await self._carried(waiter, result, deadline, read_at, early)
                         if carried is not None:
                             return carried

@@ -523,13 +523,6 @@ class ShardStore:
             self._batcher.submit_to(call, call, durable=True, at_once=True)
         return token
 
-    def expect_enqueue(self, q: K.QueueKeys) -> None:
-        """A long-poll parks on `q`, and an enqueue is what ends its wait: the queue's enqueue
-        parts are made now, not on the wake's path (where they were the first enqueue's miss,
-        ~10 us before its write; docs/design-decisions.md "The wake at nchan parity")."""
-        if q.qid not in self._enqueue_parts:
-            self._encode_enqueue_parts(q)
-
     def _encode_enqueue_parts(self, q: K.QueueKeys) -> tuple[bytes, bytes]:
         """The queue's fixed parts of an enqueue item: its keys (state, the queue's own five,
         index, stats, recipient records: lua/enqueue.lua's order); its qid and wake channel."""
