@@ -159,58 +159,12 @@ async def reconcile(
     if fleet_state.deleting(body):
         return {}
     previous = body.get("status") or {}
-    url: str | None = None
     try:
-        # A bounded number of reconciles talk to the API at once (a fleet applied in one go,
-        # or every shard's resync falling due together, is a burst, not a stampede).
-        async with ctx.reconciling:
-            url = await fleet_state.redis_url(ctx.kube, shard)
-            digest = await relay_secrets_digest(ctx, shard)
-            before, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
-            if members is None or before is None:
-                # No map yet: the founder must be the same whoever asks, so the API's list
-                # decides, not an index that may not hold every shard applied together yet.
-                members = await fleet_state.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
-            owners = fleet_state.specs_of(members)
-            for obj in builders.reconcile_objects(shard, owners, digest, ctx.neighbours):
-                await apply(ctx, obj)
-            await _delete_retired(ctx, shard)
-            spark = ctx.neighbours.spark_for(shard.namespace, shard.fleet)
-            await fleet_state.set_credentials(
-                ctx.kube, shard.namespace, shard.fleet, shard.name, url, owners, spark, ctx.written
-            )
-            public = builders.strip_credentials(url)
-            founder = fleet_state.founder(members)
-
-            def join(m: ShardMap | None) -> ShardMap | None:
-                if m is None and founder not in (None, shard.name):
-                    return None  # the founder creates the map; this shard joins it afterwards
-                return builders.join_shard_map(m, shard.fleet, shard.name, public)
-
-        # Only a shard-map write takes the fleet's lock (slot moves publish under it), and only
-        # when the map must change: held for a whole reconcile, 100 shards' resyncs queued on
-        # it for minutes and a RelayRebalance never found it free (docs/design-decisions.md,
-        # "The fleet lock guards shard-map writes only").
-        after, written = before, False
-        if join(before) != before:
-            async with ctx.locks.fleet(shard.namespace, shard.fleet):
-                before, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
-                after, written = await fleet_state.update_shard_map(
-                    ctx.kube, shard.namespace, shard.fleet, join, owners
-                )
-        if written and after is not None:
-            joined = before is None or shard.name not in before.shards
-            if joined:
-                slots = after.slot_counts().get(shard.name, 0)
-                notify(
-                    body,
-                    "JoinedFleet",
-                    f"joined fleet {shard.fleet} with {slots} slots (epoch {after.epoch})",
-                )
-                if before is not None and shard.auto_rebalance:
-                    await _propose_join_rebalance(ctx, shard, body)
-            else:
-                notify(body, "ShardMapUpdated", f"Redis URL updated in the shard map (epoch {after.epoch})")
+        url, after, founder = await _converge(ctx, shard, body, members)
+        # What _converge read of the fleet (its shards, their specs) went with its frame: a
+        # reconcile waiting here for a slot held all of it, ~40 of them at once at 100 shards,
+        # and that was the operator's memory growing with the square of the fleet
+        # (docs/design-decisions.md, "Operator memory: what a waiting reconcile holds").
         async with ctx.reconciling:
             seen = await _observe(ctx, shard, url, after)
     except (KubeError, fleet_state.FleetError, ShardMapError) as exc:
@@ -238,6 +192,67 @@ async def reconcile(
     metrics.RECONCILES.labels("RelayShard", "ok").inc()
     metrics.RECONCILE_SECONDS.labels("RelayShard").observe(time.monotonic() - started)
     return status
+
+
+async def _converge(
+    ctx: fleet_state.Context,
+    shard: ShardSpec,
+    body: Mapping[str, Any],
+    members: Sequence[Mapping[str, Any]] | None,
+) -> tuple[str, ShardMap | None, str | None]:
+    """The shard's children, the fleet's shared objects, its credentials and its place in the
+    shard map as the spec wants them; returns its Redis URL, the map now and the founder."""
+    # A bounded number of reconciles talk to the API at once (a fleet applied in one go,
+    # or every shard's resync falling due together, is a burst, not a stampede).
+    async with ctx.reconciling:
+        url = await fleet_state.redis_url(ctx.kube, shard)
+        digest = await relay_secrets_digest(ctx, shard)
+        before, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
+        if members is None or before is None:
+            # No map yet: the founder must be the same whoever asks, so the API's list
+            # decides, not an index that may not hold every shard applied together yet.
+            members = await fleet_state.fleet_shards(ctx.kube, shard.namespace, shard.fleet)
+        owners = fleet_state.specs_of(members)
+        for obj in builders.reconcile_objects(shard, owners, digest, ctx.neighbours):
+            await apply(ctx, obj)
+        await _delete_retired(ctx, shard)
+        spark = ctx.neighbours.spark_for(shard.namespace, shard.fleet)
+        await fleet_state.set_credentials(
+            ctx.kube, shard.namespace, shard.fleet, shard.name, url, owners, spark, ctx.written
+        )
+        public = builders.strip_credentials(url)
+        founder = fleet_state.founder(members)
+
+        def join(m: ShardMap | None) -> ShardMap | None:
+            if m is None and founder not in (None, shard.name):
+                return None  # the founder creates the map; this shard joins it afterwards
+            return builders.join_shard_map(m, shard.fleet, shard.name, public)
+
+    # Only a shard-map write takes the fleet's lock (slot moves publish under it), and only
+    # when the map must change: held for a whole reconcile, 100 shards' resyncs queued on
+    # it for minutes and a RelayRebalance never found it free (docs/design-decisions.md,
+    # "The fleet lock guards shard-map writes only").
+    after, written = before, False
+    if join(before) != before:
+        async with ctx.locks.fleet(shard.namespace, shard.fleet):
+            before, _ = await fleet_state.read_shard_map(ctx.kube, shard.namespace, shard.fleet)
+            after, written = await fleet_state.update_shard_map(
+                ctx.kube, shard.namespace, shard.fleet, join, owners
+            )
+    if written and after is not None:
+        joined = before is None or shard.name not in before.shards
+        if joined:
+            slots = after.slot_counts().get(shard.name, 0)
+            notify(
+                body,
+                "JoinedFleet",
+                f"joined fleet {shard.fleet} with {slots} slots (epoch {after.epoch})",
+            )
+            if before is not None and shard.auto_rebalance:
+                await _propose_join_rebalance(ctx, shard, body)
+        else:
+            notify(body, "ShardMapUpdated", f"Redis URL updated in the shard map (epoch {after.epoch})")
+    return url, after, founder
 
 
 def _export_redis(shard: ShardSpec, previous: Mapping[str, Any], status: Obj) -> None:
