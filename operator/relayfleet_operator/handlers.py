@@ -79,8 +79,10 @@ async def probe_kube(memo: kopf.Memo, **_: Any) -> str:
 INDEX = "fleet_members"  # the index's id: kopf hands it to every handler as a keyword
 
 
-def fleet_members(body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
-    """The index of RelayShards by (namespace, fleet), kept from the watch kopf has anyway."""
+async def fleet_members(body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    """The index of RelayShards by (namespace, fleet), kept from the watch kopf has anyway.
+    Async although it awaits nothing: kopf runs a plain function in its thread pool, a thread
+    hop per watch event (and up to 8 more threads, each with its own malloc arena)."""
     key, entry = fleet_state.member_entry(body)
     return {key: entry}
 

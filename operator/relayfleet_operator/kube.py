@@ -92,7 +92,8 @@ class Kube:
                 resource = resource.subresources[subresource]
             # The answer as json.loads gives it: the client's default wraps every answer in
             # ResourceInstance (a ResourceField per mapping) that _dict turned back into dicts,
-            # three copies of each answer at once (docs/design-decisions.md, "Operator memory").
+            # three copies of each answer at once (docs/design-decisions.md, "Operator memory:
+            # what a waiting reconcile holds").
             call = getattr(dyn, verb)
             return _dict(await call(resource, _request_timeout=_TIMEOUT_S, serializer=_as_is, **params))
 
