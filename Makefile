@@ -71,9 +71,9 @@ typecheck: venv-dev
 control-plane:
 	bash hack/control-plane.sh
 
-## didcomm-toolchain: Askar (crates.io source), the Credo-ts agent (npm), ACA-Py (PyPI, Python 3.13),
+## didcomm-toolchain: Askar (the library of PyPI's hash-pinned wheel), the Credo-ts agents (npm), ACA-Py (PyPI, Python 3.13),
 ## each cached under ~/.cache/relayfleet keyed by version; a no-op once built (docs/e2e.md)
-didcomm-toolchain:
+didcomm-toolchain: venv  # its pip fetches the Askar wheel
 	bash hack/didcomm-toolchain.sh all >/dev/null
 
 ## didcomm-e2e: only the DIDComm mediator e2e with the real agents (make test runs it too)

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # Build the real DIDComm agents tests/relay/didcomm/test_didcomm_agents.py talks to.
 #
-# Nothing prebuilt is downloaded: Askar is compiled from its crates.io source,
-# Credo-ts comes from npm (its native FFI modules rebuilt here, the askar
-# binary it would download replaced by ours), ACA-Py from PyPI into its own
-# Python 3.13 venv. Each part is cached under the cache root, keyed by its
-# version (or by the lockfile's hash), and the script is a no-op once they exist.
+# Askar's libaries_askar.so comes out of PyPI's aries-askar wheel (hash-pinned, by
+# `uname -m`: x86_64 or aarch64; no cargo build), Credo-ts from npm (its native FFI
+# modules rebuilt here, the Askar binary its install script would fetch from GitHub
+# replaced by the wheel's), ACA-Py from PyPI into its own Python 3.13 venv. Each part
+# is cached under the cache root (pip's cache in its pip/), keyed by its version (or by
+# the lockfile's hash), and the script is a no-op once they exist.
 #
 # The DIDComm v2 clients (Hyperledger Identus SDK, Veramo's did-comm) are npm trees
 # installed from their lockfiles (e2e/didcomm/identus, e2e/didcomm/veramo), pure
 # JavaScript and WebAssembly, keyed by the lockfile and the node version.
 #
 # Usage: hack/didcomm-toolchain.sh [all | askar | credo | credo-push | acapy | identus | veramo | env | --help]
-#   all    (default) build what is missing (not credo-push), then print the env lines below
-#   credo-push  build the Credo 0.5 push agent and its Askar 0.3.1, then print the env lines
+#   all    (default) build what is missing, then print the env lines below
+#   credo-push  build only the Credo 0.5 push agent and its Askar 0.3.2, then print the env lines
 #   env    print, without building, KEY=VALUE lines for the test:
 #          LIB_ASKAR_PATH (dir of libaries_askar.so), DIDCOMM_CREDO_DIR
 #          (dir with node_modules), DIDCOMM_ACAPY_BIN (the aca-py script),
@@ -32,78 +33,81 @@ set -euo pipefail
 
 # ---- pins ------------------------------------------------------------------
 ASKAR_VERSION="0.4.6"
-ASKAR_FEATURES="ffi,logger,sqlite,migration"
 # The Askar of Credo 0.5's aries-askar-nodejs 0.2.x (the push-notifications agent): it binds
-# 0.3.2's C ABI, a GitHub-only release; 0.3.1 (crates.io, same ABI) is what can be built here.
-ASKAR_LEGACY_VERSION="0.3.1"
-ASKAR_LEGACY_FEATURES="ffi,logger,sqlite"
-# 0.3.1 was published without its Cargo.lock and asks for askar-crypto "0.3": today's 0.3.7
-# does not compile with it, the askar-crypto of its own release does
-ASKAR_LEGACY_PINS="askar-crypto@0.3.1"
+# 0.3.2's C ABI (0.3.1 lacks its askar_key_get_supported_backends; 0.4 crashes it).
+ASKAR_LEGACY_VERSION="0.3.2"
+# sha256 of PyPI's aries-askar wheels (py3-none-manylinux2014_<arch>), by version-arch: each
+# carries the release's libaries_askar.so (0.4.6's exports the C symbols of a cargo build with
+# features ffi,logger,sqlite,migration).
+declare -A ASKAR_WHEEL_SHA256=(
+  [0.4.6-x86_64]=86785548e24765a102f68b7d6655b87ad4c13e903a36ee679ba68617bfcd3cfb
+  [0.4.6-aarch64]=3907aef5aeebf5613e4392612e84bc01d8bde3a4d5eddf5ab047872f35a65517
+  [0.3.2-x86_64]=63f9ab97db4778ced830a6d1135e1f8bd1ca564de27218bd114f1cffbd31b04c
+  [0.3.2-aarch64]=176eebcf833bb9974a162fd931c8d67669e4f0145b351ce9cb1289fd2d5a345c
+)
 # acapy-agent 1.7 needs Python >= 3.13.
 ACAPY_VERSION="1.7.0"
 
-usage() { sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 # shellcheck source=hack/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 rf_init didcomm-toolchain
 
 askar_dir="${cache_root}/askar-${ASKAR_VERSION}"
-askar_lib="${askar_dir}/lib/libaries_askar.so"
 askar_legacy_dir="${cache_root}/askar-${ASKAR_LEGACY_VERSION}"
 
 build_askar() {
-  build_askar_version "${ASKAR_VERSION}" "${ASKAR_FEATURES}" ""
+  install_askar_version "${ASKAR_VERSION}"
 }
 
 build_askar_legacy() {
-  build_askar_version "${ASKAR_LEGACY_VERSION}" "${ASKAR_LEGACY_FEATURES}" "${ASKAR_LEGACY_PINS}"
+  install_askar_version "${ASKAR_LEGACY_VERSION}"
 }
 
-build_askar_version() { # version features "crate@version ..." (pins for a crate published without Cargo.lock)
-  local ASKAR_VERSION="$1" ASKAR_FEATURES="$2" pins="$3"
-  local askar_dir="${cache_root}/askar-${ASKAR_VERSION}"
-  local askar_lib="${askar_dir}/lib/libaries_askar.so"
-  if [[ -f "${askar_lib}" ]]; then return 0; fi
+# A Python with pip for the wheel download: the project venv's (make builds it before this
+# script), else python3 on PATH.
+askar_python() {
+  local c
+  for c in "${repo_root}/.venv/bin/python" "$(command -v python3 || true)"; do
+    [[ -n "${c}" && -x "${c}" ]] || continue
+    if "${c}" -m pip --version >/dev/null 2>&1; then
+      echo "${c}"
+      return 0
+    fi
+  done
+  return 1
+}
+
+install_askar_version() { # version: libaries_askar.so from PyPI's hash-pinned aries-askar wheel
+  local version="$1"
+  local dir="${cache_root}/askar-${version}"
+  local lib="${dir}/lib/libaries_askar.so"
+  if [[ -f "${lib}" ]]; then return 0; fi
   rf_lock .didcomm.lock
-  if [[ -f "${askar_lib}" ]]; then return 0; fi  # built by another run meanwhile
-  command -v cargo >/dev/null || die "cargo is needed to build aries-askar ${ASKAR_VERSION}"
-  log "building aries-askar ${ASKAR_VERSION} (features ${ASKAR_FEATURES}); ~8 min cold"
-  local work="${askar_dir}/work"
-  rm -rf "${work}" && mkdir -p "${work}/fetch/src"
-  # cargo fetch of a one-line dependent puts the crate's published source
-  # (with its Cargo.lock) into cargo's registry cache; we then build that source
-  # itself, since only the crate's own build emits its cdylib.
-  cat >"${work}/fetch/Cargo.toml" <<TOML
-[package]
-name = "askar-fetch"
-version = "0.0.0"
-edition = "2021"
-[dependencies]
-aries-askar = { version = "=${ASKAR_VERSION}", default-features = false }
-TOML
-  : >"${work}/fetch/src/lib.rs"
-  (cd "${work}/fetch" && cargo fetch -q)
-  local src
-  local candidates=("${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/aries-askar-"${ASKAR_VERSION}")
-  src="${candidates[0]}"
-  [[ -d "${src}" ]] || die "aries-askar ${ASKAR_VERSION} source not found after cargo fetch"
-  cp -r "${src}" "${work}/src"
-  local t0=${SECONDS} pin
-  # a crate published without its Cargo.lock (0.3.1): resolved today, then the pins applied
-  if [[ ! -f "${work}/src/Cargo.lock" ]]; then
-    (cd "${work}/src" && cargo generate-lockfile -q)
-    for pin in ${pins}; do
-      (cd "${work}/src" && cargo update -q -p "${pin%@*}" --precise "${pin#*@}")
-    done
-  fi
-  (cd "${work}/src" && CARGO_TARGET_DIR="${work}/target" rf_nice \
-    cargo build -q --release --locked --lib --no-default-features --features "${ASKAR_FEATURES}")
-  mkdir -p "${askar_dir}/lib"
-  cp "${work}/target/release/libaries_askar.so" "${askar_lib}.tmp"
-  mv "${askar_lib}.tmp" "${askar_lib}"
+  if [[ -f "${lib}" ]]; then return 0; fi  # installed by another run meanwhile
+  local arch hashes py
+  arch="$(uname -m)"
+  hashes="${ASKAR_WHEEL_SHA256["${version}-${arch}"]:-}"
+  [[ -n "${hashes}" ]] || die "no pinned aries-askar ${version} wheel for ${arch}"
+  py="$(askar_python)" || die "a Python with pip is needed for the aries-askar wheel (make venv)"
+  log "aries-askar ${version}: libaries_askar.so from PyPI's manylinux2014_${arch} wheel"
+  local t0=${SECONDS} work="${dir}/work"
+  rm -rf "${work}" && mkdir -p "${work}/wheel"
+  printf 'aries-askar==%s --hash=sha256:%s\n' "${version}" "${hashes}" >"${work}/requirements.txt"
+  # the wheel is py3-none (the library is loaded through ctypes): any Python version tag fits
+  PIP_CACHE_DIR="${cache_root}/pip" "${py}" -m pip download -q --disable-pip-version-check \
+    --no-deps --only-binary=:all: --require-hashes --platform "manylinux2014_${arch}" \
+    --python-version 3.11 -d "${work}/wheel" -r "${work}/requirements.txt" >&2
+  mkdir -p "${dir}/lib"
+  "${py}" - "${work}/wheel" "${lib}.tmp" <<'PY'
+import pathlib, shutil, sys, zipfile
+(wheel,) = pathlib.Path(sys.argv[1]).glob("aries_askar-*.whl")
+with zipfile.ZipFile(wheel) as z, z.open("aries_askar/libaries_askar.so") as src, open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)
+PY
+  mv "${lib}.tmp" "${lib}"
   rm -rf "${work}"
-  log "aries-askar ${ASKAR_VERSION} built in $((SECONDS - t0)) s: ${askar_lib}"
+  log "aries-askar ${version} ready in $((SECONDS - t0)) s: ${lib}"
 }
 
 acapy_dir="${cache_root}/acapy-${ACAPY_VERSION}"
@@ -230,6 +234,8 @@ case "${cmd}" in
   env) print_env ;;
   all)
     build_credo
+    build_credo_push
+    build_askar_legacy
     build_npm_tree identus "${identus_dir}"
     build_npm_tree veramo "${veramo_dir}"
     build_acapy

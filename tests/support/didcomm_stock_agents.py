@@ -67,8 +67,8 @@ _BUILT: dict[str, Toolchain | AgentError] = {}
 
 
 def toolchain(part: str = "all") -> Toolchain:
-    """Build what is missing (minutes, once) and return where it is. `part` "credo-push": the
-    Credo 0.5 push agent and its Askar 0.3.1 (built apart: only its test needs them)."""
+    """Build what is missing (minutes, once) and return where it is. `part` "credo-push": only
+    the Credo 0.5 push agent and its Askar 0.3.2 ("all" builds them too)."""
     if part not in _BUILT:
         done = subprocess.run(
             ["bash", str(TOOLCHAIN_SCRIPT), part], capture_output=True, text=True, check=False, cwd=REPO_ROOT
@@ -95,15 +95,12 @@ def toolchain(part: str = "all") -> Toolchain:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Build the toolchain before any test runs if a selected test needs it, so a cold build
-    (Askar alone takes ~8 min) does not count against a test's timeout."""
+    (the npm trees and ACA-Py take minutes) does not count against a test's timeout."""
     if session.config.option.collectonly:
         return
     if any(item.get_closest_marker("didcomm_agents") for item in session.items):
         with contextlib.suppress(AgentError):
             toolchain()
-    if any(item.get_closest_marker("credo_push") for item in session.items):
-        with contextlib.suppress(AgentError):
-            toolchain("credo-push")
 
 
 def tail(path: Path, limit: int = 12000) -> str:
