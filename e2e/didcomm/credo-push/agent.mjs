@@ -82,10 +82,12 @@ function answerTo(id, ms = 20000) {
     })
   })
 }
-// The module's API sends and returns nothing: the id of what it sent is read from the outbound event.
+// The module's API sends and returns nothing: the id of what it sent is read from the outbound
+// event, the module's own messages only (Credo sends its DID Exchange complete meanwhile).
 let lastSent = null
 agent.events.on('AgentMessageSent', ({ payload }) => {
-  lastSent = payload.message.message.id
+  const sent = payload.message.message
+  if (sent.type.includes('/push-notifications-')) lastSent = sent.id
 })
 
 async function step(name, send) {

@@ -1,7 +1,8 @@
 """Device push with stock agents: forwards from ACA-Py 1.7.0 to a wallet that is not picking
 up make one notification at the webhook and at each local provider (FCM, APNs; the real ones
-are out of reach here, tests/support/push_providers.py), with no payload. (The stock client
-`@credo-ts/push-notifications` 0.7.1 cannot run here: docs/protocols.md, "Device push".)
+are out of reach here, tests/support/push_providers.py), with no payload; the device info set
+and read by the stock client `@credo-ts/push-notifications` 0.7.1 (on Credo 0.5, Askar 0.3.2)
+and in envelopes Askar packs (docs/protocols.md, "Device push").
 
 The wallet whose queue fills is the PyNaCl test agent (connected, mediated, its devices set,
 never picking up). ACA-Py is handed five OOB invitations naming the wallet's key behind
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -21,11 +23,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from relayfleet_testing.localredis import LocalRedis
+from relayfleet_testing.localredis import LocalRedis, free_port
 
 from relay.devicepush.wiring import DEVICE_NOTIFIER
 from relay.didcomm import keys as dk
-from tests.support.didcomm_stock_agents import AcaPy, Toolchain, toolchain
+from tests.support.didcomm_stock_agents import AcaPy, Toolchain, tail, toolchain
+from tests.support.fleet_harness import spawn_relay, stop_relays, wait_ready
 from tests.support.in_process_relay import RelayFactory
 from tests.support.push_world import APNS_TOKEN, FCM_TOKEN, OpenPushWorld, phone
 from tests.support.waiting import until
@@ -188,3 +191,77 @@ async def test_askar_packed_set_get_round_trip(
     assert ack3["@type"] == ack
     assert after["description"]["code"] == "not-registered-for-push-notifications"
     print(f"askar round trip: {[s for s, _, _ in steps]}")
+
+
+CREDO_PUSH = Path(__file__).resolve().parents[3] / "e2e" / "didcomm" / "credo-push"
+
+
+@pytest.mark.credo_push
+async def test_stock_credo_push_notifications_client_round_trip(
+    tools: Toolchain, redis_server: LocalRedis, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """The stock client, @credo-ts/push-notifications 0.7.1 on Credo 0.5.13 with Askar 0.3.2
+    (e2e/didcomm/credo-push/agent.mjs, hack/didcomm-toolchain.sh credo-push): it connects to
+    the mediator through its invitation and sets and reads its device info through the
+    module's own API."""
+    assert tools.credo_push_dir is not None
+    seed_file = tmp_path / "didcomm-seed"
+    seed_file.write_text(os.urandom(32).hex())
+    port = free_port()
+    env = {"RELAY_DIDCOMM_SEED_FILE": str(seed_file), "RELAY_PUBLIC_URL": f"http://127.0.0.1:{port}"}
+    relay = spawn_relay(["--redis-url", redis_server.url], tmp_path, env, port)
+    run_dir = tmp_path / "credo-push"
+    run_dir.mkdir()
+    for name in ("agent.mjs", "package.json"):
+        shutil.copy(CREDO_PUSH / name, run_dir / name)
+    (run_dir / "node_modules").symlink_to(tools.credo_push_dir / "node_modules")
+    log_path = tmp_path / "credo-push.log"
+    try:
+        await asyncio.to_thread(wait_ready, relay)
+        async with http.get(relay.url + "/v1/didcomm/invitation") as resp:
+            url = (await resp.json())["invitation_url"]
+        argv = ["node", str(run_dir / "agent.mjs"), "--data", str(tmp_path), "--url", url]
+        argv += ["--fcm-token", FCM_TOKEN, "--apns-token", APNS_TOKEN, "--log-level", "debug"]
+        with log_path.open("wb") as log:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log,
+                env={**os.environ, "LIB_ARIES_ASKAR_PATH": tools.askar_legacy_lib_dir},
+            )
+            out, _ = await asyncio.wait_for(proc.communicate(), 120)
+        lines = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+        assert (proc.returncode, lines[-1:]) == (0, [{"done": True}]), (lines, tail(log_path))
+    finally:
+        stop_relays([relay])
+    steps = {line["step"]: line for line in lines[:-1]}
+    assert list(steps) == [
+        "connected",
+        "fcm-get-before",
+        "fcm-set",
+        "fcm-get",
+        "apns-set",
+        "apns-get",
+        "fcm-unset",
+        "fcm-get-after",
+    ]
+    fcm = "https://didcomm.org/push-notifications-fcm/1.0/"
+    apns = "https://didcomm.org/push-notifications-apns/1.0/"
+    ack = "https://didcomm.org/notification/1.0/ack"
+    for name, line in steps.items():
+        if name != "connected":  # each answer is in the thread of what the module sent
+            assert line["body"]["~thread"]["thid"] == line["sent"], line
+    before, after = steps["fcm-get-before"]["body"], steps["fcm-get-after"]["body"]
+    for report in (before, after):
+        assert report["@type"] == fcm + "problem-report"
+        assert report["description"]["code"] == "not-registered-for-push-notifications"
+    for name in ("fcm-set", "apns-set", "fcm-unset"):
+        assert (steps[name]["type"], steps[name]["body"]["status"]) == (ack, "OK")
+    info = steps["fcm-get"]["body"]
+    assert (info["@type"], info["device_token"], info["device_platform"]) == (
+        fcm + "device-info",
+        FCM_TOKEN,
+        "android",
+    )
+    ainfo = steps["apns-get"]["body"]
+    assert (ainfo["@type"], ainfo["device_token"]) == (apns + "device-info", APNS_TOKEN)
