@@ -8,6 +8,7 @@ never needs it.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -102,6 +103,9 @@ class LocalRedis:
             self.port = free_port()
         if not self.dir:
             self.dir = tempfile.mkdtemp(prefix=f"relayfleet-redis-{self.port}-")
+            # kept across stop() for restart() and a failed test's redis.log; removed when the
+            # process that made it exits (each run left hundreds of these, some GiB of AOF)
+            atexit.register(shutil.rmtree, self.dir, True)
         os.makedirs(self.dir, exist_ok=True)
         self.binary = self.binary or redis_server_binary()
         args = [
