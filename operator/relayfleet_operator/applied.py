@@ -36,9 +36,14 @@ def digest(content: Any) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
+def key(api_version: str, kind: str, namespace: str | None, name: str) -> tuple[str, str, str | None, str]:
+    """The entry key of one object: the one spelling `object_key` and the reads share."""
+    return api_version, kind, namespace, name
+
+
 def object_key(obj: Mapping[str, Any]) -> tuple[str, str, str | None, str]:
     meta = obj.get("metadata") or {}
-    return str(obj["apiVersion"]), str(obj["kind"]), meta.get("namespace"), str(meta["name"])
+    return key(str(obj["apiVersion"]), str(obj["kind"]), meta.get("namespace"), str(meta["name"]))
 
 
 @dataclass(frozen=True)

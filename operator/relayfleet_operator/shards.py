@@ -65,14 +65,14 @@ async def _observe(
     relay, redis = builders.relay_name(shard.name), builders.redis_name(shard.name)
     dep = await kube.get("apps/v1", "Deployment", shard.namespace, relay)
     # a spec moved since our write (its generation) or a child gone: written again next time
-    ctx.written.observed(("apps/v1", "Deployment", shard.namespace, relay), dep)
+    ctx.written.observed(applied.key("apps/v1", "Deployment", shard.namespace, relay), dep)
     sts = None
     reachable = None
     replication = None
     storage = None
     if isinstance(shard.redis, ManagedRedis):
         sts = await kube.get("apps/v1", "StatefulSet", shard.namespace, redis)
-        ctx.written.observed(("apps/v1", "StatefulSet", shard.namespace, redis), sts)
+        ctx.written.observed(applied.key("apps/v1", "StatefulSet", shard.namespace, redis), sts)
         if url is not None and sts is not None:
             replication = await probe_replication(url, now_rfc3339())
         if not ((sts or {}).get("status") or {}).get("readyReplicas"):
@@ -126,13 +126,13 @@ async def _delete_retired(ctx: fleet_state.Context, shard: ShardSpec) -> None:
     the group exists); once seen gone, a group is looked for again only when due."""
     for group in builders.retired_children(shard):
         api_version, kind, name = group[0]
-        key = (api_version, kind, shard.namespace, name)
+        key = applied.key(api_version, kind, shard.namespace, name)
         if ctx.written.fresh(key, applied.ABSENT):
             continue
         if await ctx.kube.get(api_version, kind, shard.namespace, name) is not None:
             for member in group:
                 await ctx.kube.delete(member[0], member[1], shard.namespace, member[2])
-                ctx.written.forget((member[0], member[1], shard.namespace, member[2]))
+                ctx.written.forget(applied.key(member[0], member[1], shard.namespace, member[2]))
         ctx.written.record(key, applied.ABSENT)
 
 
