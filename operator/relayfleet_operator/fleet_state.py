@@ -22,7 +22,6 @@ from relay.fleet.contract import MapChange, MapWriteConflict, Move, Obj
 from relay.fleet.sharding import ShardMap
 from relayfleet_operator import builders, metrics, shard_redis
 from relayfleet_operator.applied import Written, digest
-from relayfleet_operator.config import OperatorSettings
 from relayfleet_operator.kube import Conflict, Kube, KubeError
 from relayfleet_operator.spec import (
     API_VERSION,
@@ -78,7 +77,9 @@ class Context:
     moving: dict[tuple[str, str], str] = field(default_factory=dict)
     # What was last written to each child and shared object (applied.py): an unchanged
     # resync writes nothing until an entry falls due (OperatorSettings.reapply_seconds).
-    written: Written = field(default_factory=lambda: Written(OperatorSettings().reapply_seconds))
+    # The handlers pass one built from OperatorSettings.reapply_seconds; the default (period 0:
+    # every write due) keeps a bare Context, as tests build it, from reading the environment.
+    written: Written = field(default_factory=lambda: Written(0.0))
 
 
 # --- reading ----------------------------------------------------------------------------------
