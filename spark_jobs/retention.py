@@ -99,13 +99,6 @@ def sweep_task(task: SlotTask, policy: RetentionPolicy, at_ms: int) -> dict[str,
     }
 
 
-def sweep_sequential(
-    tasks: Sequence[SlotTask], policies: Mapping[str, RetentionPolicy], at_ms: int
-) -> list[dict[str, Any]]:
-    """The same sweep in one thread, task after task (the benchmark's baseline)."""
-    return [sweep_task(t, policies[t.shard], at_ms) for t in tasks]
-
-
 def run_sweep(
     spark: SparkSession,
     tasks: Sequence[SlotTask],
