@@ -14,7 +14,6 @@ import ctypes.util
 import os
 import resource
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -37,13 +36,6 @@ def _set_pdeathsig() -> None:
     libc_name = ctypes.util.find_library("c")
     if libc_name:
         ctypes.CDLL(libc_name, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def raise_nofile_limit() -> int:

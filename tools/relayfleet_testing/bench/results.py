@@ -21,7 +21,7 @@ def counts(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of counts: {text!r}") from None
+        values = []
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"not a comma-separated list of counts: {text!r}")
     return values
@@ -37,7 +37,7 @@ def size_label(size: int) -> str:
 class Row:
     """One measurement: a scenario run against one target with fixed parameters."""
 
-    scenario: str  # calibration | limit | enqueue | read_ack | longpoll | live | fanout
+    scenario: str  # calibration | head_to_head | wake | read_ack | fanout
     target: str
     params: dict[str, int | str]
     values: dict[str, float]
@@ -56,29 +56,8 @@ class Results:
     rows: list[Row] = field(default_factory=list)
     skips: list[Skip] = field(default_factory=list)
 
-    def add(self, row: Row) -> Row:
-        self.rows.append(row)
-        return row
-
-    def skip(self, scenario: str, target: str, reason: str) -> None:
-        self.skips.append(Skip(scenario, target, reason))
-
-    def find(self, scenario: str, target: str, **params: int | str) -> Row | None:
-        for row in self.rows:
-            same = row.scenario == scenario and row.target == target
-            if same and all(row.params.get(k) == v for k, v in params.items()):
-                return row
-        return None
-
-    def value(self, scenario: str, target: str, key: str, **params: int | str) -> float | None:
-        row = self.find(scenario, target, **params)
-        if row is None or key not in row.values:
-            return None
-        v = row.values[key]
-        return None if math.isnan(v) else v
-
-    def select(self, scenario: str) -> list[Row]:
-        return [r for r in self.rows if r.scenario == scenario]
+    def select(self, scenario: str, target: str | None = None) -> list[Row]:
+        return [r for r in self.rows if r.scenario == scenario and target in (None, r.target)]
 
     def to_json(self) -> dict[str, Any]:
         return {"rows": [asdict(r) for r in self.rows], "skips": [asdict(s) for s in self.skips]}

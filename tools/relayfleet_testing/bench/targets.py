@@ -1,13 +1,12 @@
 """The systems under test: how each is started, stopped, and addressed.
 
-Every HTTP target is described by a :class:`Target`, so a scenario is written once
-and runs against the relay, the aiohttp ceiling and nginx + nchan alike.
+Every HTTP target is described by a :class:`Target`, so a scenario is written once and runs
+against the relay (this checkout's or --baseline's) and nginx + nchan alike.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import re
 import resource
@@ -26,15 +25,14 @@ from relayfleet_testing.bench.procs import (
     Child,
     Procs,
     child_pids,
-    free_port,
     rss_kib,
     wait_port,
 )
+from relayfleet_testing.localredis import free_port, redis_server_binary
 
 from relay.retrying import READY_POLL, retrying
 from relay.storage.keys import b64
 
-REDIS_SERVER = "/usr/bin/redis-server"
 NGINX = "/usr/sbin/nginx"
 NCHAN_MODULE = "/usr/lib/nginx/modules/ngx_nchan_module.so"
 REPO = Path(__file__).resolve().parents[3]
@@ -43,60 +41,45 @@ REPO = Path(__file__).resolve().parents[3]
 # the variable points at it from anywhere else (e.g. an installed relayfleet-testing).
 NCHAN_CONF_ENV = "RELAYFLEET_BENCH_NCHAN_CONF"
 SHARED_NCHAN_CONF = REPO.parent / "shared" / "peers" / "nchan.conf"
-# The interpreter the relay processes run under; by default the one running the bench.
-RELAY_PYTHON_ENV = "RELAYFLEET_BENCH_PYTHON"
 # for the bench commands' --help (every variable documented)
 ENV_HELP = f"""environment:
   {NCHAN_CONF_ENV}  the nchan peer config to render [default {SHARED_NCHAN_CONF}]
-  {RELAY_PYTHON_ENV}  the Python the relay processes run under [default this interpreter]
   {GROUP_NICE_ENV}  the scheduling-group nice of every process the bench starts, 0 = unchanged
     [default {DEFAULT_GROUP_NICE}]"""
 
 
 @dataclass
 class Target:
-    """One HTTP system under test, on one port per server process."""
+    """One HTTP server under test: the relay (one process) or nginx + nchan (one worker)."""
 
-    name: str  # short id used in tables, e.g. "relay-1p"
-    kind: str  # relay | aiohttp | nchan-mem | nchan-redis
-    ports: list[int]
+    name: str  # the id in tables: relay-1p, baseline-1p, nchan-redis
+    kind: str  # relay | nchan
+    port: int
     children: list[Child] = field(default_factory=list)
     # nginx serves from worker processes; their pids are looked up when RSS is wanted
     master_pid: int = 0
 
     @property
-    def host(self) -> str:
-        return "127.0.0.1"
-
-    def urls(self) -> list[str]:
-        return [f"http://127.0.0.1:{p}" for p in self.ports]
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def enqueue_path(self, recipient: bytes) -> str:
-        if self.kind == "nchan-mem":
-            return f"/pub/{recipient.hex()}"
-        if self.kind == "nchan-redis":
-            return f"/rpub/{recipient.hex()}"
-        return f"/v1/queues/{b64(recipient)}/messages"
+        return f"/rpub/{recipient.hex()}" if self.kind == "nchan" else f"/v1/queues/{b64(recipient)}/messages"
 
     def poll_path(self, recipient: bytes, wait_s: int) -> str:
-        if self.kind == "nchan-redis":
-            return f"/rsub/{recipient.hex()}"
-        return f"/v1/queues/{b64(recipient)}/messages?wait={wait_s}"
+        return (
+            f"/rsub/{recipient.hex()}"
+            if self.kind == "nchan"
+            else f"/v1/queues/{b64(recipient)}/messages?wait={wait_s}"
+        )
 
-    def live_path(self, recipient: bytes) -> str | None:
-        if self.kind == "relay":
-            return f"/v1/queues/{b64(recipient)}/live"
-        if self.kind == "nchan-redis":
-            return f"/rws/{recipient.hex()}"  # added when rendering the shared config
-        return None
-
-    def server_pids(self) -> list[int]:
-        if self.master_pid:
-            return child_pids(self.master_pid)
-        return [c.pid for c in self.children]
+    def live_path(self, recipient: bytes) -> str:
+        # nchan's /rws/ is added when rendering the shared config
+        return f"/rws/{recipient.hex()}" if self.kind == "nchan" else f"/v1/queues/{b64(recipient)}/live"
 
     def rss_kib(self) -> int:
-        return sum(rss_kib(p) for p in self.server_pids())
+        pids = child_pids(self.master_pid) if self.master_pid else [c.pid for c in self.children]
+        return sum(rss_kib(p) for p in pids)
 
     def cpu_seconds(self) -> float:
         """CPU of every server process (nginx: master and workers) so far."""
@@ -112,7 +95,6 @@ class Target:
 class RedisServer:
     port: int
     child: Child
-    aof: bool = False
 
     @property
     def url(self) -> str:
@@ -125,17 +107,15 @@ class RedisServer:
     async def flushall(self) -> None:
         """Empty Redis between runs, and leave nothing of the last run running or pending.
 
-        With AOF, the file is also rewritten (now nearly empty), so every run starts from
-        the same AOF size and an automatic rewrite during a run is caused by that run's
-        writes alone; the rewrite's fork is waited for, so its CPU stays out of the next
-        run's window.
+        The AOF is also rewritten (now nearly empty), so every run starts from the same AOF size
+        and an automatic rewrite during a run is caused by that run's writes alone; the
+        rewrite's fork is waited for, so its CPU stays out of the next run's window.
         """
         client = aioredis.Redis(port=self.port)
         try:
             await _settle(client)
             await client.flushall()
-            if self.aof:
-                await _rewrite_aof(client)
+            await _rewrite_aof(client)
         finally:
             await client.aclose()
 
@@ -153,28 +133,22 @@ class CpuMeter:
 
     The window opens once Redis has no fork running or scheduled; the server's reading
     closes at ``close``, Redis's after any fork the window started has finished, so an AOF
-    rewrite the run caused is counted and one before it is not. Without Redis its figure
-    is NaN.
+    rewrite the run caused is counted and one before it is not.
     """
 
-    def __init__(self, target: Target, redis: RedisServer | None, server0: float, redis0: float) -> None:
+    def __init__(self, target: Target, redis: RedisServer) -> None:
         self.target, self.redis = target, redis
-        self._server0, self._redis0 = server0, redis0
+        self._server0, self._redis0 = target.cpu_seconds(), redis.cpu_seconds()
 
     @classmethod
-    async def open(cls, target: Target, redis: RedisServer | None) -> CpuMeter:
-        if redis is None:
-            return cls(target, None, target.cpu_seconds(), 0.0)
+    async def open(cls, target: Target, redis: RedisServer) -> CpuMeter:
         await redis.settle()
-        return cls(target, redis, target.cpu_seconds(), redis.cpu_seconds())
+        return cls(target, redis)
 
     async def close(self, messages: int) -> CpuWindow:
         server_s = self.target.cpu_seconds() - self._server0
-        redis_s = math.nan
-        if self.redis is not None:
-            await self.redis.settle()
-            redis_s = self.redis.cpu_seconds() - self._redis0
-        return CpuWindow(server_s, redis_s, messages)
+        await self.redis.settle()
+        return CpuWindow(server_s, self.redis.cpu_seconds() - self._redis0, messages)
 
 
 async def _rewrite_aof(client: aioredis.Redis) -> None:
@@ -205,17 +179,17 @@ async def _settle(client: aioredis.Redis, within: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def start_redis(procs: Procs, aof: bool) -> RedisServer:
+async def start_redis(procs: Procs) -> RedisServer:
     port = free_port()
     data = procs.workdir / f"redis-{port}"
     data.mkdir()
-    argv = [REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data)]
+    argv = [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data)]
     argv += ["--save", "", "--maxmemory-policy", "noeviction", "--daemonize", "no"]
     # as production shards run (docs/operator.md): AOF, fsync every second
-    argv += ["--appendonly", "yes" if aof else "no", "--appendfsync", "everysec"]
+    argv += ["--appendonly", "yes", "--appendfsync", "everysec"]
     child = procs.start("redis-server", argv)
     await wait_port(port, child)
-    return RedisServer(port, child, aof)
+    return RedisServer(port, child)
 
 
 async def wait_http(
@@ -246,26 +220,6 @@ async def wait_http(
 
 class _NotReady(Exception):
     """A server that answered, but not 2xx yet."""
-
-
-async def start_ceiling(procs: Procs, processes: int) -> Target:
-    target = Target(f"aiohttp-{processes}p", "aiohttp", [])
-    for _ in range(processes):
-        port = free_port()
-        child = procs.start(
-            "aiohttp-ceiling", [sys.executable, "-m", "relayfleet_testing.bench.ceiling", "--port", str(port)]
-        )
-        target.ports.append(port)
-        target.children.append(child)
-    for port, child in zip(target.ports, target.children, strict=True):
-        await wait_http(port, "/readyz", child)
-    return target
-
-
-def relay_python() -> str:
-    """$RELAYFLEET_BENCH_PYTHON, else the interpreter running the bench (its environment holds
-    the relay: relayfleet-testing depends on relayfleet)."""
-    return os.environ.get(RELAY_PYTHON_ENV) or sys.executable
 
 
 def nchan_conf() -> Path:
@@ -309,23 +263,16 @@ def tree_env(tree: Path) -> dict[str, str]:
     return {**BENCH_RELAY_ENV, "PYTHONPATH": os.pathsep.join([str(tree), str(operator)])}
 
 
-async def start_relay(
-    procs: Procs, redis_url: str, processes: int, tree: Path = REPO, name: str = "relay"
-) -> Target:
-    """``processes`` relay processes run from ``tree``: ``python -m`` puts the working directory
-    first on sys.path, so the tree's own relay package is the one imported (the interpreter and
-    its installed dependencies are the same for every tree)."""
-    target = Target(f"{name}-{processes}p", "relay", [])
-    for _ in range(processes):
-        port = free_port()
-        argv = [relay_python(), "-m", "relay", "--host", "127.0.0.1", "--port", str(port)]
-        argv += ["--redis-url", redis_url, "--auth", "none"]
-        child = procs.start(name, argv, env=tree_env(tree), cwd=tree)
-        target.ports.append(port)
-        target.children.append(child)
-    for port, child in zip(target.ports, target.children, strict=True):
-        await wait_http(port, "/readyz", child)
-    return target
+async def start_relay(procs: Procs, redis_url: str, tree: Path = REPO, name: str = "relay") -> Target:
+    """A relay process run from ``tree``: ``python -m`` puts the working directory first on
+    sys.path, so the tree's own relay package is the one imported (the interpreter and its
+    installed dependencies are the same for every tree)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--redis-url", redis_url, "--auth", "none"]
+    child = procs.start(name, argv, env=tree_env(tree), cwd=tree)
+    await wait_http(port, "/readyz", child)
+    return Target(f"{name}-1p", "relay", port, [child])
 
 
 def render_nchan_conf(
@@ -395,17 +342,14 @@ def _nginx_prefix(workdir: Path, port: int, redis_url: str, connections: int, sh
     return conf
 
 
-async def start_nchan(procs: Procs, redis_url: str, shm_mib: int = 4096) -> tuple[Target, Target]:
-    """One nginx (one worker, as the shared config says) serving both nchan storages."""
+async def start_nchan(procs: Procs, redis_url: str, shm_mib: int = 4096) -> Target:
+    """One nginx (one worker, as the shared config says) with nchan's Redis storage."""
     # nginx cannot raise its own fd limit here (no CAP_SYS_RESOURCE): stay under ours
     connections = max(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 512)
     port = free_port()
     conf = _nginx_prefix(procs.workdir, port, redis_url, connections, shm_mib)
-    prefix = conf.parent
-    child = procs.start("nginx", [NGINX, "-c", str(conf), "-p", str(prefix), "-g", "daemon off;"])
+    child = procs.start("nginx", [NGINX, "-c", str(conf), "-p", str(conf.parent), "-g", "daemon off;"])
     await wait_http(port, "/bench/static", child)
     # nchan connects to Redis after it starts listening: wait until a Redis-backed publish works
     await wait_http(port, "/rpub/benchready", child, 20.0, "POST", b"ready")
-    mem = Target("nchan-mem", "nchan-mem", [port], [child], master_pid=child.pid)
-    red = Target("nchan-redis", "nchan-redis", [port], [child], master_pid=child.pid)
-    return mem, red
+    return Target("nchan-redis", "nchan", port, [child], master_pid=child.pid)

@@ -28,19 +28,18 @@ import asyncio
 import contextlib
 import re
 import time
-from collections.abc import Callable
 
 import orjson
 from relayfleet_testing.bench.loadgen import Conn, HttpError, Response, build_request, gather_bounded
 from relayfleet_testing.bench.procs import BenchError
 from relayfleet_testing.bench.results import Row, percentile
+from relayfleet_testing.bench.scenarios import OCTET, filler, recipient
 from relayfleet_testing.bench.targets import CpuMeter, RedisServer, Target
 from relayfleet_testing.bench.wsclient import WsConn
 
 MODES = ("longpoll", "websocket")
 WAIT_S = 60  # the relay's longest long-poll (docs/api.md); an expired one polls again
 PROBE_TIMEOUT_S = 10.0
-OCTET = (("Content-Type", "application/octet-stream"),)
 
 
 class _Waiter:
@@ -135,15 +134,11 @@ class LiveWaiter(_Waiter):
 
 
 async def open_waiter(target: Target, mode: str, recipient: bytes) -> _Waiter:
-    host, port = target.host, target.ports[0]
     waiter: _Waiter
     if mode == "longpoll":
-        waiter = PollWaiter(target, await Conn.open(host, port), recipient)
+        waiter = PollWaiter(target, await Conn.open("127.0.0.1", target.port), recipient)
     else:
-        path = target.live_path(recipient)
-        if path is None:
-            raise BenchError(f"{target.name} has no WebSocket subscriber")
-        conn = await WsConn.open(host, port, path)
+        conn = await WsConn.open("127.0.0.1", target.port, target.live_path(recipient))
         if target.kind == "relay":  # the backlog (none) then "empty": its waiter is registered
             first = orjson.loads((await asyncio.wait_for(conn.next_message(), PROBE_TIMEOUT_S)).data)
             if first.get("type") != "empty":
@@ -185,7 +180,7 @@ async def wait_registered(target: Target, mode: str, n: int, within: float = 300
     """Until the server reports ``n`` waiters, then until its processes are quiet (their CPU
     grew by under 10 ms in 250 ms), at most QUIET_MAX_S: every waiter's registration and
     first read are done."""
-    conn = await Conn.open(target.host, target.ports[0])
+    conn = await Conn.open("127.0.0.1", target.port)
     deadline = time.monotonic() + within
     try:
         while (seen := await waiting(target, mode, conn)) < n:
@@ -210,10 +205,11 @@ async def wait_registered(target: Target, mode: str, n: int, within: float = 300
 # -- the run --------------------------------------------------------------------------------
 
 
-async def probe(target: Target, writer: Conn, waiter: _Waiter, body: bytes) -> tuple[float, float]:
-    """One enqueue to a parked waiter: (sent → woken, enqueue answered → woken) in ms, the
-    second 0 when the waiter was answered first."""
-    raw = build_request("POST", target.enqueue_path(waiter.recipient), writer.host, body, OCTET)
+async def probe(target: Target, writer: Conn, waiter: _Waiter, body: bytes) -> float:
+    """One enqueue to a parked waiter: ms from sending it to the waiter woken."""
+    raw = build_request(
+        "POST", target.enqueue_path(waiter.recipient), writer.host, body, tuple(OCTET.items())
+    )
     woken = waiter.expect()
     sent = time.perf_counter()
     answer = await writer.request_raw(raw)
@@ -225,12 +221,12 @@ async def probe(target: Target, writer: Conn, waiter: _Waiter, body: bytes) -> t
         raise BenchError(
             f"{target.name}: a parked waiter was not woken within {PROBE_TIMEOUT_S:.0f} s"
         ) from None
-    return (done - sent) * 1000, max(0.0, done - answer.done) * 1000
+    return (done - sent) * 1000
 
 
 async def _wakes(
     target: Target, writer: Conn, waiters: list[_Waiter], body: bytes, gap_s: float
-) -> list[tuple[float, float]]:
+) -> list[float]:
     """One probe to each of ``waiters`` in turn, ``gap_s`` after each wake: their timings."""
     timings = []
     for waiter in waiters:
@@ -244,20 +240,18 @@ async def run(
     mode: str,
     waiters: int,
     probes: int,
-    recipients: Callable[[], bytes],
-    body: bytes,
-    redis: RedisServer | None = None,
+    redis: RedisServer,
     warmup: int = 20,
     gap_s: float = 0.002,
 ) -> Row:
-    """Park ``waiters`` waiters on ``target``, then ``warmup`` + ``probes`` sequential wakes;
-    the CPU ``target`` and ``redis`` spend per measured wake (Redis's NaN without ``redis``)."""
-    base_rss = await _warm_rss(target, recipients(), body)
-    started = time.perf_counter()
+    """Park ``waiters`` waiters on ``target``, then ``warmup`` + ``probes`` sequential wakes of
+    256 B each; the CPU ``target`` and ``redis`` spend per measured wake."""
+    body = filler(256)
+    base_rss = await _warm_rss(target, recipient(), body)
     parked: list[_Waiter] = []
 
     async def one() -> _Waiter:
-        w = await open_waiter(target, mode, recipients())
+        w = await open_waiter(target, mode, recipient())
         parked.append(w)  # closed in the finally, also when another open fails
         return w
 
@@ -268,9 +262,8 @@ async def run(
         except (OSError, HttpError, TimeoutError) as exc:
             raise BenchError(f"{target.name}: opening {waiters} {mode} waiters failed: {exc}") from None
         await wait_registered(target, mode, waiters)
-        setup_s = time.perf_counter() - started
         rss = target.rss_kib()
-        writer = await Conn.open(target.host, target.ports[0])
+        writer = await Conn.open("127.0.0.1", target.port)
         order = [parked[i % len(parked)] for i in range(warmup + probes)]  # round-robin
         await _wakes(target, writer, order[:warmup], body, gap_s)
         meter = await CpuMeter.open(target, redis)
@@ -281,8 +274,7 @@ async def run(
         if writer is not None:
             writer.close()
         await _close(parked)
-    sent_to_woken = sorted(e2e for e2e, _ in timings)
-    answered_to_woken = sorted(after for _, after in timings)
+    sent_to_woken = sorted(timings)
     return Row(
         "wake",
         target.name,
@@ -291,12 +283,8 @@ async def run(
             "p50_ms": percentile(sent_to_woken, 50),
             "p99_ms": percentile(sent_to_woken, 99),
             "max_ms": sent_to_woken[-1],
-            "answered_p50_ms": percentile(answered_to_woken, 50),
-            "answered_p99_ms": percentile(answered_to_woken, 99),
-            "woken_first": float(sum(after == 0.0 for after in answered_to_woken)),
             "probes": float(len(sent_to_woken)),
             "unexpected": float(sum(w.unexpected for w in parked)),
-            "setup_s": setup_s,
             "rss_kib": float(rss),
             "rss_per_waiter_kib": (rss - base_rss) / waiters,
             **cpu.values(),  # server_cpu_us, redis_cpu_us, cpu_us: per measured wake
@@ -307,9 +295,9 @@ async def run(
 async def _warm_rss(target: Target, recipient: bytes, body: bytes) -> int:
     """The fresh server's RSS after one enqueue (to a queue nobody waits on) and one look at
     its waiter count: what the waiters' RSS is measured from."""
-    conn = await Conn.open(target.host, target.ports[0])
+    conn = await Conn.open("127.0.0.1", target.port)
     try:
-        raw = build_request("POST", target.enqueue_path(recipient), conn.host, body, OCTET)
+        raw = build_request("POST", target.enqueue_path(recipient), conn.host, body, tuple(OCTET.items()))
         answer = await conn.request_raw(raw)
         if not 200 <= answer.status < 300:
             raise BenchError(f"{target.name}: enqueue answered {answer.status}: {answer.body[:200]!r}")

@@ -39,6 +39,24 @@ PHASES = ("store", "retention", "rebalance", "operator")
 REPO = Path(__file__).resolve().parents[4]
 
 
+# Each phase's sizes: (flag, type, default, what it sizes), every one >= 1 but --shards >= 2.
+SIZES: dict[str, list[tuple[str, type, float, str]]] = {
+    "store": [("queues", int, 1_000_000, "queues on the shard"), ("payload", int, 256, "bytes per message")],
+    "retention": [
+        ("retention-messages", int, 10_000_000, "messages"),
+        ("retention-queues", int, 1_000_000, "queues holding them"),
+        ("retention-payload", int, 256, "bytes per message"),
+        ("executors", int, 2, "Spark executor cores, local[N]"),
+    ],
+    "rebalance": [("shards", int, 64, "shards"), ("skew", float, 0.6, "Zipf exponent of slot loads")],
+    "operator": [
+        ("relayshards", int, 100, "RelayShards on the kwok cluster"),
+        ("rest-seconds", float, 60.0, "the window API requests are counted in at rest"),
+        ("migration-timeout", float, 600.0, "seconds a migration may take before it is reported unfinished"),
+    ],
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = cli.command_parser(
         "relayfleet bench --scale", "How each part's cost grows (see docs/benchmarks.md, Scale)."
@@ -46,58 +64,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--phase", choices=PHASES, action="append", help="run this phase (repeatable; default: all)"
     )
-    g = p.add_argument_group("store")
-    g.add_argument(
-        "--queues", type=int, default=1_000_000, help="store: queues on the shard (default 1,000,000)"
-    )
-    g.add_argument("--payload", type=int, default=256, help="store: bytes per message (default 256)")
-    g = p.add_argument_group("retention")
-    g.add_argument(
-        "--retention-messages", type=int, default=10_000_000, help="retention: messages (default 10,000,000)"
-    )
-    g.add_argument(
-        "--retention-queues",
-        type=int,
-        default=1_000_000,
-        help="retention: queues holding them (default 1,000,000)",
-    )
-    g.add_argument(
-        "--retention-payload", type=int, default=256, help="retention: bytes per message (default 256)"
-    )
-    g.add_argument(
-        "--executors", type=int, default=2, help="retention: Spark executor cores, local[N] (default 2)"
-    )
-    g.add_argument(
+    groups = {phase: p.add_argument_group(phase) for phase in PHASES}
+    for phase, sizes in SIZES.items():
+        for flag, kind, default, what in sizes:
+            groups[phase].add_argument(
+                f"--{flag}", type=kind, default=default, help=f"{phase}: {what} (default {default:,})"
+            )
+    groups["retention"].add_argument(
         "--retention-snapshot",
         type=Path,
         metavar="FILE",
         help="retention: keep the seeded shard in this RDB file and, when it matches, start from it",
     )
-    g = p.add_argument_group("rebalance")
-    g.add_argument("--shards", type=int, default=64, help="rebalance: shards (default 64)")
-    g.add_argument(
-        "--skew", type=float, default=0.6, help="rebalance: Zipf exponent of slot loads (default 0.6)"
-    )
-    g = p.add_argument_group("operator")
-    g.add_argument(
-        "--relayshards", type=int, default=100, help="operator: RelayShards on the kwok cluster (default 100)"
-    )
-    g.add_argument(
-        "--rest-seconds",
-        type=float,
-        default=60.0,
-        help="operator: the window API requests are counted in at rest",
-    )
-    g.add_argument(
-        "--migration-timeout",
-        type=float,
-        default=600.0,
-        help="operator: seconds a migration may take before it is reported as not finished (default 600)",
-    )
-    g.add_argument(
+    groups["operator"].add_argument(
         "--kubeconfig", type=Path, help="operator: an existing (kwok) cluster instead of starting one"
     )
-    g.add_argument(
+    groups["operator"].add_argument(
         "--operator-env",
         type=_env_pair,
         action="append",
@@ -106,15 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         help="operator: a setting for the operator process (repeatable; default: production settings)",
     )
     p.add_argument("--seed", type=int, default=41, help="random seed of every generated load")
-    p.add_argument(
-        "--output",
-        type=Path,
-        help="markdown file to update (default: ./docs/benchmarks.md or ./benchmarks.md)",
-    )
-    p.add_argument(
-        "--no-write", action="store_true", help="print the tables instead of updating the markdown file"
-    )
-    p.add_argument("--json", type=Path, help="also write every phase's report as JSON here")
+    bench_report.output_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -160,10 +134,9 @@ def main(argv: list[str]) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:
         return 2 if exc.code not in (0, None) else 0
-    sizes = ("queues", "payload", "retention_messages", "retention_queues", "retention_payload", "executors")
-    for flag in (*sizes, "relayshards"):
-        if getattr(args, flag) < 1:
-            print(f"relayfleet bench --scale: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
+    for flag, kind, _, _ in (size for sizes in SIZES.values() for size in sizes):
+        if kind is int and getattr(args, flag.replace("-", "_")) < 1:
+            print(f"relayfleet bench --scale: --{flag} must be >= 1", file=sys.stderr)
             return 2
     if args.shards < 2 or args.retention_messages < args.retention_queues:
         print("relayfleet bench --scale: need --shards >= 2 and --retention-messages >= --retention-queues",
@@ -177,12 +150,10 @@ def main(argv: list[str]) -> int:
 
     command = "relayfleet bench " + shlex.join(["--scale", *argv])
     commit = bench_report.tree_commit(REPO)  # before the run: the commit measured
-    cpu = bench_report.machine_facts(REPO)["CPU"]
+    cpu = bench_report.cpu_model()
     output = args.output
     if output is None and not args.no_write:
-        from relayfleet_testing.bench.runner import default_output
-
-        output = default_output()
+        output = bench_report.default_output()
     reports: list[PhaseReport] = []
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from relayfleet_testing.bench.procs import rss_kib
 from relayfleet_testing.bench.scale.report import Figure, Growth, PhaseReport
 from relayfleet_testing.kwok import Kwok, build_control_plane, kwok_cluster
 from relayfleet_testing.localredis import LocalRedis, free_port, redis_server_binary
@@ -94,13 +95,6 @@ def _answers(port: int) -> bool:
         return True  # it answers
     except OSError:
         return False
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 class Scene:
@@ -169,7 +163,7 @@ class Scene:
         assert self.operator is not None
         if self.operator.poll() is not None:
             raise RuntimeError(f"the operator exited ({self.operator.returncode}); see {self.log}")
-        return rss_bytes(self.operator.pid)
+        return rss_kib(self.operator.pid) * 1024
 
     def flaps(self) -> int:
         """Times a shard left Ready so far (the operator's log)."""
