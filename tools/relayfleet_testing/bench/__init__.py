@@ -1,4 +1,4 @@
-"""Side-by-side benchmarks: the relay against redis-benchmark, an aiohttp ceiling and nginx + nchan.
+"""Side-by-side benchmarks: the relay against nginx + nchan, both storing into one redis-server.
 
 Entry point: :func:`main` (``relayfleet bench [--quick] [--baseline DIR]`` /
 ``python -m relayfleet_testing.bench``); ``--baseline`` puts an older checkout's relay beside this
