@@ -397,7 +397,7 @@ def render(
 _HEADER = """# Benchmarks
 
 The relay measured side by side with nginx + nchan, in one run on one machine (`relayfleet
-bench --quick`, about four minutes); each run rewrites only its own generated section below.
+bench --quick`, about 70 s); each run rewrites only its own generated section below.
 """
 
 
