@@ -242,7 +242,9 @@ class QueueService:
         budget = self.settings.limits.max_response_bytes
         while True:
             if early is not None and read_at is not None:
-                answer = partial(_answer_early, early, last.epoch)
+                # the answerer itself, bound to the epoch: no Python frame between the waiter
+                # and the answer
+                answer = partial(early, last.epoch)
                 waiter.expect(
                     answer, last.epoch, last.last_seq, read_at[0], read_at[1], budget, early.prepare
                 )
@@ -263,7 +265,7 @@ class QueueService:
             # woken by nothing new (a notice, a message the read already saw): wait on
 
     # -- operations ------------------------------------------------------------
-    def enqueue(self, req: EnqueueRequest) -> asyncio.Future[EnqueueOutcome]:
+    def enqueue(self, req: EnqueueRequest, admitted: bool = False) -> asyncio.Future[EnqueueOutcome]:
         """Send an enqueue; the returned future (await it) gets its outcome.
 
         The bookkeeping of a stored message (metrics, `on_stored`) runs as Redis's reply
@@ -276,19 +278,15 @@ class QueueService:
 
         A non-default channel's message is first admitted by its recipient's home shard
         (the recipient-wide quotas, docs/design-decisions.md "Per-recipient quotas"): one more
-        round trip, in a task of its own (its refund is owed even when the caller leaves).
-        The default channel's enqueue checks them itself, in its one call."""
-        if self.admits_first(req.channel):
+        round trip, in a task of its own (its refund is owed even when the caller leaves);
+        `admitted`: that round trip was made (the enqueue call follows it).
+        The default channel's enqueue checks them itself, in its one call.
+
+        One frame from here to the store's write (`ShardStore.enqueue_to`): on a wake's path
+        each call between the socket and Redis runs from cold caches (docs/design-decisions.md
+        "The wake at nchan parity")."""
+        if req.channel and not admitted and self.settings.limits.recipient_limited:
             return asyncio.shield(self._spawn(self._admit_then_enqueue(req)))
-        return self._enqueue_now(req)
-
-    def admits_first(self, channel: bytes) -> bool:
-        """Whether an enqueue to `channel` takes its recipient's admit round trip before its
-        enqueue call: a caller that pipelines requests waits for its outcome before starting
-        the next one (relay/http/fastpath.py), or a later enqueue would run first."""
-        return bool(channel) and self._recipient_limited
-
-    def _enqueue_now(self, req: EnqueueRequest) -> asyncio.Future[EnqueueOutcome]:
         done: asyncio.Future[EnqueueOutcome] = asyncio.get_running_loop().create_future()
         ts = req.now_ms or now_ms()  # every attempt of this enqueue stores the same time
         route = self.fleet.route(req.recipient, req.channel)
@@ -299,10 +297,16 @@ class QueueService:
             route.hub.prepare(route.keys.wake, ts, req)
         return done
 
+    def admits_first(self, channel: bytes) -> bool:
+        """Whether an enqueue to `channel` takes its recipient's admit round trip before its
+        enqueue call: a caller that pipelines requests waits for its outcome before starting
+        the next one (relay/http/fastpath.py), or a later enqueue would run first."""
+        return bool(channel) and self._recipient_limited
+
     def _job(
         self, done: asyncio.Future[EnqueueOutcome], req: EnqueueRequest, ts: int, route: Route, token: bytes
     ) -> _Enqueue:
-        """The first attempt of an enqueue, as its ReplySink (_enqueue_now)."""
+        """The first attempt of an enqueue, as its ReplySink (`enqueue`)."""
         sent_at = asyncio.get_running_loop().time()
         job = _Enqueue(self, done, req, ts, route, sent_at + self.settings.request_deadline_s, sent_at)
         job.token = token
@@ -322,7 +326,7 @@ class QueueService:
         if verdict.kind != "stored":
             self._stored(req, verdict)
             return verdict
-        outcome = await self._enqueue_now(req._replace(now_ms=ts))
+        outcome = await self.enqueue(req._replace(now_ms=ts), admitted=True)
         if outcome.kind != "stored":
             await self._refund(recipient, 1, len(req.payload), ts)
         return outcome
@@ -491,17 +495,14 @@ _QUOTA_REASON = {
 
 class EarlyAnswer(Protocol):
     """A long-poll's answer made from the messages a wakeup carried, as it arrives
-    (QueueService.read): called with them, True when it answered (wrote) them; `prepare`
+    (QueueService.read): called with the queue's epoch and them (ascending seqs, the ones
+    following the read before the wait), True when it answered (wrote) them; `prepare`
     (relay.storage.wakeups.Prepare) is told of an enqueue this process sent to the queue while
     Redis stores it. Both run inside a Redis reply's processing or an enqueue's: never raise."""
 
-    def __call__(self, result: ReadResult, /) -> bool: ...
+    def __call__(self, epoch: str, messages: list[Message], /) -> bool: ...
 
     def prepare(self, epoch: str, stored_ms: int, stored: Stored, /) -> None: ...
-
-
-def _answer_early(early: EarlyAnswer, epoch: str, got: list[Message]) -> bool:
-    return early(ReadResult(got, epoch, got[-1].seq))
 
 
 class _Enqueue:

@@ -74,7 +74,8 @@ from relay.api.quota import Address, ClientQuota
 from relay.http.memguard import CLAIM_FROM
 from relay.http.serving import MAX_LINE, GuardedServer
 from relay.metrics import RouteSeries
-from relay.storage.store import EnqueueOutcome, EnqueueRequest, ReadResult
+from relay.storage.message import Message
+from relay.storage.store import EnqueueOutcome, EnqueueRequest, ReadResult, new_tuple
 from relay.storage.wakeups import Stored
 
 MAX_HEAD = MAX_LINE  # aiohttp's line limit, for the whole head: a longer one is aiohttp's
@@ -136,7 +137,7 @@ def _date_now() -> None:
 
 
 def ok_json_bytes(body: bytes) -> bytes:
-    """`reply_bytes(Reply(200, body))` in one format: a woken long-poll's answer (`_woken`),
+    """`reply_bytes(Reply(200, body))` in one format: a woken long-poll's answer (`_Woken`),
     whose body is made while Redis stores its message."""
     _date_now()
     return b"%b%d\r\n%b\r\n%b" % (_OK_JSON, len(body), _date[2], body)
@@ -248,11 +249,13 @@ class _Answer:
 
 class _Woken:
     """relay.service.EarlyAnswer of one long-poll: its answer written from the wakeup that
-    carries its messages (FastConnection._woken). When this process sent the enqueue, the
-    answer's body but for its two numbers is made while Redis stores the message (`prepare`,
-    relay/api/bulk.py Prepared and lone_answer_parts), so the answer is one format once Redis
-    has said the seq. Measured against the answer built there from the prepared message's text
-    and against one made from scratch: docs/design-decisions.md "The wake at nchan parity"."""
+    carries its messages, as it arrives (inside the processing of the enqueue's Redis reply,
+    when this process sent it), not once its task resumes a loop turn later. When this process
+    sent the enqueue, the answer's body but for its two numbers is made while Redis stores the
+    message (`prepare`, relay/api/bulk.py Prepared and lone_answer_parts), so the answer is one
+    format once Redis has said the seq. Called by the waiter itself (Waiter.expect, with the
+    epoch bound): the answer is made in this one frame, no layer between. Measured:
+    docs/design-decisions.md "The wake at nchan parity"."""
 
     __slots__ = ("answer", "conn", "from_seq", "parts", "ready")
 
@@ -263,9 +266,30 @@ class _Woken:
         self.ready: bulk.Prepared | None = None
         self.parts: tuple[bytes, bytes] = (b"", b"")
 
-    def __call__(self, result: ReadResult, /) -> bool:
+    def __call__(self, epoch: str, messages: list[Message], /) -> bool:
+        """The long-poll answered from `messages` (stored in `epoch`); a big answer is left to
+        the task, which streams it. The message `ready` was prepared for, alone: its answer is
+        `parts` around its seq (the same bytes, tests/relay/http/test_fastpath.py). Never
+        raises: a failure closes the connection."""
         ready, self.ready = self.ready, None
-        return self.conn._woken(self.answer, self.from_seq, result, ready, self.parts)
+        answer = self.answer
+        conn = self.conn
+        try:
+            if answer.data is not None or conn.transport is None:
+                return False
+            if ready is not None and len(messages) == 1 and ready.matches(messages[0], epoch):
+                answer.data = ok_json_bytes(bulk.lone_answer(messages[0].seq, self.parts))
+            elif bulk.worth_streaming(messages):
+                return False
+            else:
+                result = ReadResult(messages, epoch, messages[-1].seq)
+                answer.data = reply_bytes(Reply(200, read_bytes(result, self.from_seq)))
+            conn.flush()  # counted after the write: on a wake's path the answer is what matters
+            conn._count(answer, 200)
+        except Exception:
+            conn._broken()
+            return False
+        return True
 
     def prepare(self, epoch: str, stored_ms: int, stored: Stored, /) -> None:
         try:
@@ -801,17 +825,26 @@ class FastConnection(asyncio.Protocol):
 
     def _send(self, head: Head, body: bytes) -> asyncio.Future[EnqueueOutcome]:
         """An enqueue, as the aiohttp handler serves it (relay/api/queues.py enqueue, its steps
-        in its order; the per-client quota was charged at the head), sent to Redis now."""
+        in its order; the per-client quota was charged at the head), sent to Redis now. One
+        frame from the head to QueueService.enqueue, which writes it (`_queue_of`'s steps
+        written out, the request built without a frame of its own): on a wake's path each
+        call before the write runs from cold caches."""
         endpoint = self.endpoint
-        recipient, channel = self._queue_of(head)
-        key = head.fields.get(b"idempotency-key")
-        idempotency_key = "" if key is None else params.idempotency_value(key.decode())
-        authorization = head.fields.get(b"authorization")
-        endpoint.auth.verify_enqueue_header(
-            None if authorization is None else authorization.decode(), ENQUEUE_ROUTE
-        )
-        payload = params.non_empty(body)
-        return endpoint.service.enqueue(EnqueueRequest(recipient, channel, payload, idempotency_key))
+        if endpoint.memory.over:
+            raise overloaded()
+        recipient = params.recipient_key_matched(head.recipient)  # base64url characters only
+        fields = head.fields
+        raw = head.query.get(b"channel")
+        channel = params.channel_value(raw.decode()) if raw else b""
+        raw = fields.get(b"idempotency-key")
+        idempotency_key = "" if raw is None else params.idempotency_value(raw.decode())
+        auth = endpoint.auth
+        if auth.tokens:  # (else verify_enqueue_header lets every request through)
+            raw = fields.get(b"authorization")
+            auth.verify_enqueue_header(None if raw is None else raw.decode(), ENQUEUE_ROUTE)
+        payload = body or params.non_empty(body)  # (400 empty_payload)
+        req = new_tuple(EnqueueRequest, (recipient, channel, payload, idempotency_key, "", False, 0))
+        return endpoint.service.enqueue(req)
 
     async def _read(self, head: Head, answer: _Answer) -> Reply | None:
         """A read, as the aiohttp handler serves it (relay/api/queues.py read, its steps in its
@@ -836,36 +869,6 @@ class FastConnection(asyncio.Protocol):
             await self._stream(answer, result, start)
             return None
         return Reply(200, read_bytes(result, start))
-
-    def _woken(
-        self,
-        answer: _Answer,
-        from_seq: int | None,
-        result: ReadResult,
-        ready: bulk.Prepared | None,
-        parts: tuple[bytes, bytes],
-    ) -> bool:
-        """A long-poll answered from the wakeup that carried its messages, as it arrives (inside
-        the enqueue's Redis reply, when this process sent it), not once its task resumes a loop
-        turn later (`_Woken`); a big answer is left to the task, which streams it. The message
-        `ready` was prepared for, alone: its answer is `parts` around its seq (the same bytes,
-        tests/relay/http/test_fastpath.py). Never raises: a failure closes the connection."""
-        try:
-            if answer.data is not None or self.transport is None:
-                return False
-            messages = result.messages
-            if ready is not None and len(messages) == 1 and ready.matches(messages[0], result.epoch):
-                answer.data = ok_json_bytes(bulk.lone_answer(messages[0].seq, parts))
-            elif bulk.worth_streaming(messages):
-                return False
-            else:
-                answer.data = reply_bytes(Reply(200, read_bytes(result, from_seq)))
-            self.flush()  # counted after the write: on a wake's path the answer is what matters
-            self._count(answer, 200)
-        except Exception:
-            self._broken()
-            return False
-        return True
 
     async def _stream(self, answer: _Answer, result: ReadResult, from_seq: int | None) -> None:
         """A big read's answer, written slice by slice once it is the next one owed (the

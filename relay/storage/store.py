@@ -492,24 +492,32 @@ class ShardStore:
         size = len(payload)
         call = self._call
         first = call is None or not call.takes(size)
+        mid = bulk_str(message_id) if message_id else _EMPTY_BULK
+        flag = _RESEND if resend else _EMPTY_BULK
         # the item: its keys; payload, now, idempotency key, digest, messageId, qid and wake
         # (cached), token, resend flag (lua/enqueue.lua)
-        rest = b"\r\n$%d\r\n%b\r\n%b%b%b%b%b" % (
-            len(now),
-            now,
-            keyed,
-            bulk_str(message_id) if message_id else _EMPTY_BULK,
-            parts[1],
-            token,
-            _RESEND if resend else _EMPTY_BULK,
-        )
         if first and size < _SPLIT_PAYLOAD:
-            # alone on an idle connection: a call of one, written before anything else is done
-            # (formatted before the check: a busy connection wastes one format per tick's call)
-            lone = b"%b%b%b$%d\r\n%b%b" % (_LONE_HEAD, parts[0], self._enqueue_fixed, size, payload, rest)
+            # alone on an idle connection: a call of one, in one format, written before anything
+            # else is done (formatted before the check: a busy connection wastes one format per
+            # tick's call)
+            lone = b"%b%b%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b%b%b%b" % (
+                _LONE_HEAD,
+                parts[0],
+                self._enqueue_fixed,
+                size,
+                payload,
+                len(now),
+                now,
+                keyed,
+                mid,
+                parts[1],
+                token,
+                flag,
+            )
             if self._batcher.write_now(lone):
                 self._batcher.written(lone, _LoneCall(_sink_of(sink, make_sink, token)))
                 return token
+        rest = b"\r\n$%d\r\n%b\r\n%b%b%b%b%b" % (len(now), now, keyed, mid, parts[1], token, flag)
         if first:
             call = self._call = _EnqueueCall(self._enqueue_fixed)
         assert call is not None

@@ -24,7 +24,7 @@ from relayfleet_testing.localredis import LocalRedis
 from relay import metrics
 from relay.api import bulk
 from relay.app import begin_shutdown
-from relay.http.fastpath import FastConnection, Reply, ok_json_bytes, reply_bytes
+from relay.http.fastpath import FastConnection, Reply, _Woken, ok_json_bytes, reply_bytes
 from relay.http.serving import GuardedRequestHandler, GuardedServer
 from relay.protocol import b64encode, keypair, sign_headers
 from relay.storage.store import QueueLimits, ReadResult, ShardStore
@@ -524,14 +524,14 @@ async def test_woken_long_poll_answered_as_the_enqueue_reply_arrives(
     relay: RunningRelay, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The long-poll's answer is written from inside the enqueue's Redis reply (FastConnection
-    ._woken, before its task resumes), from its message's text made while Redis stored it
+    _Woken, before its task resumes), from its message's text made while Redis stored it
     (bulk.Prepared), with the bytes its task would have written."""
     woken: list[bool] = []
     matched: list[bool] = []
-    original = FastConnection._woken
+    original = _Woken.__call__
     matches = bulk.Prepared.matches
 
-    def spy(self: FastConnection, *args: Any) -> bool:
+    def spy(self: _Woken, *args: Any) -> bool:
         answered = original(self, *args)
         woken.append(answered)
         return answered
@@ -540,7 +540,7 @@ async def test_woken_long_poll_answered_as_the_enqueue_reply_arrives(
         matched.append(matches(self, *args))
         return matched[-1]
 
-    monkeypatch.setattr(FastConnection, "_woken", spy)
+    monkeypatch.setattr(_Woken, "__call__", spy)
     monkeypatch.setattr(bulk.Prepared, "matches", spy_matches)
     r = os.urandom(32)
     reader, writer = await asyncio.open_connection("127.0.0.1", port_of(relay))
