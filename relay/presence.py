@@ -12,8 +12,9 @@ migration copies the leases with the slot:
 - a long-poll that parks writes a poll lease (at most once a renewal period per queue), left
   to expire: a client that polls in a loop counts as online between its polls.
 - every RELAY_PRESENCE_TTL_S / 3 the relay renews what it still holds, one script call per
-  slot. A renewal that finds the live lease taken by another token closes the local socket
-  with 4409 (the takeover notice may have been missed while the wakeup subscription was down).
+  shard for up to 128 leases. A renewal that finds the live lease taken by another token closes
+  the local socket with 4409 (the takeover notice may have been missed while the wakeup
+  subscription was down).
   A killed relay renews nothing: its leases lapse within RELAY_PRESENCE_TTL_S.
 
 The key holds fields only for queues with a lease, and expires with its newest lease, so an
@@ -26,20 +27,31 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from relay import metrics
 from relay.fleet.routing import Route
 from relay.service import QueueService, Unavailable
-from relay.storage.store import ShardStore, SlotMigrating, SlotMoved, StoreRejected, StoreUnavailable
+from relay.storage.store import (
+    ShardStore,
+    SlotLeases,
+    SlotMigrating,
+    SlotMoved,
+    StoreRejected,
+    StoreUnavailable,
+)
 
 __all__ = ["Presence"]
 
 log = logging.getLogger("relay.presence")
 
 _SWEEP_EVERY = 4  # renewal rounds between sweeps of expired fields (a killed relay's leases)
+# leases renewed by one script call at most: Redis spends 10-13 us a lease (measured, loaded
+# machine: docs/design-decisions.md "Fleet-wide presence"), so an enqueue behind such a call
+# waits ~2 ms at most
+_RENEW_LEASES = 128
 _FAILED = (Unavailable, StoreUnavailable, StoreRejected, SlotMoved, SlotMigrating, OSError, TimeoutError)
 _LIVE = metrics.PRESENCE_LEASES.labels("live")
 _POLL = metrics.PRESENCE_LEASES.labels("poll")
@@ -181,9 +193,12 @@ class Presence:
 
     async def _write_poll(self, recipient: bytes, channel: bytes) -> None:
         route = self.service.fleet.route(recipient, channel)
+        leases = SlotLeases(route.keys.slot, (), (route.keys.qid,))
         try:
-            await route.store.presence_renew(route.keys.slot, _now_ms(), self.ttl_ms, (), (route.keys.qid,))
+            (written,) = await route.store.presence_renew([leases], _now_ms(), self.ttl_ms)
         except _FAILED:
+            written = None
+        if written is None:
             metrics.PRESENCE_WRITES.labels("renew", "failed").inc()
             self._poll_written.pop((recipient, channel), None)  # the next park tries again
             return
@@ -200,7 +215,9 @@ class Presence:
                 log.error("presence renewal failed: %s", type(exc).__name__, exc_info=exc)
 
     async def renew(self) -> None:
-        """One renewal round: one script call per (shard, slot) this relay holds leases in."""
+        """One renewal round: one script call per shard for the slots this relay holds leases
+        in there, up to _RENEW_LEASES leases a call (a call per slot cost a script call per
+        waiter: docs/design-decisions.md "Fleet-wide presence")."""
         self._rounds += 1
         sweep = self._rounds % _SWEEP_EVERY == 0
         mono = time.monotonic()
@@ -225,26 +242,39 @@ class Presence:
         for key, written in list(self._poll_written.items()):
             if mono - written > self.renew_s * 3 and key not in self._polls:
                 del self._poll_written[key]
-        if groups:
-            await asyncio.gather(*(self._renew_group(g, sweep) for g in groups.values()))
+        per_store: dict[int, list[_Group]] = {}
+        for g in groups.values():
+            per_store.setdefault(id(g.store), []).append(g)
+        calls = [call for gs in per_store.values() for call in _calls(gs)]
+        if calls:
+            await asyncio.gather(*(self._renew_call(call, sweep) for call in calls))
 
-    async def _renew_group(self, g: _Group, sweep: bool) -> None:
+    async def _renew_call(self, call: list[_Group], sweep: bool) -> None:
+        """Renew the leases of `call`'s slots (one shard's) in one script call."""
+        store = call[0].store
         try:
-            lost = await g.store.presence_renew(g.slot, _now_ms(), self.ttl_ms, g.live, g.polls, sweep)
+            replies = await store.presence_renew(
+                [SlotLeases(g.slot, g.live, g.polls) for g in call], _now_ms(), self.ttl_ms, sweep
+            )
         except _FAILED:
-            # fenced (a migration: its copy carries the leases; the next round writes on the
-            # new owner) or the shard is down (the leases lapse, as a killed relay's would)
-            metrics.PRESENCE_WRITES.labels("renew", "failed").inc()
+            # the shard is down (the leases lapse, as a killed relay's would)
+            metrics.PRESENCE_WRITES.labels("renew", "failed").inc(len(call))
             return
-        metrics.PRESENCE_WRITES.labels("renew", "ok").inc()
-        for qid in lost:
-            owner = g.owners.get(qid)
-            if owner is None:
+        for g, lost in zip(call, replies, strict=True):
+            if lost is None:
+                # fenced (a migration: its copy carries the leases; the next round writes on the
+                # new owner)
+                metrics.PRESENCE_WRITES.labels("renew", "failed").inc()
                 continue
-            key, held = owner
-            if self._live.get(key) is held:
-                metrics.LIVE_DISPLACED.labels("lease").inc()
-                held.lost()
+            metrics.PRESENCE_WRITES.labels("renew", "ok").inc()
+            for qid in lost:
+                owner = g.owners.get(qid)
+                if owner is None:
+                    continue
+                key, held = owner
+                if self._live.get(key) is held:
+                    metrics.LIVE_DISPLACED.labels("lease").inc()
+                    held.lost()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -267,3 +297,18 @@ class _Group:
     live: list[tuple[str, str]] = field(default_factory=list)  # (qid, token)
     polls: list[str] = field(default_factory=list)  # qids
     owners: dict[str, tuple[QueueId, _Held]] = field(default_factory=dict)
+
+
+def _calls(groups: list[_Group]) -> Iterator[list[_Group]]:
+    """One shard's slots in calls of at most _RENEW_LEASES leases (a slot's leases in one call)."""
+    call: list[_Group] = []
+    n = 0
+    for g in groups:
+        size = len(g.live) + len(g.polls)
+        if call and n + size > _RENEW_LEASES:
+            yield call
+            call, n = [], 0
+        call.append(g)
+        n += size
+    if call:
+        yield call

@@ -340,6 +340,14 @@ class _LoneCall:
             self.sink.set_exception(exception)
 
 
+class SlotLeases(NamedTuple):
+    """One slot's presence leases to renew (ShardStore.presence_renew)."""
+
+    slot: int
+    live: Sequence[tuple[str, str]]  # (qid, token)
+    polls: Sequence[str]  # qids
+
+
 class ShardStore:
     """Queue operations against one Redis shard, coalesced into pipelines."""
 
@@ -752,19 +760,21 @@ class ShardStore:
         return bool(int(r[1]))
 
     async def presence_renew(
-        self,
-        slot: int,
-        now_ms: int,
-        ttl_ms: int,
-        live: Sequence[tuple[str, str]],
-        polls: Sequence[str],
-        sweep: bool = False,
-    ) -> list[str]:
-        """Extend leases of one slot: live (qid, token) pairs and waiting polls' qids. The qids
-        of live leases another token holds now (nothing written for them)."""
-        flat = [x for pair in live for x in pair]
-        args = ("renew", now_ms, ttl_ms, "1" if sweep else "0", len(live), *flat, *polls)
-        return [_s(x) for x in (await self._presence(slot, args))[1:]]
+        self, slots: Sequence[SlotLeases], now_ms: int, ttl_ms: int, sweep: bool = False
+    ) -> list[list[str] | None]:
+        """Extend leases of these slots in one script call: per slot, live (qid, token) pairs and
+        waiting polls' qids. Per slot in order: the qids of live leases another token holds now
+        (nothing written for them), or None when the slot is fenced here (nothing written)."""
+        keys: list[str] = []
+        args: list[str | int] = ["renew", now_ms, ttl_ms, "1" if sweep else "0"]
+        for slot, live, polls in slots:
+            keys += (K.slot_state(slot), K.slot_presence(slot))
+            args += (len(live), len(polls))
+            for pair in live:
+                args += pair
+            args += polls
+        replies = await self._batcher.call(scripts.PRESENCE, tuple(keys), tuple(args))
+        return [[_s(x) for x in r[1:]] if r[0] == b"ok" else None for r in replies]
 
     async def presence_get(self, q: K.QueueKeys, now_ms: int) -> tuple[bool, bool]:
         """(a live socket holds a lease, a live socket or a waiting poll does)."""

@@ -923,7 +923,9 @@ def test_presence_leases_take_drop_renew_and_expire(r: redis.Redis) -> None:
     ]
     # the older one's renewal finds it taken (nothing written), its drop deletes nothing but
     # still publishes its release
-    assert run(r, scripts.PRESENCE, keys, ("renew", NOW + 1500, 8000, "0", 1, QID, "aa")) == [b"ok", b"q1"]
+    assert run(r, scripts.PRESENCE, keys, ("renew", NOW + 1500, 8000, "0", 1, 0, QID, "aa")) == [
+        [b"ok", b"q1"]
+    ]
     sub.get_message(timeout=1)
     assert run(r, scripts.PRESENCE, keys, ("drop", NOW + 1600, QID, "aa", k.wake)) == [b"ok", 0]
     assert sub.get_message(timeout=1)["data"] == b"n:raa"
@@ -933,13 +935,32 @@ def test_presence_leases_take_drop_renew_and_expire(r: redis.Redis) -> None:
     assert get(NOW + 1900) == [b"ok", 0, 0]
     assert not r.exists(K.slot_presence(SLOT))
     # a waiting poll counts as online, not live; a lease read after its expiry is absent
-    assert run(r, scripts.PRESENCE, keys, ("renew", NOW, 8000, "0", 0, QID)) == [b"ok"]
+    assert run(r, scripts.PRESENCE, keys, ("renew", NOW, 8000, "0", 0, 1, QID)) == [[b"ok"]]
     assert get(NOW + 7999) == [b"ok", 0, 1]
     assert get(NOW + 8000) == [b"ok", 0, 0]
     # a sweep removes expired fields (a killed relay's) and keeps the others
-    run(r, scripts.PRESENCE, keys, ("renew", NOW + 9000, 8000, "1", 1, "q2", "cc"))
+    run(r, scripts.PRESENCE, keys, ("renew", NOW + 9000, 8000, "1", 1, 0, "q2", "cc"))
     assert r.hkeys(K.slot_presence(SLOT)) == [b"l|q2"]
     # fenced: nothing written, the fence answered
     fence(r, "migrating")
     assert run(r, scripts.PRESENCE, keys, ("take", NOW, 8000, "q3", "dd", k.wake)) == [b"migrating"]
     assert not r.hexists(K.slot_presence(SLOT), "l|q3")
+
+
+def test_presence_renewal_of_many_slots_in_one_call(r: redis.Redis) -> None:
+    """One renew call carries every slot of a shard (relay/presence.py): each slot's leases are
+    written in its own hash, a fenced slot gets its fence reply and nothing written, and the
+    replies come per slot in order."""
+    slots = (SLOT, SLOT + 1, SLOT + 2)
+    keys = [k for s in slots for k in (K.slot_state(s), K.slot_presence(s))]
+    run(r, scripts.PRESENCE, keys[4:], ("take", NOW, 8000, "t3", "zz", "chan"))  # held by another
+    r.set(K.slot_state(SLOT + 1), "migrating")
+    args = ("renew", NOW + 10, 8000, "0", 1, 1, "t1", "aa", "p1", 0, 2, "p2", "p3", 1, 0, "t3", "yy")
+    assert run(r, scripts.PRESENCE, keys, args) == [[b"ok"], [b"migrating"], [b"ok", b"t3"]]
+    assert r.hgetall(K.slot_presence(SLOT)) == {
+        b"l|t1": b"%d aa" % (NOW + 8010),
+        b"p|p1": b"%d" % (NOW + 8010),
+    }
+    assert not r.exists(K.slot_presence(SLOT + 1))
+    assert r.hgetall(K.slot_presence(SLOT + 2)) == {b"l|t3": b"%d zz" % (NOW + 8000)}
+    assert 7000 < r.pttl(K.slot_presence(SLOT)) <= 8000
