@@ -273,7 +273,8 @@ class Presence:
                     continue
                 key, held = owner
                 if self._live.get(key) is held:
-                    metrics.LIVE_DISPLACED.labels("lease").inc()
+                    # counted by the socket (relay/api/live.py displace), once: one a notice
+                    # displaced already is still held until its lease is dropped
                     held.lost()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
