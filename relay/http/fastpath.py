@@ -825,23 +825,16 @@ class FastConnection(asyncio.Protocol):
 
     def _send(self, head: Head, body: bytes) -> asyncio.Future[EnqueueOutcome]:
         """An enqueue, as the aiohttp handler serves it (relay/api/queues.py enqueue, its steps
-        in its order; the per-client quota was charged at the head), sent to Redis now. One
-        frame from the head to QueueService.enqueue, which writes it (`_queue_of`'s steps
-        written out, the request built without a frame of its own): on a wake's path each
-        call before the write runs from cold caches."""
+        in its order; the per-client quota was charged at the head), sent to Redis now, the
+        request built without a frame of its own: on a wake's path each call before the write
+        runs from cold caches."""
         endpoint = self.endpoint
-        if endpoint.memory.over:
-            raise overloaded()
-        recipient = params.recipient_key_matched(head.recipient)  # base64url characters only
+        recipient, channel = self._queue_of(head)
         fields = head.fields
-        raw = head.query.get(b"channel")
-        channel = params.channel_value(raw.decode()) if raw else b""
         raw = fields.get(b"idempotency-key")
         idempotency_key = "" if raw is None else params.idempotency_value(raw.decode())
-        auth = endpoint.auth
-        if auth.tokens:  # (else verify_enqueue_header lets every request through)
-            raw = fields.get(b"authorization")
-            auth.verify_enqueue_header(None if raw is None else raw.decode(), ENQUEUE_ROUTE)
+        raw = fields.get(b"authorization")
+        endpoint.auth.verify_enqueue_header(None if raw is None else raw.decode(), ENQUEUE_ROUTE)
         payload = body or params.non_empty(body)  # (400 empty_payload)
         req = new_tuple(EnqueueRequest, (recipient, channel, payload, idempotency_key, "", False, 0))
         return endpoint.service.enqueue(req)
