@@ -15,6 +15,10 @@ one the contract allows:
 - ``phantom``        a delivered message nobody enqueued to that queue, or with another seq
                      than its enqueue was answered, or two messages on one seq
 - ``idempotency``    retries of one Idempotency-Key answered with different seqs, or stored twice
+- ``restored``       a message stored again in a new epoch, one copy per epoch: the epoch that held
+                     its first copy was lost (docs/reliability.md: an Idempotency-Key whose record
+                     was in a lost tail is stored again on retry); its copies' deliveries are not
+                     also counted as ``duplicate`` or a ``phantom`` stored twice
 - ``epoch``          a queue's epoch changed (its history was lost or reset); empty
                      reads begun before an enqueue to the queue was answered do not count
 - ``status``         a 5xx other than 503 with Retry-After, a response that never came,
@@ -49,7 +53,7 @@ import bisect
 import itertools
 import json
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -442,19 +446,31 @@ def _check_queue(
                 )
 
     for i, ns in delivered.items():
-        as_seqs = {int(s) for n in ns for s, j in dels[n]["items"] if j == i}
-        if len(as_seqs) > 1:
+        copies = Counter((int(s), dels[n].get("epoch")) for n in ns for s, j in dels[n]["items"] if j == i)
+        as_seqs = {s for s, _ in copies}
+        restored = len(as_seqs) > 1 and _one_copy_per_epoch(copies)
+        if restored:
+            v.append(
+                Violation("restored", q, f"id {i} stored again in a new epoch, as seqs {sorted(as_seqs)}")
+            )
+        elif len(as_seqs) > 1:
             v.append(Violation("phantom", q, f"id {i} delivered as seqs {sorted(as_seqs)}: stored twice"))
         if len(ns) > 1:
             drains = [n for n in ns if dels[n]["mode"] == "drain"]
             if len(drains) > 1:
                 v.append(Violation("duplicate", q, f"id {i} returned by {len(drains)} drains"))
-            elif exactly_once:
+            elif exactly_once and (not restored or max(copies.values()) > 1):
                 v.append(Violation("duplicate", q, f"id {i} delivered {len(ns)} times"))
     for seq, i in mine:
         if i not in delivered:
             v.append(Violation("lost", q, f"id {i} (seq {seq}) was acknowledged but never delivered"))
     counts["queues"] += 1
+
+
+def _one_copy_per_epoch(copies: Counter[tuple[int, Any]]) -> bool:
+    """Each (seq, epoch) copy of one message in an epoch of its own, every epoch named."""
+    epochs = [e for _, e in copies]
+    return None not in epochs and len(set(epochs)) == len(copies)
 
 
 def _check_displaced(q: str, dels: list[dict[str, Any]], v: list[Violation]) -> None:

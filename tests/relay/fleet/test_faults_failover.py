@@ -141,6 +141,8 @@ async def test_primary_killed_three_times_without_min_replicas_is_measured(tmp_p
     n = await _failovers(tmp_path, min_replicas=0)
     verdict = n["verdict"]
     # asynchronous replication may lose the last writes; whatever the history shows must be
-    # losses reported through a new epoch, never a duplicate after an ack or a reordering
-    assert set(verdict.by_kind()) <= {"lost", "epoch", "skipped", "phantom"}, verdict.render()
+    # losses reported through a new epoch, never a duplicate after an ack or a reordering. A
+    # write lost with the old primary's tail may have been read from it first; its producer's
+    # retry stores it again in the new epoch (docs/reliability.md): `restored`, one copy per epoch
+    assert set(verdict.by_kind()) <= {"lost", "epoch", "skipped", "phantom", "restored"}, verdict.render()
     assert verdict.counts["messages_acknowledged"] > 100

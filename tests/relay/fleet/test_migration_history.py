@@ -152,6 +152,28 @@ def test_checker_finds_phantoms_and_idempotency_breaks() -> None:
     assert "idempotency" in _kinds(h3)
 
 
+def test_checker_tells_a_copy_stored_again_in_a_new_epoch_from_a_duplicate() -> None:
+    """A message read in epoch e1 whose epoch was then lost, stored again by its producer's
+    retry in e2: `restored` (and the epoch change), not a duplicate; read twice within one
+    epoch, or two copies in one epoch, it still is one."""
+    h = History()
+    h.enqueue("q", "a", 1.0, 2.0, 201, seq=1, key="a")
+    h.enqueue("q", "b", 2.0, 9.0, 201, seq=1_000_001, key="b")  # the first answer lost, retried
+    h.deliver("q", "read", 3.0, 4.0, 200, [(1, "a"), (2, "b")], epoch="e1")
+    h.ack("q", 4.0, 5.0, 200, upto=2)
+    h.deliver("q", "read", 10.0, 11.0, 200, [(1_000_001, "b")], from_seq=1_000_001, epoch="e2")
+    # and a phantom: b was delivered as seq 2, its enqueue answered 1,000,001
+    assert _kinds(h) == {"restored", "epoch", "phantom"}
+    h.deliver("q", "read", 12.0, 13.0, 200, [(1_000_001, "b")], from_seq=1_000_001, epoch="e2")
+    assert "duplicate" in _kinds(h)  # the new copy read twice
+    h2 = History()
+    h2.enqueue("q", "b", 2.0, 9.0, 201, seq=5, key="b")
+    h2.deliver("q", "read", 3.0, 4.0, 200, [(2, "b")], epoch="e1")
+    h2.deliver("q", "read", 10.0, 11.0, 200, [(5, "b")], from_seq=3, epoch="e1")
+    assert {"duplicate", "phantom"} <= _kinds(h2)
+    assert "restored" not in _kinds(h2)  # both copies in e1
+
+
 def test_checker_finds_bad_statuses_and_epoch_resets() -> None:
     h = _base()
     h.deliver("q", "read", 4.0, 5.0, 200, [(1, "a"), (2, "b")], epoch="e1")
