@@ -106,6 +106,8 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unrecognized arguments" in capsys.readouterr().err
     assert main(["--only", "wake,bogus"]) == 2
     assert "phases are throughput, head-to-head, wake" in capsys.readouterr().err
+    assert main(["--wake-modes", "websocket,carrier-pigeon"]) == 2
+    assert "wake modes are longpoll, websocket" in capsys.readouterr().err
     assert main(["--wake-waiters", "1000,0"]) == 2
     assert "not a comma-separated list of counts" in capsys.readouterr().err
 
@@ -239,7 +241,7 @@ def test_the_nchan_config_comes_from_beside_the_checkout_or_the_variable(
 def test_bench_help_names_its_variables(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     shown = capsys.readouterr().out
-    for option in ("--wake-waiters", "--quick", "--rounds", "--only", "--baseline"):
+    for option in ("--wake-waiters", "--wake-modes", "--quick", "--rounds", "--only", "--baseline"):
         assert option in shown
     for name in (targets.NCHAN_CONF_ENV, procs_mod.GROUP_NICE_ENV):
         assert name in shown

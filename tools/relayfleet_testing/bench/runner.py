@@ -48,6 +48,7 @@ class Plan:
     connections: int = 64
     read_ack_total: int = 20000  # messages, read in batches of 100
     phases: tuple[str, ...] = PHASES
+    wake_modes: tuple[str, ...] = wake.MODES
     # an older checkout's relay, run beside this one's as `baseline-1p` in every relay step and in
     # the same alternating rounds (before / after in one run)
     baseline: Path | None = None
@@ -182,7 +183,7 @@ class Bench:
         plan = self.plan
         names = ["nchan-redis", "relay-1p"] + ([f"{BASELINE}-1p"] if plan.baseline is not None else [])
         for n in range(plan.rounds):
-            for mode in wake.MODES:
+            for mode in plan.wake_modes:
                 for waiters in plan.wake_waiters:
                     for name in turn_order(names, n):
                         await self.attempt(
@@ -219,6 +220,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="idle waiters of the wake head to head, comma-separated (default 1000,10000; --quick: 1000)",
     )
     p.add_argument(
+        "--wake-modes",
+        type=_choices(wake.MODES, "wake modes"),
+        metavar="MODE,MODE",
+        help=f"waiters of the wake head to head, of {', '.join(wake.MODES)} (default: both)",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         metavar="N",
@@ -227,7 +234,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--only",
-        type=_phases,
+        type=_choices(PHASES, "phases"),
         metavar="PHASE,PHASE",
         help=f"run only these phases, of {', '.join(PHASES)} (the report gets a section of its own)",
     )
@@ -248,11 +255,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _phases(text: str) -> tuple[str, ...]:
-    chosen = tuple(x.strip() for x in text.split(",") if x.strip())
-    if not chosen or any(x not in PHASES for x in chosen):
-        raise argparse.ArgumentTypeError(f"phases are {', '.join(PHASES)}; got {text!r}")
-    return chosen
+def _choices(allowed: tuple[str, ...], what: str) -> Callable[[str], tuple[str, ...]]:
+    """A command-line list of some of `allowed`, comma-separated."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        chosen = tuple(x.strip() for x in text.split(",") if x.strip())
+        if not chosen or any(x not in allowed for x in chosen):
+            raise argparse.ArgumentTypeError(f"{what} are {', '.join(allowed)}; got {text!r}")
+        return chosen
+
+    return parse
 
 
 def _group_nice_note(procs: Procs) -> str:
@@ -281,6 +293,7 @@ def main(argv: list[str]) -> int:
     plan = make_plan(args.quick)
     plan.wake_waiters = args.wake_waiters or plan.wake_waiters
     plan.phases = args.only or plan.phases
+    plan.wake_modes = args.wake_modes or plan.wake_modes
     if args.rounds is not None:
         plan.rounds = max(1, args.rounds)
     elif args.baseline is not None:
